@@ -1,0 +1,263 @@
+"""Trace events: what every rank computed, sent and held, and when.
+
+One run writes one trace file. Every rank records its own events into a per-thread recorder
+(one thread per rank on the ``threads`` backend, one process per rank under ``mpiexec``); when
+``record`` ends, the events are gathered to rank 0, which writes the file whole or not at all.
+
+Event kinds:
+- ``compute``: a span of work (``name`` "F", "B", "opt", ...; ``stage``/``microbatch``/``chunk``).
+- ``comm``: one message, recorded by its sender and its receiver: ``src``, ``dst``, ``nbytes``,
+  ``op`` (the collective it belongs to, or "send"/"recv"), ``algorithm``, ``step``.
+- ``memory``: a sample of bytes held under a label (``nbytes``), at ``t0 == t1``.
+- ``mark``: a point in time with a name (and ``args``).
+
+Times are seconds on the machine's monotonic clock while recording, and relative to the earliest
+event when saved. Tracing that is off costs one thread-local lookup per call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT = "minipar-trace"
+VERSION = 1
+KINDS = ("compute", "comm", "memory", "mark")
+
+
+class TraceError(Exception):
+    """A trace file that cannot be read: missing, truncated, corrupt or from a newer format."""
+
+
+@dataclass
+class Event:
+    rank: int
+    kind: str
+    name: str
+    t0: float
+    t1: float
+    src: int | None = None
+    dst: int | None = None
+    nbytes: int | None = None
+    op: str | None = None
+    algorithm: str | None = None
+    step: int | None = None
+    stage: int | None = None
+    microbatch: int | None = None
+    chunk: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.t1 - self.t0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
+
+
+@dataclass
+class Trace:
+    meta: dict[str, Any]
+    events: list[Event]
+
+    def by_rank(self, rank: int) -> list[Event]:
+        return [e for e in self.events if e.rank == rank]
+
+    def select(self, kind: str | None = None, **fields: Any) -> list[Event]:
+        """Events of ``kind`` whose attributes equal every given field."""
+        return [
+            e
+            for e in self.events
+            if (kind is None or e.kind == kind) and all(getattr(e, k) == v for k, v in fields.items())
+        ]
+
+    def bytes_sent(self, rank: int, op: str | None = None) -> int:
+        """Bytes that ``rank`` sent (counted once, from the sender's own record)."""
+        return sum(
+            e.nbytes or 0
+            for e in self.events
+            if e.kind == "comm" and e.rank == rank and e.src == rank and (op is None or e.op == op)
+        )
+
+    @property
+    def world_size(self) -> int:
+        return int(self.meta.get("world_size", 1 + max((e.rank for e in self.events), default=0)))
+
+
+class Recorder:
+    """Collects one rank's events."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.events: list[Event] = []
+
+    def add(self, kind: str, name: str, t0: float, t1: float, **fields: Any) -> Event:
+        ev = Event(self.rank, kind, name, t0, t1, **fields)
+        self.events.append(ev)
+        return ev
+
+
+_local = threading.local()
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def current() -> Recorder | None:
+    """This rank's recorder, or None when tracing is off."""
+    return getattr(_local, "recorder", None)
+
+
+@contextmanager
+def recording(rank: int) -> Iterator[Recorder]:
+    """Record this rank's events in memory (no file); the recorder is yielded."""
+    prev = current()
+    rec = Recorder(rank)
+    _local.recorder = rec
+    try:
+        yield rec
+    finally:
+        _local.recorder = prev
+
+
+@contextmanager
+def span(name: str, kind: str = "compute", **fields: Any) -> Iterator[None]:
+    """Record the enclosed block as one span: ``with trace.span("F", stage=1, microbatch=3):``."""
+    rec = current()
+    if rec is None:
+        yield
+        return
+    t0 = now()
+    try:
+        yield
+    finally:
+        rec.add(kind, name, t0, now(), **fields)
+
+
+def memory(label: str, nbytes: int, **fields: Any) -> None:
+    """Sample ``nbytes`` held under ``label`` on this rank."""
+    rec = current()
+    if rec is not None:
+        t = now()
+        rec.add("memory", label, t, t, nbytes=int(nbytes), **fields)
+
+
+def mark(name: str, **args: Any) -> None:
+    """A point in time worth seeing on the timeline."""
+    rec = current()
+    if rec is not None:
+        t = now()
+        rec.add("mark", name, t, t, args=args)
+
+
+def message(
+    src: int, dst: int, nbytes: int, t0: float, t1: float, op: str, algorithm: str | None = None,
+    step: int | None = None, **fields: Any,
+) -> None:
+    """Record one message on this rank (sender or receiver side)."""
+    rec = current()
+    if rec is not None:
+        direction = "send" if src == rec.rank else "recv"
+        rec.add("comm", direction, t0, t1, src=src, dst=dst, nbytes=int(nbytes), op=op,
+                algorithm=algorithm, step=step, **fields)
+
+
+@contextmanager
+def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -> Iterator[Recorder]:
+    """Record every rank's events while the block runs; rank 0 writes one file at ``path``.
+
+    All ranks of ``comm`` (the world when None) enter together. If the block raises, nothing is
+    written. ``path=None`` records without writing (the events stay on the yielded recorder).
+    """
+    if comm is None:
+        from minipar.comm import world
+
+        comm = world()
+    rank = comm.world_rank if hasattr(comm, "world_rank") else comm.rank
+    with recording(rank) as rec:
+        yield rec
+    gathered = comm.gather_object([e.to_dict() for e in rec.events], root=0)
+    if comm.rank == 0 and path is not None:
+        events = [Event(**d) for part in gathered for d in part]
+        meta.setdefault("world_size", comm.size)
+        meta.setdefault("backend", getattr(comm, "backend", "unknown"))
+        save(Trace(meta, events), path)
+
+
+def save(trace: Trace, path: str | os.PathLike[str]) -> None:
+    """Write the trace atomically (a temporary file renamed into place)."""
+    t_base = min((e.t0 for e in trace.events), default=0.0)
+    events = []
+    for e in sorted(trace.events, key=lambda e: (e.t0, e.rank)):
+        d = e.to_dict()
+        d["t0"] = e.t0 - t_base
+        d["t1"] = e.t1 - t_base
+        events.append(d)
+    doc = {"format": FORMAT, "version": VERSION, "meta": trace.meta, "events": events}
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def load(path: str | os.PathLike[str]) -> Trace:
+    """Read a trace file; raises ``TraceError`` with one clear line when it cannot."""
+    path = os.fspath(path)
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: not a readable trace (truncated or corrupt JSON: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise TraceError(f"{path}: not a minipar trace (no '{FORMAT}' header)")
+    version = doc.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise TraceError(
+            f"{path}: trace format version {version} is newer than this minipar reads ({VERSION}); "
+            "upgrade minipar"
+        )
+    try:
+        events = [Event(**d) for d in doc["events"]]
+    except (KeyError, TypeError) as exc:
+        raise TraceError(f"{path}: malformed trace event ({exc})") from None
+    return Trace(dict(doc.get("meta", {})), events)
+
+
+def to_chrome(trace: Trace, path: str | os.PathLike[str]) -> None:
+    """Export to Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
+    out: list[dict[str, Any]] = []
+    for e in trace.events:
+        base = {"pid": 0, "tid": e.rank, "ts": e.t0 * 1e6, "cat": e.kind}
+        extra = {k: v for k, v in e.to_dict().items() if k not in ("rank", "kind", "name", "t0", "t1")}
+        if e.kind == "memory":
+            out.append({**base, "ph": "C", "name": e.name, "args": {"bytes": e.nbytes}})
+        elif e.kind == "mark":
+            out.append({**base, "ph": "i", "s": "t", "name": e.name, "args": extra})
+        else:
+            label = e.name if e.microbatch is None else f"{e.name}{e.microbatch}"
+            if e.kind == "comm":
+                label = f"{e.op}:{e.name} {e.src}->{e.dst}"
+            out.append({**base, "ph": "X", "name": label, "dur": max(e.duration, 0.0) * 1e6, "args": extra})
+    for r in range(trace.world_size):
+        out.append({"ph": "M", "pid": 0, "tid": r, "name": "thread_name", "args": {"name": f"rank {r}"}})
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump({"traceEvents": out, "displayTimeUnit": "ms", "metadata": trace.meta}, fh, default=_jsonable)
+    os.replace(tmp, path)
