@@ -1,0 +1,392 @@
+"""A small reverse-mode autograd engine over numpy arrays.
+
+In the spirit of micrograd (Karpathy) but on arrays: every op makes a new ``Tensor`` that remembers
+its parents and a closure computing the parents' gradients from its own. Each op's backward is
+written right next to its forward. ``Tensor.backward`` walks the graph from the output, always
+taking the most recently created node whose consumers are all done (PyTorch's engine does the same
+by sequence number), so the last layer's parameters are finished first. A leaf's gradient is
+accumulated into ``.grad`` (like PyTorch) the moment its last consumer has been processed, and its
+hooks fire then: data-parallel bucketing and ZeRO-2 start communication from those hooks.
+
+``Function`` lets other modules define a custom forward/backward pair (Megatron's ``f`` and ``g``
+operators, communication inside the graph).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+ArrayLike = Any
+_seq = itertools.count()
+_mode = threading.local()  # grad mode is per thread: ranks of the threads backend are threads
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_mode, "enabled", True)
+
+
+@contextmanager
+def no_grad() -> Iterator[None]:
+    """Ops inside the block build no graph (like ``torch.no_grad``)."""
+    prev = is_grad_enabled()
+    _mode.enabled = False
+    try:
+        yield
+    finally:
+        _mode.enabled = prev
+
+
+def unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``grad`` back to ``shape``, undoing numpy broadcasting."""
+    if grad.shape == shape:
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad
+
+
+class HookHandle:
+    def __init__(self, hooks: list, fn: Callable) -> None:
+        self._hooks, self._fn = hooks, fn
+
+    def remove(self) -> None:
+        if self._fn in self._hooks:
+            self._hooks.remove(self._fn)
+
+
+class Tensor:
+    """An n-d array that records how it was computed. float64 unless given another float dtype."""
+
+    __array_priority__ = 1000  # numpy defers to our operators: ``ndarray * Tensor`` -> Tensor
+
+    def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: Any = None) -> None:
+        if isinstance(data, Tensor):
+            data = data.data
+        if dtype is None and not isinstance(data, np.ndarray | np.generic):
+            dtype = np.float64  # python numbers and lists; numpy inputs keep their dtype
+        self.data: np.ndarray = np.asarray(data, dtype=dtype)
+        self.grad: np.ndarray | None = None
+        self.requires_grad = requires_grad
+        self._parents: tuple[Tensor, ...] = ()
+        self._backward: Callable[[np.ndarray], Sequence[np.ndarray | None]] | None = None
+        self._hooks: list[Callable[[Tensor], None]] = []
+        self._retain = False
+        self._seq = next(_seq)
+
+    # -- graph plumbing ---------------------------------------------------------------------
+    @staticmethod
+    def _make(data: np.ndarray, parents: tuple[Tensor, ...],
+              backward: Callable[[np.ndarray], Sequence[np.ndarray | None]]) -> Tensor:
+        out = Tensor(data)
+        if is_grad_enabled() and any(p.requires_grad for p in parents):
+            out.requires_grad = True
+            out._parents = parents
+            out._backward = backward
+        return out
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._backward is None
+
+    def register_hook(self, fn: Callable[[Tensor], None]) -> HookHandle:
+        """Call ``fn(self)`` once this leaf's ``.grad`` for the running backward is complete
+        (PyTorch's ``register_post_accumulate_grad_hook``)."""
+        if not self.is_leaf:
+            raise ValueError("hooks are for leaf tensors (parameters); use retain_grad() for others")
+        self._hooks.append(fn)
+        return HookHandle(self._hooks, fn)
+
+    def retain_grad(self) -> Tensor:
+        """Keep ``.grad`` on this non-leaf tensor after backward."""
+        self._retain = True
+        return self
+
+    def backward(self, grad: ArrayLike | None = None) -> None:
+        """Reverse-mode sweep from this tensor; leaf gradients accumulate into ``.grad``."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad")
+        if grad is None:
+            if self.data.size != 1:
+                raise RuntimeError("backward() without a gradient needs a scalar output")
+            grad = np.ones_like(self.data)
+        grad = np.asarray(grad, dtype=self.data.dtype).reshape(self.data.shape)
+        # count, for every node reachable from here, how many consumers will send it a gradient
+        pending: dict[int, int] = {}
+        stack, seen = [self], {id(self)}
+        while stack:
+            node = stack.pop()
+            for p in node._parents:
+                if p.requires_grad:
+                    pending[id(p)] = pending.get(id(p), 0) + 1
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        stack.append(p)
+        grads: dict[int, np.ndarray] = {id(self): grad}
+        ready = [(-self._seq, self)]
+        while ready:
+            _, node = heapq.heappop(ready)
+            g = grads.pop(id(node))
+            if node.is_leaf:
+                node._accumulate(g)
+                continue
+            if node._retain:
+                node._accumulate(g)
+            for p, pg in zip(node._parents, node._backward(g), strict=True):
+                if not p.requires_grad:
+                    continue
+                if pg is not None:
+                    prev = grads.get(id(p))
+                    grads[id(p)] = pg if prev is None else prev + pg
+                pending[id(p)] -= 1
+                if pending[id(p)] == 0:
+                    if id(p) not in grads:  # every consumer passed None: a zero gradient
+                        grads[id(p)] = np.zeros_like(p.data)
+                    heapq.heappush(ready, (-p._seq, p))
+
+    def _accumulate(self, g: np.ndarray) -> None:
+        g = unbroadcast(np.asarray(g), self.data.shape).astype(self.data.dtype, copy=False)
+        self.grad = np.array(g, copy=True) if self.grad is None else self.grad + g
+        for hook in list(self._hooks):
+            hook(self)
+
+    def zero_grad(self) -> None:
+        self.grad = None
+
+    def detach(self) -> Tensor:
+        return Tensor(self.data)
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        return self.data.size
+
+    def numpy(self) -> np.ndarray:
+        return self.data
+
+    def item(self) -> float:
+        return self.data.item()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        flag = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({np.array2string(self.data, precision=4, threshold=20)}{flag})"
+
+    def _lift(self, other: ArrayLike) -> Tensor:
+        if isinstance(other, Tensor):
+            return other
+        return Tensor(np.asarray(other, dtype=self.data.dtype))
+
+    # -- elementwise arithmetic (broadcasting) ---------------------------------------------
+    def __add__(self, other: ArrayLike) -> Tensor:
+        o = self._lift(other)
+        return Tensor._make(self.data + o.data, (self, o),
+                            lambda g: (unbroadcast(g, self.shape), unbroadcast(g, o.shape)))
+
+    def __mul__(self, other: ArrayLike) -> Tensor:
+        o = self._lift(other)
+        return Tensor._make(self.data * o.data, (self, o),
+                            lambda g: (unbroadcast(g * o.data, self.shape), unbroadcast(g * self.data, o.shape)))
+
+    def __truediv__(self, other: ArrayLike) -> Tensor:
+        o = self._lift(other)
+        out = self.data / o.data
+        return Tensor._make(out, (self, o),
+                            lambda g: (unbroadcast(g / o.data, self.shape),
+                                       unbroadcast(-g * out / o.data, o.shape)))
+
+    def __neg__(self) -> Tensor:
+        return Tensor._make(-self.data, (self,), lambda g: (-g,))
+
+    def __pow__(self, k: float) -> Tensor:
+        return Tensor._make(self.data**k, (self,), lambda g: (g * k * self.data ** (k - 1),))
+
+    def __sub__(self, other: ArrayLike) -> Tensor:
+        return self + (-self._lift(other))
+
+    def __radd__(self, other: ArrayLike) -> Tensor:
+        return self + other
+
+    def __rsub__(self, other: ArrayLike) -> Tensor:
+        return self._lift(other) - self
+
+    def __rmul__(self, other: ArrayLike) -> Tensor:
+        return self * other
+
+    def __rtruediv__(self, other: ArrayLike) -> Tensor:
+        return self._lift(other) / self
+
+    # -- matrix product (batched, broadcasting over leading dims) --------------------------
+    def __matmul__(self, other: ArrayLike) -> Tensor:
+        o = self._lift(other)
+        a, b = self.data, o.data
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
+
+        def backward(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            ga = g @ np.swapaxes(b, -1, -2)
+            gb = np.swapaxes(a, -1, -2) @ g
+            return unbroadcast(ga, a.shape), unbroadcast(gb, b.shape)
+
+        return Tensor._make(a @ b, (self, o), backward)
+
+    def __rmatmul__(self, other: ArrayLike) -> Tensor:
+        return self._lift(other) @ self
+
+    # -- reductions ---------------------------------------------------------------------------
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        def backward(g: np.ndarray) -> tuple[np.ndarray]:
+            if not keepdims and axis is not None:
+                g = np.expand_dims(g, axis)
+            return (np.broadcast_to(g, self.shape),)
+
+        return Tensor._make(np.sum(self.data, axis=axis, keepdims=keepdims), (self,), backward)
+
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        axes = range(self.ndim) if axis is None else np.atleast_1d(axis)
+        n = int(np.prod([self.shape[a] for a in axes]))
+        return self.sum(axis, keepdims) * (1.0 / n)
+
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """Maximum; the gradient is shared equally among tied maxima."""
+        m = np.max(self.data, axis=axis, keepdims=True)
+
+        def backward(g: np.ndarray) -> tuple[np.ndarray]:
+            if not keepdims and axis is not None:
+                g = np.expand_dims(g, axis)
+            mask = self.data == m
+            return (mask * (g / mask.sum(axis=axis, keepdims=True)),)
+
+        out = m if keepdims else np.max(self.data, axis=axis)
+        return Tensor._make(out, (self,), backward)
+
+    # -- shape --------------------------------------------------------------------------------
+    def reshape(self, *shape: int | tuple[int, ...]) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        return Tensor._make(self.data.reshape(shape), (self,), lambda g: (g.reshape(self.shape),))
+
+    def transpose(self, *axes: int) -> Tensor:
+        """Permute axes (all of them, or swap the two given); no axes reverses them."""
+        if len(axes) == 1 and isinstance(axes[0], tuple | list):
+            axes = tuple(axes[0])
+        if len(axes) == 2 and self.ndim != 2:
+            perm = list(range(self.ndim))
+            perm[axes[0]], perm[axes[1]] = perm[axes[1]], perm[axes[0]]
+            axes = tuple(perm)
+        perm = axes or tuple(reversed(range(self.ndim)))
+        inv = np.argsort(perm)
+        return Tensor._make(np.transpose(self.data, perm), (self,), lambda g: (np.transpose(g, inv),))
+
+    permute = transpose
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802 - numpy's name
+        return self.transpose()
+
+    def __getitem__(self, idx: Any) -> Tensor:
+        if isinstance(idx, Tensor):
+            idx = idx.data
+
+        parts = idx if isinstance(idx, tuple) else (idx,)
+        fancy = any(isinstance(i, np.ndarray | list) for i in parts)
+
+        def backward(g: np.ndarray) -> tuple[np.ndarray]:
+            full = np.zeros_like(self.data)
+            if fancy:
+                np.add.at(full, idx, g)  # right even when indices repeat
+            else:
+                full[idx] = g
+            return (full,)
+
+        return Tensor._make(self.data[idx], (self,), backward)
+
+    # -- elementwise functions ----------------------------------------------------------------
+    def exp(self) -> Tensor:
+        out = np.exp(self.data)
+        return Tensor._make(out, (self,), lambda g: (g * out,))
+
+    def log(self) -> Tensor:
+        return Tensor._make(np.log(self.data), (self,), lambda g: (g / self.data,))
+
+    def tanh(self) -> Tensor:
+        out = np.tanh(self.data)
+        return Tensor._make(out, (self,), lambda g: (g * (1.0 - out * out),))
+
+    def relu(self) -> Tensor:
+        mask = self.data > 0
+        return Tensor._make(self.data * mask, (self,), lambda g: (g * mask,))
+
+
+class Context:
+    """What a ``Function``'s forward leaves for its backward."""
+
+    def __init__(self) -> None:
+        self.saved: tuple[Any, ...] = ()
+
+    def save_for_backward(self, *values: Any) -> None:
+        self.saved = values
+
+
+class Function:
+    """A custom op: subclass, define ``forward(ctx, *args)`` and ``backward(ctx, grad)``.
+
+    ``forward`` receives numpy arrays for Tensor arguments (other arguments as given) and returns
+    an array. ``backward`` returns one gradient (array or None) per argument of forward. Call with
+    ``MyOp.apply(x, ...)``, as in ``torch.autograd.Function``.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, *args: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args: Any) -> Tensor:
+        ctx = Context()
+        raw = [a.data if isinstance(a, Tensor) else a for a in args]
+        with no_grad():
+            out = np.asarray(cls.forward(ctx, *raw))
+        slots = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        parents = tuple(args[i] for i in slots)
+
+        def backward(g: np.ndarray) -> list[np.ndarray | None]:
+            grads = cls.backward(ctx, g)
+            if not isinstance(grads, tuple | list):
+                grads = (grads,)
+            if len(grads) != len(args):
+                raise RuntimeError(f"{cls.__name__}.backward returned {len(grads)} gradients for {len(args)} inputs")
+            return [grads[i] for i in slots]
+
+        return Tensor._make(out, parents, backward)
+
+
+def tensor(data: ArrayLike, requires_grad: bool = False, dtype: Any = None) -> Tensor:
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)

@@ -1,0 +1,259 @@
+"""Modules: Linear, LayerNorm, Embedding, MLP, causal self-attention, a pre-norm block, a tiny GPT.
+
+Initialisation contract (DESIGN.md): a parameter's values come from ``(seed, full name, full
+shape)`` alone. A sharded parameter (tensor parallelism, ZeRO-3) records the full shape and the
+slice it owns and takes that slice of the same full draw, so every parallel layout of a model
+starts from exactly the numbers of the single-process model.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from minipar import functional as F
+from minipar.autograd import Tensor
+
+Init = tuple  # ("normal", std) | ("uniform", bound) | ("zeros",) | ("ones",)
+
+
+class Parameter(Tensor):
+    """A leaf tensor that a module trains. ``full_shape``/``shard`` describe its place in a sharded whole."""
+
+    def __init__(self, shape: Sequence[int], init: Init = ("zeros",), dtype: Any = np.float64,
+                 full_shape: Sequence[int] | None = None, shard: tuple[slice, ...] | None = None) -> None:
+        super().__init__(np.zeros(tuple(shape), dtype=dtype), requires_grad=True)
+        self.init = init
+        self.full_shape = tuple(full_shape) if full_shape is not None else tuple(shape)
+        self.shard = shard
+
+
+def full_init(seed: int, name: str, shape: Sequence[int], init: Init) -> np.ndarray:
+    """The full (unsharded) float64 initial value of parameter ``name``: a function of its arguments only."""
+    kind = init[0]
+    if kind == "zeros":
+        return np.zeros(shape)
+    if kind == "ones":
+        return np.ones(shape)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if kind == "normal":
+        return rng.normal(0.0, init[1], size=shape)
+    if kind == "uniform":
+        return rng.uniform(-init[1], init[1], size=shape)
+    raise ValueError(f"unknown initialiser {init!r}")
+
+
+class Module:
+    """Base class: parameters and sub-modules are found through attributes, in assignment order."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def children(self) -> Iterator[tuple[str, Module]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Module):
+                yield name, value
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + name, value
+            elif isinstance(value, Module):
+                yield from value.named_parameters(f"{prefix}{name}.")
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def init_parameters(self, seed: int = 0, prefix: str = "") -> Module:
+        """(Re)initialise every parameter from ``(seed, prefix + name, full shape)``; returns self."""
+        for name, p in self.named_parameters(prefix):
+            full = full_init(seed, name, p.full_shape, p.init)
+            p.data[...] = full[p.shard] if p.shard is not None else full
+        return self
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {name: p.data.copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray], strict: bool = True) -> None:
+        params = dict(self.named_parameters())
+        if strict:
+            missing, extra = params.keys() - state.keys(), state.keys() - params.keys()
+            if missing or extra:
+                raise KeyError(f"state_dict mismatch: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for name, value in state.items():
+            if name not in params:
+                continue
+            if params[name].shape != np.shape(value):
+                raise ValueError(f"{name}: shape {np.shape(value)} in state_dict, {params[name].shape} in model")
+        for name, value in state.items():
+            if name in params:
+                params[name].data[...] = value
+
+
+class ModuleList(Module):
+    """An indexable list of modules; parameters are named ``0.weight``, ``1.weight``, ..."""
+
+    def __init__(self, modules: Sequence[Module] = ()) -> None:
+        self._modules = list(modules)
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        for i, m in enumerate(self._modules):
+            yield from m.named_parameters(f"{prefix}{i}.")
+
+    def children(self) -> Iterator[tuple[str, Module]]:
+        for i, m in enumerate(self._modules):
+            yield str(i), m
+
+    def __getitem__(self, i: int) -> Module:
+        return self._modules[i]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._modules)
+
+
+class Linear(Module):
+    """``y = x @ weight + bias`` with ``weight`` of shape ``(in_features, out_features)``.
+
+    Initialised like PyTorch's ``nn.Linear``: uniform in +-1/sqrt(in_features).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: Any = np.float64) -> None:
+        bound = 1.0 / np.sqrt(in_features)
+        self.weight = Parameter((in_features, out_features), ("uniform", bound), dtype)
+        self.bias = Parameter((out_features,), ("uniform", bound), dtype) if bias else None
+        self.init_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: Any = np.float64) -> None:
+        self.weight = Parameter((dim,), ("ones",), dtype)
+        self.bias = Parameter((dim,), ("zeros",), dtype)
+        self.eps = eps
+        self.init_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Embedding(Module):
+    """A lookup table of ``num_embeddings`` rows, initialised N(0, 1) like PyTorch's."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: Any = np.float64) -> None:
+        self.weight = Parameter((num_embeddings, dim), ("normal", 1.0), dtype)
+        self.init_parameters()
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        return F.embedding(self.weight, idx)
+
+
+class MLP(Module):
+    """Linear layers of the given widths with ReLU between them: ``MLP([4, 16, 16, 2])``."""
+
+    def __init__(self, sizes: Sequence[int], seed: int = 0, dtype: Any = np.float64) -> None:
+        if len(sizes) < 2:
+            raise ValueError(f"MLP needs at least an input and an output width, got {list(sizes)}")
+        self.layers = ModuleList([Linear(a, b, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
+        self.init_parameters(seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = x.relu()
+        return x
+
+
+class FeedForward(Module):
+    """The transformer's MLP: ``proj(gelu(fc(x)))``, d_model -> d_ff -> d_model."""
+
+    def __init__(self, d_model: int, d_ff: int, dtype: Any = np.float64) -> None:
+        self.fc = Linear(d_model, d_ff, dtype=dtype)
+        self.proj = Linear(d_ff, d_model, dtype=dtype)
+        self.init_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention (Vaswani et al. 2017) with separate q, k, v projections."""
+
+    def __init__(self, d_model: int, n_heads: int, dtype: Any = np.float64) -> None:
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pick a multiple")
+        self.n_heads = n_heads
+        self.q = Linear(d_model, d_model, dtype=dtype)
+        self.k = Linear(d_model, d_model, dtype=dtype)
+        self.v = Linear(d_model, d_model, dtype=dtype)
+        self.proj = Linear(d_model, d_model, dtype=dtype)
+        self.init_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.n_heads))
+
+
+class Block(Module):
+    """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (GPT-2)."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dtype: Any = np.float64) -> None:
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = FeedForward(d_model, d_ff or 4 * d_model, dtype=dtype)
+        self.init_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(Module):
+    """A tiny GPT: token + position embeddings, ``n_layers`` blocks, final layer norm, vocabulary head.
+
+    ``forward(idx)`` maps integer tokens ``(batch, seq)`` to logits ``(batch, seq, vocab)``.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
+                 d_ff: int | None = None, seed: int = 0, dtype: Any = np.float64) -> None:
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.tok_emb = Embedding(vocab_size, d_model, dtype=dtype)
+        self.pos_emb = Embedding(seq_len, d_model, dtype=dtype)
+        self.blocks = ModuleList([Block(d_model, n_heads, d_ff, dtype=dtype) for _ in range(n_layers)])
+        self.ln_f = LayerNorm(d_model, dtype=dtype)
+        self.head = Linear(d_model, vocab_size, bias=False, dtype=dtype)
+        self.init_parameters(seed)
+
+    def embed(self, idx: np.ndarray) -> Tensor:
+        idx = np.asarray(idx)
+        if idx.shape[-1] > self.seq_len:
+            raise ValueError(f"sequence of {idx.shape[-1]} tokens is longer than seq_len={self.seq_len}")
+        return self.tok_emb(idx) + self.pos_emb(np.arange(idx.shape[-1]))
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx: np.ndarray, targets: np.ndarray) -> Tensor:
+        return F.cross_entropy(self(idx), targets)
