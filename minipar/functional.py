@@ -13,7 +13,7 @@ import numpy as np
 
 from minipar.autograd import Tensor
 
-_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
+_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))  # a python float keeps float32 arrays float32
 
 
 def relu(x: Tensor) -> Tensor:
@@ -139,7 +139,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, causal: bool = True
     def heads(x: Tensor, t: int) -> Tensor:
         return x.reshape(b, t, n_heads, hd).transpose(0, 2, 1, 3)
 
-    scores = (heads(q, t_q) @ heads(k, t_k).transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(hd))
+    scores = (heads(q, t_q) @ heads(k, t_k).transpose(0, 1, 3, 2)) * (1.0 / float(np.sqrt(hd)))
     if causal:
         scores = causal_mask(scores)
     y = softmax(scores) @ heads(v, t_k)

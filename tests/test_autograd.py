@@ -1,0 +1,183 @@
+"""Every op's gradient against central differences, for hypothesis-drawn shapes (float64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gradcheck import check_gradients
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import array, arrays, broadcastable_pair, matmul_shapes, shapes
+
+import minipar.functional as F
+from minipar import Function, Tensor, no_grad
+
+
+@given(st.data(), broadcastable_pair(), st.sampled_from(["add", "sub", "mul", "div"]))
+def test_broadcasting_arithmetic(data, pair, op):
+    a = array(data.draw, pair[0])
+    b = array(data.draw, pair[1], low=0.5, high=2.0)  # keep divisors away from 0
+    fns = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y, "div": lambda x, y: x / y}
+    check_gradients(fns[op], a, b)
+
+
+@given(st.data(), matmul_shapes())
+def test_batched_matmul(data, shapes_):
+    check_gradients(lambda x, y: x @ y, array(data.draw, shapes_[0]), array(data.draw, shapes_[1]))
+
+
+@given(st.data(), shapes(), st.booleans(), st.sampled_from(["sum", "mean", "max"]))
+def test_reductions(data, shape, keepdims, op):
+    x = array(data.draw, shape)
+    axis = data.draw(st.sampled_from([None, *range(len(shape)), tuple(range(len(shape)))]))
+    check_gradients(lambda t: getattr(t, op)(axis=axis, keepdims=keepdims), x)
+
+
+@given(st.data(), shapes(min_dims=2, max_dims=4))
+def test_reshape_transpose_permute(data, shape):
+    x = array(data.draw, shape)
+    perm = tuple(data.draw(st.permutations(range(len(shape)))))
+    check_gradients(lambda t: t.transpose(perm).reshape(-1, shape[0]), x)
+    check_gradients(lambda t: t.T, x)
+
+
+@given(st.data(), shapes(min_dims=2, max_dims=3, min_side=2))
+def test_indexing_and_slicing(data, shape):
+    x = array(data.draw, shape)
+    idx = np.random.default_rng(0).integers(0, shape[0], size=5)  # repeats accumulate
+    check_gradients(lambda t: t[1:, ..., ::-1], x)
+    check_gradients(lambda t: t[idx], x)
+    check_gradients(lambda t: t[:, 0], x)
+
+
+@given(st.data(), shapes(min_dims=1, max_dims=3), st.sampled_from(["exp", "log", "tanh", "relu", "gelu", "pow"]))
+def test_elementwise(data, shape, op):
+    low = 0.2 if op in ("log", "pow") else -2.0
+    x = array(data.draw, shape, low=low)
+    if op == "relu":
+        x = np.where(np.abs(x) < 1e-3, 0.5, x)  # not at the kink
+    fns = {"exp": Tensor.exp, "log": Tensor.log, "tanh": Tensor.tanh, "relu": Tensor.relu, "gelu": F.gelu,
+           "pow": lambda t: t**1.7}
+    check_gradients(fns[op], x)
+
+
+@given(st.data(), shapes(min_dims=1, max_dims=3, min_side=2), st.sampled_from(["softmax", "log_softmax"]))
+def test_softmaxes(data, shape, op):
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    check_gradients(lambda t: getattr(F, op)(t, axis=axis), array(data.draw, shape))
+
+
+@given(st.data(), shapes(min_dims=1, max_dims=3, min_side=2), st.booleans())
+def test_layer_norm(data, shape, affine):
+    x = array(data.draw, shape)
+    if affine:
+        w, b = array(data.draw, shape[-1:]), array(data.draw, shape[-1:])
+        check_gradients(lambda t, wt, bt: F.layer_norm(t, wt, bt), x, w, b)
+    else:
+        check_gradients(lambda t: F.layer_norm(t), x)
+
+
+@given(st.data(), st.integers(2, 6), st.integers(1, 4), shapes(min_dims=1, max_dims=2))
+def test_embedding(data, vocab, dim, idx_shape):
+    idx = np.random.default_rng(sum(idx_shape)).integers(0, vocab, size=idx_shape)
+    check_gradients(lambda w: F.embedding(w, idx), array(data.draw, (vocab, dim)))
+
+
+@given(st.data(), shapes(min_dims=1, max_dims=2), st.integers(2, 6))
+def test_cross_entropy(data, lead, classes):
+    logits = array(data.draw, (*lead, classes))
+    targets = np.random.default_rng(classes).integers(0, classes, size=lead)
+    check_gradients(lambda t: F.cross_entropy(t, targets), logits)
+    # value: mean of -log softmax at the targets
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(logp, targets[..., None], -1).mean()
+    assert F.cross_entropy(Tensor(logits), targets).item() == pytest.approx(expected, rel=1e-12)
+
+
+@given(st.data(), st.integers(1, 3), st.integers(1, 4))
+def test_concat_split_stack(data, n, side):
+    parts = [array(data.draw, (side, 2)) for _ in range(n)]
+    check_gradients(lambda *ts: F.concat(ts, axis=0) * 1.0, *parts)
+    check_gradients(lambda *ts: F.stack(ts, axis=1), *parts)
+    whole = array(data.draw, (2 * side, 3))
+    check_gradients(lambda t: F.split(t, 2, axis=0)[1][:, 1:] * F.split(t, [1], axis=1)[1][:side], whole)
+
+
+@given(st.data(), st.integers(1, 4), st.integers(1, 3))
+def test_causal_attention(data, seq, heads):
+    q, k, v = (array(data.draw, (2, seq, 2 * heads)) for _ in range(3))
+    check_gradients(lambda a, b, c: F.attention(a, b, c, heads), q, k, v)
+    # position i never attends to j > i: changing the last value row leaves earlier outputs unchanged
+    v2 = v.copy()
+    v2[:, -1] += 1.0
+    out1 = F.attention(Tensor(q), Tensor(k), Tensor(v), heads).data
+    out2 = F.attention(Tensor(q), Tensor(k), Tensor(v2), heads).data
+    np.testing.assert_array_equal(out1[:, :-1], out2[:, :-1])
+
+
+def test_reused_tensor_and_accumulation():
+    x = Tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
+    y = x * x + x * 3.0  # x used three times
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * x.data + 3.0)
+    y = (x * 2.0).sum()
+    y.backward()  # leaf gradients accumulate like PyTorch's
+    np.testing.assert_allclose(x.grad, 2 * x.data + 5.0)
+
+
+def test_no_grad_builds_no_graph():
+    x = Tensor(np.ones(3), requires_grad=True)
+    with no_grad():
+        y = x * 2.0
+    assert not y.requires_grad and y.is_leaf
+
+
+def test_hooks_fire_once_when_gradient_complete():
+    w1 = Tensor(np.ones((2, 2)), requires_grad=True)
+    w2 = Tensor(np.ones((2, 2)), requires_grad=True)
+    x = Tensor(np.arange(4.0).reshape(2, 2))
+    seen: list[tuple[str, np.ndarray]] = []
+    w1.register_hook(lambda t: seen.append(("w1", t.grad.copy())))
+    handle = w2.register_hook(lambda t: seen.append(("w2", t.grad.copy())))
+    h = x @ w1
+    out = (h @ w2) + (h @ w2) * 2.0  # w2 used twice: hook only after both uses
+    out.sum().backward()
+    assert [name for name, _ in seen] == ["w2", "w1"]  # the last layer finishes first
+    np.testing.assert_allclose(seen[0][1], w2.grad)
+    np.testing.assert_allclose(seen[1][1], w1.grad)
+    handle.remove()
+    seen.clear()
+    out = (x @ w1 @ w2).sum()
+    out.backward()
+    assert [name for name, _ in seen] == ["w1"]
+
+
+class Double(Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.save_for_backward(factor)
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        (factor,) = ctx.saved
+        return grad * factor, None
+
+
+@given(arrays((3, 2)))
+def test_custom_function(x):
+    check_gradients(lambda t: Double.apply(t, 2.5) * t, x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dtype_is_kept(dtype):
+    x = Tensor(np.ones((2, 3), dtype=dtype), requires_grad=True)
+    w = Tensor(np.ones((3, 4), dtype=dtype), requires_grad=True)
+    y = F.cross_entropy(F.gelu(F.layer_norm(x @ w * 0.5)) - 1.0, np.zeros(2, dtype=np.int64))
+    assert y.dtype == dtype
+    y.backward()
+    assert x.grad.dtype == dtype and w.grad.dtype == dtype
+
+
+def test_default_dtype_is_float64():
+    assert Tensor([1, 2, 3]).dtype == np.float64
