@@ -20,7 +20,10 @@ def broadcastable_pair(draw: st.DrawFn, max_dims: int = 3) -> tuple[tuple[int, .
 
 def arrays(shape: tuple[int, ...], low: float = -2.0, high: float = 2.0, dtype: type = np.float64) -> st.SearchStrategy:
     """Arrays with well-scaled finite values (central differences stay accurate)."""
-    return st.integers(0, 2**32 - 1).map(lambda s: np.random.default_rng(s).uniform(low, high, size=shape).astype(dtype))
+    def make(seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).uniform(low, high, size=shape).astype(dtype)
+
+    return st.integers(0, 2**32 - 1).map(make)
 
 
 def array(draw: st.DrawFn, shape: tuple[int, ...], **kw: float) -> np.ndarray:
