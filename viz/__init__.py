@@ -1,0 +1,28 @@
+"""minipar's viewer: Plotly figures, a self-contained HTML report and a rich terminal timeline.
+
+Reads trace files through ``minipar.trace.load`` only; imports nothing else of minipar.
+
+- ``viz.terminal.print_timeline(trace_or_path, console=None, width=None)``: lanes in the terminal.
+- ``viz.report.write_report([paths_or_traces], out_html, titles=None)``: one offline HTML file.
+- ``viz.figures.timeline / traffic / memory / compare``: the Plotly figures (for notebooks).
+- ``viz.analysis``: the numbers behind them (bubble/idle definition, traffic, memory).
+
+Submodules load lazily so that ``import viz`` does not pay for Plotly when only the terminal is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["analysis", "figures", "report", "terminal", "print_timeline", "write_report"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("analysis", "figures", "report", "terminal"):
+        return importlib.import_module(f"viz.{name}")
+    if name == "print_timeline":
+        return importlib.import_module("viz.terminal").print_timeline
+    if name == "write_report":
+        return importlib.import_module("viz.report").write_report
+    raise AttributeError(f"module 'viz' has no attribute {name!r}")

@@ -1,0 +1,245 @@
+"""Numbers the viewer draws, computed from a trace alone (no plotting here).
+
+Every figure, the terminal timeline and the report summary read their numbers from this module,
+so the pictures and the tests agree on one definition of each quantity.
+
+Definitions
+-----------
+- **Kind of a compute span** (``kind_of``): name "F" -> forward; "B" or "W" (weight-gradient half
+  of a split backward, as in zero-bubble schedules) -> backward; "opt" / "step" -> optimizer;
+  anything else -> other.
+- **Step window** (``window``): from the earliest start to the latest end of any *compute or comm*
+  event on any rank. Memory samples and marks do not stretch it. One window for the whole trace,
+  so every rank's bubble is measured against the same step time, as in GPipe's analysis
+  (bubble fraction (p-1)/(m+p-1) of the step for GPipe and 1F1B).
+- **Busy time of a rank** (``busy``): the length of the union of its compute spans, clipped to
+  the window (nested or overlapping spans are counted once).
+- **Idle time (bubble) of a rank** (``idle``): window length minus busy time. Time spent only in
+  communication counts as idle: the rank is not computing.
+- **Bubble fraction of a rank**: idle / window length; the trace's bubble fraction is the mean
+  over ranks. ``None`` when the trace has no compute spans (a pure collectives trace).
+
+Costs: every function is O(E log E) in the number of events E (one sort), except
+``traffic_matrix`` which is O(E + P^2) for P ranks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from minipar.trace import Event, Trace
+
+KINDS = ("forward", "backward", "optimizer", "other")
+_KIND_BY_NAME = {"F": "forward", "B": "backward", "W": "backward", "opt": "optimizer", "step": "optimizer"}
+
+
+def kind_of(event: Event) -> str:
+    """forward / backward / optimizer / other for a compute span (by its name)."""
+    return _KIND_BY_NAME.get(event.name, "other")
+
+
+def shows_chunks(trace: Trace) -> bool:
+    """True when compute spans carry more than one model chunk (interleaved schedules)."""
+    chunks = {e.chunk for e in trace.events if e.kind == "compute" and e.chunk is not None}
+    return len(chunks) > 1 or int(trace.meta.get("v", 1) or 1) > 1
+
+
+def label(event: Event, with_chunk: bool = False) -> str:
+    """Compact label: ``F3`` (forward of micro-batch 3), ``B3.1`` (chunk 1), ``opt``."""
+    text = event.name
+    if event.microbatch is not None:
+        text += str(event.microbatch)
+    if with_chunk and event.chunk is not None:
+        text += f".{event.chunk}"
+    return text
+
+
+def compute_spans(trace: Trace, rank: int) -> list[Event]:
+    """The rank's compute spans sorted by start time."""
+    return sorted((e for e in trace.events if e.kind == "compute" and e.rank == rank), key=lambda e: e.t0)
+
+
+def window(trace: Trace) -> tuple[float, float]:
+    """(start, end) of the step: extent of all compute and comm events; (0, 0) if there are none."""
+    spans = [e for e in trace.events if e.kind in ("compute", "comm")]
+    if not spans:
+        return 0.0, 0.0
+    return min(e.t0 for e in spans), max(e.t1 for e in spans)
+
+
+def union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``intervals`` clipped to [lo, hi] (sweep over sorted starts)."""
+    total = 0.0
+    cur_a = cur_b = None
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def busy(trace: Trace, rank: int) -> float:
+    """Time the rank spent computing inside the step window (union of its compute spans)."""
+    lo, hi = window(trace)
+    return union_length([(e.t0, e.t1) for e in compute_spans(trace, rank)], lo, hi)
+
+
+def idle(trace: Trace, rank: int) -> float:
+    """Bubble of the rank: window length minus its busy time (see the module docstring)."""
+    lo, hi = window(trace)
+    return (hi - lo) - busy(trace, rank)
+
+
+def bubble_fractions(trace: Trace) -> list[float] | None:
+    """Idle / window length per rank, or None when the trace has no compute spans."""
+    lo, hi = window(trace)
+    if hi <= lo or not any(e.kind == "compute" for e in trace.events):
+        return None
+    return [idle(trace, r) / (hi - lo) for r in range(trace.world_size)]
+
+
+def sends(trace: Trace) -> list[Event]:
+    """Message events as recorded by their sender (each message counted once)."""
+    return [e for e in trace.events if e.kind == "comm" and e.src is not None and e.rank == e.src]
+
+
+def traffic_matrix(trace: Trace) -> list[list[int]]:
+    """``m[src][dst]`` = bytes ``src`` sent to ``dst`` over the whole trace."""
+    p = trace.world_size
+    m = [[0] * p for _ in range(p)]
+    for e in sends(trace):
+        if e.dst is not None and 0 <= e.src < p and 0 <= e.dst < p:
+            m[e.src][e.dst] += e.nbytes or 0
+    return m
+
+
+def op_key(event: Event) -> str:
+    """``"allreduce/ring"`` when the message names its algorithm, else just the op."""
+    op = event.op or event.name
+    return f"{op}/{event.algorithm}" if event.algorithm else op
+
+
+def bytes_by_op(trace: Trace) -> dict[str, list[int]]:
+    """Bytes sent per rank, for each ``op/algorithm`` key (insertion order = first seen)."""
+    out: dict[str, list[int]] = {}
+    for e in sends(trace):
+        row = out.setdefault(op_key(e), [0] * trace.world_size)
+        if 0 <= e.rank < trace.world_size:
+            row[e.rank] += e.nbytes or 0
+    return out
+
+
+def measured_vs_formula(trace: Trace) -> list[tuple[str, list[int], float]]:
+    """For each key of ``meta["expected_bytes"]``: (key, measured bytes sent per rank, formula).
+
+    A key ``"op/algorithm"`` matches messages of that op and algorithm; a bare ``"op"`` matches the
+    op under any algorithm. Measured bytes are totals over the trace, as are the formula's.
+    """
+    expected = trace.meta.get("expected_bytes") or {}
+    rows = []
+    for key, value in expected.items():
+        per_rank = [0] * trace.world_size
+        for e in sends(trace):
+            if (op_key(e) == key or (e.op or e.name) == key) and 0 <= e.rank < trace.world_size:
+                per_rank[e.rank] += e.nbytes or 0
+        rows.append((str(key), per_rank, float(value)))
+    return rows
+
+
+@dataclass
+class MemorySeries:
+    """Bytes held on one rank: ``times`` and, per label, the value at each time (step function)."""
+
+    rank: int
+    times: list[float]
+    by_label: dict[str, list[int]]
+
+    @property
+    def total(self) -> list[int]:
+        return [sum(vals[i] for vals in self.by_label.values()) for i in range(len(self.times))]
+
+    @property
+    def peak(self) -> int:
+        return max(self.total, default=0)
+
+
+def memory_series(trace: Trace, rank: int) -> MemorySeries:
+    """Each label holds its latest sample's bytes until the next sample of that label."""
+    samples = sorted((e for e in trace.events if e.kind == "memory" and e.rank == rank), key=lambda e: e.t0)
+    labels = list(dict.fromkeys(e.name for e in samples))
+    current = dict.fromkeys(labels, 0)
+    times: list[float] = []
+    by_label: dict[str, list[int]] = {lab: [] for lab in labels}
+    for e in samples:
+        current[e.name] = e.nbytes or 0
+        if times and times[-1] == e.t0:  # several labels sampled at one instant: keep the last state
+            for lab in labels:
+                by_label[lab][-1] = current[lab]
+            continue
+        times.append(e.t0)
+        for lab in labels:
+            by_label[lab].append(current[lab])
+    return MemorySeries(rank, times, by_label)
+
+
+def summary(trace: Trace) -> dict[str, Any]:
+    """The report's summary row: world size, paradigm, step time, bubble, bytes, peak memory."""
+    lo, hi = window(trace)
+    fractions = bubble_fractions(trace)
+    p = trace.world_size
+    return {
+        "paradigm": trace.meta.get("paradigm", "?"),
+        "backend": trace.meta.get("backend", "?"),
+        "world_size": p,
+        "schedule": trace.meta.get("schedule"),
+        "step_time": float(trace.meta.get("step_time", hi - lo)),
+        "bubble_fraction": None if fractions is None else sum(fractions) / len(fractions),
+        "bubble_per_rank": fractions,
+        "bytes_moved": sum(e.nbytes or 0 for e in sends(trace)),
+        "peak_memory": [memory_series(trace, r).peak for r in range(p)],
+    }
+
+
+def pair_messages(trace: Trace) -> list[tuple[Event, Event | None]]:
+    """Match each send to its receive: the k-th message src->dst of an op pairs with the k-th
+    receive on dst from src of that op (MPI's non-overtaking order). Unmatched sends get None."""
+    queues: dict[tuple[Any, ...], list[Event]] = defaultdict(list)
+    for e in sorted(trace.events, key=lambda e: e.t0):
+        if e.kind == "comm" and e.dst is not None and e.rank == e.dst and e.src != e.dst:
+            queues[(e.src, e.dst, e.op)].append(e)
+    pos: dict[tuple[Any, ...], int] = defaultdict(int)
+    out: list[tuple[Event, Event | None]] = []
+    for s in sorted(sends(trace), key=lambda e: e.t0):
+        key = (s.src, s.dst, s.op)
+        q = queues.get(key, [])
+        out.append((s, q[pos[key]] if pos[key] < len(q) else None))
+        pos[key] += 1
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def fmt_time(t: float, unit: str = "s") -> str:
+    """Seconds with an SI prefix ('1.25 ms'); other units (e.g. simulator 'units') as plain numbers."""
+    if unit != "s":
+        return f"{t:.3g} {unit}"
+    for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if abs(t) >= scale or name == "µs":
+            return f"{t / scale:.3g} {name}"
+    return f"{t:.3g} s"

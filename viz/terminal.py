@@ -1,0 +1,201 @@
+"""The terminal timeline: per-rank lanes of F/B blocks, legend, bubbles and a traffic table (rich).
+
+Each rank gets one lane of ``columns`` character cells covering the step window (see
+``viz.analysis``) in equal time slices. A cell shows the compute span that covers more than half
+of it; a span too short to win any cell still claims its best-overlapping idle cell, so no span
+disappears. Each block starts with its label (``F0``, ``B3``, ``B3.1`` with chunks, truncated to
+the block's width) and is filled with spaces; with colour the whole block is painted by kind
+(forward blue, backward orange, optimizer green, other grey). Cells where the rank only
+communicates show ``~``, idle cells ``.``, so the lanes read without colour too.
+
+Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console``.
+Cost: O(E * C) for E events and C columns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from minipar.trace import Event, Trace, load
+from viz import analysis as A
+
+STYLES = {
+    "forward": "bold white on blue",
+    "backward": "bold black on dark_orange",
+    "optimizer": "bold white on green",
+    "other": "bold white on grey50",
+}
+COMM_CHAR, IDLE_CHAR = "~", "."
+COMM_STYLE, IDLE_STYLE = "magenta", "grey39"
+PREFIX_FMT = "rank {:<{w}} "
+
+
+def _as_trace(trace_or_path: Trace | str | os.PathLike[str]) -> Trace:
+    return trace_or_path if isinstance(trace_or_path, Trace) else load(trace_or_path)
+
+
+def _cells(trace: Trace, rank: int, columns: int, lo: float, hi: float) -> list[Event | str | None]:
+    """Per cell: the compute Event shown there, COMM_CHAR, or None (idle)."""
+    dt = (hi - lo) / columns
+    edges = [(lo + c * dt, lo + (c + 1) * dt) for c in range(columns)]
+
+    def overlap(e: Event, c: int) -> float:
+        return max(0.0, min(e.t1, edges[c][1]) - max(e.t0, edges[c][0]))
+
+    spans = A.compute_spans(trace, rank)
+    cells: list[Event | str | None] = [None] * columns
+    best = [0.0] * columns
+    for e in spans:
+        first = max(0, min(columns - 1, int((e.t0 - lo) / dt)))
+        last = max(0, min(columns - 1, int((e.t1 - lo) / dt)))
+        for c in range(first, last + 1):
+            ov = overlap(e, c)
+            if ov > dt / 2 and ov >= best[c]:
+                cells[c], best[c] = e, ov
+    shown = {id(x) for x in cells if isinstance(x, Event)}
+    for e in spans:  # too short to win a cell: take its best idle cell
+        if id(e) in shown or e.t1 <= lo or e.t0 >= hi:
+            continue
+        first = max(0, min(columns - 1, int((e.t0 - lo) / dt)))
+        last = max(0, min(columns - 1, int((e.t1 - lo) / dt)))
+        free = [c for c in range(first, last + 1) if cells[c] is None]
+        if free:
+            c = max(free, key=lambda c: overlap(e, c))
+            cells[c] = e
+    for e in trace.events:
+        if e.kind == "comm" and e.rank == rank and e.t1 > e.t0 and e.t1 > lo and e.t0 < hi:
+            first = max(0, min(columns - 1, int((e.t0 - lo) / dt)))
+            last = max(0, min(columns - 1, int((e.t1 - lo) / dt)))
+            for c in range(first, last + 1):
+                if cells[c] is None and overlap(e, c) > 0:
+                    cells[c] = COMM_CHAR
+    return cells
+
+
+def lanes(trace: Trace, columns: int) -> list[Text]:
+    """One styled lane of exactly ``columns`` cells per rank (no prefix or suffix)."""
+    if columns < 1:
+        raise ValueError(f"timeline needs at least 1 column, got {columns}; pass a larger width")
+    lo, hi = A.window(trace)
+    chunks = A.shows_chunks(trace)
+    out = []
+    for rank in range(trace.world_size):
+        text = Text()
+        if hi <= lo:
+            text.append(IDLE_CHAR * columns, IDLE_STYLE)
+            out.append(text)
+            continue
+        cells = _cells(trace, rank, columns, lo, hi)
+        c = 0
+        while c < columns:
+            cell = cells[c]
+            end = c + 1
+            while end < columns and cells[end] is cell:
+                end += 1
+            if isinstance(cell, Event):
+                lab = A.label(cell, chunks)[: end - c]
+                text.append(lab.ljust(end - c), STYLES[A.kind_of(cell)])
+            elif cell == COMM_CHAR:
+                text.append(COMM_CHAR * (end - c), COMM_STYLE)
+            else:
+                text.append(IDLE_CHAR * (end - c), IDLE_STYLE)
+            c = end
+        out.append(text)
+    return out
+
+
+def timeline_text(trace: Trace, width: int = 80) -> list[Text]:
+    """Lanes with ``rank r`` in front and the bubble fraction behind, ``width`` characters in all."""
+    p = trace.world_size
+    w = len(str(p - 1))
+    fractions = A.bubble_fractions(trace)
+    suffix_w = 11 if fractions is not None else 0  # " idle 100%"
+    columns = width - len(PREFIX_FMT.format(0, w=w)) - suffix_w
+    if columns < 4:
+        raise ValueError(f"width {width} leaves {columns} columns for the timeline; use a width of at "
+                         f"least {width - columns + 4}")
+    out = []
+    for r, lane in enumerate(lanes(trace, columns)):
+        line = Text()
+        line.append(PREFIX_FMT.format(r, w=w), "bold")
+        line.append_text(lane)
+        if fractions is not None:
+            line.append(f" idle {100 * fractions[r]:3.0f}%".rjust(suffix_w))
+        out.append(line)
+    return out
+
+
+def legend(trace: Trace) -> Text:
+    """Which style and letters mean what, and the time scale."""
+    text = Text()
+    for kind, letters in (("forward", "F"), ("backward", "B/W"), ("optimizer", "opt"), ("other", "...")):
+        text.append(f" {letters} ", STYLES[kind])
+        text.append(f" {kind}  ")
+    text.append(COMM_CHAR, COMM_STYLE)
+    text.append(" communication only  ")
+    text.append(IDLE_CHAR, IDLE_STYLE)
+    text.append(" idle")
+    return text
+
+
+def traffic_table(trace: Trace) -> Table | None:
+    """Bytes sent per rank, per op/algorithm (and the formula's bytes per rank when given)."""
+    by_op = A.bytes_by_op(trace)
+    if not by_op:
+        return None
+    table = Table(title="bytes sent per rank (from each sender's own records)", title_justify="left")
+    table.add_column("rank", justify="right")
+    for key in by_op:
+        table.add_column(key, justify="right")
+    table.add_column("total", justify="right", style="bold")
+    for r in range(trace.world_size):
+        vals = [by_op[k][r] for k in by_op]
+        table.add_row(str(r), *[f"{v:,}" for v in vals], f"{sum(vals):,}")
+    expected = {k: v for k, _, v in A.measured_vs_formula(trace)}
+    if expected:
+        row = []
+        for k in by_op:  # a bare "op" key of the formula applies to every "op/algorithm" column
+            v = expected.get(k, expected.get(k.split("/")[0]))
+            row.append("" if v is None else f"{v:,.0f}")
+        table.add_row("formula", *row, "", style="italic")
+    return table
+
+
+def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Console | None = None,
+                   width: int | None = None, title: str | None = None) -> None:
+    """Print the timeline, legend, bubble fractions and traffic table of one trace.
+
+    ``width`` is the whole line's width (default: the console's). Pass a ``Console`` to choose
+    colour handling (e.g. ``Console(force_terminal=True)`` under ``mpiexec``).
+    """
+    trace = _as_trace(trace_or_path)
+    console = console or Console()
+    width = width or console.width
+    meta = trace.meta
+    s = A.summary(trace)
+    unit = str(meta.get("time_unit", "s"))
+    head = title or ", ".join(str(x) for x in (meta.get("paradigm", "trace"), meta.get("schedule"),
+                                                f"{trace.world_size} ranks", meta.get("backend")) if x)
+    bubble = "" if s["bubble_fraction"] is None else f", bubble {100 * s['bubble_fraction']:.1f}%"
+    console.print(Text(f"{head}: step {A.fmt_time(s['step_time'], unit)}{bubble}", "bold"), width=width)
+    for line in timeline_text(trace, width):
+        console.print(line, width=width, no_wrap=True, overflow="crop")
+    console.print(legend(trace), width=width)
+    table = traffic_table(trace)
+    if table is not None:
+        console.print(table, width=width)
+
+
+def print_timelines(traces: Sequence[Trace | str | os.PathLike[str]], console: Console | None = None,
+                    width: int | None = None) -> None:
+    """``print_timeline`` for each trace, separated by a blank line."""
+    console = console or Console()
+    for i, t in enumerate(traces):
+        if i:
+            console.print()
+        print_timeline(t, console, width)
