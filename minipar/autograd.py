@@ -247,10 +247,11 @@ class Tensor:
         if a.ndim < 2 or b.ndim < 2:
             raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
 
-        def backward(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            ga = g @ np.swapaxes(b, -1, -2)
-            gb = np.swapaxes(a, -1, -2) @ g
-            return unbroadcast(ga, a.shape), unbroadcast(gb, b.shape)
+        def backward(g: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+            # the two products are the expensive part of a training step: skip the unneeded one
+            ga = unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape) if self.requires_grad else None
+            gb = unbroadcast(np.swapaxes(a, -1, -2) @ g, b.shape) if o.requires_grad else None
+            return ga, gb
 
         return Tensor._make(a @ b, (self, o), backward)
 

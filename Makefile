@@ -1,0 +1,39 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Both create .venv (if missing), install minipar into it, then run.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+STAMP := $(VENV)/.installed-stamp
+export OPENBLAS_NUM_THREADS ?= 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test lint browser bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+	@$(PY) -c "import minipar, mpi4py, rich, plotly, hypothesis" && touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job: a lesson under mpiexec with its terminal timeline and HTML report.
+demo: install
+	FORCE_COLOR=1 $(MPIEXEC) -n 4 $(PY) lessons/00_autograd/lesson.py
+
+# Debian's chromium for the real-browser test of the HTML report.
+browser:
+	bash scripts/install-chromium.sh
+
+test: install browser
+	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) benchmarks/autograd.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis
