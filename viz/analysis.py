@@ -209,21 +209,34 @@ def summary(trace: Trace) -> dict[str, Any]:
     }
 
 
+def _pair_op(event: Event) -> str | None:
+    """Point-to-point records say "send" on one side and "recv" on the other: pair them as one."""
+    return "p2p" if event.op in ("send", "recv", None) else event.op
+
+
 def pair_messages(trace: Trace) -> list[tuple[Event, Event | None]]:
     """Match each send to its receive: the k-th message src->dst of an op pairs with the k-th
     receive on dst from src of that op (MPI's non-overtaking order). Unmatched sends get None."""
     queues: dict[tuple[Any, ...], list[Event]] = defaultdict(list)
     for e in sorted(trace.events, key=lambda e: e.t0):
         if e.kind == "comm" and e.dst is not None and e.rank == e.dst and e.src != e.dst:
-            queues[(e.src, e.dst, e.op)].append(e)
+            queues[(e.src, e.dst, _pair_op(e))].append(e)
     pos: dict[tuple[Any, ...], int] = defaultdict(int)
     out: list[tuple[Event, Event | None]] = []
     for s in sorted(sends(trace), key=lambda e: e.t0):
-        key = (s.src, s.dst, s.op)
+        key = (s.src, s.dst, _pair_op(s))
         q = queues.get(key, [])
         out.append((s, q[pos[key]] if pos[key] < len(q) else None))
         pos[key] += 1
     return out
+
+
+def time_unit(trace: Trace) -> str:
+    """``meta["time_unit"]``; else "units" for the pipeline simulator (times in forward-passes) or "s"."""
+    unit = trace.meta.get("time_unit")
+    if unit:
+        return str(unit)
+    return "units" if trace.meta.get("backend") == "simulator" else "s"
 
 
 def fmt_bytes(n: float) -> str:

@@ -31,7 +31,7 @@ COMM_HEIGHT = 0.18  # message bar thickness, drawn along the bottom edge of the 
 
 
 def _unit(trace: Trace) -> str:
-    return str(trace.meta.get("time_unit", "s"))
+    return A.time_unit(trace)
 
 
 def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str = "",

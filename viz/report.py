@@ -59,7 +59,7 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
     rows = []
     for title, t in zip(titles, traces, strict=True):
         s = A.summary(t)
-        unit = str(t.meta.get("time_unit", "s"))
+        unit = A.time_unit(t)
         rows.append({
             "trace": title,
             "paradigm": str(s["paradigm"]),

@@ -137,7 +137,7 @@ def legend(trace: Trace) -> Text:
         text.append(f" {letters} ", STYLES[kind])
         text.append(f" {kind}  ")
     text.append(COMM_CHAR, COMM_STYLE)
-    text.append(" communication only  ")
+    text.append(" sending / waiting for a message  ")
     text.append(IDLE_CHAR, IDLE_STYLE)
     text.append(" idle")
     return text
@@ -148,7 +148,7 @@ def traffic_table(trace: Trace) -> Table | None:
     by_op = A.bytes_by_op(trace)
     if not by_op:
         return None
-    table = Table(title="bytes sent per rank (from each sender's own records)", title_justify="left")
+    table = Table(title="bytes sent per rank", title_justify="left")
     table.add_column("rank", justify="right")
     for key in by_op:
         table.add_column(key, justify="right")
@@ -178,11 +178,12 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     width = width or console.width
     meta = trace.meta
     s = A.summary(trace)
-    unit = str(meta.get("time_unit", "s"))
+    unit = A.time_unit(trace)
     head = title or ", ".join(str(x) for x in (meta.get("paradigm", "trace"), meta.get("schedule"),
                                                 f"{trace.world_size} ranks", meta.get("backend")) if x)
     bubble = "" if s["bubble_fraction"] is None else f", bubble {100 * s['bubble_fraction']:.1f}%"
-    console.print(Text(f"{head}: step {A.fmt_time(s['step_time'], unit)}{bubble}", "bold"), width=width)
+    console.print(Text(head, "bold"), width=width)
+    console.print(f"step {A.fmt_time(s['step_time'], unit)}{bubble}", width=width, highlight=False)
     for line in timeline_text(trace, width):
         console.print(line, width=width, no_wrap=True, overflow="crop")
     console.print(legend(trace), width=width)

@@ -1,0 +1,98 @@
+"""``minipar view``: outputs, and bad input -> one clear line on stderr, exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from viz_traces import one_f_one_b, ring_allreduce
+
+from minipar import cli
+from minipar.trace import VERSION, save
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def traces(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    save(one_f_one_b(), a)
+    save(ring_allreduce(), b)
+    return str(a), str(b)
+
+
+def _bad_files(tmp_path):
+    truncated = tmp_path / "truncated.json"
+    good = tmp_path / "good.json"
+    save(one_f_one_b(), good)
+    truncated.write_text(good.read_text()[:200])
+    newer = tmp_path / "newer.json"
+    doc = json.loads(good.read_text())
+    doc["version"] = VERSION + 1
+    newer.write_text(json.dumps(doc))
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": 1}')
+    return {
+        "missing": (str(tmp_path / "nope.json"), "no such trace file"),
+        "truncated": (str(truncated), "truncated or corrupt"),
+        "newer": (str(newer), f"version {VERSION + 1} is newer"),
+        "not a trace": (str(other), "not a minipar trace"),
+    }
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    for path, words in _bad_files(tmp_path).values():
+        for extra in (["--terminal"], ["-o", str(tmp_path / "r.html")], ["--chrome", str(tmp_path / "c.json")]):
+            assert cli.main(["view", path, *extra]) == 2
+            out, err = capsys.readouterr()
+            assert out == ""
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("minipar: error: ") and words in lines[0], err
+            assert path in lines[0]
+    assert not (tmp_path / "r.html").exists() and not (tmp_path / "c.json").exists()
+
+
+def test_bad_options_are_one_line_and_exit_2(traces, tmp_path, capsys):
+    cases = [
+        ([], "no command given"),
+        (["view"], "the following arguments are required: TRACE"),
+        (["view", *traces, "--chrome", str(tmp_path / "c.json")], "--chrome exports one trace, got 2"),
+        (["view", traces[0], "--width", "abc"], "invalid int value"),
+        (["view", traces[0], "--width", "10"], "too narrow"),
+        (["view", *traces, "--title", "x"], "got 1 --title for 2 traces"),
+        (["view", traces[0], "-o", str(tmp_path / "no" / "dir" / "r.html")], "cannot write output"),
+    ]
+    for argv, words in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], (argv, err)
+
+
+def test_no_traceback_from_the_console_entry(tmp_path):
+    bad = tmp_path / "truncated.json"
+    bad.write_text('{"format": "minipar-trace", "version": 1, "events": [')
+    proc = subprocess.run([sys.executable, "-m", "minipar.cli", "view", str(bad), "--terminal"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"minipar: error: {bad}: not a readable trace (truncated or corrupt JSON: ")
+
+
+def test_view_writes_report_chrome_and_terminal(traces, tmp_path, capsys):
+    html, chrome = tmp_path / "r.html", tmp_path / "c.json"
+    assert cli.main(["view", *traces, "-o", str(html)]) == 0
+    page = html.read_text()
+    assert re.search(r"<script[^>]*\bsrc=", page) is None  # plotly.js inline, nothing fetched
+    assert page.count('class="plotly-graph-div"') == 1 + 3 + 3  # side by side + 3 figures per trace
+    assert cli.main(["view", traces[0], "--chrome", str(chrome)]) == 0
+    events = json.loads(chrome.read_text())["traceEvents"]
+    assert sum(e.get("name") in ("F0", "F1", "F2", "F3") for e in events) == 8
+    capsys.readouterr()
+    assert cli.main(["view", traces[0], "--terminal", "--width", "48"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "rank 0 F0F1....B0  F2B1  F3B2  ..B3    idle  20%"
