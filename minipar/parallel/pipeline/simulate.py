@@ -1,0 +1,138 @@
+"""Simulator: play a schedule with given action durations and message latency, and write its trace.
+
+Each rank runs its (lowered, validated) program in order. A compute action starts when the rank is
+free (its inputs arrived through the preceding RECV, or are in memory); a SEND is posted when the
+rank reaches it, takes no rank time (non-blocking, the runtime contract in ``lowering.py``) and
+arrives ``latency`` later; a RECV ends at max(when the rank reaches it, arrival). Times are
+computed in one pass over an order the symbolic executor found (each receive after its send), so
+the cost is that of ``validate``: O(number of actions) per round.
+
+Measures (uniform stages, F/B per action, zero latency: see ``generators.py`` for the formulas):
+
+- ``makespan``: end of the last action; ``busy[r]``: compute time of rank r; ``idle[r]`` =
+  makespan - busy[r] (the rank's bubble, including time spent waiting in receives).
+- ``bubble_fraction``: the mean over ranks of idle / makespan, the share of the step lost to the
+  bubble: (p - 1)/(m + p - 1) for GPipe and 1F1B, (p - 1)/(v m + p - 1) for interleaved.
+- ``bubble_ratio``: total idle / total busy, the paper's bubble time over ideal time
+  (Narayanan et al. 2021, eq. in 2.2.1/2.2.2): (p - 1)/m for GPipe and 1F1B, (p - 1)/(v m)
+  interleaved, i.e. exactly the 1F1B ratio divided by v.
+- ``peak_stash[r]``: the most (stage, micro-batch) pairs whose forward had ended and backward had
+  not, on rank r: m for GPipe, p - r for 1F1B.
+
+The trace has the format of a real run (``minipar.trace``): compute events "F"/"B" with stage,
+micro-batch and chunk; one comm event per message on the sender ("send", from posting to arrival)
+and on the receiver ("recv", from reaching the RECV to its end), ``op`` "send"/"recv",
+``args["carries"]`` "activation"/"gradient"; memory events labelled "activations" whose ``nbytes``
+is the number of stashed micro-batches (unit in ``meta["activation_unit"]``; scale with
+``activation_bytes``); meta paradigm "pipeline", schedule, p, m, v, backend "simulator".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from minipar.trace import Event, Trace, save
+
+from .schedule import Action, Schedule
+from .validate import as_schedule, execute, validate
+
+
+@dataclass
+class SimResult:
+    """What ``simulate`` measured; see the module docstring for each field."""
+
+    makespan: float
+    bubble_fraction: float
+    bubble_ratio: float
+    idle: dict[int, float]
+    busy: dict[int, float]
+    peak_stash: dict[int, int]
+    trace: Trace
+    program: Schedule
+
+
+def _per_stage(name: str, value: float | Sequence[float], n_stages: int) -> list[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = [float(value)] * n_stages
+    else:
+        values = [float(x) for x in value]  # type: ignore[union-attr]
+        if len(values) != n_stages:
+            raise ValueError(f"{name} has {len(values)} durations but the schedule has {n_stages} stages; "
+                             f"give one number, or one per (virtual) stage")
+    if any(x < 0 or x != x for x in values):
+        raise ValueError(f"{name} durations must be >= 0, got {values}")
+    return values
+
+
+def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[str] | str],
+             forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
+             latency: float = 0.0, trace_path: str | os.PathLike[str] | None = None,
+             activation_bytes: int = 1, message_bytes: int = 0) -> SimResult:
+    """Simulate ``schedule`` (validated first: raises ``ScheduleError`` if it cannot run).
+
+    ``forward``/``backward``: time of one action, one number or a list per (virtual) stage.
+    ``latency``: time from posting a send to its arrival. ``activation_bytes``: bytes per stashed
+    micro-batch in the memory events (1 = count micro-batches). ``message_bytes``: ``nbytes`` of
+    each comm event. Writes the trace to ``trace_path`` when given."""
+    sched = as_schedule(schedule)
+    program = validate(sched)
+    n_stages = program.virtual_stages
+    fwd = _per_stage("forward", forward, n_stages)
+    bwd = _per_stage("backward", backward, n_stages)
+    if not latency >= 0:
+        raise ValueError(f"latency must be >= 0, got {latency}")
+    chunk_of = {}
+    for acts in program.values():
+        held = sorted({a.stage for a in acts if a.is_compute})
+        chunk_of.update({s: c for c, s in enumerate(held)})
+    order, _ = execute(program)
+    clock = dict.fromkeys(program, 0.0)
+    busy = dict.fromkeys(program, 0.0)
+    stash = dict.fromkeys(program, 0)
+    peak = dict.fromkeys(program, 0)
+    arrival: dict[tuple[int, Action], float] = {}
+    events = [Event(r, "memory", "activations", 0.0, 0.0, nbytes=0, args={"stashed": 0}) for r in program]
+    for r, i in order:
+        a = program[r][i]
+        where = {"stage": a.stage, "microbatch": a.microbatch, "chunk": chunk_of.get(a.stage, 0)}
+        if a.is_compute:
+            t0 = clock[r]
+            t1 = t0 + (fwd if a.op == "F" else bwd)[a.stage]
+            clock[r] = t1
+            busy[r] += t1 - t0
+            events.append(Event(r, "compute", a.op, t0, t1, args={"action": str(a)}, **where))
+            stash[r] += 1 if a.op == "F" else -1
+            peak[r] = max(peak[r], stash[r])
+            events.append(Event(r, "memory", "activations", t1, t1, nbytes=stash[r] * activation_bytes,
+                                args={"stashed": stash[r]}, **where))
+            continue
+        carries = "activation" if a.op.endswith("F") else "gradient"
+        if a.is_send:
+            t0 = clock[r]
+            arrival[(r, a)] = t1 = t0 + latency
+            src, dst, name = r, a.peer, "send"
+        else:
+            t0 = clock[r]
+            t1 = max(t0, arrival[(a.peer, a.counterpart(r))])
+            clock[r] = t1
+            src, dst, name = a.peer, r, "recv"
+        events.append(Event(r, "comm", name, t0, t1, src=src, dst=dst, nbytes=message_bytes, op=name,
+                            args={"carries": carries, "action": str(a)}, **where))
+    makespan = max(clock.values(), default=0.0)
+    idle = {r: makespan - busy[r] for r in program}
+    total_busy = sum(busy.values())
+    fraction = sum(idle.values()) / (len(program) * makespan) if makespan > 0 else 0.0
+    ratio = sum(idle.values()) / total_busy if total_busy > 0 else 0.0
+    meta = {
+        "paradigm": "pipeline", "schedule": sched.kind, "p": len(program), "m": sched.microbatches,
+        "v": sched.chunks, "backend": "simulator", "world_size": len(program), "forward": fwd,
+        "backward": bwd, "latency": latency, "activation_unit": "microbatches" if activation_bytes == 1
+        else f"{activation_bytes} bytes per micro-batch", "makespan": makespan, "bubble_fraction": fraction,
+        "actions": {str(r): [str(a) for a in acts] for r, acts in program.items()},
+    }
+    trace = Trace(meta, events)
+    if trace_path is not None:
+        save(trace, trace_path)
+    return SimResult(makespan, fraction, ratio, idle, busy, peak, trace, program)

@@ -1,0 +1,258 @@
+"""Validator: reject a schedule that cannot run, before anything is sent, and show where it sticks.
+
+Checks, on the schedule as written:
+
+1. every stage lives on exactly one rank (all of its actions are on that rank);
+2. every (stage, micro-batch) has exactly one forward and one backward, and no action repeats;
+3. on each rank a backward comes after its own forward;
+4. for a schedule that already has SEND/RECV actions: every send names the rank of the next
+   (forward) or previous (backward) stage, a rank only sends/receives for its own stages, and every
+   send has its receive on the peer.
+
+Then the lowered program (``lowering.py``) runs through a symbolic executor: each rank advances
+through its list while the head action's inputs are there: a forward of stage s needs the
+forward of s - 1 (in memory on the same rank, else its ``RECV_F``), a backward of s needs its own
+forward and the backward of s + 1, a send needs the compute that produced its tensor, and a receive
+needs its send to have been posted on the peer. With ``sends="eager"`` (the runtime contract:
+non-blocking ``isend``) a send never blocks; with ``sends="rendezvous"`` a send and its receive
+must be at the head of both ranks at once, as with an unbuffered blocking ``MPI_Ssend``: this shows
+why Megatron-LM fuses "send forward, receive backward" into one batched exchange. A rank that cannot
+advance while no rank can is stuck for ever: the error's step-by-rank table marks its head action
+``XX`` and says what it waits for. Cost: O(p + number of actions) per round, at most one round per
+action.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .lowering import lower_with_index
+from .schedule import Action, Schedule, ScheduleError, format_table, parse_schedule, stage_ranks
+
+SENDS = ("eager", "rendezvous")
+_MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A rank's first action that can never proceed, and what it waits for."""
+
+    rank: int
+    step: int
+    action: Action
+    waits_for: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} step {self.step}: {self.action} can never proceed: {self.waits_for}"
+
+
+def as_schedule(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[str] | str]) -> Schedule:
+    """A Schedule from a Schedule, a ``{rank: [Action or str]}`` mapping or a list indexed by rank."""
+    return schedule if isinstance(schedule, Schedule) else parse_schedule(schedule)
+
+
+def _owners(sched: Mapping[int, Sequence[Action]]) -> dict[int, int]:
+    return {s: min(rs) for s, rs in stage_ranks(sched).items()}
+
+
+def check_structure(sched: Schedule, index: Mapping[tuple[int, int], int] | None = None,
+                    ) -> tuple[list[str], dict[tuple[int, int], str]]:
+    """Checks 1-4 of the module docstring: (problems, {(rank, step): note}). Steps are positions in
+    ``sched``, or ``index[(rank, position)]`` (positions in the lowered program) when given."""
+
+    def at(r: int, i: int) -> int:
+        return i if index is None else index[(r, i)]
+
+    problems: list[str] = []
+    marks: dict[tuple[int, int], str] = {}
+    n_ranks = len(sched)
+    for s, ranks in sorted(stage_ranks(sched).items()):
+        if len(ranks) > 1:
+            problems.append(f"stage {s} runs on ranks {sorted(ranks)}; "
+                            "put all of a stage's actions on one rank")
+            for r in sorted(ranks)[1:]:
+                for i, a in enumerate(sched[r]):
+                    if a.is_compute and a.stage == s:
+                        marks.setdefault((r, at(r, i)), f"stage {s} also runs on rank {min(ranks)}")
+    owner = _owners(sched)
+    seen: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for r, acts in sched.items():
+        for i, a in enumerate(acts):
+            if a.key in seen:
+                r0, i0 = seen[a.key]
+                marks.setdefault((r, at(r, i)), f"repeats {a} of rank {r0} step {i0}")
+                problems.append(f"rank {r} step {at(r, i)}: {a} appears twice (also rank {r0} step {i0}); "
+                                "each action runs exactly once")
+            else:
+                seen[a.key] = (r, at(r, i))
+    n_stages, n_mb = sched.virtual_stages, 1 + max((a.microbatch for acts in sched.values() for a in acts),
+                                                   default=-1)
+    missing = [f"{s}{op}{i}" for s in range(n_stages) for i in range(n_mb) for op in ("F", "B")
+               if (op, s, i) not in seen]
+    if missing:
+        shown = ", ".join(missing[:_MAX_LISTED]) + (f" and {len(missing) - _MAX_LISTED} more"
+                                                     if len(missing) > _MAX_LISTED else "")
+        problems.append(f"missing {shown}: every stage 0..{n_stages - 1} runs a forward and a backward of "
+                        f"every micro-batch 0..{n_mb - 1}")
+    for r, acts in sched.items():
+        pos = {a.key: i for i, a in enumerate(acts)}
+        for i, a in enumerate(acts):
+            if a.op == "B" and pos.get(("F", a.stage, a.microbatch), -1) > i:
+                j = at(r, pos[("F", a.stage, a.microbatch)])
+                marks.setdefault((r, at(r, i)), f"before its forward (step {j})")
+                problems.append(f"rank {r} step {at(r, i)}: {a} comes before its forward "
+                                f"{a.stage}F{a.microbatch} (step {j}); "
+                                "a backward needs its forward's activations")
+            if a.is_compute:
+                continue
+            note = _comm_problem(sched, r, a, owner, n_ranks, n_stages)
+            if note:
+                marks.setdefault((r, at(r, i)), note)
+                problems.append(f"rank {r} step {at(r, i)}: {a} {note}")
+    return problems, marks
+
+
+def _comm_problem(sched: Schedule, r: int, a: Action, owner: dict[int, int], n_ranks: int,
+                  n_stages: int) -> str | None:
+    if owner.get(a.stage, r) != r:
+        return f"is for stage {a.stage}, which runs on rank {owner[a.stage]}"
+    other = a.stage + (1 if a.op in ("SEND_F", "RECV_B") else -1)
+    if not 0 <= other < n_stages:
+        return f"has no stage {other} to talk to (stages are 0..{n_stages - 1})"
+    if a.peer is None or not 0 <= a.peer < n_ranks:
+        return f"names rank {a.peer}, which does not exist (ranks 0..{n_ranks - 1})"
+    if other in owner and owner[other] != a.peer:
+        return f"names rank {a.peer}, but stage {other} runs on rank {owner[other]}"
+    if a.is_send and a.counterpart(r) not in sched[a.peer]:
+        return f"is never received (rank {a.peer} has no {a.counterpart(r)})"
+    return None
+
+
+def _local_needs(a: Action, rank: int, owner: dict[int, int], n_stages: int) -> list[Action]:
+    """What must already be done on ``rank`` before ``a`` runs there."""
+    s, i = a.stage, a.microbatch
+    if a.op == "F":
+        if s == 0:
+            return []
+        return [Action(s - 1, "F", i)] if owner.get(s - 1) == rank else \
+            [Action(s, "RECV_F", i, owner.get(s - 1, 0))]
+    if a.op == "B":
+        need = [Action(s, "F", i)]
+        if s < n_stages - 1:
+            need.append(Action(s + 1, "B", i) if owner.get(s + 1) == rank else
+                        Action(s, "RECV_B", i, owner.get(s + 1, 0)))
+        return need
+    if a.is_send:
+        return [Action(s, a.op[-1], i)]
+    return []
+
+
+def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, int]], list[Stuck]]:
+    """Run the lowered program symbolically. Returns the (rank, step) pairs in an order in which they
+    can all complete (every receive after its send), and the ranks stuck for ever (empty if none)."""
+    if sends not in SENDS:
+        raise ValueError(f"sends must be one of {SENDS}, got {sends!r}")
+    owner, n_stages = _owners(lowered), lowered.virtual_stages
+    ranks = sorted(lowered)
+    pos = dict.fromkeys(ranks, 0)
+    done: dict[int, set[tuple[str, int, int]]] = {r: set() for r in ranks}
+    posted: set[tuple[int, Action]] = set()
+    order: list[tuple[int, int]] = []
+
+    def head(r: int) -> Action | None:
+        return lowered[r][pos[r]] if r in pos and pos[r] < len(lowered[r]) else None
+
+    def inputs_ready(r: int, a: Action) -> bool:
+        return all(n.key in done[r] for n in _local_needs(a, r, owner, n_stages))
+
+    def advance(r: int) -> None:
+        a = lowered[r][pos[r]]
+        done[r].add(a.key)
+        if a.is_send:
+            posted.add((r, a))
+        order.append((r, pos[r]))
+        pos[r] += 1
+
+    progress = True
+    while progress:
+        progress = False
+        for r in ranks:
+            while (a := head(r)) is not None and inputs_ready(r, a):
+                if a.is_recv and sends == "eager":
+                    if (a.peer, a.counterpart(r)) not in posted:
+                        break
+                elif not a.is_compute and sends == "rendezvous":
+                    c = a.counterpart(r)
+                    if head(a.peer) != c or not inputs_ready(a.peer, c):
+                        break
+                    first, second = (r, a.peer) if a.is_send else (a.peer, r)
+                    advance(first)
+                    advance(second)
+                    progress = True
+                    continue
+                advance(r)
+                progress = True
+    stuck = [Stuck(r, pos[r], a, _why(lowered, r, a, pos, done, owner, n_stages, sends))
+             for r in ranks if (a := head(r)) is not None]
+    return order, stuck
+
+
+def _why(lowered: Schedule, r: int, a: Action, pos: dict[int, int], done: dict[int, set],
+         owner: dict[int, int], n_stages: int, sends: str) -> str:
+    """What the stuck head action ``a`` of rank ``r`` waits for, in words."""
+    for need in _local_needs(a, r, owner, n_stages):
+        if need.key in done[r]:
+            continue
+        later = [j for j, b in enumerate(lowered[r]) if b.key == need.key]
+        if later:
+            return f"waits for {need} on this rank, which comes later (step {later[0]})"
+        return f"waits for {need}, which rank {r} never runs"
+    q, c = a.peer, a.counterpart(r)
+    if q not in pos:
+        return f"waits for rank {q}, which does not exist"
+    where = [j for j, b in enumerate(lowered[q]) if b == c]
+    if not where:
+        return f"waits for {c} on rank {q}, which rank {q} never runs"
+    qhead = lowered[q][pos[q]] if pos[q] < len(lowered[q]) else None
+    state = f"rank {q} is stuck at step {pos[q]} ({qhead})" if qhead is not None else f"rank {q} finished"
+    if a.is_send:
+        return f"waits for rank {q} to reach {c} (step {where[0]}), but {state}"
+    return f"waits for {c} from rank {q} (its step {where[0]}), but {state}"
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith("h") else "s")
+
+
+def validate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[str] | str],
+             sends: str = "eager") -> Schedule:
+    """Check ``schedule`` (compute-only or already lowered) and return the lowered program.
+
+    Raises ``ScheduleError`` listing every problem, with a step-by-rank table of the lowered program
+    in which ``XX`` marks the first action of each rank that can never proceed and ``!!`` marks
+    actions named in the problems."""
+    sched = as_schedule(schedule)
+    if not any(sched.values()):
+        raise ScheduleError("the schedule has no actions; give each rank its list, e.g. {0: ['0F0', '0B0']}")
+    header = f"invalid pipeline schedule (kind {sched.kind!r}, {_n(len(sched), 'rank')}, " \
+             f"{_n(sched.virtual_stages, 'stage')}, {_n(sched.microbatches, 'micro-batch')})"
+    try:
+        lowered, index = lower_with_index(sched)
+    except ScheduleError as exc:
+        problems, marks = check_structure(sched)
+        problems.append(str(exc))
+        table = format_table(sched, dict.fromkeys(marks, "!!"), max_rows=40)
+        raise ScheduleError("\n".join([header + ":", *(f"  - {p}" for p in problems), "", table]),
+                            problems, table) from None
+    problems, marks = check_structure(sched, index)
+    _, stuck = execute(lowered, sends)
+    if not problems and not stuck:
+        return lowered
+    problems += [str(s) for s in stuck]
+    cell_marks = dict.fromkeys(marks, "!!") | {(s.rank, s.step): "XX" for s in stuck}
+    table = format_table(lowered, cell_marks, max_rows=40)
+    steps = "(steps count the lowered program below)" if lowered != sched else ""
+    text = "\n".join([f"{header}: {steps}".rstrip(), *(f"  - {p}" for p in problems), "",
+                      "step-by-rank program (XX = can never proceed, !! = problem above):", table])
+    raise ScheduleError(text, problems, table)
