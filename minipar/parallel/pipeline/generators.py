@@ -67,7 +67,10 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
     (k mod p v) // p on micro-batch (k // p v) p + k mod p, and backward k uses the chunks in reverse
     (v - 1 - that chunk). Warm-up: min(2 (p - r - 1) + (v - 1) p, v m) forwards; steady state:
     forward k + warm-up then backward k; cool-down: the remaining backwards. Requires m % p == 0.
-    With v = 1 Megatron runs plain 1F1B, and so does this."""
+    With v = 1 Megatron runs plain 1F1B, and so does this.
+
+    Peak stash on rank r: min(2 (p - r - 1) + (v - 1) p + 1, v m) (chunk, micro-batch) pairs, each
+    holding a chunk's activations (1/v of a rank's share): the price of the smaller bubble."""
     if v == 1:
         return one_f_one_b(p, m)
     total = v * m
