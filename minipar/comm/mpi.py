@@ -1,0 +1,237 @@
+"""The MPI backend: mpi4py's buffer (upper-case) methods on numpy arrays, no pickling on hot paths.
+
+Every wait polls non-blocking requests with a short back-off sleep (``watchdog.poll``), so a rank
+blocked in communication gives its core back (MPICH busy-polls inside blocking calls) and a
+stuck wait ends in ``CommTimeout``. Under ``mpiexec`` an uncaught exception on any rank (any thread)
+prints its traceback and calls ``MPI_Abort``: the whole job exits non-zero instead of hanging.
+
+Wire format: with a header, a message is a 16 x int64 header (dtype code, ndim, shape) on tag
+``3t``, then the payload bytes on tag ``3t+1``. Header receives are matched in posting order, and
+each payload receive is posted in that same order (a per-(source, tag) FIFO), so concurrent
+receives from one source never swap payloads. Raw payloads (the collectives, which know the shape)
+use tag ``3t+2``. The trace counts payload bytes only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from minipar.comm.base import Pending, wire_tag
+from minipar.comm.collectives import Communicator, scatter_shape
+from minipar.comm.ring import chunk_bounds
+from minipar.comm.watchdog import RankState, default_timeout, poll
+
+DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
+                                "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
+HEADER = 16  # int64 words: dtype code, ndim, up to 14 dims
+
+
+def under_mpiexec() -> bool:
+    """True when this process was started by ``mpiexec`` (MPICH's or Open MPI's)."""
+    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    return arr.reshape(-1).view(np.uint8)
+
+
+def encode_header(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype not in DTYPES:
+        raise TypeError(f"cannot send dtype {arr.dtype}; supported: {', '.join(map(str, DTYPES))}")
+    if arr.ndim > HEADER - 2:
+        raise ValueError(f"cannot send a {arr.ndim}-d array; at most {HEADER - 2} dims (reshape first)")
+    hdr = np.zeros(HEADER, dtype=np.int64)
+    hdr[0], hdr[1] = DTYPES.index(arr.dtype), arr.ndim
+    hdr[2:2 + arr.ndim] = arr.shape
+    return hdr
+
+
+class _Reqs:
+    def __init__(self, reqs: list[Any], value: Any = None, keep: Any = None) -> None:
+        self.reqs, self.value, self.keep = reqs, value, keep
+
+    def done(self) -> bool:
+        from mpi4py import MPI
+
+        return bool(MPI.Request.Testall(self.reqs))
+
+
+class _HeaderRecv:
+    """Receive of a message with a header: header first, then the payload in FIFO order."""
+
+    def __init__(self, comm: MpiCommunicator, src: int, tag: int) -> None:
+        self.comm, self.src, self.tag = comm, src, tag
+        self.hdr = np.empty(HEADER, dtype=np.int64)
+        self.hreq = comm.mpicomm.Irecv([self.hdr.view(np.uint8), comm.MPI.BYTE], src, tag)
+        self.preq: Any = None
+        self.buf: np.ndarray | None = None
+        self.value: np.ndarray | None = None
+        self.fifo = comm._fifo.setdefault((src, tag), deque())
+        self.fifo.append(self)
+
+    def _post_payload(self) -> None:
+        dtype, ndim = DTYPES[int(self.hdr[0])], int(self.hdr[1])
+        self.buf = np.empty(tuple(int(d) for d in self.hdr[2:2 + ndim]), dtype=dtype)
+        self.preq = self.comm.mpicomm.Irecv([_bytes(self.buf), self.comm.MPI.BYTE], self.src, self.tag + 1)
+
+    def done(self) -> bool:
+        if self.value is not None:
+            return True
+        while self.fifo and self.fifo[0].hreq.Test():
+            self.fifo.popleft()._post_payload()
+        if self.preq is not None and self.preq.Test():
+            self.value = self.buf
+        return self.value is not None
+
+
+class MpiCommunicator(Communicator):
+    """A communicator over an mpi4py ``MPI.Comm``."""
+
+    backend = "mpi"
+
+    def __init__(self, mpicomm: Any, state: RankState) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.mpicomm = mpicomm
+        world_group = MPI.COMM_WORLD.Get_group()
+        group = mpicomm.Get_group()
+        ranks = MPI.Group.Translate_ranks(group, list(range(mpicomm.Get_size())), world_group)
+        super().__init__(mpicomm.Get_rank(), mpicomm.Get_size(), [int(r) for r in ranks], state)
+        self._fifo: dict[tuple[int, int], deque[_HeaderRecv]] = {}
+
+    def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
+        MPI, c = self.MPI, self.mpicomm
+        arr = np.ascontiguousarray(array)
+        if not header:
+            return _Reqs([c.Isend([_bytes(arr), MPI.BYTE], dst, wire_tag(ctx, tag, 2))], keep=arr)
+        hdr = encode_header(arr)
+        t = wire_tag(ctx, tag, 0)
+        return _Reqs([c.Isend([hdr.view(np.uint8), MPI.BYTE], dst, t),
+                      c.Isend([_bytes(arr), MPI.BYTE], dst, t + 1)], keep=(hdr, arr))
+
+    def _post_recv(self, ctx: int, src: int, tag: int, like: Any, out: np.ndarray | None = None) -> Pending:
+        if like is None and out is None:
+            return _HeaderRecv(self, src, wire_tag(ctx, tag, 0))
+        if out is None or not out.flags.c_contiguous:
+            buf = np.empty(*like) if out is None else np.empty(out.shape, out.dtype)
+        else:
+            buf = out
+        req = self.mpicomm.Irecv([_bytes(buf), self.MPI.BYTE], src, wire_tag(ctx, tag, 2))
+        return _Reqs([req], value=buf)
+
+    def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int], timeout: float | None = None) -> None:
+        if timeout is None:
+            poll(self.state, test, what, peers)
+        else:
+            saved, self.state.timeout = self.state.timeout, timeout
+            try:
+                poll(self.state, test, what, peers)
+            finally:
+                self.state.timeout = saved
+
+    def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
+        return MpiCommunicator(self.mpicomm.Split(color, index), self.state)
+
+    def _make_dup(self) -> Communicator:
+        new, req = self.mpicomm.Idup()
+        self._wait(req.Test, "dup", [g for g in self.group_ranks if g != self.world_rank])
+        return MpiCommunicator(new, self.state)
+
+    # ---- MPI's own collectives (algorithm="native") ----------------------------------------
+    def _native(self, name: str, arr: np.ndarray | None, **kw: Any) -> Any:
+        MPI, c, p = self.MPI, self.mpicomm, self.size
+        peers = [g for g in self.group_ranks if g != self.world_rank]
+        what = f"{name}(native)"
+
+        def run(req: Any) -> None:
+            self._wait(req.Test, what, peers)
+
+        mpi_op = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX}.get(kw.get("op", "sum"))
+        if name == "barrier":
+            run(c.Ibarrier())
+            return None
+        if name == "broadcast":
+            root = kw["root"]
+            hdr = encode_header(arr) if self.rank == root else np.empty(HEADER, dtype=np.int64)
+            run(c.Ibcast([hdr.view(np.uint8), MPI.BYTE], root))
+            shape = tuple(int(d) for d in hdr[2:2 + int(hdr[1])])
+            out = arr.copy() if self.rank == root else np.empty(shape, DTYPES[int(hdr[0])])
+            run(c.Ibcast([_bytes(out), MPI.BYTE], root))
+            return out
+        if name == "all_to_all":
+            out = np.empty_like(arr)
+            run(c.Ialltoall([_bytes(arr), MPI.BYTE], [_bytes(out), MPI.BYTE]))
+            return out
+        if name == "allgather":
+            row = int(np.prod(arr.shape[1:])) * arr.itemsize
+            counts = np.empty(p, dtype=np.int64)
+            run(c.Iallgather(np.array([arr.shape[0]], dtype=np.int64), counts))
+            out = np.empty((int(counts.sum()), *arr.shape[1:]), dtype=arr.dtype)
+            nb = [int(n) * row for n in counts]
+            displs = np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(int).tolist()
+            run(c.Iallgatherv([_bytes(arr), MPI.BYTE], [_bytes(out), (nb, displs), MPI.BYTE]))
+            return out
+        if name == "allreduce":
+            out = np.empty_like(arr)
+            run(c.Iallreduce(arr, out, op=mpi_op))
+        elif name == "reduce":
+            out = np.empty_like(arr) if self.rank == kw["root"] else None
+            run(c.Ireduce(arr, out, op=mpi_op, root=kw["root"]))
+            if out is None:
+                return None
+        elif name == "reduce_scatter":
+            counts = [b - a for a, b in chunk_bounds(arr.size, p)]
+            out = np.empty(counts[self.rank], dtype=arr.dtype)
+            run(c.Ireduce_scatter(arr.reshape(-1), out, counts, op=mpi_op))
+            out = out.reshape(scatter_shape(arr.shape, p, self.rank))
+        else:
+            raise ValueError(f"{name}: no native implementation")
+        if kw.get("op") == "mean":
+            out /= p
+        return out
+
+
+_world: MpiCommunicator | None = None
+_lock = threading.Lock()
+
+
+def _abort_hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    sys.stdout.flush()
+    sys.stderr.write(f"[minipar] rank {rank}: uncaught exception; aborting the MPI job\n")
+    sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _thread_hook(args: Any) -> None:
+    if args.exc_type is SystemExit:
+        return
+    _abort_hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def mpi_world(timeout: float | None = None) -> MpiCommunicator:
+    """The MPI world communicator (cached); installs the abort-on-uncaught-exception hooks."""
+    global _world
+    with _lock:
+        if _world is None:
+            from mpi4py import MPI
+
+            state = RankState(MPI.COMM_WORLD.Get_rank(), default_timeout(timeout))
+            _world = MpiCommunicator(MPI.COMM_WORLD, state)
+            sys.excepthook = _abort_hook
+            threading.excepthook = _thread_hook
+        elif timeout is not None:
+            _world.state.timeout = default_timeout(timeout)
+        return _world

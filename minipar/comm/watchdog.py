@@ -1,0 +1,92 @@
+"""The watchdog: every blocking wait has a deadline, and says what it waited for when it expires.
+
+A rank blocked in a receive or a collective polls its pending requests with a short back-off sleep
+(so it gives the core back to ranks that compute: MPICH would busy-poll otherwise) and raises
+``CommTimeout`` after ``timeout`` seconds. The message names the operation, the peer ranks (world
+ranks) it waited for, and this rank's last completed operations.
+
+The timeout is, in order: the ``timeout=`` argument of ``launch``/``world``, the environment variable
+``MINIPAR_TIMEOUT`` (seconds), or 60 s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from minipar.comm.errors import Aborted, CommTimeout
+
+DEFAULT_TIMEOUT = 60.0
+HISTORY = 6
+
+
+def default_timeout(timeout: float | None = None) -> float:
+    """Resolve the watchdog timeout: argument, then ``MINIPAR_TIMEOUT``, then 60 s."""
+    if timeout is not None:
+        value = float(timeout)
+    else:
+        raw = os.environ.get("MINIPAR_TIMEOUT", "")
+        try:
+            value = float(raw) if raw else DEFAULT_TIMEOUT
+        except ValueError:
+            raise ValueError(f"MINIPAR_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"the communication timeout must be > 0 seconds, got {value}")
+    return value
+
+
+def debug_enabled() -> bool:
+    """Debug mode (``MINIPAR_DEBUG=1``): collectives check that all ranks entered the same call."""
+    return os.environ.get("MINIPAR_DEBUG", "") not in ("", "0", "false", "no")
+
+
+class RankState:
+    """What one rank is doing and did last; shared by all communicators of the rank."""
+
+    def __init__(self, world_rank: int, timeout: float) -> None:
+        self.world_rank = world_rank
+        self.timeout = timeout
+        self.current: str | None = None
+        self.history: deque[str] = deque(maxlen=HISTORY)
+        self.abort: Callable[[], str | None] = lambda: None  # threads backend: why the launch aborted
+
+    def done(self, what: str) -> None:
+        self.history.append(what)
+
+    def timeout_error(self, what: str, peers: Iterable[int], waited: float) -> CommTimeout:
+        peer_list = sorted(set(peers))
+        last = "; ".join(self.history) if self.history else "none"
+        return CommTimeout(
+            f"rank {self.world_rank}: {what} timed out after {waited:.1f} s waiting for rank(s) "
+            f"{peer_list} (world ranks); last completed operations: {last}. A rank that never "
+            "entered this operation, or entered a different one, is the usual cause; raise the limit "
+            "with MINIPAR_TIMEOUT=<seconds> or timeout= if the peers are just slow."
+        )
+
+
+def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int]) -> None:
+    """Call ``test`` until it returns True, sleeping with back-off; ``CommTimeout`` after the deadline.
+
+    The first few polls spin (short messages complete in microseconds); after that each sleep
+    doubles from 20 us up to 1 ms, which keeps an idle rank's CPU use near zero.
+    """
+    if test():
+        return
+    start = time.monotonic()
+    deadline = start + state.timeout
+    delay = 0.0
+    spins = 0
+    while not test():
+        reason = state.abort()
+        if reason is not None:
+            raise Aborted(f"rank {state.world_rank}: {what} abandoned: {reason}")
+        now = time.monotonic()
+        if now > deadline:
+            raise state.timeout_error(what, peers, now - start)
+        spins += 1
+        if spins < 20:
+            continue
+        delay = min(1e-3, max(2e-5, delay * 2))
+        time.sleep(delay)
