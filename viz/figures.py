@@ -113,7 +113,7 @@ def timeline(trace: Trace, title: str | None = None) -> go.Figure:
     add_timeline(fig, trace)
     fig.update_layout(
         title=title or _title(trace, "timeline"), barmode="overlay", bargap=0,
-        height=140 + 45 * trace.world_size, margin={"r": 150, "l": 70, "t": 60, "b": 50},
+        height=170 + 45 * trace.world_size, margin={"r": 150, "l": 70, "t": 90, "b": 50},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
         uniformtext={"minsize": 8, "mode": "hide"},
     )
@@ -139,7 +139,7 @@ def compare(traces: Sequence[Trace], titles: Sequence[str] | None = None) -> go.
         title=f"side by side (shared time axis){warn}",
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1, "xanchor": "right"},
         barmode="overlay", bargap=0,
-        height=120 + sum(45 * h for h in heights), margin={"r": 150, "l": 70, "t": 80, "b": 50},
+        height=150 + sum(45 * h for h in heights), margin={"r": 150, "l": 70, "t": 110, "b": 50},
         uniformtext={"minsize": 8, "mode": "hide"},
     )
     return fig
