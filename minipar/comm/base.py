@@ -84,6 +84,17 @@ class Request:
         return self._value
 
 
+class Lazy:
+    """An iterable evaluated only when the watchdog formats its message (e.g. the peers still
+    missing at the deadline)."""
+
+    def __init__(self, fn: Callable[[], list[int]]) -> None:
+        self.fn = fn
+
+    def __iter__(self) -> Any:
+        return iter(self.fn())
+
+
 def as_array(array: Any, what: str) -> np.ndarray:
     """The argument as a C-contiguous numpy array, or a ``TypeError`` saying what to pass."""
     if not isinstance(array, np.ndarray | np.generic | int | float | list | tuple):
@@ -233,7 +244,7 @@ class PointToPoint:
             rreqs.append(self._irecv(COLL, src, 0, like, out, op, algorithm, step))
         sreqs = [self._isend(COLL, arr, dst, 0, header, op, algorithm, step) for dst, arr in sends]
         reqs = rreqs + sreqs
-        peers = [self.group_ranks[p] for p, _ in list(recvs) + list(sends)]
+        peers = Lazy(lambda: [p for r in reqs if not r._pending.done() for p in r._peers])
         what = f"{op}({algorithm}) step {step}"
         self._wait(lambda: all([r._pending.done() for r in reqs]), what, peers)
         for r in reqs:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar.comm.base import CTL, Pending, wire_tag
+from minipar.comm.base import CTL, Lazy, Pending, wire_tag
 from minipar.comm.collectives import Communicator
 from minipar.comm.errors import Aborted
 from minipar.comm.watchdog import RankState
@@ -131,7 +131,7 @@ class ThreadsCommunicator(Communicator):
             slot[self.rank] = value
             self.world.cond.notify_all()
         missing = lambda: [g for r, g in enumerate(self.group_ranks) if r not in slot]  # noqa: E731
-        self._wait(lambda: len(slot) >= self.size, what, _Lazy(missing))
+        self._wait(lambda: len(slot) >= self.size, what, Lazy(missing))
         out = [slot[r] for r in range(self.size)]
         with self.world.cond:
             slot.setdefault("read", 0)
@@ -167,16 +167,6 @@ class _Into:
             self.out[...] = self.rec.value.reshape(self.out.shape)
             self.value = self.out
         return self.value is not None
-
-
-class _Lazy:
-    """An iterable evaluated only when the watchdog formats its message."""
-
-    def __init__(self, fn: Callable[[], list[int]]) -> None:
-        self.fn = fn
-
-    def __iter__(self) -> Any:
-        return iter(self.fn())
 
 
 def make_world(world_size: int, timeout: float) -> tuple[World, list[ThreadsCommunicator]]:
