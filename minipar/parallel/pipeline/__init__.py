@@ -21,3 +21,12 @@ __all__ = [
     "format_table", "gpipe", "interleaved", "is_lowered", "lower", "make_schedule", "naive", "one_f_one_b",
     "parse_schedule", "simulate", "validate",
 ]
+
+# The runtime (partition.py, runtime.py): cut a model into stages and run any valid schedule over ranks.
+from .partition import LayeredModel, Stage, build_stage, gpt, mlp, split_layers  # noqa: E402
+from .runtime import Pipeline, gather_grads, gather_state_dict  # noqa: E402
+
+__all__ += [
+    "LayeredModel", "Pipeline", "Stage", "build_stage", "gather_grads", "gather_state_dict", "gpt", "mlp",
+    "split_layers",
+]

@@ -1,0 +1,270 @@
+"""The pipeline runtime: run any valid schedule over real ranks, one action at a time.
+
+GPipe (Huang et al. 2018) splits a mini-batch into m micro-batches and the model into stages on
+consecutive ranks; 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2) only change the
+*order* in which each rank runs its forwards and backwards. So the executor here knows no schedule:
+it interprets the lowered program (``lowering.py``) of its rank, action by action, like the
+``_step_microbatches`` loop of ``torch.distributed.pipelining``'s runtime schedules:
+
+==============  ===========================================================================
+``sF i``        input = micro-batch i of the data (stage 0) or the activation received for
+                (s, i), a leaf tensor with ``requires_grad`` so its gradient can go back;
+                output = stage s applied to it; stash (input, output). The last stage computes
+                the micro-batch's mean loss scaled by 1/m (mean of m equal micro-batch means =
+                the global-batch mean, so accumulated gradients equal single-process ones).
+``sB i``        ``output.backward(received gradient)`` (last stage: ``loss.backward()``);
+                parameter gradients accumulate over micro-batches; input.grad is what goes
+                upstream; the stash entry is freed.
+``sSEND_F i``   non-blocking ``isend`` of the activation (``SEND_B``: of the input gradient).
+``sRECV_F i``   blocking ``recv`` of stage s's input (``RECV_B``: of its output's gradient).
+==============  ===========================================================================
+
+Tensors between stages on the same rank (interleaving with p = 1, hand-written layouts) are handed
+over in memory. Message tags encode (direction, stage boundary, micro-batch), so messages in flight
+between two ranks never match the wrong receive. After the program: wait for the outstanding sends,
+broadcast the loss from the last stage to every rank, run the optimizer on this rank's parameters.
+
+Trace (``minipar.trace``, same format as ``simulate``): compute spans "F"/"B" with stage,
+micro-batch, chunk (and ``args`` action, iteration), "opt" for the optimizer; memory samples
+"activations" whose ``nbytes`` is the number of stashed micro-batches after every change (the
+simulator's unit, so the measured peak equals ``simulate(...).peak_stash``); messages are recorded
+by the comm layer. Per step, rank r sends at most 2 m v messages of one micro-batch's activation
+(or gradient) each; memory: peak stash x (activations of one stage on one micro-batch).
+
+Bad configurations raise ``ValueError`` (``ScheduleError`` for schedules) on every rank before any
+message is sent: a schedule for another number of ranks, more stages than layers, m not a multiple
+of p for interleaved, a batch not divisible by m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from minipar import trace
+from minipar.autograd import Tensor
+from minipar.comm.base import MAX_TAG
+from minipar.nn import Parameter
+from minipar.optim import Optimizer
+
+from .generators import make_schedule
+from .partition import LayeredModel, Stage, split_layers
+from .schedule import Action, Schedule
+from .validate import as_schedule, validate
+
+ScheduleLike = str | Mapping[int, Sequence[Action | str]] | Sequence[Sequence[str] | str]
+
+
+class Pipeline:
+    """This rank's stages of ``model`` and the program it runs for ``schedule``.
+
+    ``schedule``: a kind (``"naive" | "gpipe" | "1f1b" | "interleaved"``, built for p = comm.size
+    with ``microbatches`` and ``chunks``), or a schedule (``make_schedule(...)``, a hand-written
+    ``{rank: ["0F0", ...]}``, compute-only or lowered). ``layers``: layer counts per virtual stage
+    (default balanced). Every rank constructs it with the same arguments; checks happen here, before
+    any communication. ``step(x, y, optimizer)`` trains on one global batch."""
+
+    def __init__(self, comm: Any, model: LayeredModel, schedule: ScheduleLike = "1f1b",
+                 microbatches: int | None = None, chunks: int = 1,
+                 layers: Sequence[int] | None = None) -> None:
+        self.comm, self.model = comm, model
+        if isinstance(schedule, str):
+            if microbatches is None:
+                raise ValueError(f"pipeline: schedule={schedule!r} needs microbatches=m "
+                                 f"(e.g. 2 * p = {2 * comm.size})")
+            sched = make_schedule(schedule, comm.size, microbatches, chunks)
+        else:
+            sched = as_schedule(schedule)
+            if microbatches is not None and microbatches != sched.microbatches:
+                raise ValueError(f"pipeline: microbatches={microbatches} but the schedule runs "
+                                 f"{sched.microbatches}; drop the argument or fix the schedule")
+        if len(sched) != comm.size:
+            raise ValueError(f"pipeline: the schedule is for {len(sched)} ranks but the communicator has "
+                             f"{comm.size}; run with mpiexec -n {len(sched)} or build the schedule for "
+                             f"{comm.size} stages")
+        self.program: Schedule = validate(sched)
+        self.kind, self.microbatches = sched.kind, sched.microbatches
+        self.n_stages = self.program.virtual_stages
+        self.chunks = max(1, self.n_stages // comm.size)
+        try:
+            self.layer_ranges = split_layers(model.n_layers, self.n_stages, layers)
+        except ValueError as exc:
+            raise ValueError(f"pipeline ({self.kind}, {comm.size} ranks x {self.chunks} chunks = "
+                             f"{self.n_stages} stages): {exc}") from None
+        if 2 * self.n_stages * self.microbatches > MAX_TAG:
+            raise ValueError(f"pipeline: {self.n_stages} stages x {self.microbatches} micro-batches need "
+                             f"more message tags than the comm layer has ({MAX_TAG}); "
+                             "use fewer micro-batches")
+        self.owner = {a.stage: r for r, acts in self.program.items() for a in acts if a.is_compute}
+        self.actions: list[Action] = self.program[comm.rank]
+        mine = sorted(s for s, r in self.owner.items() if r == comm.rank)
+        self.chunk_of = {s: c for c, s in enumerate(mine)}
+        self.stages: dict[int, Stage] = {s: Stage(s, model, self.layer_ranges[s]) for s in mine}
+        self.last_stage = self.n_stages - 1
+        self.iteration = 0
+        self.peak_stash = 0
+        self.microbatch_losses: list[float] = []
+
+    # ---- parameters ---------------------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """This rank's parameters with their full-model names, stage by stage."""
+        return [item for s in sorted(self.stages) for item in self.stages[s].named_parameters()]
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {name: p.data.copy() for name, p in self.named_parameters()}
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """Gradients accumulated by the last ``step`` (zeros for a parameter that got none)."""
+        return {n: (p.grad if p.grad is not None else np.zeros_like(p.data)).copy()
+                for n, p in self.named_parameters()}
+
+    def load_state_dict(self, full_state: Mapping[str, np.ndarray]) -> None:
+        """Copy this rank's parameters out of the single-process model's full state dict."""
+        own = dict(self.named_parameters())
+        missing = sorted(own.keys() - full_state.keys())
+        if missing:
+            raise KeyError(f"state dict lacks this rank's parameters {missing[:5]}; "
+                           "pass the full model's state_dict()")
+        for name, p in own.items():
+            p.data[...] = full_state[name]
+
+    def trace_meta(self) -> dict[str, Any]:
+        """Metadata for ``trace.record``: paradigm, schedule, p, m, v, per-rank actions, stage layers."""
+        return {"paradigm": "pipeline", "schedule": self.kind, "p": self.comm.size, "m": self.microbatches,
+                "v": self.chunks, "model": self.model.kind,
+                "actions": {str(r): [str(a) for a in acts] for r, acts in self.program.items()},
+                "stage_layers": {str(s): [self.model.names[i] for i in rng]
+                                 for s, rng in enumerate(self.layer_ranges)}}
+
+    # ---- one training step ---------------------------------------------------------------------
+    def step(self, x: np.ndarray, y: np.ndarray, optimizer: Optimizer | None = None) -> float:
+        """Forward and backward of all m micro-batches of the batch ``(x, y)`` in schedule order, then
+        ``optimizer.step()`` when given. Every rank passes the same batch (stage 0 reads ``x``, the
+        last stage ``y``). Returns the global-batch mean loss, on every rank."""
+        m = self.microbatches
+        n = len(x)
+        if len(y) != n:
+            raise ValueError(f"pipeline: x has {n} samples but y has {len(y)}; "
+                             "pass matching inputs and targets")
+        if n % m:
+            lo, hi = (n // m) * m, (n // m + 1) * m
+            raise ValueError(f"pipeline: batch of {n} samples is not divisible by m={m} micro-batches; "
+                             f"use a batch of {lo or hi} or {hi}, or another m")
+        xs, ys = np.split(np.asarray(x), m), np.split(np.asarray(y), m)
+        for p in self.parameters():
+            p.grad = None
+        self._xs, self._ys = xs, ys
+        self._stash: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self._inbox: dict[tuple[str, int, int], np.ndarray] = {}   # (F|B, stage, mb) -> tensor for that stage
+        self._outbox: dict[tuple[str, int, int], np.ndarray] = {}  # (F|B, stage, mb) -> tensor to send
+        self._sends: list[Any] = []
+        self._loss = 0.0
+        self.microbatch_losses = [0.0] * m
+        self.peak_stash = 0
+        trace.memory("activations", 0, args={"stashed": 0})
+        for action in self.actions:
+            getattr(self, "_" + action.op)(action)
+            self._sends = [r for r in self._sends if not r.test()]  # progress; drops finished sends
+        for req in self._sends:
+            req.wait()
+        self._sends = []
+        loss = self._broadcast_loss()
+        if optimizer is not None:
+            with trace.span("opt", args={"iteration": self.iteration}):
+                optimizer.step()
+        self.iteration += 1
+        return loss
+
+    def _broadcast_loss(self) -> float:
+        root = self.owner[self.last_stage]
+        mine = np.array([self._loss] + self.microbatch_losses) if self.comm.rank == root else None
+        out = self.comm.broadcast(mine, root=root) if self.comm.size > 1 else mine
+        self.microbatch_losses = [float(v) for v in out[1:]]
+        return float(out[0])
+
+    # ---- the actions -----------------------------------------------------------------------------
+    def _where(self, a: Action) -> dict[str, Any]:
+        return {"stage": a.stage, "microbatch": a.microbatch, "chunk": self.chunk_of[a.stage],
+                "args": {"action": str(a), "iteration": self.iteration}}
+
+    def _tag(self, direction: str, edge: int, mb: int) -> int:
+        """Tag of the message across the boundary between stages ``edge`` and ``edge + 1``."""
+        return 2 * (edge * self.microbatches + mb) + (direction == "B")
+
+    def _sample(self) -> None:
+        n = len(self._stash)
+        self.peak_stash = max(self.peak_stash, n)
+        trace.memory("activations", n, args={"stashed": n})
+
+    def _F(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        with trace.span("F", **self._where(a)):
+            if s == 0:
+                inp: Any = self._xs[i]
+            else:
+                inp = Tensor(self._inbox.pop(("F", s, i)), requires_grad=True)
+            out = self.stages[s](inp)
+            if s == self.last_stage:
+                loss = self.model.loss(out, self._ys[i])
+                self.microbatch_losses[i] = loss.item()
+                self._loss += loss.item() / self.microbatches
+                out = loss * (1.0 / self.microbatches)
+            elif self.owner[s + 1] == self.comm.rank:
+                self._inbox[("F", s + 1, i)] = out.data
+            else:
+                self._outbox[("F", s, i)] = out.data
+            self._stash[(s, i)] = (inp, out)
+        self._sample()
+
+    def _B(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        with trace.span("B", **self._where(a)):
+            inp, out = self._stash.pop((s, i))
+            out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)))
+            if s > 0:
+                grad = inp.grad if inp.grad is not None else np.zeros_like(inp.data)
+                if self.owner[s - 1] == self.comm.rank:
+                    self._inbox[("B", s - 1, i)] = grad
+                else:
+                    self._outbox[("B", s, i)] = grad
+        self._sample()
+
+    def _SEND_F(self, a: Action) -> None:
+        data = self._outbox.pop(("F", a.stage, a.microbatch))
+        self._sends.append(self.comm.isend(data, a.peer, self._tag("F", a.stage, a.microbatch)))
+
+    def _SEND_B(self, a: Action) -> None:
+        data = self._outbox.pop(("B", a.stage, a.microbatch))
+        self._sends.append(self.comm.isend(data, a.peer, self._tag("B", a.stage - 1, a.microbatch)))
+
+    def _RECV_F(self, a: Action) -> None:
+        tag = self._tag("F", a.stage - 1, a.microbatch)
+        self._inbox[("F", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag)
+
+    def _RECV_B(self, a: Action) -> None:
+        tag = self._tag("B", a.stage, a.microbatch)
+        self._inbox[("B", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag)
+
+
+def gather_state_dict(pipe: Pipeline, root: int | None = 0) -> dict[str, np.ndarray] | None:
+    """The full model's state dict assembled from every rank's stages: on ``root`` (None elsewhere),
+    or on every rank with ``root=None``. Control-plane objects: not traced."""
+    return _gather(pipe.comm, pipe.state_dict(), root)
+
+
+def gather_grads(pipe: Pipeline, root: int | None = 0) -> dict[str, np.ndarray] | None:
+    """The gradients of the last step, by full parameter name, assembled like ``gather_state_dict``."""
+    return _gather(pipe.comm, pipe.grads(), root)
+
+
+def _gather(comm: Any, part: dict[str, np.ndarray], root: int | None) -> dict[str, np.ndarray] | None:
+    parts = comm.allgather_object(part) if root is None else comm.gather_object(part, root=root)
+    if parts is None:
+        return None
+    return {k: v for d in parts for k, v in d.items()}
