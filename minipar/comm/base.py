@@ -99,7 +99,9 @@ def as_array(array: Any, what: str) -> np.ndarray:
     """The argument as a C-contiguous numpy array, or a ``TypeError`` saying what to pass."""
     if not isinstance(array, np.ndarray | np.generic | int | float | list | tuple):
         raise TypeError(f"{what} takes a numpy array, got {type(array).__name__}")
-    arr = np.ascontiguousarray(array)
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
     if arr.dtype == object:
         raise TypeError(f"{what} takes a numeric numpy array, got dtype=object; use the *_object methods")
     return arr

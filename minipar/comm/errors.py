@@ -12,7 +12,10 @@ class CommError(RuntimeError):
 
 
 class CommTimeout(CommError):
-    """A wait that lasted longer than the watchdog's timeout (``MINIPAR_TIMEOUT``, ``timeout=``)."""
+    """A wait that lasted longer than the watchdog's timeout (``MINIPAR_TIMEOUT``, ``timeout=``);
+    ``.peers`` are the world ranks it waited for."""
+
+    peers: list[int] = []
 
 
 class CollectiveMismatch(CommError):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minipar.comm.collectives import Communicator
-from minipar.comm.errors import Aborted, rank_error
+from minipar.comm.errors import Aborted, CommTimeout, rank_error
 from minipar.comm.watchdog import default_timeout
 
 BACKENDS = ("threads", "mpi", "auto")
@@ -95,7 +95,11 @@ def _launch_threads(fn: Callable[..., Any], n: int, timeout: float, args: tuple[
     if not errors:
         return results
     real = {r: e for r, e in errors.items() if not isinstance(e[1], Aborted)} or errors
-    first = min(real, key=lambda r: real[r][0])
+    # A timeout that waited for a rank which did not fail itself is the root cause: the others
+    # waited, transitively, for the rank that timed out.
+    roots = {r: e for r, e in real.items()
+             if isinstance(e[1], CommTimeout) and any(p not in errors for p in e[1].peers)} or real
+    first = min(roots, key=lambda r: roots[r][0])
     status = []
     for r in range(n):
         if r not in errors:

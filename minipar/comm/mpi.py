@@ -110,7 +110,7 @@ class MpiCommunicator(Communicator):
 
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
         MPI, c = self.MPI, self.mpicomm
-        arr = np.ascontiguousarray(array)
+        arr = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         if not header:
             return _Reqs([c.Isend([_bytes(arr), MPI.BYTE], dst, wire_tag(ctx, tag, 2))], keep=arr)
         hdr = encode_header(arr)

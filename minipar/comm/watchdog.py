@@ -58,12 +58,14 @@ class RankState:
     def timeout_error(self, what: str, peers: Iterable[int], waited: float) -> CommTimeout:
         peer_list = sorted(set(peers))
         last = "; ".join(self.history) if self.history else "none"
-        return CommTimeout(
+        err = CommTimeout(
             f"rank {self.world_rank}: {what} timed out after {waited:.1f} s waiting for rank(s) "
             f"{peer_list} (world ranks); last completed operations: {last}. A rank that never "
             "entered this operation, or entered a different one, is the usual cause; raise the limit "
             "with MINIPAR_TIMEOUT=<seconds> or timeout= if the peers are just slow."
         )
+        err.peers = peer_list
+        return err
 
 
 def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int]) -> None:
