@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -26,12 +27,14 @@ import numpy as np
 
 from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
+from minipar.comm.errors import CommTimeout
 from minipar.comm.ring import chunk_bounds
 from minipar.comm.watchdog import RankState, default_timeout, poll
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
                                 "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
 HEADER = 16  # int64 words: dtype code, ndim, up to 14 dims
+ABORT_GRACE = 1.0  # seconds a timed-out rank waits before MPI_Abort
 
 
 def under_mpiexec() -> bool:
@@ -212,6 +215,8 @@ def _abort_hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
     sys.stderr.write(f"[minipar] rank {rank}: uncaught exception; aborting the MPI job\n")
     sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
     sys.stderr.flush()
+    if issubclass(exc_type, CommTimeout):
+        time.sleep(ABORT_GRACE)  # ranks timing out at the same moment print their view too
     MPI.COMM_WORLD.Abort(1)
 
 
