@@ -1,0 +1,48 @@
+"""Tensor parallelism: Megatron-LM (Shoeybi et al. 2019) with sequence parallelism (Korthikanti et
+al. 2022) and the vocabulary-parallel embedding and cross-entropy.
+
+- ``comm_ops.py``: the conjugate operators ``f`` and ``g`` and the sequence-parallel pair
+  ``sp_gather`` / ``sp_reduce_scatter`` as autograd ``Function``s; the activation meter.
+- ``layers.py``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``,
+  ``vocab_parallel_cross_entropy``; ``gather_state_dict`` / ``gather_grads``.
+- ``model.py``: ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, ``TensorParallelGPT``.
+- ``formulas.py``: collectives, bytes per rank and activation bytes a step should take.
+"""
+
+from minipar.parallel.tensor import formulas
+from minipar.parallel.tensor.comm_ops import (
+    ActivationMeter,
+    enter_region,
+    exit_region,
+    f,
+    g,
+    gather_last,
+    sp_gather,
+    sp_reduce_scatter,
+)
+from minipar.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    gather_array,
+    gather_grads,
+    gather_state_dict,
+    vocab_parallel_cross_entropy,
+)
+from minipar.parallel.tensor.model import (
+    ParallelAttention,
+    ParallelBlock,
+    ParallelMLP,
+    TensorParallelGPT,
+    check_config,
+    gather_logits,
+)
+
+__all__ = [
+    "ActivationMeter", "ColumnParallelLinear", "ParallelAttention", "ParallelBlock", "ParallelMLP",
+    "RowParallelLinear", "TensorParallelGPT", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
+    "check_config", "enter_region", "exit_region", "f", "formulas", "g", "gather_array", "gather_grads",
+    "gather_logits", "gather_state_dict", "gather_last", "sp_gather", "sp_reduce_scatter",
+    "vocab_parallel_cross_entropy",
+]

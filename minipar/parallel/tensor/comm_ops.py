@@ -1,0 +1,163 @@
+"""Communication inside the autograd graph: Megatron's conjugate operators ``f`` and ``g``, and the
+all-gather / reduce-scatter pair of sequence parallelism that takes their places.
+
+Megatron-LM (Shoeybi et al. 2019, Sec. 3, Fig. 3): "f is an identity operator in the forward pass
+and all reduce in the backward pass while g is an all reduce in the forward pass and identity in
+the backward pass." ``f`` enters a tensor-parallel region (every rank needs the whole input; the
+input's gradient is a sum of every rank's partial gradient), ``g`` leaves it (every rank holds a
+partial sum of the output).
+
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Sec. 4.2.2, Fig. 5): "g is all-gather in the forward pass and reduce-scatter
+in the backward pass. g-bar is reduce-scatter in forward pass and all-gather in backward pass."
+Their ``g`` takes the place of Megatron's ``f`` (named ``sp_gather`` here) and their ``g-bar``
+takes the place of Megatron's ``g`` (``sp_reduce_scatter``), so layer norms and residual adds work
+on a 1/t sequence shard. "A ring all-reduce is composed of two steps: a reduce-scatter followed by
+an all-gather", so the bytes sent are the same as with ``f``/``g``.
+
+Layout: the comm layer gathers and scatters along axis 0, so activations inside the blocks are
+Megatron's ``[seq, batch, hidden]``: rank r's sequence shard is rows ``[r T/t, (r+1) T/t)``.
+
+Costs per call on t ranks for an activation of n bytes (ring): ``f``/``g`` all-reduce sends
+2(t-1)/t n bytes per rank; ``sp_gather``/``sp_reduce_scatter`` send (t-1)/t n each way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from minipar import trace
+from minipar.autograd import Context, Function, Tensor
+
+ALGORITHM = "ring"  # hand-written ring collectives: every message is in the trace
+
+
+class f(Function):  # the paper's name
+    """Megatron's ``f``: identity forward, all-reduce (sum over the tensor-parallel group) backward."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return ctx.comm.allreduce(grad, op="sum", algorithm=ALGORITHM), None
+
+
+class g(Function):  # the paper's name
+    """Megatron's ``g``: all-reduce (sum of the ranks' partial outputs) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
+        return comm.allreduce(x, op="sum", algorithm=ALGORITHM)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return grad, None
+
+
+class sp_gather(Function):  # Korthikanti et al.'s ``g``
+    """Sequence-parallel ``g``: all-gather the sequence shards (axis 0) forward, reduce-scatter the
+    gradient back to this rank's shard backward. Replaces Megatron's ``f`` under sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
+        ctx.comm = comm
+        return comm.allgather(x, algorithm=ALGORITHM)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return ctx.comm.reduce_scatter(grad, op="sum", algorithm=ALGORITHM), None
+
+
+class sp_reduce_scatter(Function):  # Korthikanti et al.'s ``g-bar``
+    """Sequence-parallel ``g-bar``: reduce-scatter the partial sums along the sequence (axis 0)
+    forward, all-gather the shards' gradients backward. Replaces Megatron's ``g``."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
+        ctx.comm = comm
+        return comm.reduce_scatter(x, op="sum", algorithm=ALGORITHM)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return ctx.comm.allgather(grad, algorithm=ALGORITHM), None
+
+
+class gather_last(Function):  # Megatron's gather_from_tensor_model_parallel_region
+    """All-gather along the LAST axis forward (a column-parallel output made whole), keep this
+    rank's slice of the gradient backward (no communication)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
+        ctx.rank, ctx.width = comm.rank, x.shape[-1]
+        whole = comm.allgather(np.ascontiguousarray(np.moveaxis(x, -1, 0)), algorithm=ALGORITHM)
+        return np.ascontiguousarray(np.moveaxis(whole, 0, -1))
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        lo = ctx.rank * ctx.width
+        return np.ascontiguousarray(grad[..., lo:lo + ctx.width]), None
+
+
+def enter_region(x: Tensor, comm: Any, sequence_parallel: bool) -> Tensor:
+    """Into a tensor-parallel region: ``f`` (or ``sp_gather`` on a sequence shard)."""
+    return sp_gather.apply(x, comm) if sequence_parallel else f.apply(x, comm)
+
+
+def exit_region(x: Tensor, comm: Any, sequence_parallel: bool) -> Tensor:
+    """Out of a tensor-parallel region (partial sums): ``g`` (or ``sp_reduce_scatter``)."""
+    return sp_reduce_scatter.apply(x, comm) if sequence_parallel else g.apply(x, comm)
+
+
+class on_backward(Function):
+    """Identity both ways; calls ``callback()`` when the gradient passes (used to time a layer's
+    backward and release its activations in the memory samples)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, callback: Callable[[], None]) -> np.ndarray:
+        ctx.callback = callback
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        ctx.callback()
+        return grad, None
+
+
+class ActivationMeter:
+    """Bytes of activations kept for backward on this rank, by label, sampled into the trace.
+
+    Labels: ``activations/ln`` (layer-norm and residual region: the inputs of the layer norms,
+    sharded by sequence parallelism), ``activations/tp`` (tensor-parallel regions: inputs of the
+    column-parallel linears, local heads' q, k, v and softmax, local MLP hidden) and
+    ``activations/logits`` (the vocabulary-parallel logits and their softmax). ``peak`` keeps the
+    largest total per label since the last ``reset``.
+    """
+
+    LABELS = ("activations/ln", "activations/tp", "activations/logits")
+
+    def __init__(self) -> None:
+        self.held = dict.fromkeys(self.LABELS, 0)
+        self.peak = dict.fromkeys(self.LABELS, 0)
+
+    def hold(self, label: str, nbytes: int) -> None:
+        self.held[label] += int(nbytes)
+        self.peak[label] = max(self.peak[label], self.held[label])
+        trace.memory(label, self.held[label])
+
+    def release(self, label: str, nbytes: int) -> None:
+        self.held[label] = max(0, self.held[label] - int(nbytes))
+        trace.memory(label, self.held[label])
+
+    def reset(self) -> None:
+        """Forget everything held (a new forward pass starts); samples zeros for labels in use."""
+        for label in self.LABELS:
+            if self.held[label]:
+                self.held[label] = 0
+                trace.memory(label, 0)
+        self.peak = dict.fromkeys(self.LABELS, 0)

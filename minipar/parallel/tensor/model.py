@@ -1,0 +1,271 @@
+"""The tensor-parallel transformer: parallel MLP, parallel attention, block and GPT (Megatron-LM,
+Shoeybi et al. 2019, Sec. 3, Fig. 3; sequence parallelism: Korthikanti et al. 2022, Sec. 4.2.2).
+
+Parameter names and full shapes are those of ``minipar.nn.GPT`` (``tok_emb.weight``,
+``blocks.0.attn.q.weight``, ..., ``head.weight``), so ``init_parameters(seed)`` hands each rank its
+slice of the single-process model and ``gather_state_dict`` gives that model back.
+
+One block, t ranks::
+
+    x --ln1--> f --[q k v: column parallel, heads h*t/H..]--attention--[proj: row parallel]--> g --+--> x
+    x --ln2--> f --[fc: column parallel]--gelu--[proj: row parallel]--> g --+--> x
+
+``f``/``g`` are all-reduces in backward/forward: 2 all-reduces forward and 2 backward per block.
+With ``sequence_parallel=True`` the residual stream and layer norms hold a ``1/t`` sequence shard,
+``f`` becomes an all-gather and ``g`` a reduce-scatter (same bytes). Layer-norm weights, the
+row-parallel biases and the position embedding then see only their shard's gradient:
+``sync_grads()`` all-reduces them (one all-reduce per step, as Megatron does).
+
+Layout: tokens arrive ``(batch, seq)``; inside, activations are ``[seq, batch, hidden]`` (Megatron's
+layout) so the sequence is axis 0, the axis the comm layer gathers and scatters. The embedding
+transposes once; attention transposes to ``(batch, seq, heads*d_head)`` for ``F.attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from minipar import functional as F
+from minipar import trace
+from minipar.autograd import Tensor
+from minipar.nn import LayerNorm, Module, ModuleList, Parameter
+from minipar.parallel.tensor.comm_ops import ActivationMeter, enter_region, on_backward
+from minipar.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_tokens,
+    vocab_parallel_cross_entropy,
+)
+
+LN, TP, LOGITS = ActivationMeter.LABELS
+
+
+def check_config(comm: Any, vocab_size: int, d_model: int, n_heads: int, d_ff: int,
+                 tp: int | None = None) -> None:
+    """Raise ``ValueError`` (on every rank, before any message) naming what to change."""
+    t = comm.size
+    if tp is not None and tp != t:
+        raise ValueError(f"tensor-parallel degree tp={tp} but the communicator has {t} ranks; "
+                         f"launch {tp} ranks or pass tp={t}")
+    problems = []
+    if d_model % n_heads:
+        problems.append(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+    for name, n in (("n_heads", n_heads), ("d_model", d_model), ("d_ff", d_ff), ("vocab_size", vocab_size)):
+        if n % t:
+            problems.append(f"{name}={n} is not divisible by t={t}")
+    if problems:
+        raise ValueError("tensor parallelism: " + "; ".join(problems) +
+                         ". Choose sizes that are multiples of t (or another t that divides them all).")
+
+
+class _Ledger:
+    """Activation bytes one layer holds, released when its backward is done."""
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        self.meter, self.bytes = meter, dict.fromkeys(meter.LABELS, 0)
+
+    def hold(self, label: str, nbytes: int) -> None:
+        self.bytes[label] += nbytes
+        self.meter.hold(label, nbytes)
+
+    def release(self) -> None:
+        for label, n in self.bytes.items():
+            if n:
+                self.meter.release(label, n)
+        self.bytes = dict.fromkeys(self.meter.LABELS, 0)
+
+
+class ParallelMLP(Module):
+    """``proj(gelu(fc(x)))``: fc column-parallel (d -> d_ff/t), proj row-parallel (d_ff/t -> d)."""
+
+    def __init__(self, d_model: int, d_ff: int, comm: Any, sequence_parallel: bool = False,
+                 dtype: Any = np.float64) -> None:
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.fc = ColumnParallelLinear(d_model, d_ff, comm, sequence_parallel=sequence_parallel, dtype=dtype)
+        self.proj = RowParallelLinear(d_ff, d_model, comm, sequence_parallel=sequence_parallel, dtype=dtype)
+
+    def forward(self, x: Tensor, ledger: _Ledger | None = None) -> Tensor:
+        h = enter_region(x, self.comm, self.sequence_parallel)
+        a = self.fc.local(h)
+        z = F.gelu(a)
+        if ledger is not None:  # fc input (whole sequence), gelu input and output (d_ff/t columns)
+            ledger.hold(TP, h.data.nbytes + a.data.nbytes + z.data.nbytes)
+        return self.proj(z)
+
+
+class ParallelAttention(Module):
+    """Causal self-attention on this rank's ``n_heads/t`` heads: q, k, v column-parallel (columns of
+    head h are ``[h d_head, (h+1) d_head)``, contiguous per rank), proj row-parallel."""
+
+    def __init__(self, d_model: int, n_heads: int, comm: Any, sequence_parallel: bool = False,
+                 dtype: Any = np.float64) -> None:
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.local_heads = n_heads // comm.size
+        kw = {"sequence_parallel": sequence_parallel, "dtype": dtype}
+        self.q = ColumnParallelLinear(d_model, d_model, comm, **kw)
+        self.k = ColumnParallelLinear(d_model, d_model, comm, **kw)
+        self.v = ColumnParallelLinear(d_model, d_model, comm, **kw)
+        self.proj = RowParallelLinear(d_model, d_model, comm, **kw)
+
+    def forward(self, x: Tensor, ledger: _Ledger | None = None) -> Tensor:
+        h = enter_region(x, self.comm, self.sequence_parallel)  # one f (or all-gather) for q, k and v
+        q, k, v = (lin.local(h).transpose(1, 0, 2) for lin in (self.q, self.k, self.v))
+        y = F.attention(q, k, v, self.local_heads).transpose(1, 0, 2)
+        if ledger is not None:  # input, q, k, v, softmax (batch x local heads x seq x seq), proj input
+            b, s = q.shape[0], q.shape[1]
+            probs = b * self.local_heads * s * s * q.data.itemsize
+            ledger.hold(TP, h.data.nbytes + q.data.nbytes + k.data.nbytes + v.data.nbytes + probs + y.data.nbytes)
+        return self.proj(y)
+
+
+class ParallelBlock(Module):
+    """Pre-norm block ``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` on ``[seq(/t), batch, d]``.
+
+    Forward is one ``F`` span, backward one ``B`` span (args ``layer``) in the trace, and the
+    activations it keeps are sampled into ``activations/ln`` and ``activations/tp``."""
+
+    def __init__(self, d_model: int, n_heads: int, comm: Any, d_ff: int | None = None,
+                 sequence_parallel: bool = False, layer: int = 0, dtype: Any = np.float64) -> None:
+        self.layer, self.meter = layer, ActivationMeter()
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = ParallelAttention(d_model, n_heads, comm, sequence_parallel, dtype)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = ParallelMLP(d_model, d_ff or 4 * d_model, comm, sequence_parallel, dtype)
+        for ln in (self.ln1, self.ln2):
+            for p in ln.parameters():
+                p.sequence_parallel = sequence_parallel
+        self._ledger = _Ledger(self.meter)
+        self._t_backward = 0.0
+
+    def _backward_starts(self) -> None:
+        self._t_backward = trace.now()
+
+    def _backward_done(self) -> None:
+        rec = trace.current()
+        if rec is not None:
+            rec.add("compute", "B", self._t_backward, trace.now(), args={"layer": self.layer})
+        self._ledger.release()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._ledger = ledger = _Ledger(self.meter)
+        with trace.span("F", args={"layer": self.layer}):
+            x = on_backward.apply(x, self._backward_done)  # its backward runs after the whole block's
+            ledger.hold(LN, x.data.nbytes)
+            x = x + self.attn(self.ln1(x), ledger)
+            ledger.hold(LN, x.data.nbytes)
+            x = x + self.mlp(self.ln2(x), ledger)
+            return on_backward.apply(x, self._backward_starts)  # its backward runs first
+
+
+class TensorParallelGPT(Module):
+    """``minipar.nn.GPT`` split over the ``comm.size`` ranks of ``comm`` (tensor-parallel degree t).
+
+    Every rank holds 1/t of the embedding table (vocabulary rows), of q/k/v/fc (columns), of
+    proj (rows) and of the head (vocabulary columns); layer norms, proj biases and the position
+    embedding are replicated. ``loss`` never forms the full logits. Per training step::
+
+        loss = model.loss(idx, targets); loss.backward(); model.sync_grads(); opt.step()
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, comm: Any,
+                 d_ff: int | None = None, sequence_parallel: bool = False, seed: int = 0,
+                 dtype: Any = np.float64, tp: int | None = None) -> None:
+        d_ff = d_ff or 4 * d_model
+        check_config(comm, vocab_size, d_model, n_heads, d_ff, tp)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
+        self.meter = ActivationMeter()
+        sp = sequence_parallel
+        self.tok_emb = VocabParallelEmbedding(vocab_size, d_model, comm, sp, dtype)
+        self.pos_emb = _Table(seq_len, d_model, dtype)
+        self.blocks = ModuleList([ParallelBlock(d_model, n_heads, comm, d_ff, sp, i, dtype) for i in range(n_layers)])
+        self.ln_f = LayerNorm(d_model, dtype=dtype)
+        self.head = ColumnParallelLinear(d_model, vocab_size, comm, bias=False, sequence_parallel=sp, dtype=dtype)
+        for p in (*self.ln_f.parameters(), self.pos_emb.weight):
+            p.sequence_parallel = sp
+        for block in self.blocks:
+            block.meter = block._ledger.meter = self.meter
+        self._top = _Ledger(self.meter)
+        self.init_parameters(seed)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def _check(self, idx: np.ndarray) -> None:
+        if idx.ndim != 2:
+            raise ValueError(f"tokens must be (batch, seq), got shape {idx.shape}")
+        if idx.shape[1] > self.seq_len:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len={self.seq_len}")
+        if self.sequence_parallel and idx.shape[1] % self.comm.size:
+            raise ValueError(f"sequence parallelism splits the {idx.shape[1]} positions over t={self.comm.size} "
+                             f"ranks; use a sequence length that is a multiple of {self.comm.size}")
+        check_tokens(idx, self.vocab_size, "token ids")
+
+    def embed(self, idx: np.ndarray) -> Tensor:
+        """Token + position embeddings as ``[seq, batch, d]`` (this rank's sequence shard under SP)."""
+        idx = np.asarray(idx)
+        self._check(idx)
+        seq, t, r = idx.shape[1], self.comm.size, self.comm.rank
+        lo, hi = (r * seq // t, (r + 1) * seq // t) if self.sequence_parallel else (0, seq)
+        x = self.tok_emb(np.ascontiguousarray(idx.T))
+        return x + self.pos_emb.weight[lo:hi].reshape(hi - lo, 1, self.d_model)
+
+    def local_logits(self, idx: np.ndarray) -> Tensor:
+        """This rank's vocabulary slice of the logits, ``[seq, batch, V/t]`` (whole sequence)."""
+        self.meter.reset()
+        self._top = top = _Ledger(self.meter)
+        with trace.span("F", args={"layer": "embed"}):
+            x = on_backward.apply(self.embed(idx), top.release)  # released when backward reaches here
+        for block in self.blocks:
+            x = block(x)
+        with trace.span("F", args={"layer": "head"}):
+            top.hold(LN, x.data.nbytes)
+            h = enter_region(self.ln_f(x), self.comm, self.sequence_parallel)
+            top.hold(TP, h.data.nbytes)
+            return self.head.local(h)
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        """Logits ``(batch, seq, V/t)``: this rank's vocabulary columns (``gather_logits`` for all)."""
+        return self.local_logits(idx).transpose(1, 0, 2)
+
+    def loss(self, idx: np.ndarray, targets: np.ndarray) -> Tensor:
+        """Mean cross-entropy, the vocabulary-parallel way; equal on every rank."""
+        targets = np.asarray(targets)
+        if targets.shape != np.shape(idx):
+            raise ValueError(f"targets {targets.shape} must have the tokens' shape {np.shape(idx)}")
+        check_tokens(targets, self.vocab_size, "targets")
+        logits = self.local_logits(idx)
+        with trace.span("F", args={"layer": "loss"}):
+            ledger = _Ledger(self.meter)
+            ledger.hold(LOGITS, 2 * logits.data.nbytes)  # the logits and their softmax
+            logits = on_backward.apply(logits, ledger.release)
+            return vocab_parallel_cross_entropy(logits, np.ascontiguousarray(targets.T), self.comm)
+
+    # ---- after backward ------------------------------------------------------------------------
+    def sync_grads(self) -> None:
+        """Under sequence parallelism, all-reduce (one flat buffer) the gradients of the replicated
+        parameters used on a sequence shard: layer norms, row-parallel biases, position embedding.
+        Without it this is a no-op."""
+        if not self.sequence_parallel:
+            return
+        params = [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+        grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
+        flat = self.comm.allreduce(np.concatenate([gr.reshape(-1) for gr in grads]), op="sum")
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.size].reshape(p.shape).copy()
+            offset += p.size
+
+
+class _Table(Module):
+    """A replicated embedding table used by slicing (the position embedding)."""
+
+    def __init__(self, rows: int, dim: int, dtype: Any) -> None:
+        self.weight = Parameter((rows, dim), ("normal", 1.0), dtype)
+
+
+def gather_logits(logits: Tensor, comm: Any) -> np.ndarray:
+    """All vocabulary columns of a (..., V/t) logits slice (an all-gather; tests and lessons only)."""
+    whole = comm.allgather(np.ascontiguousarray(np.moveaxis(logits.data, -1, 0)))
+    return np.moveaxis(whole, 0, -1)
