@@ -57,7 +57,8 @@ def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize
     if not sequence_parallel:
         return {"allreduce": calls * ring("allreduce", a, t) + loss}
     grads = sequence_parallel_params(seq_len or seq, d, n_layers) * itemsize
-    return {"allgather": calls * ring("allgather", a, t), "reduce_scatter": calls * ring("reduce_scatter", a, t),
+    return {"allgather": calls * ring("allgather", a, t),
+            "reduce_scatter": calls * ring("reduce_scatter", a, t),
             "allreduce": loss + ring("allreduce", grads, t)}
 
 

@@ -44,7 +44,8 @@ class ColumnParallelLinear(Module):
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Any, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False, dtype: Any = np.float64) -> None:
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 dtype: Any = np.float64) -> None:
         lo, hi = _split(out_features, comm.size, comm.rank, "out_features",
                         "choose out_features (heads, d_ff or vocabulary) as a multiple of t")
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
@@ -104,7 +105,8 @@ class VocabParallelEmbedding(Module):
 
     def __init__(self, num_embeddings: int, dim: int, comm: Any, sequence_parallel: bool = False,
                  dtype: Any = np.float64) -> None:
-        lo, hi = _split(num_embeddings, comm.size, comm.rank, "vocab_size", "pad the vocabulary to a multiple of t")
+        lo, hi = _split(num_embeddings, comm.size, comm.rank, "vocab_size",
+                        "pad the vocabulary to a multiple of t")
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.num_embeddings, self.vocab_start, self.vocab_end = num_embeddings, lo, hi
         self.weight = Parameter((hi - lo, dim), ("normal", 1.0), dtype, full_shape=(num_embeddings, dim),
@@ -151,7 +153,8 @@ class VocabParallelCrossEntropy(Function):
         inside = (targets >= start) & (targets < start + width)
         local_t = np.where(inside, targets - start, 0)
         picked = np.take_along_axis(logits, local_t[..., None], axis=-1)[..., 0] - m
-        picked = comm.allreduce(np.where(inside, picked, 0.0).astype(logits.dtype), op="sum", algorithm=ALGORITHM)
+        picked = np.where(inside, picked, 0.0).astype(logits.dtype)
+        picked = comm.allreduce(picked, op="sum", algorithm=ALGORITHM)
         soft /= total[..., None]
         ctx.save_for_backward(soft, local_t, inside)
         return np.asarray((np.log(total) - picked).mean(), dtype=logits.dtype)

@@ -117,7 +117,8 @@ class ParallelAttention(Module):
         if ledger is not None:  # input, q, k, v, softmax (batch x local heads x seq x seq), proj input
             b, s = q.shape[0], q.shape[1]
             probs = b * self.local_heads * s * s * q.data.itemsize
-            ledger.hold(TP, h.data.nbytes + q.data.nbytes + k.data.nbytes + v.data.nbytes + probs + y.data.nbytes)
+            qkv = q.data.nbytes + k.data.nbytes + v.data.nbytes
+            ledger.hold(TP, h.data.nbytes + qkv + probs + y.data.nbytes)
         return self.proj(y)
 
 
@@ -181,9 +182,11 @@ class TensorParallelGPT(Module):
         sp = sequence_parallel
         self.tok_emb = VocabParallelEmbedding(vocab_size, d_model, comm, sp, dtype)
         self.pos_emb = _Table(seq_len, d_model, dtype)
-        self.blocks = ModuleList([ParallelBlock(d_model, n_heads, comm, d_ff, sp, i, dtype) for i in range(n_layers)])
+        self.blocks = ModuleList([ParallelBlock(d_model, n_heads, comm, d_ff, sp, i, dtype)
+                                  for i in range(n_layers)])
         self.ln_f = LayerNorm(d_model, dtype=dtype)
-        self.head = ColumnParallelLinear(d_model, vocab_size, comm, bias=False, sequence_parallel=sp, dtype=dtype)
+        self.head = ColumnParallelLinear(d_model, vocab_size, comm, bias=False, sequence_parallel=sp,
+                                         dtype=dtype)
         for p in (*self.ln_f.parameters(), self.pos_emb.weight):
             p.sequence_parallel = sp
         for block in self.blocks:
@@ -198,8 +201,9 @@ class TensorParallelGPT(Module):
         if idx.shape[1] > self.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len={self.seq_len}")
         if self.sequence_parallel and idx.shape[1] % self.comm.size:
-            raise ValueError(f"sequence parallelism splits the {idx.shape[1]} positions over t={self.comm.size} "
-                             f"ranks; use a sequence length that is a multiple of {self.comm.size}")
+            raise ValueError(f"sequence parallelism splits the {idx.shape[1]} positions over "
+                             f"t={self.comm.size} ranks; use a sequence length that is a multiple of "
+                             f"{self.comm.size}")
         check_tokens(idx, self.vocab_size, "token ids")
 
     def embed(self, idx: np.ndarray) -> Tensor:
