@@ -1,0 +1,238 @@
+"""Pipeline runtime (issue 4, point 5): any schedule over real ranks equals the single-process run.
+
+Property: for drawn stage counts, micro-batches, layers per stage, chunks, models and seeds, every
+schedule kind gives the single-process loss, gradients and updated parameters after 2 steps (on
+threads, and under real mpiexec through ``minipar.testing.run``), and the stash measured from the
+runtime's memory samples equals the simulator's ``peak_stash``. Hand-written schedules run; broken
+ones and bad configurations are rejected on every rank before anything is sent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipar import data, testing
+from minipar import functional as F
+from minipar import trace as mtrace
+from minipar.nn import GPT, MLP
+from minipar.optim import SGD, AdamW
+from minipar.parallel.pipeline import (
+    KINDS,
+    Pipeline,
+    gather_grads,
+    gather_state_dict,
+    gpt,
+    make_schedule,
+    mlp,
+    simulate,
+)
+
+STEPS = 2
+GPT_DIMS = {"vocab_size": 7, "seq_len": 4, "d_model": 4, "n_heads": 2}
+
+
+# ---- one configuration, pipelined and single-process -------------------------------------------
+def _model(cfg: dict):
+    n = sum(cfg["counts"])
+    if cfg["model"] == "gpt":
+        return gpt(**GPT_DIMS, n_layers=n - 2, seed=cfg["seed"])
+    return mlp(cfg["widths"][: n + 1], seed=cfg["seed"])
+
+
+def _batches(cfg: dict) -> list[tuple[np.ndarray, np.ndarray]]:
+    n = cfg["m"] * cfg["mb_size"]
+    if cfg["model"] == "gpt":
+        stream = data.token_stream(200, GPT_DIMS["vocab_size"], seed=cfg["seed"])
+        return [data.lm_batch(stream, n, GPT_DIMS["seq_len"], step=k) for k in range(STEPS)]
+    w = cfg["widths"][: sum(cfg["counts"]) + 1]
+    return [data.regression(n, w[0], w[-1], seed=cfg["seed"] + k) for k in range(STEPS)]
+
+
+def _optimizer(cfg: dict, params):
+    if cfg["opt"] == "adamw":
+        return AdamW(params, lr=0.05, weight_decay=0.01)
+    return SGD(params, lr=0.1, momentum=0.9)
+
+
+def reference(cfg: dict) -> tuple[list[float], dict, dict]:
+    """Single-process losses, final parameters and last-step gradients."""
+    n = sum(cfg["counts"])
+    if cfg["model"] == "gpt":
+        model = GPT(**GPT_DIMS, n_layers=n - 2, seed=cfg["seed"])
+        loss_fn = model.loss
+    else:
+        model = MLP(cfg["widths"][: n + 1], seed=cfg["seed"])
+        loss_fn = lambda x, y: F.mse_loss(model(x), y)  # noqa: E731
+    opt = _optimizer(cfg, model.parameters())
+    losses = []
+    for x, y in _batches(cfg):
+        opt.zero_grad()
+        loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
+    """Run every configuration on this rank; gathered results on rank 0, peak stash on every rank."""
+    out = []
+    for cfg in cfgs:
+        layers = cfg["counts"] if cfg["given_counts"] else None
+        with mtrace.recording(comm.world_rank) as rec:
+            pipe = Pipeline(comm, _model(cfg), cfg["kind"], microbatches=cfg["m"], chunks=cfg["v"],
+                            layers=layers)
+            opt = _optimizer(cfg, pipe.parameters())
+            losses = [pipe.step(x, y, opt) for x, y in _batches(cfg)]
+        samples = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "activations"]
+        spans = sorted((e.name, e.stage, e.microbatch) for e in rec.events if e.kind == "compute")
+        out.append({"losses": losses, "state": gather_state_dict(pipe), "grads": gather_grads(pipe),
+                    "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans})
+    return out
+
+
+def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
+    ref_losses, ref_state, ref_grads = reference(cfg)
+    p = len(results)
+    for r in range(p):
+        got = results[r][index]
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-12), f"rank {r} loss, {cfg}"
+    got = results[0][index]
+    assert sorted(got["state"]) == sorted(ref_state)
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(got["state"][name], value, rtol=1e-9, atol=1e-11, err_msg=f"{name} {cfg}")
+        np.testing.assert_allclose(got["grads"][name], ref_grads[name], rtol=1e-9, atol=1e-12,
+                                   err_msg=f"grad {name} {cfg}")
+    sim = simulate(make_schedule(cfg["kind"], p, cfg["m"], cfg["v"]))
+    assert [results[r][index]["peak"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
+    assert [results[r][index]["peak_attr"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
+    stages = p * cfg["v"]
+    every = sorted(s for r in range(p) for s in results[r][index]["spans"] if s[0] in "FB")
+    assert every == sorted((op, s, i) for op in "FB" for s in range(stages) for i in range(cfg["m"])
+                           for _ in range(STEPS))
+
+
+@st.composite
+def configs(draw: st.DrawFn, p: int | None = None, kind: str | None = None) -> dict:
+    p = draw(st.integers(2, 4)) if p is None else p
+    kind = draw(st.sampled_from(KINDS)) if kind is None else kind
+    v = draw(st.integers(2, 3)) if kind == "interleaved" else 1
+    m = p * draw(st.integers(1, 2)) if kind == "interleaved" else draw(st.integers(1, 2 * p))
+    model = draw(st.sampled_from(["mlp", "gpt"]))
+    counts = draw(st.lists(st.integers(1, 2), min_size=p * v, max_size=p * v))
+    return {"kind": kind, "m": m, "v": v, "model": model, "counts": counts,
+            "given_counts": draw(st.booleans()), "mb_size": draw(st.integers(1, 2)),
+            "widths": draw(st.lists(st.integers(1, 4), min_size=2 * p * v + 1, max_size=2 * p * v + 1)),
+            "seed": draw(st.integers(0, 1000)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+
+
+@settings(max_examples=15)
+@given(cfg=configs())
+def test_every_schedule_equals_single_process_on_threads(cfg):
+    p = len(cfg["counts"]) // cfg["v"]
+    check(cfg, testing.run(pipeline_run, p, "threads", cfgs=[cfg]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("p", [2, 3, 4])
+@settings(max_examples=1)
+@given(st.data())
+def test_every_schedule_equals_single_process_under_mpiexec(p, data):
+    """One mpiexec job per p runs all four schedule kinds with drawn shapes, layers and seeds."""
+    cfgs = [data.draw(configs(p=p, kind=kind)) for kind in KINDS]
+    results = testing.run(pipeline_run, p, "mpi", timeout=90, cfgs=cfgs)
+    for i, cfg in enumerate(cfgs):
+        check(cfg, results, i)
+
+
+# ---- hand-written schedules -----------------------------------------------------------------
+def hand_written_run(comm, schedule, counts) -> tuple[list[float], dict | None]:
+    cfg = {"model": "mlp", "counts": counts, "widths": [3, 4, 2, 5, 3], "seed": 4, "m": 2, "mb_size": 2,
+           "opt": "sgd"}
+    pipe = Pipeline(comm, _model(cfg), schedule, layers=counts)
+    opt = _optimizer(cfg, pipe.parameters())
+    return [pipe.step(x, y, opt) for x, y in _batches(cfg)], gather_state_dict(pipe)
+
+
+@pytest.mark.parametrize("schedule", [
+    # GPipe with backwards in reverse micro-batch order, as drawn in GPipe's Figure 2
+    {0: "0F0 0F1 0B1 0B0", 1: "1F0 1F1 1B1 1B0"},
+    # two stages per rank, consecutive (not interleaved): stage 0 -> 1 handed over in memory
+    {0: "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1", 1: "2F0 3F0 3B0 2B0 2F1 3F1 3B1 2B1"},
+    # already lowered, sends and receives written by hand
+    {0: "0F0 0SEND_F0->1 0F1 0SEND_F1->1 0RECV_B0<-1 0B0 0RECV_B1<-1 0B1",
+     1: "1RECV_F0<-0 1F0 1B0 1SEND_B0->0 1RECV_F1<-0 1F1 1B1 1SEND_B1->0"},
+])
+def test_hand_written_schedule_runs(schedule):
+    stages = 1 + max(int(a[0]) for acts in schedule.values() for a in acts.split())
+    counts = [1] * stages
+    cfg = {"model": "mlp", "counts": counts, "widths": [3, 4, 2, 5, 3], "seed": 4, "m": 2, "mb_size": 2,
+           "opt": "sgd"}
+    ref_losses, ref_state, _ = reference(cfg)
+    results = testing.run(hand_written_run, 2, "threads", schedule=schedule, counts=counts)
+    for losses, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-12)
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(results[0][1][name], value, rtol=1e-12, atol=1e-14)
+
+
+# ---- rejected before any communication ----------------------------------------------------------
+DEADLOCK = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1B1", "1F0", "1B0"]}
+
+
+def rejected_run(comm, cases: list[str]) -> list[tuple[str, str, int]]:
+    """Per case: (exception type, message, number of trace events this rank recorded before it)."""
+    two, four = mlp([3, 4, 2], seed=0), mlp([3, 4, 4, 4, 2], seed=0)
+    x, y = data.regression(5, 3, 2)
+    build = {
+        "deadlock": lambda: Pipeline(comm, two, DEADLOCK),
+        "more_stages_than_layers": lambda: Pipeline(comm, two, "interleaved", microbatches=2, chunks=2),
+        "interleaved_m": lambda: Pipeline(comm, four, "interleaved", microbatches=3, chunks=2),
+        "wrong_size": lambda: Pipeline(comm, two, make_schedule("1f1b", comm.size + 2, 4)),
+        "batch": lambda: Pipeline(comm, two, "gpipe", microbatches=2).step(x, y),
+    }
+    out = []
+    for case in cases:
+        with mtrace.recording(comm.world_rank) as rec:
+            try:
+                build[case]()
+                out.append(("none", "", len(rec.events)))
+            except ValueError as exc:
+                out.append((type(exc).__name__, str(exc), len(rec.events)))
+    return out
+
+
+CASES = {
+    "deadlock": ("ScheduleError", "rank 1 step 0: 1RECV_F1<-0 can never proceed"),
+    "more_stages_than_layers": ("ValueError", "cannot cut 2 layers into 4 stages"),
+    "interleaved_m": ("ValueError", "microbatches to be a multiple of stages: m=3 with p=2"),
+    "wrong_size": ("ValueError", "the schedule is for 4 ranks but the communicator has 2"),
+    "batch": ("ValueError", "batch of 5 samples is not divisible by m=2"),
+}
+
+
+def _check_rejected(results: list[list[tuple[str, str, int]]], cases: list[str]) -> None:
+    for i, case in enumerate(cases):
+        kind, text = CASES[case]
+        assert len({res[i][1] for res in results}) == 1, f"{case}: every rank must raise the same error"
+        for res in results:
+            got_kind, msg, n_events = res[i]
+            assert got_kind == kind and text in msg, (case, msg)
+            assert n_events == 0, f"{case}: nothing may be sent (or computed) before the error"
+
+
+def test_bad_configurations_rejected_on_every_rank_before_any_message():
+    cases = sorted(CASES)
+    results = testing.run(rejected_run, 2, "threads", cases=cases)
+    _check_rejected(results, cases)
+    deadlock = results[0][cases.index("deadlock")][1]
+    assert "XX 1RECV_F1<-0" in deadlock and "step-by-rank program" in deadlock
+
+
+@pytest.mark.mpi
+def test_bad_configurations_rejected_under_mpiexec():
+    cases = sorted(CASES)
+    _check_rejected(testing.run(rejected_run, 2, "mpi", timeout=60, cases=cases), cases)
