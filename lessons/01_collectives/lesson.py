@@ -1,0 +1,160 @@
+"""Lesson 1: all-reduce four ways, message by message.
+
+    mpiexec -n 4 python lessons/01_collectives/lesson.py [--n 1048576] [--reps 5] [--out runs/01_collectives]
+    python lessons/01_collectives/lesson.py --ranks 4      # same, ranks as threads in one process
+
+Every rank holds the same-sized buffer of float64; all four all-reduce algorithms reduce it:
+- ring (reduce-scatter, then all-gather): 2(p-1) steps, 2(p-1)/p n bytes out per rank;
+- recursive doubling: lg p steps of the whole buffer, n lg p bytes;
+- naive (everyone to rank 0, rank 0 back to everyone): rank 0 sends (p-1) n bytes;
+- native: the MPI library's own (its messages are hidden from us).
+The table holds the bytes each rank sent, read from the trace, next to the formula's prediction,
+and the time (median of ``--reps`` untraced runs, slowest rank). The trace lands in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from minipar import trace
+from minipar.comm import Communicator, chunk_bounds, launch, world
+from minipar.comm.mpi import under_mpiexec
+
+ALGORITHMS = ("ring", "recursive_doubling", "naive", "native")
+OUT = Path("runs/01_collectives")
+MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p-1) n, others n", "native": ""}
+
+
+def formula_bytes(algorithm: str, n: int, itemsize: int, p: int, rank: int) -> int | None:
+    """Bytes ``rank`` sends in one all-reduce of ``n`` elements, by the algorithm's formula."""
+    if p == 1:
+        return 0
+    if algorithm == "ring":  # every chunk but its own (reduce-scatter), every chunk but its right
+        c = [b - a for a, b in chunk_bounds(n, p)]  # neighbour's (all-gather): 2(p-1)/p n when p | n
+        return itemsize * (2 * n - c[rank] - c[(rank + 1) % p])
+    if algorithm == "recursive_doubling":
+        pp = 1 << (p.bit_length() - 1)
+        lg, extra = pp.bit_length() - 1, p - pp
+        if rank < 2 * extra:  # fold-in of the ranks beyond the largest power of two
+            return itemsize * n * (1 if rank % 2 == 0 else lg + 1)
+        return itemsize * n * lg
+    if algorithm == "naive":
+        return itemsize * n * (p - 1 if rank == 0 else 1)
+    return None  # native: inside the MPI library
+
+
+def formula_steps(algorithm: str, p: int) -> str:
+    pp = 1 << (p.bit_length() - 1)
+    return {"ring": str(2 * (p - 1)), "naive": "2",
+            "recursive_doubling": str(pp.bit_length() - 1 + (2 if pp != p else 0))}.get(algorithm, "?")
+
+
+def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.PathLike[str] | None = OUT
+            ) -> list[dict[str, Any]]:
+    """Run every algorithm once under the trace, then ``reps`` times untimed by it; returns the rows
+    of the table (on every rank)."""
+    x = np.random.default_rng(comm.rank).standard_normal(n)
+    path = None
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        path = Path(out) / "trace.json"
+    results = {}
+    with trace.record(path, comm, paradigm="collectives", lesson="01_collectives", elements=n) as rec:
+        for alg in ALGORITHMS:
+            trace.mark(f"allreduce {alg}")
+            comm.barrier()
+            results[alg] = comm.allreduce(x, algorithm=alg)
+    mine = [e for e in rec.events if e.kind == "comm" and e.op == "allreduce"]
+    sent = {alg: sum(e.nbytes for e in mine if e.algorithm == alg and e.src == comm.world_rank)
+            for alg in ALGORITHMS}
+    steps = {alg: len({e.step for e in mine if e.algorithm == alg and e.step is not None}) for alg in ALGORITHMS}
+    times = {alg: [] for alg in ALGORITHMS}
+    for _ in range(reps):
+        for alg in ALGORITHMS:
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.allreduce(x, algorithm=alg)
+            times[alg].append(time.perf_counter() - t0)
+    agree = {alg: bool(np.allclose(results[alg], results["native"])) for alg in ALGORITHMS}
+    table = comm.allgather_object((sent, steps, times, agree))
+    rows = []
+    for alg in ALGORITHMS:
+        rows.append({
+            "algorithm": alg,
+            "steps": max(t[1][alg] for t in table),
+            "formula_steps": formula_steps(alg, comm.size),
+            "sent": [t[0][alg] for t in table],
+            "formula": [formula_bytes(alg, n, 8, comm.size, r) for r in range(comm.size)],
+            "seconds": statistics.median(max(t[2][alg][i] for t in table) for i in range(reps)) if reps else 0.0,
+            "agrees": all(t[3][alg] for t in table),
+        })
+    return rows
+
+
+def per_rank(values: list[int]) -> str:
+    """'1,024' when every rank agrees, else 'r0 3,072 · r1-3 1,024'."""
+    if len(set(values)) == 1:
+        return f"{values[0]:,}"
+    groups: list[tuple[int, int, int]] = []
+    for r, v in enumerate(values):
+        if groups and groups[-1][2] == v:
+            groups[-1] = (groups[-1][0], r, v)
+        else:
+            groups.append((r, r, v))
+    return " · ".join(f"r{a}{'' if a == b else f'-{b}'} {v:,}" for a, b, v in groups)
+
+
+def render(rows: list[dict[str, Any]], p: int, n: int, backend: str) -> Table:
+    table = Table(title=f"all-reduce of {n:,} float64 ({n * 8 / 1e6:.1f} MB) on {p} ranks ({backend})")
+    hidden = "(inside MPI)" if backend == "mpi" else "(shared memory)"
+    for col in ("algorithm", "steps (formula)", "bytes sent per rank (trace)", "formula", "match", "time"):
+        table.add_column(col, justify="left" if col == "algorithm" else "right", no_wrap=True)
+    for row in rows:
+        native = row["formula"][0] is None
+        match = "-" if native else ("yes" if row["sent"] == row["formula"] else "NO")
+        steps = "?" if native else str(row["steps"])
+        table.add_row(row["algorithm"], f"{steps} ({row['formula_steps']})",
+                      hidden if native else per_rank(row["sent"]), hidden if native else per_rank(row["formula"]),
+                      match, f"{row['seconds'] * 1e3:.1f} ms")
+    table.caption = "formulas: " + "; ".join(f"{k} {v}" for k, v in MODEL.items() if v)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1 << 20, help="elements per rank (float64)")
+    parser.add_argument("--reps", type=int, default=5, help="untraced timing runs per algorithm")
+    parser.add_argument("--out", default=str(OUT), help="folder for trace.json and trace.chrome.json")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    args = parser.parse_args()
+
+    def body(comm: Communicator) -> list[dict[str, Any]]:
+        return measure(comm, args.n, args.reps, args.out)
+
+    if under_mpiexec():
+        comm = world()
+        rows, p, rank, backend = body(comm), comm.size, comm.rank, comm.backend
+    else:
+        rows, p, rank, backend = launch(body, args.ranks, "threads")[0], args.ranks, 0, "threads"
+    if rank != 0:
+        return
+    console = Console(width=130)
+    console.print(render(rows, p, args.n, backend))
+    if not all(r["agrees"] for r in rows):
+        raise SystemExit("the algorithms disagree with each other")
+    path = Path(args.out) / "trace.json"
+    trace.to_chrome(trace.load(path), Path(args.out) / "trace.chrome.json")
+    console.print(f"trace: {path} (open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
+
+
+if __name__ == "__main__":
+    main()
