@@ -132,14 +132,7 @@ class MpiCommunicator(Communicator):
         return _Reqs([req], value=buf)
 
     def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int], timeout: float | None = None) -> None:
-        if timeout is None:
-            poll(self.state, test, what, peers)
-        else:
-            saved, self.state.timeout = self.state.timeout, timeout
-            try:
-                poll(self.state, test, what, peers)
-            finally:
-                self.state.timeout = saved
+        poll(self.state, test, what, peers, timeout)
 
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
         return MpiCommunicator(self.mpicomm.Split(color, index), self.state)

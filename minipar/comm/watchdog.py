@@ -68,7 +68,8 @@ class RankState:
         return err
 
 
-def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int]) -> None:
+def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int],
+         timeout: float | None = None) -> None:
     """Call ``test`` until it returns True, sleeping with back-off; ``CommTimeout`` after the deadline.
 
     The first few polls spin (short messages complete in microseconds); after that each sleep
@@ -77,7 +78,7 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
     if test():
         return
     start = time.monotonic()
-    deadline = start + state.timeout
+    deadline = start + (state.timeout if timeout is None else timeout)
     delay = 0.0
     spins = 0
     while not test():
