@@ -17,6 +17,7 @@ with world ranks and payload bytes.
 from __future__ import annotations
 
 import pickle
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,7 +44,7 @@ class Pending(Protocol):
     def done(self) -> bool: ...
 
 
-class _Done:
+class Done:
     """A pending operation that completed when it was posted."""
 
     def __init__(self, value: Any = None) -> None:
@@ -107,7 +108,7 @@ def as_array(array: Any, what: str) -> np.ndarray:
     return arr
 
 
-class PointToPoint:
+class PointToPoint(ABC):
     """A group of ranks that exchange messages. See the package docstring for the full API.
 
     Attributes: ``rank`` (0..size-1 in this group), ``size``, ``world_rank`` (this rank in the
@@ -136,25 +137,30 @@ class PointToPoint:
         return self.state.timeout
 
     # ---- transport, provided by the backend -------------------------------------------------
+    @abstractmethod
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
-        raise NotImplementedError
+        """Start sending ``array`` to ``dst`` on context ``ctx`` (with its shape if ``header``)."""
 
+    @abstractmethod
     def _post_recv(self, ctx: int, src: int, tag: int, like: tuple[tuple[int, ...], np.dtype] | None,
                    out: np.ndarray | None = None) -> Pending:
-        raise NotImplementedError
+        """Start receiving from ``src``: shape from the header when ``like`` and ``out`` are None."""
 
+    @abstractmethod
     def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
               timeout: float | None = None) -> None:
-        raise NotImplementedError
+        """Block until ``test()`` is True; ``CommTimeout`` naming ``what`` and ``peers`` after the timeout."""
 
-    def _notify(self) -> None:
+    def _notify(self) -> None:  # noqa: B027 -- optional hook, a no-op unless the backend sleeps on a condition
         """Wake this rank's waits (the threads backend waits on a condition variable)."""
 
+    @abstractmethod
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
-        raise NotImplementedError
+        """The new communicator of parent ranks ``members``, this rank being ``members[index]``."""
 
+    @abstractmethod
     def _make_dup(self) -> Communicator:
-        raise NotImplementedError
+        """A communicator of the same ranks with its own message space."""
 
     def close(self) -> None:
         """Stop this communicator's background worker (if non-blocking collectives started one)."""

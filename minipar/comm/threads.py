@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar.comm.base import CTL, Lazy, Pending, wire_tag
+from minipar.comm.base import Done, Lazy, Pending, wire_tag
 from minipar.comm.collectives import Communicator
 from minipar.comm.errors import Aborted
 from minipar.comm.watchdog import RankState
@@ -92,10 +92,8 @@ class ThreadsCommunicator(Communicator):
         return (self.ctx, src, dst, wire_tag(ctx, tag, kind))
 
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
-        from minipar.comm.base import _Done
-
         self.world.deliver(self._key(ctx, self.rank, dst, tag, 1), np.array(array, copy=True))
-        return _Done()
+        return Done()
 
     def _post_recv(self, ctx: int, src: int, tag: int, like: Any, out: np.ndarray | None = None) -> Pending:
         rec = self.world.post(self._key(ctx, src, self.rank, tag, 1))
@@ -175,4 +173,3 @@ def make_world(world_size: int, timeout: float) -> tuple[World, list[ThreadsComm
     return world, comms
 
 
-__all__ = ["CTL", "ThreadsCommunicator", "World", "make_world"]
