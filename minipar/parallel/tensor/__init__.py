@@ -37,6 +37,7 @@ from minipar.parallel.tensor.model import (
     TensorParallelGPT,
     check_config,
     gather_logits,
+    sync_sequence_parallel_grads,
 )
 
 __all__ = [
@@ -44,5 +45,5 @@ __all__ = [
     "RowParallelLinear", "TensorParallelGPT", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
     "check_config", "enter_region", "exit_region", "f", "formulas", "g", "gather_array", "gather_grads",
     "gather_logits", "gather_state_dict", "gather_last", "sp_gather", "sp_reduce_scatter",
-    "vocab_parallel_cross_entropy",
+    "sync_sequence_parallel_grads", "vocab_parallel_cross_entropy",
 ]

@@ -248,18 +248,25 @@ class TensorParallelGPT(Module):
 
     # ---- after backward ------------------------------------------------------------------------
     def sync_grads(self) -> None:
-        """Under sequence parallelism, all-reduce (one flat buffer) the gradients of the replicated
-        parameters used on a sequence shard: layer norms, row-parallel biases, position embedding.
-        Without it this is a no-op."""
-        if not self.sequence_parallel:
-            return
-        params = [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
-        grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
-        flat = self.comm.allreduce(np.concatenate([gr.reshape(-1) for gr in grads]), op="sum")
-        offset = 0
-        for p in params:
-            p.grad = flat[offset:offset + p.size].reshape(p.shape).copy()
-            offset += p.size
+        """``sync_sequence_parallel_grads(self, comm)``: call after ``backward``, before the optimizer."""
+        if self.sequence_parallel:
+            sync_sequence_parallel_grads(self, self.comm)
+
+
+def sync_sequence_parallel_grads(module: Module, comm: Any) -> None:
+    """All-reduce (one flat buffer, ring) the gradients of the parameters marked ``sequence_parallel``:
+    replicated on every rank but used on a sequence shard (layer norms, row-parallel biases, the
+    position embedding), so each rank holds only its shard's part. Megatron does the same after
+    backward. Nothing is sent when no parameter is marked."""
+    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
+    flat = comm.allreduce(np.concatenate([gr.reshape(-1) for gr in grads]), op="sum")
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.size].reshape(p.shape).copy()
+        offset += p.size
 
 
 class _Table(Module):

@@ -1,0 +1,408 @@
+"""Tensor parallelism (Megatron) with sequence parallelism equals the single-process model.
+
+Properties drawn by hypothesis (t in 1..4 dividing heads, d_ff and vocabulary; sequence parallelism
+on/off; shapes; seeds): every layer and the whole GPT give the outputs, loss, gathered gradients
+and updated parameters of ``minipar.nn``, on the threads backend and under ``mpiexec``. The trace
+gives the collectives per block and the bytes per rank, held against ``formulas``; the memory
+samples show sequence parallelism dividing the layer-norm region's activations by exactly t.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipar import functional as F
+from minipar import launch, trace
+from minipar.autograd import Tensor
+from minipar.nn import GPT, Block, Embedding, Linear
+from minipar.optim import SGD, AdamW
+from minipar.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelBlock,
+    RowParallelLinear,
+    TensorParallelGPT,
+    VocabParallelEmbedding,
+    formulas,
+    gather_array,
+    gather_grads,
+    gather_logits,
+    gather_state_dict,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+from minipar.testing import run
+
+TOL = {"rtol": 1e-8, "atol": 1e-10}
+
+
+@st.composite
+def tp_configs(draw: st.DrawFn, max_t: int = 4) -> dict:
+    """A model and batch that t divides: heads, d_ff, vocabulary (and the sequence under SP)."""
+    t = draw(st.integers(1, max_t))
+    sp = draw(st.booleans())
+    heads = t * draw(st.integers(1, 2))
+    seq = t * draw(st.integers(1, 2)) if sp else draw(st.integers(1, 5))
+    return {"t": t, "sp": sp, "heads": heads, "d": heads * draw(st.sampled_from([2, 3])),
+            "ff": t * draw(st.integers(1, 3)), "vocab": t * draw(st.integers(2, 4)), "seq": seq,
+            "batch": draw(st.integers(1, 2)), "layers": draw(st.integers(1, 2)),
+            "seed": draw(st.integers(0, 2**16)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+
+
+def rand(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=shape)
+
+
+def rows(a: np.ndarray, comm, sp: bool) -> np.ndarray:
+    """This rank's sequence shard (axis 0) under SP, else everything."""
+    k = a.shape[0] // comm.size
+    return a[comm.rank * k:(comm.rank + 1) * k] if sp else a
+
+
+def cols(a: np.ndarray, comm) -> np.ndarray:
+    k = a.shape[-1] // comm.size
+    return a[..., comm.rank * k:(comm.rank + 1) * k]
+
+
+# ---- layers ---------------------------------------------------------------------------------------
+def layers_run(comm, c: dict) -> dict:
+    """Every parallel layer on the same inputs; outputs and full gradients (gathered)."""
+    sp, s, b, d, ff, seed = c["sp"], c["seq"], c["batch"], c["d"], c["ff"], c["seed"]
+    out = {}
+    col = ColumnParallelLinear(d, ff, comm, gather_output=True, sequence_parallel=sp)
+    col.init_parameters(seed, "c.")
+    x = Tensor(rows(rand(seed, s, b, d), comm, sp), requires_grad=True)
+    y = col(x)
+    (y * rand(seed + 1, s, b, ff)).sum().backward()
+    out["col"] = (y.data, x.grad, gather_array(col.weight.grad, col.weight, comm),
+                  gather_array(col.bias.grad, col.bias, comm))
+    row = RowParallelLinear(ff, d, comm, sequence_parallel=sp).init_parameters(seed, "r.")
+    z = Tensor(cols(rand(seed + 2, s, b, ff), comm), requires_grad=True)
+    y = row(z)
+    (y * rows(rand(seed + 3, s, b, d), comm, sp)).sum().backward()
+    sync_sequence_parallel_grads(row, comm)
+    out["row"] = (y.data, z.grad, gather_array(row.weight.grad, row.weight, comm), row.bias.grad)
+    emb = VocabParallelEmbedding(c["vocab"], d, comm, sp).init_parameters(seed, "e.")
+    idx = np.random.default_rng(seed).integers(0, c["vocab"], (s, b))
+    y = emb(idx)
+    (y * rows(rand(seed + 4, s, b, d), comm, sp)).sum().backward()
+    out["emb"] = (y.data, gather_array(emb.weight.grad, emb.weight, comm))
+    logits = Tensor(cols(rand(seed + 5, s, b, c["vocab"]), comm), requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, idx, comm)
+    loss.backward()
+    out["ce"] = (loss.item(), gather_logits(Tensor(logits.grad), comm))
+    blk = ParallelBlock(d, c["heads"], comm, ff, sp).init_parameters(seed, "b.")
+    x = Tensor(rows(rand(seed + 6, s, b, d), comm, sp), requires_grad=True)
+    y = blk(x)
+    (y * rows(rand(seed + 7, s, b, d), comm, sp)).sum().backward()
+    sync_sequence_parallel_grads(blk, comm)
+    out["block"] = (y.data, x.grad, gather_grads(blk, comm))
+    return out
+
+
+def layers_reference(c: dict) -> dict:
+    s, b, d, ff, seed = c["seq"], c["batch"], c["d"], c["ff"], c["seed"]
+    out = {}
+    lin = Linear(d, ff).init_parameters(seed, "c.")
+    x = Tensor(rand(seed, s, b, d), requires_grad=True)
+    y = lin(x)
+    (y * rand(seed + 1, s, b, ff)).sum().backward()
+    out["col"] = (y.data, x.grad, lin.weight.grad, lin.bias.grad)
+    lin = Linear(ff, d).init_parameters(seed, "r.")
+    z = Tensor(rand(seed + 2, s, b, ff), requires_grad=True)
+    y = lin(z)
+    (y * rand(seed + 3, s, b, d)).sum().backward()
+    out["row"] = (y.data, z.grad, lin.weight.grad, lin.bias.grad)
+    emb = Embedding(c["vocab"], d).init_parameters(seed, "e.")
+    idx = np.random.default_rng(seed).integers(0, c["vocab"], (s, b))
+    y = emb(idx)
+    (y * rand(seed + 4, s, b, d)).sum().backward()
+    out["emb"] = (y.data, emb.weight.grad)
+    logits = Tensor(rand(seed + 5, s, b, c["vocab"]), requires_grad=True)
+    loss = F.cross_entropy(logits, idx)
+    loss.backward()
+    out["ce"] = (loss.item(), logits.grad)
+    blk = Block(d, c["heads"], ff).init_parameters(seed, "b.")
+    x = Tensor(rand(seed + 6, s, b, d).transpose(1, 0, 2), requires_grad=True)  # nn.Block: (batch, seq, d)
+    y = blk(x)
+    (y * rand(seed + 7, s, b, d).transpose(1, 0, 2)).sum().backward()
+    out["block"] = (y.data.transpose(1, 0, 2), x.grad.transpose(1, 0, 2),
+                    {n: p.grad for n, p in blk.named_parameters()})
+    return out
+
+
+def check_layers(c: dict, results: list[dict]) -> None:
+    ref = layers_reference(c)
+    for r, got in enumerate(results):
+        class Comm:  # the rank's view, for slicing the reference
+            rank, size = r, c["t"]
+        sp = c["sp"]
+        y, gx, gw, gb = got["col"]
+        ry, rgx, rgw, rgb = ref["col"]
+        for a, b in ((y, ry), (gx, rows(rgx, Comm, sp)), (gw, rgw), (gb, rgb)):
+            np.testing.assert_allclose(a, b, **TOL)
+        y, gz, gw, gb = got["row"]
+        ry, rgz, rgw, rgb = ref["row"]
+        for a, b in ((y, rows(ry, Comm, sp)), (gz, cols(rgz, Comm)), (gw, rgw), (gb, rgb)):
+            np.testing.assert_allclose(a, b, **TOL)
+        np.testing.assert_allclose(got["emb"][0], rows(ref["emb"][0], Comm, sp), **TOL)
+        np.testing.assert_allclose(got["emb"][1], ref["emb"][1], **TOL)
+        assert got["ce"][0] == pytest.approx(ref["ce"][0], rel=1e-12)
+        np.testing.assert_allclose(got["ce"][1], ref["ce"][1], **TOL)
+        y, gx, grads = got["block"]
+        ry, rgx, rgrads = ref["block"]
+        np.testing.assert_allclose(y, rows(ry, Comm, sp), **TOL)
+        np.testing.assert_allclose(gx, rows(rgx, Comm, sp), **TOL)
+        assert grads.keys() == rgrads.keys()
+        for name in grads:
+            np.testing.assert_allclose(grads[name], rgrads[name], err_msg=name, **TOL)
+
+
+@settings(max_examples=20)
+@given(c=tp_configs())
+def test_layers_equal_single_process_threads(c: dict) -> None:
+    check_layers(c, launch(layers_run, c["t"], c=c))
+
+
+# ---- the whole GPT ----------------------------------------------------------------------------------
+def batch(c: dict, step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([c["seed"], step])
+    return rng.integers(0, c["vocab"], (2, c["batch"], c["seq"]))
+
+
+def optimizer(c: dict, params):
+    if c["opt"] == "adamw":
+        return AdamW(params, lr=1e-2, weight_decay=0.1)
+    return SGD(params, lr=0.1, momentum=0.9)
+
+
+def graph_arrays(t: Tensor) -> list[np.ndarray]:
+    """Every array in the autograd graph that produced ``t``."""
+    seen, stack, out = set(), [t], []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node.data)
+        stack.extend(node._parents)
+    return out
+
+
+def summarise(events: list, rank: int) -> dict:
+    """From one rank's trace events: collective calls (first messages) and bytes sent per block and
+    phase, bytes sent by op over the step, peak activation bytes by memory-sample label."""
+    sends = [e for e in events if e.kind == "comm" and e.src == rank]
+    calls: dict[tuple, Counter] = {}
+    block_bytes: Counter = Counter()
+    for span in (e for e in events if e.kind == "compute" and isinstance(e.args.get("layer"), int)):
+        inside = [e for e in sends if span.t0 <= e.t0 <= span.t1]
+        calls[(span.args["layer"], span.name)] = Counter(e.op for e in inside if e.step == 0)
+        for e in inside:
+            block_bytes[(span.args["layer"], e.op)] += e.nbytes
+    total: Counter = Counter()
+    for e in sends:
+        total[e.op] += e.nbytes
+    peaks: dict[str, int] = {}
+    for e in events:
+        if e.kind == "memory":
+            peaks[e.name] = max(peaks.get(e.name, 0), e.nbytes)
+    return {"calls": calls, "block_bytes": block_bytes, "bytes": total, "peaks": peaks}
+
+
+def gpt_run(comm, c: dict, steps: int = 2) -> dict:
+    model = TensorParallelGPT(c["vocab"], c["seq"] + 1, c["d"], c["heads"], c["layers"], comm, c["ff"],
+                              sequence_parallel=c["sp"], seed=c["seed"])
+    opt = optimizer(c, model.parameters())
+    out: dict = {"init": gather_state_dict(model, comm), "losses": []}
+    for step in range(steps):
+        x, y = batch(c, step)
+        if step == 0:
+            out["logits"] = gather_logits(model(x), comm)
+        with trace.recording(comm.world_rank) as rec:
+            loss = model.loss(x, y)
+            opt.zero_grad()
+            loss.backward()
+            model.sync_grads()
+            opt.step()
+        out["losses"].append(loss.item())
+        if step == 0:
+            out.update(summarise(rec.events, comm.world_rank), grads=gather_grads(model, comm))
+    out["final"] = gather_state_dict(model, comm)
+    return out
+
+
+def gpt_reference(c: dict, steps: int = 2) -> dict:
+    model = GPT(c["vocab"], c["seq"] + 1, c["d"], c["heads"], c["layers"], c["ff"], seed=c["seed"])
+    opt = optimizer(c, model.parameters())
+    out: dict = {"init": model.state_dict(), "losses": []}
+    for step in range(steps):
+        x, y = batch(c, step)
+        if step == 0:
+            out["logits"] = model(x).data
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            out["grads"] = {n: p.grad.copy() for n, p in model.named_parameters()}
+        opt.step()
+        out["losses"].append(loss.item())
+    out["final"] = model.state_dict()
+    return out
+
+
+def check_gpt(c: dict, results: list[dict]) -> None:
+    ref, t = gpt_reference(c), c["t"]
+    itemsize = 8
+    want_bytes = formulas.expected_bytes(t, c["batch"], c["seq"], c["d"], c["layers"], itemsize, c["sp"],
+                                         seq_len=c["seq"] + 1)
+    want_mem = formulas.activation_bytes(t, c["batch"], c["seq"], c["d"], c["heads"], c["ff"], c["layers"],
+                                         c["vocab"], itemsize, c["sp"])
+    per_call = formulas.collectives_per_block(c["sp"])
+    for got in results:
+        for key in ("init", "grads", "final"):
+            assert got[key].keys() == ref[key].keys()
+            for name in ref[key]:
+                np.testing.assert_allclose(got[key][name], ref[key][name], err_msg=f"{key} {name}", **TOL)
+        np.testing.assert_allclose(got["logits"], ref["logits"], **TOL)
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-10)
+        assert got["peaks"] == want_mem
+        for layer in range(c["layers"]):
+            for phase, name in (("forward", "F"), ("backward", "B")):
+                calls = {op: n for op, n in got["calls"][(layer, name)].items() if n}
+                assert calls == (per_call[phase] if t > 1 else {}), (layer, phase, calls)
+            sent = {op: n for (lay, op), n in got["block_bytes"].items() if lay == layer}
+            want = formulas.block_bytes(t, c["batch"], c["seq"], c["d"], 8, c["sp"]) if t > 1 else {}
+            assert sent == want, (layer, sent, want)
+    for op, per_rank in want_bytes.items():  # chunks of the loss's all-reduces may differ by rank
+        total = sum(got["bytes"].get(op, 0) for got in results)
+        assert total == pytest.approx(t * per_rank if t > 1 else 0, rel=1e-12), op
+    if t > 1 and c["sp"]:  # all-gathers and reduce-scatters move equal bytes on every rank
+        for got in results:
+            assert got["bytes"]["allgather"] == got["bytes"]["reduce_scatter"]
+
+
+@settings(max_examples=20)
+@given(c=tp_configs())
+def test_gpt_equals_single_process_threads(c: dict) -> None:
+    check_gpt(c, launch(gpt_run, c["t"], c=c))
+
+
+def layers_and_gpt(comm, c: dict) -> tuple[dict, dict]:
+    return layers_run(comm, c), gpt_run(comm, c)
+
+
+@pytest.mark.mpi
+@settings(max_examples=3)
+@given(c=tp_configs(max_t=4).filter(lambda c: c["t"] >= 2))
+def test_layers_and_gpt_equal_single_process_mpiexec(c: dict) -> None:
+    results = run(layers_and_gpt, c["t"], backend="mpi", timeout=90, comm_timeout=30, c=c)
+    check_layers(c, [lay for lay, _ in results])
+    check_gpt(c, [gpt for _, gpt in results])
+
+
+# ---- memory, the vocabulary, bad configurations ------------------------------------------------------
+def memory_run(comm, c: dict) -> dict:
+    """Peak and final activation bytes by label for one training step, with and without SP."""
+    out = {}
+    for sp in (False, True):
+        model = TensorParallelGPT(c["vocab"], c["seq"], c["d"], c["heads"], 1, comm, c["ff"],
+                                  sequence_parallel=sp)
+        x, y = batch(c, 0)
+        with trace.recording(comm.world_rank) as rec:
+            model.loss(x, y).backward()
+        samples = [e for e in rec.events if e.kind == "memory"]
+        out[sp] = {"peak": summarise(rec.events, comm.world_rank)["peaks"],
+                   "final": {e.name: e.nbytes for e in samples}}  # the last sample of each label
+    return out
+
+
+def test_sequence_parallel_divides_layer_norm_activations_by_t() -> None:
+    c = {"vocab": 8, "seq": 8, "d": 8, "heads": 4, "ff": 16, "batch": 2, "seed": 1}
+    t = 4
+    for got in launch(memory_run, t, c=c):
+        plain, sp = got[False]["peak"], got[True]["peak"]
+        assert plain["activations/ln"] == t * sp["activations/ln"] == 3 * 8 * 2 * 8 * 8  # 2 per block + ln_f
+        assert plain["activations/tp"] == sp["activations/tp"] > 0
+        assert plain["activations/logits"] == sp["activations/logits"] == 2 * 8 * 2 * (8 // t) * 8
+        for run_ in got.values():  # backward releases every layer's activations
+            assert run_["final"] == dict.fromkeys(run_["peak"], 0)
+
+
+def vocab_run(comm, c: dict) -> dict:
+    model = TensorParallelGPT(c["vocab"], c["seq"], c["d"], c["heads"], 1, comm, c["ff"], seed=3)
+    x, y = batch(c, 0)
+    with trace.recording(comm.world_rank) as rec:
+        loss = model.loss(x, y)
+    logits = gather_logits(model(x), comm)
+    sizes = {n for a in graph_arrays(loss) for n in a.shape}
+    biggest = max(e.nbytes for e in rec.events if e.kind == "comm" and e.src == comm.world_rank)
+    return {"loss": loss.item(), "logits": logits, "axes": sizes, "biggest_message": biggest,
+            "peak_logits": summarise(rec.events, comm.world_rank)["peaks"]["activations/logits"]}
+
+
+def test_vocab_parallel_loss_never_forms_the_full_logits() -> None:
+    c = {"vocab": 40, "seq": 4, "d": 8, "heads": 4, "ff": 8, "batch": 2, "seed": 2}
+    t, n = 4, 4 * 2
+    results = launch(vocab_run, t, c=c)
+    x, y = batch(c, 0)
+    want = F.cross_entropy(Tensor(results[0]["logits"]), y).item()
+    ref = GPT(c["vocab"], c["seq"], c["d"], c["heads"], 1, c["ff"], seed=3)
+    np.testing.assert_allclose(results[0]["logits"], ref(x).data, **TOL)
+    for got in results:
+        assert got["loss"] == pytest.approx(want, rel=1e-12)
+        assert c["vocab"] not in got["axes"]  # no array in the graph spans the vocabulary
+        assert c["vocab"] // t in got["axes"]
+        assert got["peak_logits"] == 2 * n * (c["vocab"] // t) * 8
+        assert got["biggest_message"] == n * c["d"] * 8 // t  # an activation chunk, never logits
+
+
+BAD = {  # name: (constructor overrides, phrase the message must contain)
+    "heads": ({"heads": 3, "d": 6}, "n_heads=3 is not divisible by t=2"),
+    "d_ff": ({"ff": 5}, "d_ff=5 is not divisible by t=2"),
+    "vocab": ({"vocab": 7}, "vocab_size=7 is not divisible by t=2"),
+    "d_model": ({"d": 9}, "d_model=9 is not divisible by n_heads=2"),
+    "tp": ({"tp": 4}, "tp=4 but the communicator has 2 ranks"),
+    "seq": ({"sp": True, "seq": 3}, "use a sequence length that is a multiple of 2"),
+    "tokens": ({"token": 99}, "must lie in [0, 8); got values in [99, 99]"),
+}
+
+
+def bad_run(comm) -> dict:
+    """Every bad configuration on every rank: (error message, comm events recorded before it)."""
+    out = {}
+    for name, (over, _) in BAD.items():
+        c = {"vocab": 8, "seq": 4, "d": 8, "heads": 2, "ff": 8, "sp": False, "tp": None, "token": 0, **over}
+        with trace.recording(comm.world_rank) as rec:
+            try:
+                model = TensorParallelGPT(c["vocab"], 4, c["d"], c["heads"], 1, comm, c["ff"],
+                                          sequence_parallel=c["sp"], tp=c["tp"])
+                x = np.full((1, c["seq"]), c["token"])
+                model.loss(x, x)
+                msg = "accepted"
+            except ValueError as exc:
+                msg = str(exc)
+        out[name] = (msg, sum(e.kind == "comm" for e in rec.events))
+    return out
+
+
+def check_bad(results: list[dict]) -> None:
+    for got in results:
+        assert got == results[0]  # the same error on every rank
+        for name, (_, phrase) in BAD.items():
+            msg, events = got[name]
+            assert phrase in msg, (name, msg)
+            assert events == 0, name  # rejected before any message
+
+
+def test_bad_configurations_rejected_on_every_rank_threads() -> None:
+    check_bad(launch(bad_run, 2))
+
+
+@pytest.mark.mpi
+def test_bad_configurations_rejected_on_every_rank_mpiexec() -> None:
+    check_bad(run(bad_run, 2, backend="mpi", timeout=60, comm_timeout=20))
