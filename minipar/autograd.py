@@ -152,7 +152,10 @@ class Tensor:
                 if pending[id(p)] == 0:
                     if id(p) not in grads:  # every consumer passed None: a zero gradient
                         grads[id(p)] = np.zeros_like(p.data)
-                    heapq.heappush(ready, (-p._seq, p))
+                    if p.is_leaf:  # accumulate (and fire hooks) at once, like PyTorch's AccumulateGrad
+                        p._accumulate(grads.pop(id(p)))
+                    else:
+                        heapq.heappush(ready, (-p._seq, p))
 
     def _accumulate(self, g: np.ndarray) -> None:
         g = unbroadcast(np.asarray(g), self.data.shape).astype(self.data.dtype, copy=False)
