@@ -88,3 +88,10 @@ def test_traffic_table_bytes_and_formula():
 def test_too_narrow_width_says_what_to_change():
     with pytest.raises(ValueError, match="use a width of at least 22"):
         _plain(one_f_one_b(), width=21)
+
+
+def test_width_wider_than_a_non_terminal_console_is_kept():
+    buf = io.StringIO()
+    console = Console(file=buf, width=30, color_system=None)  # narrower than the lanes asked for
+    terminal.print_timeline(one_f_one_b(), console=console, width=48)
+    assert buf.getvalue().splitlines()[2:4] == HAND_MADE

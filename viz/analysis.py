@@ -102,9 +102,14 @@ def idle(trace: Trace, rank: int) -> float:
 def bubble_fractions(trace: Trace) -> list[float] | None:
     """Idle / window length per rank, or None when the trace has no compute spans."""
     lo, hi = window(trace)
-    if hi <= lo or not any(e.kind == "compute" for e in trace.events):
+    p = trace.world_size
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    for e in trace.events:
+        if e.kind == "compute" and 0 <= e.rank < p:
+            spans[e.rank].append((e.t0, e.t1))
+    if hi <= lo or not any(spans):
         return None
-    return [idle(trace, r) / (hi - lo) for r in range(trace.world_size)]
+    return [((hi - lo) - union_length(s, lo, hi)) / (hi - lo) for s in spans]
 
 
 def sends(trace: Trace) -> list[Event]:
@@ -131,9 +136,10 @@ def op_key(event: Event) -> str:
 def bytes_by_op(trace: Trace) -> dict[str, list[int]]:
     """Bytes sent per rank, for each ``op/algorithm`` key (insertion order = first seen)."""
     out: dict[str, list[int]] = {}
+    p = trace.world_size
     for e in sends(trace):
-        row = out.setdefault(op_key(e), [0] * trace.world_size)
-        if 0 <= e.rank < trace.world_size:
+        row = out.setdefault(op_key(e), [0] * p)
+        if 0 <= e.rank < p:
             row[e.rank] += e.nbytes or 0
     return out
 
@@ -146,10 +152,12 @@ def measured_vs_formula(trace: Trace) -> list[tuple[str, list[int], float]]:
     """
     expected = trace.meta.get("expected_bytes") or {}
     rows = []
+    p = trace.world_size
+    sent = sends(trace)
     for key, value in expected.items():
-        per_rank = [0] * trace.world_size
-        for e in sends(trace):
-            if (op_key(e) == key or (e.op or e.name) == key) and 0 <= e.rank < trace.world_size:
+        per_rank = [0] * p
+        for e in sent:
+            if (op_key(e) == key or (e.op or e.name) == key) and 0 <= e.rank < p:
                 per_rank[e.rank] += e.nbytes or 0
         rows.append((str(key), per_rank, float(value)))
     return rows

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -51,40 +52,37 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
     unit = _unit(trace)
     where = {"row": row, "col": 1} if row is not None else {}
     chunks = A.shows_chunks(trace)
+    # numpy arrays and one hover string per bar: Plotly validates those fast (lists of lists are slow)
     for kind in A.KINDS:
         spans = [e for e in trace.events if e.kind == "compute" and A.kind_of(e) == kind]
         if not spans:
             continue
         fig.add_trace(go.Bar(
             orientation="h", name=kind, legendgroup=kind, showlegend=show_legend(kind),
-            y=[e.rank for e in spans], base=[e.t0 for e in spans], x=[e.duration for e in spans],
+            y=np.array([e.rank for e in spans]), base=np.array([e.t0 for e in spans]),
+            x=np.array([e.duration for e in spans]),
             width=ROW_HEIGHT, marker={"color": COLORS[kind], "line": {"color": "white", "width": 1}},
             text=[A.label(e, chunks) for e in spans], textposition="inside", insidetextanchor="middle",
-            customdata=[[e.name, A.fmt_time(e.duration, unit), e.stage, e.microbatch, e.chunk,
-                         f"{e.t0:.6g}"] for e in spans],
-            hovertemplate=(f"{name}rank %{{y}} %{{customdata[0]}}<br>start %{{customdata[5]}} {unit}, "
-                           "duration %{customdata[1]}<br>stage %{customdata[2]}, micro-batch "
-                           "%{customdata[3]}, chunk %{customdata[4]}<extra></extra>"),
+            hovertext=[f"{name}rank {e.rank} {e.name}<br>start {e.t0:.6g} {unit}, duration "
+                       f"{A.fmt_time(e.duration, unit)}<br>stage {e.stage}, micro-batch {e.microbatch}, "
+                       f"chunk {e.chunk}" for e in spans],
+            hovertemplate="%{hovertext}<extra></extra>",
         ), **where)
     msgs = [e for e in trace.events if e.kind == "comm"]
     if msgs:
         fig.add_trace(go.Bar(
             orientation="h", name="message", legendgroup="message", showlegend=show_legend("message"),
-            y=[e.rank + (ROW_HEIGHT - COMM_HEIGHT) / 2 for e in msgs], base=[e.t0 for e in msgs],
-            x=[e.duration for e in msgs], width=COMM_HEIGHT, marker={"color": COMM_COLOR},
-            customdata=[[e.op, e.algorithm or "", e.src, e.dst, A.fmt_bytes(e.nbytes or 0),
-                         A.fmt_time(e.duration, unit), e.name] for e in msgs],
-            hovertemplate=(f"{name}%{{customdata[6]}} %{{customdata[0]}} %{{customdata[1]}}<br>"
-                           "rank %{customdata[2]} -> rank %{customdata[3]}, %{customdata[4]}<br>"
-                           "duration %{customdata[5]}<extra></extra>"),
+            y=np.array([e.rank + (ROW_HEIGHT - COMM_HEIGHT) / 2 for e in msgs]),
+            base=np.array([e.t0 for e in msgs]), x=np.array([e.duration for e in msgs]),
+            width=COMM_HEIGHT, marker={"color": COMM_COLOR},
+            hovertext=[f"{name}{e.name} {e.op} {e.algorithm or ''}<br>rank {e.src} -> rank {e.dst}, "
+                       f"{A.fmt_bytes(e.nbytes or 0)}<br>duration {A.fmt_time(e.duration, unit)}" for e in msgs],
+            hovertemplate="%{hovertext}<extra></extra>",
         ), **where)
-    xs: list[float | None] = []
-    ys: list[float | None] = []
-    for s, r in A.pair_messages(trace):
-        if r is not None:
-            xs += [s.t0, r.t1, None]
-            ys += [s.rank, r.rank, None]
-    if xs:
+    pairs = [(s, r) for s, r in A.pair_messages(trace) if r is not None]
+    if pairs:  # one polyline: send start on the sender -> receive end on the receiver, NaN between
+        xs = np.array([[s.t0, r.t1, np.nan] for s, r in pairs]).ravel()
+        ys = np.array([[s.rank, r.rank, np.nan] for s, r in pairs]).ravel()
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="lines+markers", name="send -> recv", legendgroup="message",
             showlegend=show_legend("arrow"), hoverinfo="skip", line={"color": COMM_COLOR, "width": 1},
@@ -98,7 +96,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
             fig.add_annotation(
                 x=1.0, xref="paper" if row is None else "x domain" if row == 1 else f"x{row} domain",
                 y=r, yref="y" if row in (None, 1) else f"y{row}", xanchor="left", showarrow=False,
-                text=f" idle {A.fmt_time(A.idle(trace, r), unit)} ({100 * frac:.0f}%)",
+                text=f" idle {A.fmt_time(frac * (hi - lo), unit)} ({100 * frac:.0f}%)",
                 font={"size": 11},
             )
     p = trace.world_size
@@ -198,7 +196,7 @@ def memory(trace: Trace, title: str | None = None) -> go.Figure:
             if vals is None:
                 continue
             fig.add_trace(go.Scatter(
-                x=times, y=vals + vals[-1:], name=lab, legendgroup=lab, showlegend=s.rank == 0,
+                x=np.array(times), y=np.array(vals + vals[-1:]), name=lab, legendgroup=lab, showlegend=s.rank == 0,
                 stackgroup=f"rank{s.rank}", line={"shape": "hv", "color": MEMORY_COLORS[i % 8]},
                 hovertemplate=f"rank {s.rank} {lab}: %{{y}} bytes at %{{x:.4g}} {unit}<extra></extra>",
             ), row=s.rank + 1, col=1)

@@ -109,16 +109,22 @@ def lanes(trace: Trace, columns: int) -> list[Text]:
     return out
 
 
-def timeline_text(trace: Trace, width: int = 80) -> list[Text]:
-    """Lanes with ``rank r`` in front and the bubble fraction behind, ``width`` characters in all."""
-    p = trace.world_size
-    w = len(str(p - 1))
-    fractions = A.bubble_fractions(trace)
-    suffix_w = 11 if fractions is not None else 0  # " idle 100%"
-    columns = width - len(PREFIX_FMT.format(0, w=w)) - suffix_w
+def _columns(trace: Trace, width: int) -> tuple[int, int, int]:
+    """(prefix width, timeline cells, suffix width) of a ``width``-character lane line."""
+    prefix = len(PREFIX_FMT.format(0, w=len(str(trace.world_size - 1))))
+    suffix = 11 if A.bubble_fractions(trace) is not None else 0  # "  idle 100%"
+    columns = width - prefix - suffix
     if columns < 4:
         raise ValueError(f"width {width} leaves {columns} columns for the timeline; use a width of at "
                          f"least {width - columns + 4}")
+    return prefix, columns, suffix
+
+
+def timeline_text(trace: Trace, width: int = 80) -> list[Text]:
+    """Lanes with ``rank r`` in front and the bubble fraction behind, ``width`` characters in all."""
+    w = len(str(trace.world_size - 1))
+    fractions = A.bubble_fractions(trace)
+    _, columns, suffix_w = _columns(trace, width)
     out = []
     for r, lane in enumerate(lanes(trace, columns)):
         line = Text()
@@ -130,17 +136,26 @@ def timeline_text(trace: Trace, width: int = 80) -> list[Text]:
     return out
 
 
-def legend(trace: Trace) -> Text:
-    """Which style and letters mean what, and the time scale."""
-    text = Text()
-    for kind, letters in (("forward", "F"), ("backward", "B/W"), ("optimizer", "opt"), ("other", "...")):
-        text.append(f" {letters} ", STYLES[kind])
-        text.append(f" {kind}  ")
-    text.append(COMM_CHAR, COMM_STYLE)
-    text.append(" sending / waiting for a message  ")
-    text.append(IDLE_CHAR, IDLE_STYLE)
-    text.append(" idle")
-    return text
+def legend(cell: float | None = None, unit: str = "s", width: int = 80) -> list[Text]:
+    """What the blocks and characters mean (and the time one cell covers), wrapped to ``width``."""
+    items = []
+    for kind, letters in (("forward", "F"), ("backward", "B/W"), ("optimizer", "opt"), ("other", "name")):
+        item = Text()
+        item.append(f" {letters} ", STYLES[kind])
+        item.append(f" {kind}")
+        items.append(item)
+    items.append(Text.assemble((COMM_CHAR, COMM_STYLE), " message (sending or waiting)"))
+    items.append(Text.assemble((IDLE_CHAR, IDLE_STYLE), " idle"))
+    if cell is not None:
+        items.append(Text(f"1 cell = {A.fmt_time(cell, unit)}"))
+    lines = [Text()]
+    for item in items:
+        if lines[-1].cell_len and lines[-1].cell_len + 2 + item.cell_len > width:
+            lines.append(Text())
+        if lines[-1].cell_len:
+            lines[-1].append("  ")
+        lines[-1].append_text(item)
+    return lines
 
 
 def traffic_table(trace: Trace) -> Table | None:
@@ -174,7 +189,8 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     colour handling (e.g. ``Console(force_terminal=True)`` under ``mpiexec``).
     """
     trace = _as_trace(trace_or_path)
-    console = console or Console()
+    if console is None:
+        console = Console(width=width) if width else Console()
     width = width or console.width
     meta = trace.meta
     s = A.summary(trace)
@@ -182,11 +198,16 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     head = title or ", ".join(str(x) for x in (meta.get("paradigm", "trace"), meta.get("schedule"),
                                                 f"{trace.world_size} ranks", meta.get("backend")) if x)
     bubble = "" if s["bubble_fraction"] is None else f", bubble {100 * s['bubble_fraction']:.1f}%"
-    console.print(Text(head, "bold"), width=width)
-    console.print(f"step {A.fmt_time(s['step_time'], unit)}{bubble}", width=width, highlight=False)
+    # Lines are laid out to ``width`` here; soft_wrap stops rich from cropping them to a narrower
+    # console (e.g. 80 columns when stdout is not a terminal, as under mpiexec).
+    console.print(Text(head, "bold"), soft_wrap=True)
+    console.print(f"step {A.fmt_time(s['step_time'], unit)}{bubble}", soft_wrap=True, highlight=False)
     for line in timeline_text(trace, width):
-        console.print(line, width=width, no_wrap=True, overflow="crop")
-    console.print(legend(trace), width=width)
+        console.print(line, soft_wrap=True)
+    lo, hi = A.window(trace)
+    columns = _columns(trace, width)[1]
+    for line in legend((hi - lo) / columns if hi > lo else None, unit, width):
+        console.print(line, soft_wrap=True)
     table = traffic_table(trace)
     if table is not None:
         console.print(table, width=width)
