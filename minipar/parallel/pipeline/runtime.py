@@ -137,7 +137,7 @@ class Pipeline:
     def trace_meta(self) -> dict[str, Any]:
         """Metadata for ``trace.record``: paradigm, schedule, p, m, v, per-rank actions, stage layers."""
         return {"paradigm": "pipeline", "schedule": self.kind, "p": self.comm.size, "m": self.microbatches,
-                "v": self.chunks, "model": self.model.kind,
+                "v": self.chunks, "model": self.model.kind, "activation_unit": "microbatches",
                 "actions": {str(r): [str(a) for a in acts] for r, acts in self.program.items()},
                 "stage_layers": {str(s): [self.model.names[i] for i in rng]
                                  for s, rng in enumerate(self.layer_ranges)}}
