@@ -2,11 +2,12 @@
 
 Each rank gets one lane of ``columns`` character cells covering the step window (see
 ``viz.analysis``) in equal time slices. A cell shows the compute span that covers more than half
-of it; a span too short to win any cell still claims its best-overlapping idle cell, so no span
-disappears. Each block starts with its label (``F0``, ``B3``, ``B3.1`` with chunks, truncated to
-the block's width) and is filled with spaces; with colour the whole block is painted by kind
-(forward blue, backward orange, optimizer green, other grey). Cells where the rank only
-communicates show ``~``, idle cells ``.``, so the lanes read without colour too.
+of it; a span too short to win any cell still claims its best-overlapping idle cell (if there is
+one), so short spans do not vanish. Each block starts with its label (``F0``, ``B3``, ``B3.1``
+with chunks; the chunk, then the micro-batch, are dropped when the block is too narrow) and is
+filled with spaces; with colour the whole block is painted by kind (forward blue, backward
+orange, optimizer green, other grey). Cells where the rank only communicates (sends, or waits in
+a receive) show ``~``, idle cells ``.``, so the lanes read without colour too.
 
 Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console``.
 Cost: O(E * C) for E events and C columns.
@@ -77,6 +78,14 @@ def _cells(trace: Trace, rank: int, columns: int, lo: float, hi: float) -> list[
     return cells
 
 
+def _fit(e: Event, chunks: bool, width: int) -> str:
+    """The longest label that fits: ``F3.1``, else ``F3`` (chunk dropped), else ``F``, else cut."""
+    for lab in (A.label(e, chunks), A.label(e), e.name):
+        if len(lab) <= width:
+            return lab
+    return e.name[:width]
+
+
 def lanes(trace: Trace, columns: int) -> list[Text]:
     """One styled lane of exactly ``columns`` cells per rank (no prefix or suffix)."""
     if columns < 1:
@@ -98,7 +107,7 @@ def lanes(trace: Trace, columns: int) -> list[Text]:
             while end < columns and cells[end] is cell:
                 end += 1
             if isinstance(cell, Event):
-                lab = A.label(cell, chunks)[: end - c]
+                lab = _fit(cell, chunks, end - c)
                 text.append(lab.ljust(end - c), STYLES[A.kind_of(cell)])
             elif cell == COMM_CHAR:
                 text.append(COMM_CHAR * (end - c), COMM_STYLE)
