@@ -1,0 +1,328 @@
+"""The parameter server: DistBelief (Dean et al., NeurIPS 2012) and Li et al. (OSDI 2014), with
+stale-synchronous parallel consistency (SSP; Ho et al., NeurIPS 2013).
+
+Ranks ``0..S-1`` are SERVERS, ranks ``S..N-1`` the ``W = N - S`` WORKERS. The parameters are
+sharded across the servers by whole parameter (Li et al. sec. 3: key ranges; here
+``assign_parameters``: largest first, each to the least-loaded server). Every step a worker
+PULLS the current values of every server's shard, computes the gradient of its shard of the
+global batch, and PUSHES each server the gradient of that server's shard. No message is a
+collective: every byte is a point-to-point message on a server link, op "pull" or "push".
+
+Consistency (Li et al. sec. 4.1, "flexible consistency"; Ho et al. for the bound):
+- ``mode="sync"`` (bulk synchronous): a server waits for all ``W`` pushes of a step, applies their
+  average with the optimizer, then answers the pulls of the next step. Every worker computes step
+  ``c`` from the same parameters, so the run equals one process on the global batch.
+- ``mode="async"`` with staleness bound ``k``: a server applies each push on arrival (the gradient
+  times ``1/W_live``, so ``W`` pushes add up to one averaged step), and answers a worker's pull for
+  its step ``c`` as soon as ``version >= c - k``, where the server's ``version`` is the number of
+  steps every live worker has pushed (the slowest worker's clock). A worker therefore runs at most
+  ``k`` steps ahead of the slowest. For ``k = 0`` and SGD (an update linear in the gradient) this
+  equals sync mode up to rounding.
+- Each applied gradient leaves a trace mark "apply" with ``worker`` (world rank), ``step`` (the
+  worker's clock ``c``), ``computed_from`` (the version its parameters had when pulled),
+  ``applied_at`` (the version when applied) and ``staleness = step - computed_from`` (how many
+  steps of the slowest worker's updates it missed; ``<= k``, and 0 in sync mode).
+
+Failures (Li et al. sec. 4.3, but for workers only): a server that has answered a worker's pull
+and hears no push from it within ``silence_timeout`` seconds declares it lost. Async: the worker is
+dropped (mark "worker dropped"), the version and averages use the live workers only, training goes
+on. Sync: ``WorkerLost`` names the worker (a synchronous step cannot complete without it); the run
+never hangs. ``stop_at={rank: c}`` simulates a pre-empted worker: it pulls step ``c`` and then sends
+nothing more (its process stays alive only to join the final trace/result collection).
+
+Servers poll their posted receives with ``Request.test()`` and take pushes in arrival order (every
+poll sweep handles all that have arrived); the pushes carry no header beyond the array: a server
+knows which step a worker is on from the count of its pushes.
+
+Costs per step, ``n`` parameter bytes, server ``s`` owning ``n_s``: every link (s, w) carries
+``n_s`` bytes each way (pull, push); a server sends and receives ``W n_s`` (with one server:
+``W n``, the hub's hot link) while a ring all-reduce moves ``2(p-1)/p n`` per rank, evenly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from minipar import trace
+from minipar.data import shard
+from minipar.nn import Module, Parameter
+from minipar.optim import SGD, Optimizer
+
+MODES = ("sync", "async")
+TAG_PULL, TAG_PUSH = 1, 2
+
+
+class WorkerLost(RuntimeError):
+    """Synchronous parameter-server training lost a worker: it stopped pushing gradients."""
+
+
+def assign_parameters(nbytes: Sequence[int], n_servers: int) -> list[int]:
+    """Server of each parameter: largest first, each to the server holding the fewest bytes so far
+    (ties: lower parameter index first, then lower server). Balanced within one parameter's size."""
+    load = [0] * n_servers
+    owner = [0] * len(nbytes)
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        s = min(range(n_servers), key=lambda s: (load[s], s))
+        owner[i] = s
+        load[s] += nbytes[i]
+    return owner
+
+
+@dataclass
+class Result:
+    """What one rank returns. Workers: ``losses`` (shard loss per step run). Servers: ``params``
+    (final values of the parameters they own), ``applied`` ((worker, step, computed_from,
+    applied_at) per applied gradient), ``dropped`` (worker ranks declared lost)."""
+
+    rank: int
+    role: str
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    applied: list[tuple[int, int, int, int]] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+
+
+class Layout:
+    """Who owns what: servers, workers, and each server's parameters (in model order)."""
+
+    def __init__(self, model: Module, world_size: int, n_servers: int) -> None:
+        self.named = list(model.named_parameters())
+        self.servers = list(range(n_servers))
+        self.workers = list(range(n_servers, world_size))
+        owner = assign_parameters([p.data.nbytes for _, p in self.named], n_servers)
+        self.owned = [[i for i, o in enumerate(owner) if o == s] for s in self.servers]
+        self.itemsize = self.named[0][1].data.dtype.itemsize
+
+    def shard_bytes(self, s: int) -> int:
+        return sum(self.named[i][1].data.nbytes for i in self.owned[s])
+
+    def flat(self, s: int, attr: str) -> np.ndarray:
+        return np.concatenate([getattr(self.named[i][1], attr).reshape(-1) for i in self.owned[s]])
+
+    def unflatten(self, s: int, flat: np.ndarray, attr: str) -> None:
+        off = 0
+        for i in self.owned[s]:
+            p = self.named[i][1]
+            part = flat[off:off + p.data.size].reshape(p.data.shape)
+            off += p.data.size
+            if attr == "grad":
+                p.grad = part
+            else:
+                p.data[...] = part
+
+
+def link_bytes(model: Module, world_size: int, n_servers: int, steps: int) -> dict[tuple[int, int], int]:
+    """Exact payload bytes per directed link ``(src, dst)`` over ``steps`` steps with no failure:
+    server -> worker ``steps * n_s`` (pulls), worker -> server the same (pushes)."""
+    lay = Layout(model, world_size, n_servers)
+    out = {}
+    for s in lay.servers:
+        for w in lay.workers:
+            out[(s, w)] = out[(w, s)] = steps * lay.shard_bytes(s)
+    return out
+
+
+def trace_meta(model: Module, world_size: int, n_servers: int, steps: int, mode: str,
+               staleness: int = 0) -> dict[str, Any]:
+    """Trace metadata: config and ``expected_bytes`` (pull: per server, the mean over servers;
+    push: per worker) plus the exact ``expected_bytes_by_rank``."""
+    lay = Layout(model, world_size, n_servers)
+    n_w = len(lay.workers)
+    pull = [steps * n_w * lay.shard_bytes(r) if r < n_servers else 0 for r in range(world_size)]
+    push = [0 if r < n_servers else steps * sum(lay.shard_bytes(s) for s in lay.servers) for r in range(world_size)]
+    label = f"async, k={staleness}" if mode == "async" else "sync"
+    return {"paradigm": f"parameter server ({label})",
+            "mode": mode, "staleness": staleness, "servers": n_servers, "workers": n_w, "steps": steps,
+            "expected_bytes": {"pull": sum(pull) / n_servers, "push": sum(push) / n_w},
+            "expected_bytes_by_rank": {"pull": pull, "push": push}}
+
+
+def check_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]], steps: int,
+                 n_servers: int, mode: str, staleness: int, silence_timeout: float,
+                 stop_at: dict[int, int], slow: dict[int, float]) -> None:
+    """Reject a bad configuration with the same ``ValueError`` on every rank, before any message."""
+    size = comm.size
+    if mode not in MODES:
+        raise ValueError(f"parameter server: mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"parameter server: staleness must be an int >= 0, got {staleness!r}")
+    if mode == "sync" and staleness:
+        raise ValueError("parameter server: staleness applies to mode='async' (sync is staleness 0)")
+    if not isinstance(n_servers, int) or not 1 <= n_servers < size:
+        raise ValueError(f"parameter server: n_servers={n_servers!r} with world size {size} leaves no worker; "
+                         f"need 1 <= n_servers < {size}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"parameter server: steps must be an int >= 1, got {steps!r}")
+    params = model.parameters()
+    if len(params) < n_servers:
+        raise ValueError(f"parameter server: {n_servers} servers but only {len(params)} parameters to shard "
+                         "by parameter; use fewer servers")
+    if len({p.data.dtype for p in params}) != 1:
+        raise ValueError("parameter server: the model's parameters must share one dtype (flat messages)")
+    n_w = size - n_servers
+    x, y = batch_fn(0)
+    if x.shape[0] % n_w or y.shape[0] != x.shape[0]:
+        raise ValueError(f"parameter server: global batch of {x.shape[0]} samples (targets {y.shape[0]}) does "
+                         f"not divide over {n_w} workers; make it a multiple of {n_w}")
+    if not 0 < silence_timeout < comm.timeout:
+        raise ValueError(f"parameter server: silence_timeout={silence_timeout} must be > 0 and below the "
+                         f"communication timeout ({comm.timeout} s), or waiting workers would time out first")
+    for name, table in (("stop_at", stop_at), ("slow", slow)):
+        bad = [r for r in table if not n_servers <= r < size]
+        if bad:
+            raise ValueError(f"parameter server: {name} names ranks {bad} that are not workers "
+                             f"({n_servers}..{size - 1})")
+
+
+def train(comm: Any, model: Module, loss_fn: Callable[[Module, np.ndarray, np.ndarray], Any],
+          batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]], steps: int, *, n_servers: int = 1,
+          mode: str = "sync", staleness: int = 0,
+          optimizer: Callable[[list[Parameter]], Optimizer] = lambda ps: SGD(ps, lr=0.1),
+          silence_timeout: float = 10.0, stop_at: dict[int, int] | None = None,
+          slow: dict[int, float] | None = None) -> Result:
+    """Run parameter-server training on every rank of ``comm`` (call on all ranks).
+
+    ``model``: the same model on every rank (servers keep their shard's values, workers pull before
+    each step); ``loss_fn(model, x, y)`` -> scalar Tensor; ``batch_fn(step)`` -> the GLOBAL batch
+    ``(x, y)``, worker ``w`` (0-based) uses its ``shard``; ``optimizer(params)`` builds a server's
+    optimizer for the parameters it owns; ``slow={rank: seconds}`` adds compute time to a worker's
+    steps (a straggler); ``stop_at={rank: step}`` silences a worker (see the module docstring).
+    """
+    stop_at, slow = dict(stop_at or {}), dict(slow or {})
+    check_config(comm, model, batch_fn, steps, n_servers, mode, staleness, silence_timeout, stop_at, slow)
+    lay = Layout(model, comm.size, n_servers)
+    if comm.rank < n_servers:
+        return _serve(comm, lay, optimizer, steps, mode, staleness, silence_timeout)
+    return _work(comm, lay, model, loss_fn, batch_fn, steps, stop_at.get(comm.rank), slow.get(comm.rank, 0.0))
+
+
+def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
+          batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]], steps: int, stop: int | None,
+          slow: float) -> Result:
+    out = Result(comm.rank, "worker")
+    w, n_w = comm.rank - len(lay.servers), len(lay.workers)
+    for c in range(steps):
+        pulls = [comm.irecv(s, TAG_PULL, op="pull", step=c) for s in lay.servers]
+        for s, req in zip(lay.servers, pulls):
+            lay.unflatten(s, req.wait(), "data")
+        if stop == c:
+            trace.mark("worker stops", worker=comm.rank, step=c)
+            return out
+        x, y = batch_fn(c)
+        with trace.span("F", step=c):
+            if slow:
+                time.sleep(slow)
+            loss = loss_fn(model, shard(x, w, n_w), shard(y, w, n_w))
+        model.zero_grad()
+        with trace.span("B", step=c):
+            loss.backward()
+        pushes = [comm.isend(lay.flat(s, "grad"), s, TAG_PUSH, op="push", step=c) for s in lay.servers]
+        for req in pushes:
+            req.wait()
+        out.losses.append(float(loss.data))
+    return out
+
+
+def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimizer], steps: int, mode: str,
+           k: int, silence_timeout: float) -> Result:
+    s = comm.rank
+    out = Result(s, "server")
+    opt = optimizer([lay.named[i][1] for i in lay.owned[s]])
+    clock = dict.fromkeys(lay.workers, 0)  # pushes received from each worker
+    live = set(lay.workers)
+    asked = set(lay.workers)  # workers waiting for the pull of their step clock[w]
+    pulled_at: dict[int, tuple[int, float]] = {}  # worker -> (version sent, when)
+    round_grads: dict[int, np.ndarray] = {}  # sync: this step's pushes, by worker
+    recvs = {w: comm.irecv(w, TAG_PUSH, op="push", step=0) for w in lay.workers}
+    sends: list[tuple[int, Any]] = []
+
+    def version() -> int:
+        return min((clock[w] for w in live), default=steps)
+
+    def apply(grad: np.ndarray) -> None:
+        lay.unflatten(s, grad, "grad")
+        opt.step()
+
+    def record(w: int, c: int, v_at: int) -> None:
+        v_from = pulled_at[w][0]
+        trace.mark("apply", worker=w, step=c, computed_from=v_from, applied_at=v_at, staleness=c - v_from)
+        out.applied.append((w, c, v_from, v_at))
+
+    def answer_pulls() -> None:
+        v = version()
+        for w in sorted(asked & live):
+            if clock[w] < steps and v >= clock[w] - k:
+                sends.append((w, comm.isend(lay.flat(s, "data"), w, TAG_PULL, op="pull", step=clock[w])))
+                asked.discard(w)
+                pulled_at[w] = (v, time.monotonic())
+
+    def on_push(w: int, grad: np.ndarray) -> None:
+        if mode == "async":
+            record(w, clock[w], version())
+            apply(grad / len(live))
+        else:
+            round_grads[w] = grad
+        clock[w] += 1
+        asked.add(w)
+        if clock[w] < steps:
+            recvs[w] = comm.irecv(w, TAG_PUSH, op="push", step=clock[w])
+        else:
+            del recvs[w]
+        if mode == "sync" and len(round_grads) == len(live):  # every push of this step is in
+            c = version() - 1
+            for u in sorted(round_grads):
+                record(u, c, c)
+            apply(sum(round_grads[u] for u in sorted(round_grads)) / len(live))
+            round_grads.clear()
+
+    answer_pulls()
+    delay = 0.0
+    while any(clock[w] < steps for w in live):
+        arrived = [w for w in sorted(recvs) if w in live and recvs[w].test()]
+        for w in arrived:
+            on_push(w, recvs[w].wait())
+        if arrived:
+            answer_pulls()
+        now = time.monotonic()
+        for w in sorted(live):
+            if w not in asked and clock[w] < steps and now - pulled_at[w][1] > silence_timeout:
+                if mode == "sync":
+                    raise WorkerLost(
+                        f"parameter server rank {s} (sync): worker rank {w} sent no gradient for step {clock[w]} "
+                        f"within silence_timeout={silence_timeout} s; a synchronous step needs every worker. "
+                        "Use mode='async' to go on without it, or raise silence_timeout if it is only slow")
+                live.discard(w)
+                out.dropped.append(w)
+                trace.mark("worker dropped", worker=w, step=clock[w], silence=round(now - pulled_at[w][1], 3))
+                answer_pulls()  # the slowest clock may have moved
+        sends = [(w, r) for w, r in sends if not r.test()]
+        if arrived:
+            delay = 0.0
+        else:  # back off, giving the core to the workers (20 us doubling up to 1 ms)
+            delay = min(1e-3, max(2e-5, 2 * delay))
+            time.sleep(delay)
+    for w, req in sends:
+        if w in live:
+            req.wait()
+    out.params = {lay.named[i][0]: lay.named[i][1].data.copy() for i in lay.owned[s]}
+    return out
+
+
+def merge(results: Sequence[Result]) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The full final ``state_dict`` (from the servers) and the loss per step: the mean over the
+    workers that ran that step (in sync mode, the global-batch loss)."""
+    state = {k: v for r in results if r.role == "server" for k, v in r.params.items()}
+    workers = [r.losses for r in results if r.role == "worker"]
+    steps = max((len(ls) for ls in workers), default=0)
+    losses = [float(np.mean([ls[c] for ls in workers if len(ls) > c])) for c in range(steps)]
+    return state, losses
+
+
+def collect(comm: Any, result: Result) -> list[Result]:
+    """Every rank's ``Result``, by rank, on every rank (control plane: not traced)."""
+    return comm.allgather_object(result)

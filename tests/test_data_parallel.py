@@ -1,0 +1,267 @@
+"""DistributedDataParallel equals one process on the global batch; buckets, overlap, bytes, errors.
+
+The property runs on the threads backend (several drawn examples) and under real mpiexec (one
+launch per world size, three drawn configurations each).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minipar
+from minipar import data, trace
+from minipar import functional as F
+from minipar.nn import GPT, MLP, Linear, Module
+from minipar.optim import SGD, AdamW
+from minipar.parallel.data import (
+    ALGORITHMS,
+    DistributedDataParallel,
+    allreduce_bytes,
+    bucket_assignment,
+    train_step,
+)
+from minipar.testing import run
+
+STEPS = 3
+MLP_SIZES = [6, 10, 8, 3]
+
+
+def build(kind: str, seed: int) -> Module:
+    if kind == "mlp":
+        return MLP(MLP_SIZES, seed=seed)
+    return GPT(vocab_size=8, seq_len=4, d_model=8, n_heads=2, n_layers=1, seed=seed)
+
+
+def batch(kind: str, size: int, step: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    if kind == "mlp":
+        x, y = data.regression(size * (STEPS + 1), MLP_SIZES[0], MLP_SIZES[-1], seed=seed)
+        return x[step * size:(step + 1) * size], y[step * size:(step + 1) * size]
+    return data.lm_batch(data.token_stream(300, 8, seed=seed), size, 4, step=step, seed=seed)
+
+
+def loss_fn(model: Module, x: np.ndarray, y: np.ndarray) -> minipar.Tensor:
+    if isinstance(model, GPT):
+        return model.loss(x, y)
+    return F.mse_loss(model(minipar.Tensor(x)), minipar.Tensor(y))
+
+
+def make_opt(model: Module, kind: str):
+    return AdamW(model.parameters(), lr=1e-2) if kind == "adamw" else SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def single_process(cfg: dict) -> tuple[list[float], dict, dict]:
+    """The reference: one process, one backward on the whole global batch per step."""
+    model = build(cfg["model"], cfg["seed"])
+    opt = make_opt(model, cfg["opt"])
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(cfg["model"], cfg["batch"], step, cfg["seed"])
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict(), {n: p.grad.copy() for n, p in model.named_parameters()}
+
+
+def ddp_rank(comm, cfg: dict) -> tuple[list[float], dict, dict]:
+    """One rank of the DDP run; the replicas start from different seeds (the broadcast fixes it)."""
+    model = build(cfg["model"], cfg["seed"] + 1000 * comm.rank)
+    if comm.rank == 0:
+        model.init_parameters(cfg["seed"])
+    ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=cfg["cap"], algorithm=cfg["algorithm"])
+    opt = make_opt(model, cfg["opt"])
+    losses = [train_step(ddp, opt, loss_fn, *batch(cfg["model"], cfg["batch"], step, cfg["seed"]),
+                         accumulation=cfg["accumulation"]) for step in range(STEPS)]
+    return losses, model.state_dict(), {n: p.grad.copy() for n, p in model.named_parameters()}
+
+
+def ddp_configs(comm, configs: list[dict]) -> list[tuple[list[float], dict, dict]]:
+    return [ddp_rank(comm, cfg) for cfg in configs]
+
+
+@st.composite
+def configs(draw: st.DrawFn, world: int) -> dict:
+    acc = draw(st.integers(1, 3))
+    return {"model": draw(st.sampled_from(["mlp", "gpt"])), "seed": draw(st.integers(0, 10_000)),
+            "cap": draw(st.sampled_from([64, 400, 2048, 1 << 20])), "algorithm": draw(st.sampled_from(ALGORITHMS)),
+            "accumulation": acc, "batch": world * acc * draw(st.integers(1, 2)),
+            "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+
+
+def assert_equal_to_single(cfg: dict, results: list) -> None:
+    ref_losses, ref_params, ref_grads = single_process(cfg)
+    np.testing.assert_allclose(np.mean([r[0] for r in results], axis=0), ref_losses, rtol=1e-10, atol=1e-12)
+    for _, params, grads in results:
+        for name in ref_params:
+            np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-9, atol=1e-12, err_msg=name)
+            np.testing.assert_allclose(grads[name], ref_grads[name], rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+@settings(max_examples=12)
+@given(st.integers(1, 4).flatmap(lambda p: st.tuples(st.just(p), configs(p))))
+def test_ddp_equals_single_process_threads(world_cfg):
+    world, cfg = world_cfg
+    assert_equal_to_single(cfg, minipar.launch(ddp_rank, world, cfg=cfg))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_equals_single_process_mpi(world):
+    @settings(max_examples=1)
+    @given(st.lists(configs(world), min_size=3, max_size=3))
+    def check(cfgs):
+        per_rank = run(ddp_configs, world, backend="mpi", timeout=90, configs=cfgs)
+        for i, cfg in enumerate(cfgs):
+            assert_equal_to_single(cfg, [r[i] for r in per_rank])
+
+    check()
+
+
+def test_bucket_assignment_follows_the_cap_in_reverse_order():
+    model = MLP(MLP_SIZES)  # bytes: w0 480, b0 80, w1 640, b1 64, w2 192, b2 24
+    nbytes = [p.data.nbytes for p in model.parameters()]
+    f64 = [np.dtype(np.float64)] * 6
+    assert bucket_assignment(nbytes, f64, 1 << 20) == [[5, 4, 3, 2, 1, 0]]
+    assert bucket_assignment(nbytes, f64, 300) == [[5, 4, 3], [2], [1], [0]]  # 24+192+64 = 280
+    assert bucket_assignment(nbytes, f64, 100) == [[5], [4], [3], [2], [1], [0]]
+    assert bucket_assignment([8, 8, 8], [np.float32, np.float64, np.float64], 100) == [[2, 1], [0]]
+    with pytest.raises(ValueError, match="bucket_cap_bytes"):
+        bucket_assignment(nbytes, f64, 0)
+
+
+def traced_steps(comm, cap: int, algorithm: str, overlap: bool, sizes: list[int], rows: int, steps: int,
+                 accumulation: int = 1):
+    model = MLP(sizes, seed=0)
+    ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=cap, algorithm=algorithm, overlap=overlap)
+    opt = SGD(model.parameters(), lr=0.01)
+    x, y = data.regression(rows * comm.size, sizes[0], sizes[-1], seed=1)
+    with trace.recording(comm.rank) as rec:
+        for _ in range(steps):
+            train_step(ddp, opt, loss_fn, x, y, accumulation)
+    return rec.events, len(ddp.buckets), [ddp.bytes_per_step(r) for r in range(comm.size)], \
+        [b.numel for b in ddp.buckets]
+
+
+def test_one_allreduce_per_bucket_per_step_and_none_inside_no_sync():
+    p, steps, acc = 3, 2, 3
+    out = minipar.launch(traced_steps, p, cap=300, algorithm="ring", overlap=True, sizes=MLP_SIZES, rows=6,
+                         steps=steps, accumulation=acc)
+    for events, n_buckets, _, _ in out:
+        assert n_buckets == 4
+        assert len([e for e in events if e.kind == "mark" and e.name == "bucket"]) == steps * n_buckets
+        sends = [e for e in events if e.kind == "comm" and e.src == e.rank and e.op == "allreduce"]
+        assert len(sends) == steps * n_buckets * 2 * (p - 1)  # ring: 2(p-1) messages per all-reduce
+        assert len([e for e in events if e.name == "B"]) == steps * acc
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_first_bucket_starts_before_backward_ends_only_with_overlap(overlap):
+    sizes = [128, 256, 256, 256, 256, 8]
+    out = minipar.launch(traced_steps, 2, cap=256 * 256 * 8, algorithm="ring", overlap=overlap, sizes=sizes,
+                         rows=256, steps=2)
+    for events, n_buckets, _, _ in out:
+        assert n_buckets >= 3
+        for step in range(2):
+            b_end = [e for e in events if e.name == "B"][step].t1
+            first = min(e.t0 for e in events if e.kind == "comm" and e.op == "allreduce"
+                        and e.t0 > [e for e in events if e.name == "F"][step].t0)
+            assert (first < b_end) == overlap, (first, b_end)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "naive"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_bytes_per_rank_per_step_equal_the_formula(p, algorithm):
+    steps, sizes = 2, [4, 12, 12]  # every bucket's element count divides by 2, 3 and 4
+    out = minipar.launch(traced_steps, p, cap=500, algorithm=algorithm, overlap=True, sizes=sizes, rows=2,
+                         steps=steps)
+    n = 8 * sum(out[0][3])
+    assert out[0][1] == 3 and all(k % 12 == 0 for k in out[0][3])
+    sent = [sum(e.nbytes for e in events if e.kind == "comm" and e.src == r and e.op == "allreduce")
+            for r, (events, _, _, _) in enumerate(out)]
+    assert sent == [steps * b for b in out[0][2]]  # measured == this module's exact count
+    formula = {"ring": [2 * (p - 1) * n // p] * p,  # and == the textbook formula
+               "naive": [(p - 1) * n] + [n] * (p - 1),
+               "recursive_doubling": {2: [n, n], 3: [n, 2 * n, n], 4: [2 * n] * 4}[p]}[algorithm]
+    assert sent == [steps * f for f in formula]
+
+
+def test_allreduce_bytes_by_hand():
+    assert [allreduce_bytes(8, 8, 4, r, "ring") for r in range(4)] == [2 * 3 * 2 * 8] * 4  # 2(p-1) chunks of 2
+    assert [allreduce_bytes(5, 4, 2, r, "ring") for r in range(2)] == [(10 - 3 - 2) * 4, (10 - 2 - 3) * 4]
+    assert [allreduce_bytes(4, 8, 3, r, "recursive_doubling") for r in range(3)] == [32, 64, 32]
+    assert allreduce_bytes(4, 8, 4, 0, "native") == 0 and allreduce_bytes(4, 8, 1, 0, "ring") == 0
+
+
+def test_native_records_one_event_per_bucket():
+    out = minipar.launch(traced_steps, 2, cap=400, algorithm="native", overlap=True, sizes=MLP_SIZES, rows=2,
+                         steps=1)
+    for events, _, _, numels in out:
+        native = [e for e in events if e.kind == "comm" and e.algorithm == "native"]
+        assert sorted(e.nbytes for e in native) == sorted(8 * n for n in numels)
+
+
+def wrap_from(comm, root: int):
+    model = MLP(MLP_SIZES, seed=comm.rank)
+    DistributedDataParallel(model, comm, broadcast_from=root)
+    return model.state_dict()
+
+
+def test_parameters_broadcast_from_the_chosen_rank_at_wrap_time():
+    states = minipar.launch(wrap_from, 3, root=1)
+    expected = MLP(MLP_SIZES, seed=1).state_dict()
+    for st_ in states:
+        for k in expected:
+            np.testing.assert_array_equal(st_[k], expected[k])
+
+
+def bad_step(comm, what: str):
+    with trace.recording(comm.rank) as rec:
+        try:
+            if what == "batch":
+                model = MLP(MLP_SIZES)
+                ddp = DistributedDataParallel(model, comm)
+                rec.events.clear()
+                x, y = data.regression(7, MLP_SIZES[0], MLP_SIZES[-1])
+                train_step(ddp, SGD(model.parameters()), loss_fn, x, y)
+            elif what == "algorithm":
+                DistributedDataParallel(MLP(MLP_SIZES), comm, algorithm="tree")
+            else:
+                DistributedDataParallel(MLP(MLP_SIZES), comm, broadcast_from=comm.size)
+        except ValueError as exc:
+            return str(exc), len([e for e in rec.events if e.kind == "comm"])
+    return None, 0
+
+
+@pytest.mark.parametrize("what, words", [("batch", "multiple of 3"), ("algorithm", "unknown algorithm 'tree'"),
+                                         ("root", "broadcast_from=3")])
+def test_bad_configuration_is_rejected_on_every_rank_before_any_message(what, words):
+    out = minipar.launch(bad_step, 3, what=what)
+    assert len({msg for msg, _ in out}) == 1 and words in out[0][0]
+    assert all(n == 0 for _, n in out)
+
+
+class TwoHeads(Module):
+    def __init__(self) -> None:
+        self.a, self.b = Linear(3, 2), Linear(3, 2)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def unused(comm):
+    model = TwoHeads()
+    ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=64)
+    try:
+        ddp.backward(model(minipar.Tensor(np.ones((2, 3)))).sum())
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_unused_parameter_is_named_not_silently_skipped():
+    for msg in minipar.launch(unused, 2):
+        assert msg is not None and "b.weight" in msg and "b.bias" in msg
