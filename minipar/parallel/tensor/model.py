@@ -138,27 +138,26 @@ class ParallelBlock(Module):
         for ln in (self.ln1, self.ln2):
             for p in ln.parameters():
                 p.sequence_parallel = sequence_parallel
-        self._ledger = _Ledger(self.meter)
-        self._t_backward = 0.0
-
-    def _backward_starts(self) -> None:
-        self._t_backward = trace.now()
-
-    def _backward_done(self) -> None:
-        rec = trace.current()
-        if rec is not None:
-            rec.add("compute", "B", self._t_backward, trace.now(), args={"layer": self.layer})
-        self._ledger.release()
 
     def forward(self, x: Tensor) -> Tensor:
-        self._ledger = ledger = _Ledger(self.meter)
+        ledger, started = _Ledger(self.meter), [0.0]  # this forward's: released by its own backward
+
+        def backward_starts() -> None:
+            started[0] = trace.now()
+
+        def backward_done() -> None:
+            rec = trace.current()
+            if rec is not None:
+                rec.add("compute", "B", started[0], trace.now(), args={"layer": self.layer})
+            ledger.release()
+
         with trace.span("F", args={"layer": self.layer}):
-            x = on_backward.apply(x, self._backward_done)  # its backward runs after the whole block's
+            x = on_backward.apply(x, backward_done)  # its backward runs after the whole block's
             ledger.hold(LN, x.data.nbytes)
             x = x + self.attn(self.ln1(x), ledger)
             ledger.hold(LN, x.data.nbytes)
             x = x + self.mlp(self.ln2(x), ledger)
-            return on_backward.apply(x, self._backward_starts)  # its backward runs first
+            return on_backward.apply(x, backward_starts)  # its backward runs first
 
 
 class TensorParallelGPT(Module):
@@ -190,8 +189,7 @@ class TensorParallelGPT(Module):
         for p in (*self.ln_f.parameters(), self.pos_emb.weight):
             p.sequence_parallel = sp
         for block in self.blocks:
-            block.meter = block._ledger.meter = self.meter
-        self._top = _Ledger(self.meter)
+            block.meter = self.meter  # one meter for the whole model
         self.init_parameters(seed)
 
     # ---- forward --------------------------------------------------------------------------------
@@ -218,7 +216,7 @@ class TensorParallelGPT(Module):
     def local_logits(self, idx: np.ndarray) -> Tensor:
         """This rank's vocabulary slice of the logits, ``[seq, batch, V/t]`` (whole sequence)."""
         self.meter.reset()
-        self._top = top = _Ledger(self.meter)
+        top = _Ledger(self.meter)
         with trace.span("F", args={"layer": "embed"}):
             x = on_backward.apply(self.embed(idx), top.release)  # released when backward reaches here
         for block in self.blocks:
