@@ -1,23 +1,28 @@
 """Lesson 0: the autograd engine and the tiny GPT every later lesson splits across ranks.
 
-    python lessons/00_autograd/lesson.py [--steps 300]
+    python lessons/00_autograd/lesson.py [--steps 300] [--out runs/00_autograd]
 
 1. Build the tiny GPT (token + position embeddings, pre-norm blocks, vocabulary head).
 2. Check one weight's gradient from backward() against central differences.
 3. Train it on a synthetic Markov-chain token stream with AdamW; the loss falls from log(V)
    (uniform guessing) towards the entropy of the chain.
+4. Trace the last few steps (forward, backward, optimizer spans; parameter, gradient and optimizer
+   state bytes) and show them: the one-rank picture every later lesson splits across ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from minipar import data
+from lessons.common import console as make_console
+from lessons.common import finish
+from minipar import data, trace
 from minipar.nn import GPT
 from minipar.optim import AdamW
 
@@ -50,7 +55,25 @@ def entropy_rate(vocab: int, seed: int = 0) -> float:
     return float(stationary @ h)
 
 
-def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console | None = None) -> list[float]:
+def train_step(model: GPT, opt: AdamW, x: np.ndarray, y: np.ndarray) -> float:
+    """One traced step: forward, backward, optimizer; memory samples of what the rank holds."""
+    params = sum(p.data.nbytes for p in model.parameters())
+    trace.memory("parameters", params)
+    with trace.span("F", microbatch=0):
+        loss = model.loss(x, y)
+    opt.zero_grad()
+    with trace.span("B", microbatch=0):
+        loss.backward()
+    trace.memory("gradients", sum(p.grad.nbytes for p in model.parameters()))
+    with trace.span("opt"):
+        opt.step()
+    trace.memory("optimizer state", opt.state_bytes())
+    return loss.item()
+
+
+def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console | None = None,
+          trace_path: str | Path | None = None, traced_steps: int = 3) -> list[float]:
+    """Train the tiny GPT; the last ``traced_steps`` steps are recorded to ``trace_path`` (if given)."""
     console = console or Console()
     stream = data.token_stream(20_000, VOCAB, seed=0)
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, seed=0)
@@ -66,14 +89,13 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
                TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=steps, loss=float("nan"))
-        for step in range(steps):
-            x, y = data.lm_batch(stream, batch, SEQ, step=step)
-            loss = model.loss(x, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        for step in range(steps - traced_steps):
+            losses.append(train_step(model, opt, *data.lm_batch(stream, batch, SEQ, step=step)))
             progress.update(task, advance=1, loss=np.mean(losses[-20:]))
+        with trace.record(trace_path, paradigm="single process", lesson="00_autograd", time_unit="s"):
+            for step in range(steps - traced_steps, steps):
+                losses.append(train_step(model, opt, *data.lm_batch(stream, batch, SEQ, step=step)))
+                progress.update(task, advance=1, loss=np.mean(losses[-20:]))
     table = Table(title="loss")
     for col in ("steps", "mean loss"):
         table.add_column(col, justify="right")
@@ -88,8 +110,13 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default="runs/00_autograd", help="folder for trace.json and report.html")
     args = parser.parse_args()
-    train(args.steps)
+    out = make_console()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "trace.json"
+    train(args.steps, console=out, trace_path=path)
+    finish([path], Path(args.out) / "report.html", out, titles=["tiny GPT, one process"])
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
+from lessons.common import console, finish
 from minipar import trace
 from minipar.comm import Communicator, chunk_bounds, launch, world
 from minipar.comm.mpi import under_mpiexec
@@ -147,13 +147,14 @@ def main() -> None:
         rows, p, rank, backend = launch(body, args.ranks, "threads")[0], args.ranks, 0, "threads"
     if rank != 0:
         return
-    console = Console(width=130)
-    console.print(render(rows, p, args.n, backend))
+    out = console(width=130)
+    out.print(render(rows, p, args.n, backend))
     if not all(r["agrees"] for r in rows):
         raise SystemExit("the algorithms disagree with each other")
     path = Path(args.out) / "trace.json"
     trace.to_chrome(trace.load(path), Path(args.out) / "trace.chrome.json")
-    console.print(f"trace: {path} (open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
+    finish([path], Path(args.out) / "report.html", out, titles=[f"all-reduce algorithms on {p} ranks"])
+    out.print(f"trace: {path} (or open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
 
 
 if __name__ == "__main__":
