@@ -40,7 +40,8 @@ from minipar import data
 from minipar import trace as mtrace
 from minipar.comm import world
 from minipar.optim import AdamW
-from minipar.parallel.pipeline import Pipeline, format_schedule, gpt, make_schedule, simulate
+from minipar.parallel.pipeline import Pipeline, format_schedule, gpt, gpt_layer_counts, make_schedule
+from minipar.parallel.pipeline import simulate as simulate_schedule
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8
 BATCH, MICROBATCHES, CHUNKS = 32, 8, 2
@@ -54,21 +55,12 @@ def make_console() -> Console:
     return Console(force_terminal=bool(os.environ.get("FORCE_COLOR")) or None, width=width)
 
 
-def layer_counts(blocks: int, n_stages: int) -> list[int]:
-    """Layers per stage: the blocks spread evenly, the light embedding riding with the first stage's
-    blocks and ln_f + head with the last stage's (as Megatron-LM places them)."""
-    if blocks < n_stages:
-        raise ValueError(f"{blocks} blocks cannot give each of {n_stages} stages a block; use more blocks")
-    base, extra = divmod(blocks, n_stages)
-    return [base + (s < extra) + (s == 0) + (s == n_stages - 1) for s in range(n_stages)]
-
-
 def train(comm: Any, kind: str, chunks: int = 1, steps: int = 3, microbatches: int = MICROBATCHES,
           trace_path: str | os.PathLike[str] | None = None, blocks: int = BLOCKS) -> dict[str, Any]:
     """Train the tiny GPT for ``steps`` steps with schedule ``kind``; the last step is recorded into
     ``trace_path``. Returns (on every rank) the losses and this rank's peak stash."""
     pipe = Pipeline(comm, gpt(VOCAB, SEQ, D_MODEL, HEADS, blocks, seed=0), kind, microbatches=microbatches,
-                    chunks=chunks, layers=layer_counts(blocks, comm.size * chunks))
+                    chunks=chunks, layers=gpt_layer_counts(blocks, comm.size * chunks))
     opt = AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.0)
     stream = data.token_stream(20_000, VOCAB, seed=0)
     losses = []
@@ -115,7 +107,7 @@ def analyse(trace_path: str | os.PathLike[str], sim_path: str | os.PathLike[str]
     trace = mtrace.load(trace_path)
     kind, p, m, v = (trace.meta[k] for k in ("schedule", "p", "m", "v"))
     fwd, bwd = stage_durations(trace, p * v)
-    sim = simulate(make_schedule(kind, p, m, v), forward=fwd, backward=bwd)
+    sim = simulate_schedule(make_schedule(kind, p, m, v), forward=fwd, backward=bwd)
     sim.trace.meta.update(time_unit="s", schedule=f"{kind} (simulated)")
     if sim_path is not None:
         mtrace.save(sim.trace, sim_path)

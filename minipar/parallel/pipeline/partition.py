@@ -11,7 +11,8 @@ into p * v "model chunks", virtual stage s = chunk * p + rank. Here:
 - ``mlp(sizes)``: layer i = ``Linear`` (+ ReLU except the last), parameters ``layers.{i}.weight``.
 - ``gpt(...)``: ``[embed (tok_emb + pos_emb)] + blocks.0 .. blocks.{n-1} + [ln_f + head]``.
 - ``split_layers(n_layers, n_stages, counts=None)``: the layer ranges of the stages; balanced by
-  default (the first ``n_layers % n_stages`` stages get one extra layer) or given as layer counts.
+  default (the first ``n_layers % n_stages`` stages get one extra layer) or given as layer counts;
+  ``gpt_layer_counts`` balances the GPT's blocks with the embedding and head riding along.
 
 Every parameter of a stage keeps its *full-model* name (``blocks.3.attn.q.weight``), so
 ``Stage.init_parameters(seed)`` gives exactly the values of ``nn.GPT(..., seed=seed)`` /
@@ -144,6 +145,17 @@ def split_layers(n_layers: int, n_stages: int, counts: Sequence[int] | None = No
         raise ValueError(f"layer counts {counts} must be >= 1 each and sum to the model's {n_layers} layers")
     bounds = np.cumsum([0, *counts])
     return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def gpt_layer_counts(n_blocks: int, n_stages: int) -> list[int]:
+    """Layer counts for ``gpt(...)`` (``n_blocks + 2`` layers): the blocks spread evenly over the
+    stages, the light embedding riding with the first stage's blocks and ln_f + head with the last's
+    (as Megatron-LM places them), so no stage is left holding only the embedding."""
+    if n_blocks < n_stages:
+        raise ValueError(f"{n_blocks} blocks cannot give each of {n_stages} stages a block; "
+                         "use more blocks or fewer stages (ranks x chunks)")
+    base, extra = divmod(n_blocks, n_stages)
+    return [base + (s < extra) + (s == 0) + (s == n_stages - 1) for s in range(n_stages)]
 
 
 class Stage(Module):
