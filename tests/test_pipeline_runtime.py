@@ -236,3 +236,31 @@ def test_bad_configurations_rejected_on_every_rank_before_any_message():
 def test_bad_configurations_rejected_under_mpiexec():
     cases = sorted(CASES)
     _check_rejected(testing.run(rejected_run, 2, "mpi", timeout=60, cases=cases), cases)
+
+
+# ---- partitioning ---------------------------------------------------------------------------------
+def test_split_layers_balanced_given_and_rejected():
+    from minipar.parallel.pipeline import gpt_layer_counts, split_layers
+
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_layers(5, 3, [1, 3, 1]) == [range(0, 1), range(1, 4), range(4, 5)]
+    assert gpt_layer_counts(8, 4) == [3, 2, 2, 3] and gpt_layer_counts(6, 4) == [3, 2, 1, 2]
+    with pytest.raises(ValueError, match="sum to the model's 5 layers"):
+        split_layers(5, 2, [2, 2])
+    with pytest.raises(ValueError, match="got 3 layer counts for 2 stages"):
+        split_layers(5, 2, [1, 2, 2])
+
+
+def test_stages_hold_only_their_layers_with_full_model_names_and_values():
+    from minipar.parallel.pipeline import build_stage
+
+    full = GPT(**GPT_DIMS, n_layers=3, seed=5).state_dict()
+    spec = gpt(**GPT_DIMS, n_layers=3, seed=5)
+    parts = [build_stage(spec, s, 3, [2, 1, 2]).state_dict() for s in range(3)]
+    owners = [{".".join(k.split(".")[:2]) if k.startswith("blocks") else k.split(".")[0] for k in part}
+              for part in parts]
+    assert owners == [{"tok_emb", "pos_emb", "blocks.0"}, {"blocks.1"}, {"blocks.2", "ln_f", "head"}]
+    assert sorted(k for part in parts for k in part) == sorted(full)
+    for part in parts:
+        for name, value in part.items():
+            np.testing.assert_array_equal(value, full[name])
