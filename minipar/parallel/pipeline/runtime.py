@@ -154,8 +154,9 @@ class Pipeline:
                              "pass matching inputs and targets")
         if n % m:
             lo, hi = (n // m) * m, (n // m + 1) * m
+            sizes = f"{lo} or {hi}" if lo else f"{hi}"
             raise ValueError(f"pipeline: batch of {n} samples is not divisible by m={m} micro-batches; "
-                             f"use a batch of {lo or hi} or {hi}, or another m")
+                             f"use a batch of {sizes}, or another m")
         xs, ys = np.split(np.asarray(x), m), np.split(np.asarray(y), m)
         for p in self.parameters():
             p.grad = None
