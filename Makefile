@@ -20,7 +20,7 @@ install: $(STAMP)
 
 # The main job: a lesson under mpiexec with its terminal timeline and HTML report.
 demo: install
-	FORCE_COLOR=1 $(MPIEXEC) -n 4 $(PY) lessons/01_collectives/lesson.py
+	FORCE_COLOR=1 $(MPIEXEC) -n 4 $(PY) lessons/02_pipeline/lesson.py
 
 # Debian's chromium for the real-browser test of the HTML report.
 browser:
