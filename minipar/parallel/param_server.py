@@ -245,8 +245,9 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
         return min((clock[w] for w in live), default=steps)
 
     def apply(grad: np.ndarray) -> None:
-        lay.unflatten(s, grad, "grad")
-        opt.step()
+        with trace.span("opt"):
+            lay.unflatten(s, grad, "grad")
+            opt.step()
 
     def record(w: int, c: int, v_at: int) -> None:
         v_from = pulled_at[w][0]

@@ -1,0 +1,242 @@
+"""Lesson 3: data parallelism, two ways: DDP's bucketed all-reduce and the parameter server.
+
+    mpiexec -n 4 python lessons/03_data_parallel/lesson.py [--steps 10]
+    python lessons/03_data_parallel/lesson.py --ranks 4      # same, ranks as threads in one process
+
+1. DDP (Li et al., VLDB 2020): every rank trains a full replica of the tiny GPT on its quarter of
+   each global batch; gradients travel in size-capped buckets, each all-reduced (non-blocking) as
+   soon as backward has finished it. With every all-reduce algorithm (ring, recursive doubling,
+   naive, native) the loss equals the single-process run's, step by step, and the bytes each rank
+   sent (from the trace) equal the algorithm's formula.
+2. The parameter server (Li et al., OSDI 2014): rank 0 holds the parameters, ranks 1-3 pull them,
+   compute, push gradients. Synchronous mode equals the single-process run; asynchronous mode with
+   staleness bound k = 0, 2, 4 lets the fast workers run up to k steps ahead of a straggler (rank 1,
+   slowed down on purpose): each applied gradient's staleness is in the trace, always <= k.
+3. Who sent how many bytes to whom: the parameter server's links to rank 0 carry everything (a hub),
+   the ring's links each carry an even share. Then the terminal timelines and an HTML report.
+Writes runs/03_data_parallel/*.json and report.html (``--out`` to choose the folder).
+
+A straggler that is ALWAYS slow still has to do every step, so SSP cannot make the run shorter; what
+it buys is that the fast workers' gradients are applied (and their pulls answered) without waiting
+for it, up to k steps ahead -- it hides transient delays, at the price of stale gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from lessons.common import console, finish
+from minipar import data, trace
+from minipar.comm import launch, world
+from minipar.comm.mpi import under_mpiexec
+from minipar.nn import GPT, Module
+from minipar.optim import SGD
+from minipar.parallel import param_server as ps
+from minipar.parallel.data import ALGORITHMS, DistributedDataParallel, train_step
+
+VOCAB, SEQ, D_MODEL, HEADS, LAYERS, BATCH, LR = 16, 16, 32, 4, 2, 12, 1.0
+CAP = 16 * 1024  # bucket cap (bytes): the tiny GPT's 250 KB of gradients make several buckets
+STRAGGLER, DELAY = 1, 0.03  # the parameter server's slow worker and its extra seconds per step
+OUT = Path("runs/03_data_parallel")
+STREAM = data.token_stream(20_000, VOCAB, seed=0)
+
+
+def model() -> GPT:
+    return GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, seed=0)
+
+
+def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of ``step`` (the same on every rank)."""
+    return data.lm_batch(STREAM, BATCH, SEQ, step=step)
+
+
+def loss_fn(m: Module, x: np.ndarray, y: np.ndarray) -> Any:
+    return m.loss(x, y)
+
+
+def single_process(steps: int) -> list[float]:
+    """The reference: one process, the whole global batch, plain SGD."""
+    m = model()
+    opt = SGD(m.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = m.loss(*batch(step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def sent_matrix(t: trace.Trace) -> np.ndarray:
+    """Bytes sent from rank i to rank j (payloads, from the senders' records)."""
+    p = t.world_size
+    m = np.zeros((p, p), dtype=np.int64)
+    for e in t.events:
+        if e.kind == "comm" and e.src is not None and e.src == e.rank and e.dst is not None:
+            m[e.src, e.dst] += e.nbytes or 0
+    return m
+
+
+# ---- 1. DDP with every all-reduce algorithm --------------------------------------------------------
+def ddp_run(comm: Any, algorithm: str, steps: int, out: Path) -> dict[str, Any]:
+    m = model()
+    ddp = DistributedDataParallel(m, comm, bucket_cap_bytes=CAP, algorithm=algorithm)
+    opt = SGD(m.parameters(), lr=LR)
+    path = out / f"ddp_{algorithm}.json"
+    t0 = time.perf_counter()
+    with trace.record(path, comm, lesson="03_data_parallel", **ddp.trace_meta(steps)) as rec:
+        local = [train_step(ddp, opt, loss_fn, *batch(step)) for step in range(steps)]
+    seconds = time.perf_counter() - t0
+    sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == comm.world_rank and e.op == "allreduce")
+    rows = comm.gather_object((local, sent, seconds))
+    if comm.rank != 0:
+        return {}
+    return {"losses": np.mean([r[0] for r in rows], axis=0).tolist(), "sent": [r[1] for r in rows],
+            "formula": ddp.trace_meta(steps)["expected_bytes_by_rank"][f"allreduce/{algorithm}"],
+            "buckets": [b.nbytes for b in ddp.buckets], "seconds": max(r[2] for r in rows), "path": path}
+
+
+# ---- 2. the parameter server ------------------------------------------------------------------------
+def ps_run(comm: Any, mode: str, k: int, steps: int, out: Path) -> dict[str, Any]:
+    name = "ps_sync" if mode == "sync" else f"ps_async_k{k}"
+    path = out / f"{name}.json"
+    meta = ps.trace_meta(model(), comm.size, 1, steps, mode, k)
+    t0 = time.perf_counter()
+    with trace.record(path, comm, lesson="03_data_parallel", straggler=STRAGGLER, **meta) as rec:
+        result = ps.train(comm, model(), loss_fn, batch, steps, n_servers=1, mode=mode, staleness=k,
+                          optimizer=lambda params: SGD(params, lr=LR), slow={STRAGGLER: DELAY})
+    seconds = time.perf_counter() - t0
+    marks = [e.args for e in rec.events if e.kind == "mark" and e.name == "apply"]
+    rows = comm.gather_object((result, marks, seconds))
+    if comm.rank != 0:
+        return {}
+    _, losses = ps.merge([r[0] for r in rows])
+    staleness = [m["staleness"] for r in rows for m in r[1]]
+    return {"name": name, "losses": losses, "staleness": staleness, "seconds": max(r[2] for r in rows),
+            "path": path}
+
+
+def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
+    """Every run of the lesson on ``comm`` (4 ranks); the results on rank 0, {} elsewhere."""
+    if comm.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    ddp = {alg: ddp_run(comm, alg, steps, out) for alg in ALGORITHMS}
+    runs = [ps_run(comm, "sync", 0, steps, out)] + [ps_run(comm, "async", k, steps, out) for k in (0, 2, 4)]
+    return {"ddp": ddp, "ps": runs, "p": comm.size, "backend": comm.backend} if comm.rank == 0 else {}
+
+
+# ---- tables ------------------------------------------------------------------------------------------
+def ddp_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
+    ddp = res["ddp"]
+    losses = Table(title="DDP loss per step (mean of the ranks' shard losses) vs one process", title_justify="left")
+    losses.add_column("step", justify="right")
+    losses.add_column("single process", justify="right")
+    for alg in ALGORITHMS:
+        losses.add_column(alg, justify="right")
+    for s, r in enumerate(ref):
+        losses.add_row(str(s), f"{r:.10f}", *[f"{ddp[a]['losses'][s]:.10f}" for a in ALGORITHMS])
+    b = ddp[ALGORITHMS[0]]["buckets"]
+    traffic = Table(title=f"all-reduce bytes sent per rank over all steps: {len(b)} buckets of <= {CAP:,} B "
+                    f"({sum(b):,} B of gradients)", title_justify="left")
+    for col in ("algorithm", "trace, by rank", "formula, by rank", "match", "wall time"):
+        traffic.add_column(col, justify="right")
+    for alg in ALGORITHMS:
+        d = ddp[alg]
+        hidden = alg == "native"
+        traffic.add_row(alg, "(inside MPI)" if hidden else " ".join(f"{v:,}" for v in d["sent"]),
+                        "" if hidden else " ".join(f"{v:,}" for v in d["formula"]),
+                        "-" if hidden else ("yes" if d["sent"] == d["formula"] else "NO"), f"{d['seconds']:.2f} s")
+    return losses, traffic
+
+
+def ps_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
+    runs = res["ps"]
+    losses = Table(title=f"parameter server loss per step (worker {STRAGGLER} sleeps {DELAY * 1e3:.0f} ms a step)",
+                   title_justify="left")
+    losses.add_column("step", justify="right")
+    losses.add_column("single process", justify="right")
+    for r in runs:
+        losses.add_column(r["name"], justify="right")
+    for s, v in enumerate(ref):
+        losses.add_row(str(s), f"{v:.6f}", *[f"{r['losses'][s]:.6f}" if s < len(r["losses"]) else "" for r in runs])
+    losses.add_row("time", "", *[f"{r['seconds']:.2f} s" for r in runs], style="bold")
+    stale = Table(title="staleness of each applied gradient (from the trace marks): count by value",
+                  title_justify="left")
+    stale.add_column("run")
+    top = max(max(r["staleness"]) for r in runs)
+    for v in range(top + 1):
+        stale.add_column(str(v), justify="right")
+    stale.add_column("bound k", justify="right")
+    for r in runs:
+        k = 0 if r["name"] == "ps_sync" else int(r["name"].rsplit("k", 1)[1])
+        counts = np.bincount(r["staleness"], minlength=top + 1)
+        stale.add_row(r["name"], *[str(c) for c in counts], str(k))
+    return losses, stale
+
+
+def links_table(ring: np.ndarray, hub: np.ndarray) -> Table:
+    p = ring.shape[0]
+    table = Table(title="bytes per link, src -> dst: ring all-reduce (DDP) | parameter server (rank 0 = server)",
+                  title_justify="left")
+    table.add_column("src")
+    for j in range(p):
+        table.add_column(f"ring ->{j}", justify="right")
+    for j in range(p):
+        table.add_column(f"PS ->{j}", justify="right")
+    for i in range(p):
+        table.add_row(str(i), *[f"{v:,}" if v else "." for v in ring[i]], *[f"{v:,}" if v else "." for v in hub[i]])
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    parser.add_argument("--out", default=str(OUT), help="folder for the traces and report.html")
+    args = parser.parse_args()
+    folder = Path(args.out)
+    if under_mpiexec():
+        comm = world()
+        if comm.size != 4:
+            raise SystemExit(f"lesson 3 runs on 4 ranks: mpiexec -n 4 (got {comm.size})")
+        res = run_all(comm, args.steps, folder)
+        if comm.rank != 0:
+            return
+    else:
+        res = launch(run_all, args.ranks, "threads", steps=args.steps, out=folder)[0]
+    out = console(width=130)
+    p, ddp_ref, runs = res["p"], single_process(args.steps), res["ps"]
+    out.rule(f"[bold]1. DDP: the tiny GPT on {p} ranks ({res['backend']}), every all-reduce algorithm")
+    for table in ddp_tables(res, ddp_ref):
+        out.print(table)
+    out.rule(f"[bold]2. the parameter server: rank 0 serves, ranks 1-{p - 1} work")
+    for table in ps_tables(res, ddp_ref):
+        out.print(table)
+    out.rule("[bold]3. who sends to whom")
+    ring = trace.load(res["ddp"]["ring"]["path"])
+    hub = trace.load(runs[0]["path"])
+    out.print(links_table(sent_matrix(ring), sent_matrix(hub)))
+    out.print(f"per step: the server sends {sent_matrix(hub)[0].sum() // args.steps:,} B and receives as much; "
+              f"a ring rank sends {sent_matrix(ring)[0].sum() // args.steps:,} B (2(p-1)/p n), spread over one link",
+              highlight=False)
+    paths = [res["ddp"][a]["path"] for a in ALGORITHMS] + [r["path"] for r in runs]
+    titles = [f"DDP {a}" for a in ALGORITHMS] + [r["name"] for r in runs]
+    from viz.terminal import print_timeline
+
+    out.rule("[bold]timeline: DDP with the ring (bucket all-reduces run while backward goes on)")
+    print_timeline(ring, console=out)
+    out.rule("[bold]timeline: parameter server, asynchronous, k = 2 (the straggler is rank 1)")
+    finish(paths, folder / "report.html", out, timeline=runs[2]["path"], titles=titles)
+    out.print(f"traces: {', '.join(str(path) for path in paths)}", highlight=False)
+
+
+if __name__ == "__main__":
+    main()
