@@ -53,7 +53,7 @@ def analyse(trace: mtrace.Trace, kind: str, p: int, m: int, v: int) -> dict[str,
                  for s in range(n_stages)] for op in ("F", "B"))
     sched = make_schedule(kind, p, m, v)
     sim = simulate(sched, forward=fwd, backward=bwd)
-    peaks = [max(e.nbytes for e in trace.select("memory", name="activations", rank=r)) for r in range(p)]
+    peaks = [max(e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)) for r in range(p)]
     return {"step": hi - lo, "measured": float(np.mean(analysis.bubble_fractions(sub))),
             "simulated": sim.bubble_fraction, "formula": simulate(sched).bubble_fraction,
             "work": sum(e.duration for e in fb), "peak": peaks, "F": fwd, "B": bwd,

@@ -392,5 +392,20 @@ class Function:
         return Tensor._make(out, parents, backward)
 
 
+def graph_bytes(root: Tensor) -> int:
+    """Bytes of the intermediate results (non-leaf tensors) the graph behind ``root`` keeps alive
+    for backward: the activation memory a stashed micro-batch costs."""
+    seen, stack, total = {id(root)}, [root], 0
+    while stack:
+        node = stack.pop()
+        if not node.is_leaf:
+            total += node.data.nbytes
+        for p in node._parents:
+            if id(p) not in seen:
+                seen.add(id(p))
+                stack.append(p)
+    return total
+
+
 def tensor(data: ArrayLike, requires_grad: bool = False, dtype: Any = None) -> Tensor:
     return Tensor(data, requires_grad=requires_grad, dtype=dtype)

@@ -87,10 +87,12 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
                             layers=layers)
             opt = _optimizer(cfg, pipe.parameters())
             losses = [pipe.step(x, y, opt) for x, y in _batches(cfg)]
-        samples = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "activations"]
+        samples = [e.args["stashed"] for e in rec.events if e.kind == "memory" and e.name == "activations"]
+        held = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "activations"]
         spans = sorted((e.name, e.stage, e.microbatch) for e in rec.events if e.kind == "compute")
         out.append({"losses": losses, "state": gather_state_dict(pipe), "grads": gather_grads(pipe),
-                    "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans})
+                    "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans,
+                    "held": held})
     return out
 
 
@@ -109,6 +111,9 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     sim = simulate(make_schedule(cfg["kind"], p, cfg["m"], cfg["v"]))
     assert [results[r][index]["peak"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
     assert [results[r][index]["peak_attr"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
+    for r in range(p):  # activation bytes: held while micro-batches are stashed, all freed by the end
+        held = results[r][index]["held"]
+        assert max(held) > 0 and held[-1] == 0
     stages = p * cfg["v"]
     every = sorted(s for r in range(p) for s in results[r][index]["spans"] if s[0] in "FB")
     assert every == sorted((op, s, i) for op in "FB" for s in range(stages) for i in range(cfg["m"])

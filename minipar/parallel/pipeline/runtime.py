@@ -27,8 +27,9 @@ broadcast the loss from the last stage to every rank, run the optimizer on this 
 
 Trace (``minipar.trace``, same format as ``simulate``): compute spans "F"/"B" with stage,
 micro-batch, chunk (and ``args`` action, iteration), "opt" for the optimizer; memory samples
-"activations" whose ``nbytes`` is the number of stashed micro-batches after every change (the
-simulator's unit, so the measured peak equals ``simulate(...).peak_stash``); messages are recorded
+"activations" after every change, ``nbytes`` = bytes the stashed micro-batches' graphs keep alive
+(``autograd.graph_bytes``) and ``args["stashed"]`` = how many micro-batches are stashed (the
+simulator's count, so the measured peak equals ``simulate(...).peak_stash``); messages are recorded
 by the comm layer. Per step, rank r sends at most 2 m v messages of one micro-batch's activation
 (or gradient) each; memory: peak stash x (activations of one stage on one micro-batch).
 
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.autograd import Tensor
+from minipar.autograd import Tensor, graph_bytes
 from minipar.comm.base import MAX_TAG
 from minipar.nn import Parameter
 from minipar.optim import Optimizer
@@ -137,7 +138,7 @@ class Pipeline:
     def trace_meta(self) -> dict[str, Any]:
         """Metadata for ``trace.record``: paradigm, schedule, p, m, v, per-rank actions, stage layers."""
         return {"paradigm": "pipeline", "schedule": self.kind, "p": self.comm.size, "m": self.microbatches,
-                "v": self.chunks, "model": self.model.kind, "activation_unit": "microbatches",
+                "v": self.chunks, "model": self.model.kind, "activation_unit": "bytes",
                 "actions": {str(r): [str(a) for a in acts] for r, acts in self.program.items()},
                 "stage_layers": {str(s): [self.model.names[i] for i in rng]
                                  for s, rng in enumerate(self.layer_ranges)}}
@@ -168,6 +169,7 @@ class Pipeline:
         self._loss = 0.0
         self.microbatch_losses = [0.0] * m
         self.peak_stash = 0
+        self._stash_bytes: dict[tuple[int, int], int] = {}
         trace.memory("activations", 0, args={"stashed": 0})
         for action in self.actions:
             getattr(self, "_" + action.op)(action)
@@ -201,7 +203,7 @@ class Pipeline:
     def _sample(self) -> None:
         n = len(self._stash)
         self.peak_stash = max(self.peak_stash, n)
-        trace.memory("activations", n, args={"stashed": n})
+        trace.memory("activations", sum(self._stash_bytes.values()), args={"stashed": n})
 
     def _F(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
@@ -221,12 +223,14 @@ class Pipeline:
             else:
                 self._outbox[("F", s, i)] = out.data
             self._stash[(s, i)] = (inp, out)
+            self._stash_bytes[(s, i)] = graph_bytes(out) + (inp.data.nbytes if isinstance(inp, Tensor) else 0)
         self._sample()
 
     def _B(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
         with trace.span("B", **self._where(a)):
             inp, out = self._stash.pop((s, i))
+            del self._stash_bytes[(s, i)]
             out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)))
             if s > 0:
                 grad = inp.grad if inp.grad is not None else np.zeros_like(inp.data)
