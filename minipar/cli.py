@@ -3,6 +3,7 @@
     minipar view TRACE... -o report.html      one self-contained HTML report of the traces
     minipar view TRACE... --terminal [--width N]   the timeline in the terminal (the default)
     minipar view TRACE --chrome out.json       Chrome-trace JSON for https://ui.perfetto.dev
+    minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
 
 Bad input (a missing, truncated or corrupt trace, a newer format, a bad option) prints one line
 ``minipar: error: ...`` on stderr and exits with status 2, without a traceback. Subcommands are
@@ -76,8 +77,45 @@ def _run_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", help="schedule: naive, gpipe, 1f1b or interleaved")
+    p.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
+    p.add_argument("--chunks", "-v", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--forward", type=float, default=1.0, help="duration of one forward (default 1)")
+    p.add_argument("--backward", type=float, default=2.0, help="duration of one backward (default 2)")
+    p.add_argument("-o", "--output", metavar="TRACE", help="also write the simulated trace here")
+    p.add_argument("--width", type=int, metavar="N", help="terminal line width (default: the terminal's)")
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from minipar.parallel.pipeline import make_schedule, simulate
+    from minipar.trace import save
+
+    try:
+        schedule = make_schedule(args.kind, args.stages, args.microbatches, args.chunks)
+        result = simulate(schedule, forward=args.forward, backward=args.backward)
+    except ValueError as exc:
+        raise UsageError(str(exc).splitlines()[0]) from None
+    for rank, actions in sorted(schedule.items()):
+        print(f"rank {rank}: {' '.join(str(a) for a in actions)}")
+    p, m, v = args.stages, args.microbatches, args.chunks
+    print(f"makespan {result.makespan:g}   bubble fraction {result.bubble_fraction:.1%} "
+          f"(formula (p-1)/(v m + p - 1) = {(p - 1) / (v * m + p - 1):.1%})   "
+          f"peak stashed micro-batches per rank {[result.peak_stash[r] for r in range(p)]}")
+    if args.output:
+        save(result.trace, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    from viz.terminal import print_timeline
+
+    print_timeline(result.trace, width=args.width)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
+    "simulate": ("simulate a pipeline schedule: action order, bubble, stash, timeline", _configure_simulate,
+                 _run_simulate),
 }
 
 
