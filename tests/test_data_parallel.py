@@ -49,7 +49,9 @@ def loss_fn(model: Module, x: np.ndarray, y: np.ndarray) -> minipar.Tensor:
 
 
 def make_opt(model: Module, kind: str):
-    return AdamW(model.parameters(), lr=1e-2) if kind == "adamw" else SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if kind == "adamw":
+        return AdamW(model.parameters(), lr=1e-2)
+    return SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def single_process(cfg: dict) -> tuple[list[float], dict, dict]:
@@ -87,7 +89,8 @@ def ddp_configs(comm, configs: list[dict]) -> list[tuple[list[float], dict, dict
 def configs(draw: st.DrawFn, world: int) -> dict:
     acc = draw(st.integers(1, 3))
     return {"model": draw(st.sampled_from(["mlp", "gpt"])), "seed": draw(st.integers(0, 10_000)),
-            "cap": draw(st.sampled_from([64, 400, 2048, 1 << 20])), "algorithm": draw(st.sampled_from(ALGORITHMS)),
+            "cap": draw(st.sampled_from([64, 400, 2048, 1 << 20])),
+            "algorithm": draw(st.sampled_from(ALGORITHMS)),
             "accumulation": acc, "batch": world * acc * draw(st.integers(1, 2)),
             "opt": draw(st.sampled_from(["adamw", "sgd"]))}
 
@@ -190,7 +193,8 @@ def test_bytes_per_rank_per_step_equal_the_formula(p, algorithm):
 
 
 def test_allreduce_bytes_by_hand():
-    assert [allreduce_bytes(8, 8, 4, r, "ring") for r in range(4)] == [2 * 3 * 2 * 8] * 4  # 2(p-1) chunks of 2
+    # p = 4, 8 elements: 2(p-1) chunks of 2 elements each
+    assert [allreduce_bytes(8, 8, 4, r, "ring") for r in range(4)] == [2 * 3 * 2 * 8] * 4
     assert [allreduce_bytes(5, 4, 2, r, "ring") for r in range(2)] == [(10 - 3 - 2) * 4, (10 - 2 - 3) * 4]
     assert [allreduce_bytes(4, 8, 3, r, "recursive_doubling") for r in range(3)] == [32, 64, 32]
     assert allreduce_bytes(4, 8, 4, 0, "native") == 0 and allreduce_bytes(4, 8, 1, 0, "ring") == 0
@@ -236,7 +240,8 @@ def bad_step(comm, what: str):
     return None, 0
 
 
-@pytest.mark.parametrize("what, words", [("batch", "multiple of 3"), ("algorithm", "unknown algorithm 'tree'"),
+@pytest.mark.parametrize("what, words", [("batch", "multiple of 3"),
+                                         ("algorithm", "unknown algorithm 'tree'"),
                                          ("root", "broadcast_from=3")])
 def test_bad_configuration_is_rejected_on_every_rank_before_any_message(what, words):
     out = minipar.launch(bad_step, 3, what=what)

@@ -92,7 +92,8 @@ def test_sync_equals_single_process_threads(world_servers, seed, opt, steps):
     ref_losses, ref_state = single_process(steps, seed, opt)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
     assert_close_state(state, ref_state)
-    assert all(m["staleness"] == 0 and m["applied_at"] == m["step"] for m in applied_marks([e for _, e in out]))
+    marks = applied_marks([e for _, e in out])
+    assert all(m["staleness"] == 0 and m["applied_at"] == m["step"] for m in marks)
 
 
 def test_async_with_staleness_zero_equals_sync():

@@ -94,7 +94,8 @@ def ddp_run(comm: Any, algorithm: str, steps: int, out: Path) -> dict[str, Any]:
     with trace.record(path, comm, lesson="03_data_parallel", **ddp.trace_meta(steps)) as rec:
         local = [train_step(ddp, opt, loss_fn, *batch(step)) for step in range(steps)]
     seconds = time.perf_counter() - t0
-    sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == comm.world_rank and e.op == "allreduce")
+    sent = sum(e.nbytes for e in rec.events
+               if e.kind == "comm" and e.src == comm.world_rank and e.op == "allreduce")
     rows = comm.gather_object((local, sent, seconds))
     if comm.rank != 0:
         return {}
@@ -136,7 +137,8 @@ def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
 # ---- tables ------------------------------------------------------------------------------------------
 def ddp_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
     ddp = res["ddp"]
-    losses = Table(title="DDP loss per step (mean of the ranks' shard losses) vs one process", title_justify="left")
+    losses = Table(title="DDP loss per step (mean of the ranks' shard losses) vs one process",
+                   title_justify="left")
     losses.add_column("step", justify="right")
     losses.add_column("single process", justify="right")
     for alg in ALGORITHMS:
@@ -153,20 +155,22 @@ def ddp_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
         hidden = alg == "native"
         traffic.add_row(alg, "(inside MPI)" if hidden else " ".join(f"{v:,}" for v in d["sent"]),
                         "" if hidden else " ".join(f"{v:,}" for v in d["formula"]),
-                        "-" if hidden else ("yes" if d["sent"] == d["formula"] else "NO"), f"{d['seconds']:.2f} s")
+                        "-" if hidden else ("yes" if d["sent"] == d["formula"] else "NO"),
+                        f"{d['seconds']:.2f} s")
     return losses, traffic
 
 
 def ps_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
     runs = res["ps"]
-    losses = Table(title=f"parameter server loss per step (worker {STRAGGLER} sleeps {DELAY * 1e3:.0f} ms a step)",
-                   title_justify="left")
+    losses = Table(title=f"parameter server loss per step (worker {STRAGGLER} sleeps "
+                         f"{DELAY * 1e3:.0f} ms a step)", title_justify="left")
     losses.add_column("step", justify="right")
     losses.add_column("single process", justify="right")
     for r in runs:
         losses.add_column(r["name"], justify="right")
     for s, v in enumerate(ref):
-        losses.add_row(str(s), f"{v:.6f}", *[f"{r['losses'][s]:.6f}" if s < len(r["losses"]) else "" for r in runs])
+        cells = [f"{r['losses'][s]:.6f}" if s < len(r["losses"]) else "" for r in runs]
+        losses.add_row(str(s), f"{v:.6f}", *cells)
     losses.add_row("time", "", *[f"{r['seconds']:.2f} s" for r in runs], style="bold")
     stale = Table(title="staleness of each applied gradient (from the trace marks): count by value",
                   title_justify="left")
@@ -184,20 +188,22 @@ def ps_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
 
 def links_table(ring: np.ndarray, hub: np.ndarray) -> Table:
     p = ring.shape[0]
-    table = Table(title="bytes per link, src -> dst: ring all-reduce (DDP) | parameter server (rank 0 = server)",
-                  title_justify="left")
+    table = Table(title="bytes per link, src -> dst: ring all-reduce (DDP) | parameter server "
+                        "(rank 0 = server)", title_justify="left")
     table.add_column("src")
     for j in range(p):
         table.add_column(f"ring ->{j}", justify="right")
     for j in range(p):
         table.add_column(f"PS ->{j}", justify="right")
     for i in range(p):
-        table.add_row(str(i), *[f"{v:,}" if v else "." for v in ring[i]], *[f"{v:,}" if v else "." for v in hub[i]])
+        cells = [f"{v:,}" if v else "." for v in [*ring[i], *hub[i]]]
+        table.add_row(str(i), *cells)
     return table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and report.html")
@@ -224,8 +230,9 @@ def main() -> None:
     ring = trace.load(res["ddp"]["ring"]["path"])
     hub = trace.load(runs[0]["path"])
     out.print(links_table(sent_matrix(ring), sent_matrix(hub)))
-    out.print(f"per step: the server sends {sent_matrix(hub)[0].sum() // args.steps:,} B and receives as much; "
-              f"a ring rank sends {sent_matrix(ring)[0].sum() // args.steps:,} B (2(p-1)/p n), spread over one link",
+    hub_step, ring_step = sent_matrix(hub)[0].sum() // args.steps, sent_matrix(ring)[0].sum() // args.steps
+    out.print(f"per step: the server sends {hub_step:,} B and receives as much; "
+              f"a ring rank sends {ring_step:,} B (2(p-1)/p n), spread over one link",
               highlight=False)
     paths = [res["ddp"][a]["path"] for a in ALGORITHMS] + [r["path"] for r in runs]
     titles = [f"DDP {a}" for a in ALGORITHMS] + [r["name"] for r in runs]

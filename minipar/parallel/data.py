@@ -147,10 +147,11 @@ class DistributedDataParallel:
     def __init__(self, module: Module, comm: Any, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
                  algorithm: str = "ring", broadcast_from: int = 0, overlap: bool = True) -> None:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"DistributedDataParallel: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+            raise ValueError(f"DistributedDataParallel: unknown algorithm {algorithm!r}; "
+                             f"choose one of {ALGORITHMS}")
         if not isinstance(broadcast_from, int) or not 0 <= broadcast_from < comm.size:
-            raise ValueError(f"DistributedDataParallel: broadcast_from={broadcast_from!r} is not a rank of the "
-                             f"communicator (size {comm.size}); pick 0..{comm.size - 1}")
+            raise ValueError(f"DistributedDataParallel: broadcast_from={broadcast_from!r} is not a rank "
+                             f"of the communicator (size {comm.size}); pick 0..{comm.size - 1}")
         named, seen = [], set()
         for name, p in module.named_parameters():
             if id(p) not in seen:  # a tied parameter is reduced once
@@ -162,14 +163,16 @@ class DistributedDataParallel:
                                    bucket_cap_bytes)
         self.module, self.comm, self.algorithm, self.overlap = module, comm, algorithm, overlap
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.buckets = [Bucket(k, [named[i][1] for i in g], [named[i][0] for i in g]) for k, g in enumerate(groups)]
+        self.buckets = [Bucket(k, [named[i][1] for i in g], [named[i][0] for i in g])
+                        for k, g in enumerate(groups)]
         self._where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         self._sync = True
         self._next = 0  # index of the next bucket to start
         self._ready_at: float | None = None
         self._handles = [p.register_hook(self._on_grad_ready) for _, p in named]
         for b in self.buckets:  # sec. 3.2: every replica starts from broadcast_from's parameters
-            flat = np.concatenate([p.data.reshape(-1) for p in b.params]) if comm.rank == broadcast_from else None
+            mine = comm.rank == broadcast_from
+            flat = np.concatenate([p.data.reshape(-1) for p in b.params]) if mine else None
             b.unflatten(comm.broadcast(flat, root=broadcast_from), "data")
         trace.memory("gradient buckets", max(b.nbytes for b in self.buckets))
 
@@ -250,7 +253,8 @@ class DistributedDataParallel:
 
     def trace_meta(self, steps: int) -> dict[str, Any]:
         """Trace metadata: the config and ``expected_bytes`` (per rank, over ``steps`` synced steps;
-        the rank average, which for the ring is exactly 2(p-1)/p n) and the exact ``expected_bytes_by_rank``."""
+        the rank average, which for the ring is exactly 2(p-1)/p n) and the exact
+        ``expected_bytes_by_rank``."""
         p = self.comm.size
         by_rank = [steps * self.bytes_per_step(r) for r in range(p)]
         key = f"allreduce/{self.algorithm}"

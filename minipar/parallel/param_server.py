@@ -134,7 +134,8 @@ def trace_meta(model: Module, world_size: int, n_servers: int, steps: int, mode:
     lay = Layout(model, world_size, n_servers)
     n_w = len(lay.workers)
     pull = [steps * n_w * lay.shard_bytes(r) if r < n_servers else 0 for r in range(world_size)]
-    push = [0 if r < n_servers else steps * sum(lay.shard_bytes(s) for s in lay.servers) for r in range(world_size)]
+    n = sum(lay.shard_bytes(s) for s in lay.servers)
+    push = [0 if r < n_servers else steps * n for r in range(world_size)]
     label = f"async, k={staleness}" if mode == "async" else "sync"
     return {"paradigm": f"parameter server ({label})",
             "mode": mode, "staleness": staleness, "servers": n_servers, "workers": n_w, "steps": steps,
@@ -142,8 +143,8 @@ def trace_meta(model: Module, world_size: int, n_servers: int, steps: int, mode:
             "expected_bytes_by_rank": {"pull": pull, "push": push}}
 
 
-def check_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]], steps: int,
-                 n_servers: int, mode: str, staleness: int, silence_timeout: float,
+def check_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]],
+                 steps: int, n_servers: int, mode: str, staleness: int, silence_timeout: float,
                  stop_at: dict[int, int], slow: dict[int, float]) -> None:
     """Reject a bad configuration with the same ``ValueError`` on every rank, before any message."""
     size = comm.size
@@ -154,8 +155,8 @@ def check_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.nd
     if mode == "sync" and staleness:
         raise ValueError("parameter server: staleness applies to mode='async' (sync is staleness 0)")
     if not isinstance(n_servers, int) or not 1 <= n_servers < size:
-        raise ValueError(f"parameter server: n_servers={n_servers!r} with world size {size} leaves no worker; "
-                         f"need 1 <= n_servers < {size}")
+        raise ValueError(f"parameter server: n_servers={n_servers!r} with world size {size} leaves no "
+                         f"worker; need 1 <= n_servers < {size}")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"parameter server: steps must be an int >= 1, got {steps!r}")
     params = model.parameters()
@@ -167,8 +168,8 @@ def check_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.nd
     n_w = size - n_servers
     x, y = batch_fn(0)
     if x.shape[0] % n_w or y.shape[0] != x.shape[0]:
-        raise ValueError(f"parameter server: global batch of {x.shape[0]} samples (targets {y.shape[0]}) does "
-                         f"not divide over {n_w} workers; make it a multiple of {n_w}")
+        raise ValueError(f"parameter server: global batch of {x.shape[0]} samples (targets {y.shape[0]}) "
+                         f"does not divide over {n_w} workers; make it a multiple of {n_w}")
     if not 0 < silence_timeout < comm.timeout:
         raise ValueError(f"parameter server: silence_timeout={silence_timeout} must be > 0 and below the "
                          f"communication timeout ({comm.timeout} s), or waiting workers would time out first")
@@ -294,9 +295,10 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
             if w not in asked and clock[w] < steps and now - pulled_at[w][1] > silence_timeout:
                 if mode == "sync":
                     raise WorkerLost(
-                        f"parameter server rank {s} (sync): worker rank {w} sent no gradient for step {clock[w]} "
-                        f"within silence_timeout={silence_timeout} s; a synchronous step needs every worker. "
-                        "Use mode='async' to go on without it, or raise silence_timeout if it is only slow")
+                        f"parameter server rank {s} (sync): worker rank {w} sent no gradient for step "
+                        f"{clock[w]} within silence_timeout={silence_timeout} s; a synchronous step needs "
+                        "every worker. Use mode='async' to go on without it, or raise silence_timeout if it "
+                        "is only slow")
                 live.discard(w)
                 out.dropped.append(w)
                 trace.mark("worker dropped", worker=w, step=clock[w], silence=round(now - pulled_at[w][1], 3))
