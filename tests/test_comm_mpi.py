@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_comm_collectives import (
-    ALGORITHMS,
-    chunk_bounds,
-    close,
-    data,
-    reference,
-    run_movers,
-    run_reductions,
-    scatter_shape,
-)
+from test_comm_collectives import check_movers, check_reductions, run_movers, run_reductions
 from test_comm_p2p import check_grid, grid
 
 from minipar import trace
+from minipar.comm import chunk_bounds
 from minipar.testing import HarnessError, run
 
 pytestmark = pytest.mark.mpi
@@ -38,25 +30,19 @@ def everything(comm, seed, shape, dtype, op, rows, trailing, root):
 @settings(max_examples=4, derandomize=True)
 @given(p=st.integers(2, 4), shape=st.lists(st.integers(0, 5), max_size=2).map(tuple),
        dtype=st.sampled_from(["float64", "float32"]), op=st.sampled_from(["sum", "mean", "max"]),
-       seed=st.integers(0, 10**6), data_=st.data())
-def test_collectives_under_mpiexec(p, shape, dtype, op, seed, data_):
-    rows = data_.draw(st.lists(st.integers(0, 3), min_size=p, max_size=p))
-    root = data_.draw(st.integers(0, p - 1))
+       seed=st.integers(0, 10**6), rows=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+       root=st.integers(0, 3))
+# the 4 derandomized draws hold no "mean" and mostly empty buffers: these two always run as well
+@example(p=4, shape=(5, 3), dtype="float32", op="mean", seed=7, rows=[2, 0, 3, 1], root=3)
+@example(p=3, shape=(7,), dtype="float64", op="mean", seed=11, rows=[1, 2, 0, 3], root=1)
+def test_collectives_under_mpiexec(p, shape, dtype, op, seed, rows, root):
+    rows, root = rows[:p], root % p
     res = run(everything, p, backend="mpi", timeout=60, comm_timeout=20, seed=seed, shape=shape, dtype=dtype,
               op=op, rows=rows, trailing=(2,), root=root)
-    want = reference([data(seed, r, shape, dtype) for r in range(p)], op)
-    mine = [data(seed, r, (rows[r], 2), dtype) for r in range(p)]
-    for r, out in enumerate(res):
-        for alg in ALGORITHMS["allreduce"]:
-            close(out[alg], want)
-        a, b = chunk_bounds(want.size, p)[r]
-        for alg in ALGORITHMS["reduce_scatter"]:
-            close(out[f"rs_{alg}"], want.reshape(-1)[a:b].reshape(scatter_shape(shape, p, r)))
-        np.testing.assert_array_equal(out["allgather"], np.concatenate(mine))
-        np.testing.assert_array_equal(out["allgather_native"], np.concatenate(mine))
-        np.testing.assert_array_equal(out["bcast_native"], mine[root])
+    check_reductions(res, seed, shape, dtype, op)
+    check_movers(res, seed, rows, (2,), dtype, root)
+    for out in res:
         np.testing.assert_array_equal(out["iallreduce"], np.full(3, float(sum(range(p)))))
-        assert (out["gather"] is None) == (r != root)
 
 
 def grid_and_bytes(comm):
