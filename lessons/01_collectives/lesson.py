@@ -9,7 +9,9 @@ Every rank holds the same-sized buffer of float64; all four all-reduce algorithm
 - naive (everyone to rank 0, rank 0 back to everyone): rank 0 sends (p-1) n bytes;
 - native: the MPI library's own (its messages are hidden from us).
 The table holds the bytes each rank sent, read from the trace, next to the formula's prediction,
-and the time (median of ``--reps`` untraced runs, slowest rank). The trace lands in ``--out``.
+and the time (median of ``--reps`` untraced runs, slowest rank). The trace lands in ``--out``, with
+the formula's bytes per rank in its metadata (drawn next to the measured bytes in the report) and
+memory samples of the input and of the results the lesson keeps.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def formula_bytes(algorithm: str, n: int, itemsize: int, p: int, rank: int) -> i
     return None  # native: inside the MPI library
 
 
+def expected_bytes(n: int, itemsize: int, p: int) -> dict[str, float]:
+    """The trace metadata the viewer draws next to the measured bytes: ``{"allreduce/<alg>": bytes
+    per rank}`` for the algorithms whose formula gives every rank the same count (ring when p
+    divides n, recursive doubling when p is a power of two; never naive, whose root sends more)."""
+    out = {}
+    for alg in ALGORITHMS:
+        per_rank = {formula_bytes(alg, n, itemsize, p, r) for r in range(p)}
+        if len(per_rank) == 1 and None not in per_rank:
+            out[f"allreduce/{alg}"] = float(per_rank.pop())
+    return out
+
+
 def formula_steps(algorithm: str, p: int) -> str:
     pp = 1 << (p.bit_length() - 1)
     return {"ring": str(2 * (p - 1)), "naive": "2",
@@ -67,12 +81,16 @@ def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.P
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         path = Path(out) / "trace.json"
-    results = {}
-    with trace.record(path, comm, paradigm="collectives", lesson="01_collectives", elements=n) as rec:
+    results: dict[str, np.ndarray] = {}
+    meta = {"paradigm": "collectives", "lesson": "01_collectives", "elements": n,
+            "expected_bytes": expected_bytes(n, x.itemsize, comm.size)}
+    with trace.record(path, comm, **meta) as rec:
+        trace.memory("input", x.nbytes)
         for alg in ALGORITHMS:
             trace.mark(f"allreduce {alg}")
             comm.barrier()
             results[alg] = comm.allreduce(x, algorithm=alg)
+            trace.memory("results kept", sum(r.nbytes for r in results.values()))
     mine = [e for e in rec.events if e.kind == "comm" and e.op == "allreduce"]
     sent = {alg: sum(e.nbytes for e in mine if e.algorithm == alg and e.src == comm.world_rank)
             for alg in ALGORITHMS}
