@@ -162,5 +162,7 @@ def test_nonblocking_collectives_complete_in_order():
     (lambda c: c.broadcast(np.ones(2), root=5), "root=5"),
 ])
 def test_bad_arguments_fail_before_any_message(call, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         launch(call, 2)
+    for r in range(2):  # the same error on every rank, none left waiting for a message (Aborted)
+        assert f"rank {r}: ValueError: " in str(info.value)
