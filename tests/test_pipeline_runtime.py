@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from minipar import data, testing
@@ -28,6 +28,7 @@ from minipar.parallel.pipeline import (
     make_schedule,
     mlp,
     simulate,
+    split_layers,
 )
 
 STEPS = 2
@@ -90,10 +91,33 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
         samples = [e.args["stashed"] for e in rec.events if e.kind == "memory" and e.name == "activations"]
         held = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "activations"]
         spans = sorted((e.name, e.stage, e.microbatch) for e in rec.events if e.kind == "compute")
+        sent = sorted(e.nbytes for e in rec.events
+                      if e.kind == "comm" and e.op == "send" and e.src == comm.world_rank)
         out.append({"losses": losses, "state": gather_state_dict(pipe), "grads": gather_grads(pipe),
                     "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans,
-                    "held": held})
+                    "held": held, "sent": sent})
     return out
+
+
+def expected_messages(cfg: dict, p: int) -> dict[int, list[int]]:
+    """Sizes of the point-to-point messages each rank sends over ``STEPS`` steps: per micro-batch,
+    stage s (on rank s mod p) sends its output activation when s < S - 1 and its input's gradient
+    when s > 0, each of one micro-batch's activation at that stage boundary (float64)."""
+    n_stages = p * cfg["v"]
+    n_layers = sum(cfg["counts"])
+    ranges = split_layers(n_layers, n_stages, cfg["counts"] if cfg["given_counts"] else None)
+
+    def nbytes(layer: int) -> int:  # one micro-batch entering ``layer``
+        if cfg["model"] == "gpt":
+            return 8 * cfg["mb_size"] * GPT_DIMS["seq_len"] * GPT_DIMS["d_model"]
+        return 8 * cfg["mb_size"] * cfg["widths"][layer]
+
+    out: dict[int, list[int]] = {r: [] for r in range(p)}
+    for s, layers in enumerate(ranges):
+        sizes = [nbytes(layers.stop)] if s < n_stages - 1 else []  # activation to stage s + 1
+        sizes += [nbytes(layers.start)] if s > 0 else []  # gradient to stage s - 1
+        out[s % p] += sizes * cfg["m"] * STEPS
+    return {r: sorted(v) for r, v in out.items()}
 
 
 def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
@@ -111,6 +135,8 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     sim = simulate(make_schedule(cfg["kind"], p, cfg["m"], cfg["v"]))
     assert [results[r][index]["peak"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
     assert [results[r][index]["peak_attr"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
+    want = expected_messages(cfg, p)  # traffic from the trace: 2 m per boundary, activation-sized
+    assert [results[r][index]["sent"] for r in range(p)] == [want[r] for r in range(p)], cfg
     for r in range(p):  # activation bytes: held while micro-batches are stashed, all freed by the end
         held = results[r][index]["held"]
         assert max(held) > 0 and held[-1] == 0
@@ -148,6 +174,9 @@ def test_every_schedule_equals_single_process_on_threads(cfg):
 def test_every_schedule_equals_single_process_under_mpiexec(p, data):
     """One mpiexec job per p runs all four schedule kinds with drawn shapes, layers and seeds."""
     cfgs = [data.draw(configs(p=p, kind=kind)) for kind in KINDS]
+    # Hypothesis tries the simplest draw first (m = 1, width-1 MLPs, one layer per stage, where every
+    # schedule is the same); with one mpiexec job per p, ask for several micro-batches and both models.
+    assume(all(c["m"] > 1 for c in cfgs) and {c["model"] for c in cfgs} == {"mlp", "gpt"})
     results = testing.run(pipeline_run, p, "mpi", timeout=90, cfgs=cfgs)
     for i, cfg in enumerate(cfgs):
         check(cfg, results, i)
@@ -170,6 +199,9 @@ def hand_written_run(comm, schedule, counts) -> tuple[list[float], dict | None]:
     # already lowered, sends and receives written by hand
     {0: "0F0 0SEND_F0->1 0F1 0SEND_F1->1 0RECV_B0<-1 0B0 0RECV_B1<-1 0B1",
      1: "1RECV_F0<-0 1F0 1B0 1SEND_B0->0 1RECV_F1<-0 1F1 1B1 1SEND_B1->0"},
+    # received in another order than sent: the message tags must keep micro-batches apart
+    {0: "0F0 0SEND_F0->1 0F1 0SEND_F1->1 0RECV_B1<-1 0B1 0RECV_B0<-1 0B0",
+     1: "1RECV_F1<-0 1F1 1B1 1SEND_B1->0 1RECV_F0<-0 1F0 1B0 1SEND_B0->0"},
 ])
 def test_hand_written_schedule_runs(schedule):
     stages = 1 + max(int(a[0]) for acts in schedule.values() for a in acts.split())
