@@ -232,11 +232,33 @@ def load(path: str | os.PathLike[str]) -> Trace:
             f"{path}: trace format version {version} is newer than this minipar reads ({VERSION}); "
             "upgrade minipar"
         )
+    meta = doc.get("meta", {})
+    if not isinstance(meta, dict) or not isinstance(meta.get("world_size", 1), int):
+        raise TraceError(f"{path}: malformed trace metadata (a dict with an int world_size expected)")
     try:
         events = [Event(**d) for d in doc["events"]]
     except (KeyError, TypeError) as exc:
         raise TraceError(f"{path}: malformed trace event ({exc})") from None
-    return Trace(dict(doc.get("meta", {})), events)
+    for i, e in enumerate(events):
+        problem = _event_problem(e)
+        if problem:
+            raise TraceError(f"{path}: malformed trace event #{i} ({problem})")
+    return Trace(dict(meta), events)
+
+
+def _event_problem(e: Event) -> str | None:
+    """What is wrong with a loaded event's field types, or None."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    if e.kind not in KINDS:
+        return f"kind {e.kind!r} is not one of {KINDS}"
+    if not isinstance(e.rank, int) or not isinstance(e.name, str) or not (number(e.t0) and number(e.t1)):
+        return "rank must be an int, name a string, t0 and t1 numbers"
+    for k in ("src", "dst", "nbytes", "step", "stage", "microbatch", "chunk"):
+        if getattr(e, k) is not None and not isinstance(getattr(e, k), int):
+            return f"{k} must be an int, got {getattr(e, k)!r}"
+    return None
 
 
 def to_chrome(trace: Trace, path: str | os.PathLike[str]) -> None:

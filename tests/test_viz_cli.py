@@ -36,11 +36,19 @@ def _bad_files(tmp_path):
     newer.write_text(json.dumps(doc))
     other = tmp_path / "other.json"
     other.write_text('{"hello": 1}')
+    bad_meta = tmp_path / "bad_meta.json"
+    bad_meta.write_text(json.dumps({**json.loads(good.read_text()), "meta": [1, 2]}))
+    bad_field = tmp_path / "bad_field.json"
+    doc = json.loads(good.read_text())
+    doc["events"][3]["t0"] = "soon"
+    bad_field.write_text(json.dumps(doc))
     return {
         "missing": (str(tmp_path / "nope.json"), "no such trace file"),
         "truncated": (str(truncated), "truncated or corrupt"),
         "newer": (str(newer), f"version {VERSION + 1} is newer"),
         "not a trace": (str(other), "not a minipar trace"),
+        "bad metadata": (str(bad_meta), "malformed trace metadata"),
+        "bad field type": (str(bad_field), "malformed trace event #3 (rank must be an int, name a string, t0 and t1"),
     }
 
 
