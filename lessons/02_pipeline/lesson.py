@@ -111,8 +111,8 @@ def analyse(trace_path: str | os.PathLike[str], sim_path: str | os.PathLike[str]
     sim.trace.meta.update(time_unit="s", schedule=f"{kind} (simulated)")
     if sim_path is not None:
         mtrace.save(sim.trace, sim_path)
-    peaks = {r: max((e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)), default=0)
-             for r in range(p)}
+    peaks = {r: max((e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)),
+                    default=0) for r in range(p)}
     return {"kind": kind, "p": p, "m": m, "v": v, "measured": schedule_bubble(trace),
             "simulated": sim.bubble_fraction, "formula": formula_bubble(kind, p, m, v),
             "peak": peaks, "sim_peak": dict(sim.peak_stash), "forward": fwd, "backward": bwd,
