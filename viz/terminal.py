@@ -16,7 +16,6 @@ Cost: O(E * C) for E events and C columns.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -221,12 +220,3 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     if table is not None:
         console.print(table, width=width)
 
-
-def print_timelines(traces: Sequence[Trace | str | os.PathLike[str]], console: Console | None = None,
-                    width: int | None = None) -> None:
-    """``print_timeline`` for each trace, separated by a blank line."""
-    console = console or Console()
-    for i, t in enumerate(traces):
-        if i:
-            console.print()
-        print_timeline(t, console, width)
