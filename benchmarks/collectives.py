@@ -6,6 +6,13 @@ Float64 buffers of 1M and 16M elements; the two algorithms alternate, each timin
 rank's, and the median of ``--reps`` runs is reported with the ratio ring / native (target: within
 1.5x at 16M). Then the tracing overhead: the same ring all-reduce with a trace recorder on vs off,
 for a large buffer and for many small messages.
+
+Measured on a 2-core machine (2 ranks, median of 5, one run):
+
+    elements     MB     native (ms)   ring (ms)   ring / native
+    1,048,576    8.4    13.1          11.4        0.87x
+    16,777,216   134.2  251.7         140.9       0.56x   (target: within 1.5x)
+    tracing on vs off: 1M float64 8.2 -> 10.0 ms (1.21x); 200 x 16 float64 149.5 -> 191.1 ms (1.28x)
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +32,7 @@ from minipar import trace  # noqa: E402
 from minipar.comm import Communicator, world  # noqa: E402
 
 
-def timed(comm: Communicator, fn) -> float:
+def timed(comm: Communicator, fn: Callable[[], object]) -> float:
     comm.barrier()
     t0 = time.perf_counter()
     fn()
@@ -79,7 +87,8 @@ def main() -> None:
     for col in ("elements", "MB", "native (ms)", "ring (ms)", "ring / native"):
         table.add_column(col, justify="right")
     for n, t_nat, t_ring, ratio in rows:
-        table.add_row(f"{n:,}", f"{n * 8 / 1e6:.1f}", f"{t_nat * 1e3:.1f}", f"{t_ring * 1e3:.1f}", f"{ratio:.2f}x")
+        table.add_row(f"{n:,}", f"{n * 8 / 1e6:.1f}", f"{t_nat * 1e3:.1f}", f"{t_ring * 1e3:.1f}",
+                      f"{ratio:.2f}x")
     console = Console(width=100)
     console.print(table)
     console.print(f"tracing overhead, ring all-reduce of 1M float64: off {big_off * 1e3:.1f} ms, "
