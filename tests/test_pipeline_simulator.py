@@ -39,6 +39,16 @@ def test_interleaved_divides_bubble_by_v(p, m, v):
     assert inter.peak_stash == {r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m) for r in range(p)}
 
 
+def test_interleaved_with_m_equal_p_runs_all_forwards_first():
+    # Megatron-LM's interleaved schedule with as many micro-batches as ranks: no 1F1B steady state.
+    sched = make_schedule("interleaved", 3, 3, 2)
+    for r, acts in sched.items():
+        assert [a.op for a in acts] == ["F"] * 6 + ["B"] * 6, r
+    res = simulate(sched)
+    assert res.makespan == (2 * 3 + 3 - 1) * (F + B)
+    assert res.peak_stash == {r: 6 for r in range(3)}
+
+
 def test_naive_keeps_one_rank_busy():
     res = simulate(make_schedule("naive", 3, 4))
     assert res.makespan == 4 * 3 * (F + B)
@@ -120,5 +130,6 @@ def test_every_generated_schedule_validates_and_simulates(kind, p, m, v):
     assert res.makespan == expected * (F + B)
     stash = {"naive": {r: 1 for r in range(p)}, "gpipe": {r: m for r in range(p)},
              "1f1b": {r: min(p - r, m) for r in range(p)},
-             "interleaved": {r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m) for r in range(p)}}[kind]
+             "interleaved": {r: v * m if m == p else min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
+                             for r in range(p)}}[kind]
     assert res.peak_stash == stash

@@ -65,12 +65,14 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
     Rank r holds chunks c = 0..v-1, i.e. virtual stages c p + r. It walks v m "virtual
     micro-batches" k: micro-batches go through the chunks in groups of p, so forward k is chunk
     (k mod p v) // p on micro-batch (k // p v) p + k mod p, and backward k uses the chunks in reverse
-    (v - 1 - that chunk). Warm-up: min(2 (p - r - 1) + (v - 1) p, v m) forwards; steady state:
-    forward k + warm-up then backward k; cool-down: the remaining backwards. Requires m % p == 0.
+    (v - 1 - that chunk). Warm-up: min(2 (p - r - 1) + (v - 1) p, v m) forwards, or all v m of them
+    when m == p (Megatron then runs all forwards, then all backwards); steady state: forward
+    k + warm-up then backward k; cool-down: the remaining backwards. Requires m % p == 0.
     With v = 1 Megatron runs plain 1F1B, and so does this.
 
-    Peak stash on rank r: min(2 (p - r - 1) + (v - 1) p + 1, v m) (chunk, micro-batch) pairs, each
-    holding a chunk's activations (1/v of a rank's share): the price of the smaller bubble."""
+    Peak stash on rank r: min(2 (p - r - 1) + (v - 1) p + 1, v m) (chunk, micro-batch) pairs (v m
+    when m == p), each holding a chunk's activations (1/v of a rank's share): the price of the
+    smaller bubble."""
     if v == 1:
         return one_f_one_b(p, m)
     total = v * m
@@ -85,7 +87,7 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
 
     out = {}
     for r in range(p):
-        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
         acts = [virtual(k, True) for k in range(warm)]
         for k in range(total - warm):
             acts += [virtual(k + warm, True), virtual(k, False)]
