@@ -270,3 +270,29 @@ def unused(comm):
 def test_an_unused_parameter_is_named_not_silently_skipped():
     for msg in minipar.launch(unused, 2):
         assert msg is not None and "b.weight" in msg and "b.bias" in msg
+
+
+def memory_samples(comm, opt_kind: str):
+    model = MLP(MLP_SIZES, seed=0)
+    ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=300)
+    opt = make_opt(model, opt_kind)
+    x, y = data.regression(4 * comm.size, MLP_SIZES[0], MLP_SIZES[-1], seed=1)
+    with trace.recording(comm.rank) as rec:
+        for _ in range(2):
+            train_step(ddp, opt, loss_fn, x, y)
+    samples: dict[str, list[int]] = {}
+    for e in rec.events:
+        if e.kind == "memory":
+            samples.setdefault(e.name, []).append(e.nbytes)
+    return samples, [b.nbytes for b in ddp.buckets]
+
+
+@pytest.mark.parametrize("opt_kind, state_copies", [("sgd", 1), ("adamw", 2)])
+def test_memory_per_rank_is_a_full_replica_plus_the_buckets_in_flight(opt_kind, state_copies):
+    n = sum(p.data.nbytes for p in MLP(MLP_SIZES).parameters())  # 1480 bytes of float64
+    for samples, buckets in minipar.launch(memory_samples, 3, opt_kind=opt_kind):
+        assert samples["parameters"] == [n, n] and samples["gradients"] == [n, n]
+        assert samples["optimizer state"] == [state_copies * n] * 2  # momentum: n; Adam's m and v: 2n
+        # per step: the bytes in flight grow bucket by bucket up to n, then drop to 0 at write-back
+        per_step = [*np.cumsum(buckets).tolist(), 0]
+        assert samples["gradient buckets"] == per_step * 2 and per_step[-2] == n

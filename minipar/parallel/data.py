@@ -28,12 +28,15 @@ loss over its ``B/p`` samples, and the all-reduce average over ``p`` ranks is th
 
 Costs per step, ``n`` gradient bytes in ``k`` buckets on ``p`` ranks (ring): ``k`` all-reduces of
 ``2(p-1)`` messages each, ``2(p-1)/p * n`` bytes sent per rank (``allreduce_bytes`` is exact,
-chunk by chunk). Memory: one flat buffer per bucket in flight (``n`` bytes at most) on top of the
-model, its gradients and the optimizer state.
+chunk by chunk). Memory per rank: a full replica (ZeRO's baseline), ``n`` bytes of parameters,
+``n`` of gradients and the optimizer state (SGD with momentum ``n``, Adam ``2n``), plus the flat
+buffers of the buckets in flight (``n`` when the last bucket starts, 0 once written back: the
+all-reduced buffers then are the gradients).
 
 Trace: compute spans "F", "B" (from the start of backward until the last gradient is ready), "opt";
 a mark per bucket launch; every message of the bucket all-reduces (op "allreduce", algorithm as
-chosen). ``ddp.trace_meta(steps)`` gives the meta (``expected_bytes`` by the formula).
+chosen); memory samples "parameters", "gradients", "gradient buckets" (bytes in flight),
+"optimizer state". ``ddp.trace_meta(steps)`` gives the meta (``expected_bytes`` by the formula).
 """
 
 from __future__ import annotations
@@ -168,13 +171,15 @@ class DistributedDataParallel:
         self._where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         self._sync = True
         self._next = 0  # index of the next bucket to start
+        self._inflight = 0  # bytes of the flat bucket buffers being all-reduced
         self._ready_at: float | None = None
         self._handles = [p.register_hook(self._on_grad_ready) for _, p in named]
         for b in self.buckets:  # sec. 3.2: every replica starts from broadcast_from's parameters
             mine = comm.rank == broadcast_from
             flat = np.concatenate([p.data.reshape(-1) for p in b.params]) if mine else None
             b.unflatten(comm.broadcast(flat, root=broadcast_from), "data")
-        trace.memory("gradient buckets", max(b.nbytes for b in self.buckets))
+        self.param_bytes = sum(b.nbytes for b in self.buckets)
+        trace.memory("parameters", self.param_bytes)
 
     # ---- forward and the PyTorch-like surface -------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -221,13 +226,17 @@ class DistributedDataParallel:
             trace.mark("bucket", index=b.index, nbytes=b.nbytes, params=len(b.params))
             b.request = self.comm.iallreduce(b.flat_grads(), op="mean", algorithm=self.algorithm)
             self._next += 1
+            self._inflight += b.nbytes
+            trace.memory("gradient buckets", self._inflight)
         if self._next == len(self.buckets):  # every gradient is ready: wait, write back (like PyTorch)
             self._ready_at = t
             for b in self.buckets:
                 b.unflatten(b.request.wait(), "grad")
                 b.request = None
                 b.ready.clear()
-            self._next = 0
+            self._next, self._inflight = 0, 0
+            trace.memory("gradient buckets", 0)
+            trace.memory("gradients", sum(p.grad.nbytes for p in self.parameters()))
 
     def backward(self, loss: Tensor, **fields: Any) -> None:
         """``loss.backward()`` with a "B" span (``fields`` go on it) that ends when the last gradient
@@ -281,7 +290,8 @@ def train_step(ddp: DistributedDataParallel, optimizer: Optimizer,
     """One step on the GLOBAL batch ``(x, y)``: this rank takes its shard, runs ``accumulation``
     micro-batches (all but the last inside ``no_sync``, each loss scaled by ``1/accumulation``),
     and steps ``optimizer`` on the averaged gradients. Returns this rank's loss (mean over its shard;
-    the mean over ranks is the global-batch loss). Spans "F" and "B" per micro-batch, "opt"."""
+    the mean over ranks is the global-batch loss). Spans "F" and "B" per micro-batch, "opt";
+    memory samples of the parameters and the optimizer state."""
     p, m = ddp.comm.size, accumulation
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"accumulation must be an int >= 1, got {m!r}")
@@ -289,6 +299,7 @@ def train_step(ddp: DistributedDataParallel, optimizer: Optimizer,
         raise ValueError(f"global batch of {x.shape[0]} samples (targets {y.shape[0]}) does not split into "
                          f"{p} ranks x {m} micro-batches; make it a multiple of {p * m}")
     xs, ys = local_batch(ddp.comm, x, y)
+    trace.memory("parameters", ddp.param_bytes)
     optimizer.zero_grad()
     total = 0.0
     for i in range(m):
@@ -303,4 +314,5 @@ def train_step(ddp: DistributedDataParallel, optimizer: Optimizer,
             ddp.backward(loss, microbatch=i)
     with trace.span("opt"):
         optimizer.step()
+    trace.memory("optimizer state", optimizer.state_bytes())
     return total
