@@ -115,3 +115,40 @@ def test_trace_round_trip_and_chrome_export(tmp_path):
     doc = json.loads(chrome.read_text())
     names = [e["name"] for e in doc["traceEvents"] if e.get("ph") == "X"]
     assert "allreduce:send 0->1" in names and "allreduce:recv 2->0" in names and names.count("F0") == 3
+    spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    assert len(spans) == len(tr.select("comm")) + len(tr.select("compute"))
+    assert {e["pid"] for e in spans} == {0, 1, 2}  # a process per rank: its own memory counter
+    assert sorted(e["pid"] for e in doc["traceEvents"] if e.get("ph") == "C") == [0, 1, 2]
+    assert_nested(spans)
+
+
+def assert_nested(spans):
+    """Chrome-trace 'X' events of one thread must nest (Perfetto drops the others)."""
+    threads = {}
+    for e in spans:
+        a = round(e["ts"] * 1000)
+        threads.setdefault((e["pid"], e["tid"]), []).append((a, a + round(e["dur"] * 1000)))
+    for key, intervals in threads.items():
+        open_ends = []
+        for a, b in sorted(intervals, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= a:
+                open_ends.pop()
+            assert not open_ends or b <= open_ends[-1], f"thread {key}: [{a}, {b}] overlaps an open span"
+            open_ends.append(b)
+
+
+def test_chrome_export_packs_overlapping_spans_into_nested_threads(tmp_path):
+    ev = [trace.Event(0, "compute", "B", 0.0, 10.0), trace.Event(0, "compute", "layer", 1.0, 3.0),
+          # this message crosses the end of B: it cannot nest on B's thread
+          trace.Event(0, "comm", "send", 2.0, 12.0, src=0, dst=1, nbytes=8, op="allreduce"),
+          trace.Event(0, "comm", "recv", 4.0, 5.0, src=1, dst=0, nbytes=8, op="allreduce"),
+          trace.Event(0, "comm", "send", 11.0, 13.0, src=0, dst=1, nbytes=8, op="allreduce")]
+    trace.to_chrome(trace.Trace({"world_size": 1}, ev), tmp_path / "c.json")
+    doc = json.loads((tmp_path / "c.json").read_text())
+    spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    assert_nested(spans)
+    assert [(e["name"], e["tid"], e["ts"], e["dur"]) for e in sorted(spans, key=lambda e: e["ts"])] == [
+        ("B", 0, 0.0, 10e6), ("layer", 0, 1e6, 2e6), ("allreduce:send 0->1", 1, 2e6, 10e6),
+        ("allreduce:recv 1->0", 0, 4e6, 1e6), ("allreduce:send 0->1", 0, 11e6, 2e6)]
+    threads = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert threads == {0: "main", 1: "overlap 1"}
