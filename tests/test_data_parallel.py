@@ -169,10 +169,13 @@ def test_first_bucket_starts_before_backward_ends_only_with_overlap(overlap):
     for events, n_buckets, _, _ in out:
         assert n_buckets >= 3
         for step in range(2):
-            b_end = [e for e in events if e.name == "B"][step].t1
+            b = [e for e in events if e.name == "B"][step]
             first = min(e.t0 for e in events if e.kind == "comm" and e.op == "allreduce"
                         and e.t0 > [e for e in events if e.name == "F"][step].t0)
-            assert (first < b_end) == overlap, (first, b_end)
+            assert (first < b.t1) == overlap, (first, b.t1)
+            # the last layer's bucket starts while most of backward (the 256-wide layers) is still to run
+            launch = [e.t0 for e in events if e.kind == "mark" and e.name == "bucket"][step * n_buckets]
+            assert (launch < (b.t0 + b.t1) / 2) == overlap, (launch, b.t0, b.t1)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "naive"])
