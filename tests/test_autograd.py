@@ -132,6 +132,20 @@ def test_no_grad_builds_no_graph():
     assert not y.requires_grad and y.is_leaf
 
 
+class Probe(Function):
+    """Identity that notes in ``ctx.log`` when backward passes through it."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.save_for_backward(log)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved[0].append(("backward through h", None))
+        return grad, None
+
+
 def test_hooks_fire_once_when_gradient_complete():
     w1 = Tensor(np.ones((2, 2)), requires_grad=True)
     w2 = Tensor(np.ones((2, 2)), requires_grad=True)
@@ -139,10 +153,12 @@ def test_hooks_fire_once_when_gradient_complete():
     seen: list[tuple[str, np.ndarray]] = []
     w1.register_hook(lambda t: seen.append(("w1", t.grad.copy())))
     handle = w2.register_hook(lambda t: seen.append(("w2", t.grad.copy())))
-    h = x @ w1
+    h = Probe.apply(x @ w1, seen)
     out = (h @ w2) + (h @ w2) * 2.0  # w2 used twice: hook only after both uses
     out.sum().backward()
-    assert [name for name, _ in seen] == ["w2", "w1"]  # the last layer finishes first
+    # the last layer finishes first, and its hook fires DURING backward, before backward reaches h
+    assert [name for name, _ in seen] == ["w2", "backward through h", "w1"]
+    del seen[1]
     np.testing.assert_allclose(seen[0][1], w2.grad)
     np.testing.assert_allclose(seen[1][1], w1.grad)
     handle.remove()
@@ -150,6 +166,16 @@ def test_hooks_fire_once_when_gradient_complete():
     out = (x @ w1 @ w2).sum()
     out.backward()
     assert [name for name, _ in seen] == ["w1"]
+
+
+def test_retain_grad_keeps_a_non_leaf_gradient_and_hooks_are_for_leaves():
+    x = Tensor(np.array([1.0, -2.0]), requires_grad=True)
+    h = (x * 3.0).retain_grad()
+    (h * h).sum().backward()
+    np.testing.assert_allclose(h.grad, 2 * h.data)
+    np.testing.assert_allclose(x.grad, 6 * h.data)
+    with pytest.raises(ValueError, match="leaf"):
+        h.register_hook(lambda t: None)
 
 
 class Double(Function):
