@@ -112,7 +112,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
     "simulate": ("simulate a pipeline schedule: action order, bubble, stash, timeline", _configure_simulate,
                  _run_simulate),

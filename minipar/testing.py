@@ -87,7 +87,8 @@ def run(fn: Callable[..., Any], world_size: int, backend: str = "threads", timeo
         if proc.returncode != 0 or not all(f.exists() for f in files):
             missing = [r for r, f in enumerate(files) if not f.exists()]
             raise HarnessError(f"mpiexec -n {world_size} ... {qualname} exited with code {proc.returncode}"
-                               f" (no result from ranks {missing}).\n--- stdout ---\n{out}\n--- stderr ---\n{err}",
+                               f" (no result from ranks {missing}).\n--- stdout ---\n{out}\n"
+                               f"--- stderr ---\n{err}",
                                proc.returncode, out, err)
         return [pickle.loads(f.read_bytes()) for f in files]
 

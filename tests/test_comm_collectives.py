@@ -38,7 +38,8 @@ def run_reductions(comm, seed, shape, dtype, op):
     x = data(seed, comm.rank, shape, dtype)
     before = x.copy()
     out = {alg: comm.allreduce(x, op=op, algorithm=alg) for alg in ALGORITHMS["allreduce"]}
-    out.update({f"rs_{alg}": comm.reduce_scatter(x, op=op, algorithm=alg) for alg in ALGORITHMS["reduce_scatter"]})
+    out.update({f"rs_{alg}": comm.reduce_scatter(x, op=op, algorithm=alg)
+                for alg in ALGORITHMS["reduce_scatter"]})
     out["reduce"] = comm.reduce(x, root=comm.size - 1, op=op)
     assert np.array_equal(x, before), "a collective modified its input"
     return out

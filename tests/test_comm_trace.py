@@ -21,7 +21,8 @@ def traced(comm, n, dtype, algorithm):
 
 
 def sent(events, rank, op="allreduce"):
-    return sum(e.nbytes for e in events if e.kind == "comm" and e.src == rank and e.name == "send" and e.op == op)
+    return sum(e.nbytes for e in events
+               if e.kind == "comm" and e.src == rank and e.name == "send" and e.op == op)
 
 
 @settings(max_examples=20)
@@ -78,7 +79,8 @@ def test_naive_and_other_collectives_bytes():
         assert sent(ev, r, "allgather") == 8 * n * (p - 1)
         assert sent(ev, r, "all_to_all") == 8 * n * (p - 1) // p
         assert sent(ev, r, "broadcast") == {0: 16 * n, 1: 0, 2: 8 * n, 3: 0}[r]
-        assert sent(ev, r, "barrier") == 0 and len([e for e in ev if e.op == "barrier" and e.name == "send"]) == 2
+        assert sent(ev, r, "barrier") == 0
+        assert len([e for e in ev if e.op == "barrier" and e.name == "send"]) == 2
         native = [e for e in ev if e.algorithm == "native"]
         assert len(native) == 1 and native[0].src is None and native[0].nbytes == 8 * n
 
@@ -106,7 +108,8 @@ def test_trace_round_trip_and_chrome_export(tmp_path):
             comm.iallreduce(x).wait()
     launch(fn, 3)
     tr = trace.load(path)
-    assert tr.meta["paradigm"] == "collectives" and tr.meta["world_size"] == 3 and tr.meta["backend"] == "threads"
+    assert tr.meta["paradigm"] == "collectives" and tr.meta["world_size"] == 3
+    assert tr.meta["backend"] == "threads"
     msgs = tr.select("comm", op="allreduce", algorithm="ring")
     assert len(msgs) == 4 * 2 * 3 * 2  # 2(p-1) steps x (send + recv event) x 3 ranks x 2 all-reduces
     assert all(tr.bytes_sent(r, op="allreduce") == 2 * (2 * 2 * 48 // 3) for r in range(3))  # 2(p-1)/p n

@@ -48,13 +48,14 @@ def _bad_files(tmp_path):
         "newer": (str(newer), f"version {VERSION + 1} is newer"),
         "not a trace": (str(other), "not a minipar trace"),
         "bad metadata": (str(bad_meta), "malformed trace metadata"),
-        "bad field type": (str(bad_field), "malformed trace event #3 (rank must be an int, name a string, t0 and t1"),
+        "bad field type": (str(bad_field), "malformed trace event #3 (rank must be an int, name a string"),
     }
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     for path, words in _bad_files(tmp_path).values():
-        for extra in (["--terminal"], ["-o", str(tmp_path / "r.html")], ["--chrome", str(tmp_path / "c.json")]):
+        outputs = (["--terminal"], ["-o", str(tmp_path / "r.html")], ["--chrome", str(tmp_path / "c.json")])
+        for extra in outputs:
             assert cli.main(["view", path, *extra]) == 2
             out, err = capsys.readouterr()
             assert out == ""

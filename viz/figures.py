@@ -76,7 +76,8 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
             base=np.array([e.t0 for e in msgs]), x=np.array([e.duration for e in msgs]),
             width=COMM_HEIGHT, marker={"color": COMM_COLOR},
             hovertext=[f"{name}{e.name} {e.op} {e.algorithm or ''}<br>rank {e.src} -> rank {e.dst}, "
-                       f"{A.fmt_bytes(e.nbytes or 0)}<br>duration {A.fmt_time(e.duration, unit)}" for e in msgs],
+                       f"{A.fmt_bytes(e.nbytes or 0)}<br>duration {A.fmt_time(e.duration, unit)}"
+                       for e in msgs],
             hovertemplate="%{hovertext}<extra></extra>",
         ), **where)
     pairs = [(s, r) for s, r in A.pair_messages(trace) if r is not None]
@@ -185,7 +186,8 @@ def memory(trace: Trace, title: str | None = None) -> go.Figure:
     series = [A.memory_series(trace, r) for r in range(p)]
     labels = list(dict.fromkeys(lab for s in series for lab in s.by_label))
     fig = make_subplots(rows=p, cols=1, shared_xaxes=True, vertical_spacing=0.3 / max(p, 1),
-                        subplot_titles=[f"rank {r}: peak {A.fmt_bytes(s.peak)}" for r, s in enumerate(series)])
+                        subplot_titles=[f"rank {r}: peak {A.fmt_bytes(s.peak)}"
+                                        for r, s in enumerate(series)])
     lo, hi = A.window(trace)
     for s in series:
         if not s.times:
@@ -196,7 +198,8 @@ def memory(trace: Trace, title: str | None = None) -> go.Figure:
             if vals is None:
                 continue
             fig.add_trace(go.Scatter(
-                x=np.array(times), y=np.array(vals + vals[-1:]), name=lab, legendgroup=lab, showlegend=s.rank == 0,
+                x=np.array(times), y=np.array(vals + vals[-1:]), name=lab, legendgroup=lab,
+                showlegend=s.rank == 0,
                 stackgroup=f"rank{s.rank}", line={"shape": "hv", "color": MEMORY_COLORS[i % 8]},
                 hovertemplate=f"rank {s.rank} {lab}: %{{y}} bytes at %{{x:.4g}} {unit}<extra></extra>",
             ), row=s.rank + 1, col=1)

@@ -88,7 +88,8 @@ def _fig_html(fig: go.Figure, div_id: str) -> str:
 
 def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
     """(kind, figure or None, note) for the three per-trace figures; None when nothing to draw."""
-    out: list[tuple[str, go.Figure | None, str]] = [("timeline", figures.timeline(trace, f"timeline: {title}"), "")]
+    out: list[tuple[str, go.Figure | None, str]] = [
+        ("timeline", figures.timeline(trace, f"timeline: {title}"), "")]
     if A.sends(trace):
         out.append(("traffic", figures.traffic(trace, f"traffic: {title}"), ""))
     else:

@@ -33,7 +33,8 @@ from minipar.comm.mpi import under_mpiexec
 
 ALGORITHMS = ("ring", "recursive_doubling", "naive", "native")
 OUT = Path("runs/01_collectives")
-MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p-1) n, others n", "native": ""}
+MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p-1) n, others n",
+         "native": ""}
 
 
 def formula_bytes(algorithm: str, n: int, itemsize: int, p: int, rank: int) -> int | None:
@@ -94,7 +95,8 @@ def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.P
     mine = [e for e in rec.events if e.kind == "comm" and e.op == "allreduce"]
     sent = {alg: sum(e.nbytes for e in mine if e.algorithm == alg and e.src == comm.world_rank)
             for alg in ALGORITHMS}
-    steps = {alg: len({e.step for e in mine if e.algorithm == alg and e.step is not None}) for alg in ALGORITHMS}
+    steps = {alg: len({e.step for e in mine if e.algorithm == alg and e.step is not None})
+             for alg in ALGORITHMS}
     times = {alg: [] for alg in ALGORITHMS}
     for _ in range(reps):
         for alg in ALGORITHMS:
@@ -112,7 +114,8 @@ def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.P
             "formula_steps": formula_steps(alg, comm.size),
             "sent": [t[0][alg] for t in table],
             "formula": [formula_bytes(alg, n, 8, comm.size, r) for r in range(comm.size)],
-            "seconds": statistics.median(max(t[2][alg][i] for t in table) for i in range(reps)) if reps else 0.0,
+            "seconds": (statistics.median(max(t[2][alg][i] for t in table) for i in range(reps))
+                        if reps else 0.0),
             "agrees": all(t[3][alg] for t in table),
         })
     return rows
@@ -141,14 +144,16 @@ def render(rows: list[dict[str, Any]], p: int, n: int, backend: str) -> Table:
         match = "-" if native else ("yes" if row["sent"] == row["formula"] else "NO")
         steps = "?" if native else str(row["steps"])
         table.add_row(row["algorithm"], f"{steps} ({row['formula_steps']})",
-                      hidden if native else per_rank(row["sent"]), hidden if native else per_rank(row["formula"]),
+                      hidden if native else per_rank(row["sent"]),
+                      hidden if native else per_rank(row["formula"]),
                       match, f"{row['seconds'] * 1e3:.1f} ms")
     table.caption = "formulas: " + "; ".join(f"{k} {v}" for k, v in MODEL.items() if v)
     return table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1 << 20, help="elements per rank (float64)")
     parser.add_argument("--reps", type=int, default=5, help="untraced timing runs per algorithm")
     parser.add_argument("--out", default=str(OUT), help="folder for trace.json and trace.chrome.json")

@@ -42,7 +42,8 @@ class Worker:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name=f"minipar-async-{comm.world_rank}", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=f"minipar-async-{comm.world_rank}",
+                                       daemon=True)
         self.thread.start()
 
     def submit(self, owner: Communicator, name: str, arr: Any, kw: dict[str, Any]) -> Request:

@@ -76,7 +76,8 @@ class Communicator(PointToPoint):
         table = self.allgather_object(mine)
         if any(t != table[0] for t in table):
             rows = "\n".join(
-                f"  rank {r} (world {self.group_ranks[r]}): {n}(" + ", ".join(f"{k}={v!r}" for k, v in s) + ")"
+                f"  rank {r} (world {self.group_ranks[r]}): {n}("
+                + ", ".join(f"{k}={v!r}" for k, v in s) + ")"
                 for r, (n, s) in enumerate(table))
             raise CollectiveMismatch(f"rank {self.world_rank}: ranks of group {self.group_ranks} entered "
                                      f"different collectives:\n{rows}")
@@ -200,7 +201,8 @@ class Communicator(PointToPoint):
             return self._run("broadcast", algorithm, lambda: self._native_traced("broadcast", arr, root=root))
         return self._run("broadcast", algorithm, lambda: tree.broadcast_tree(self, arr, root))
 
-    def reduce(self, array: np.ndarray, root: int = 0, op: str = "sum", algorithm: str = "tree") -> np.ndarray | None:
+    def reduce(self, array: np.ndarray, root: int = 0, op: str = "sum",
+               algorithm: str = "tree") -> np.ndarray | None:
         """The reduction on ``root`` (None on the other ranks). Binomial tree: ceil(lg p) rounds."""
         self._check_root(root, "reduce")
         arr = as_array(array, "reduce")
@@ -209,7 +211,8 @@ class Communicator(PointToPoint):
         if self.size == 1:
             return reduce_list([arr], op)
         if algorithm == "native":
-            return self._run("reduce", algorithm, lambda: self._native_traced("reduce", arr, op=op, root=root))
+            return self._run("reduce", algorithm,
+                             lambda: self._native_traced("reduce", arr, op=op, root=root))
         return self._run("reduce", algorithm, lambda: tree.reduce_tree(self, arr, root, op))
 
     def gather(self, array: np.ndarray, root: int = 0) -> np.ndarray | None:

@@ -79,7 +79,8 @@ def _launch_threads(fn: Callable[..., Any], n: int, timeout: float, args: tuple[
             if not isinstance(exc, Aborted):
                 world_.abort(f"rank {r} failed with {type(exc).__name__}")
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"minipar-rank-{r}", daemon=True) for r in range(n)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"minipar-rank-{r}", daemon=True)
+               for r in range(n)]
     for t in threads:
         t.start()
     try:

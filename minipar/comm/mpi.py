@@ -131,7 +131,8 @@ class MpiCommunicator(Communicator):
         req = self.mpicomm.Irecv([_bytes(buf), self.MPI.BYTE], src, wire_tag(ctx, tag, 2))
         return _Reqs([req], value=buf)
 
-    def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int], timeout: float | None = None) -> None:
+    def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
+              timeout: float | None = None) -> None:
         poll(self.state, test, what, peers, timeout)
 
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:

@@ -58,7 +58,8 @@ def ring_reduce_scatter(comm: Communicator, flat: np.ndarray, op: str, name: str
     for s in range(p - 1):
         a, b = bounds[(r - s - 1) % p]
         c, d = bounds[(r - s - 2) % p]
-        (got,) = comm._step([(right, flat[a:b])], [(left, ((d - c,), flat.dtype))], name, algorithm, step0 + s)
+        (got,) = comm._step([(right, flat[a:b])], [(left, ((d - c,), flat.dtype))], name, algorithm,
+                            step0 + s)
         combine(flat[c:d], got, op)
     a, b = bounds[r]
     finish_mean(flat[a:b], op, p)

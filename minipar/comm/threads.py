@@ -105,7 +105,8 @@ class ThreadsCommunicator(Communicator):
         with self.world.cond:
             self.world.cond.notify_all()
 
-    def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int], timeout: float | None = None) -> None:
+    def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
+              timeout: float | None = None) -> None:
         if test():
             return
         start = time.monotonic()

@@ -101,7 +101,8 @@ def all_to_all_pairwise(comm: Communicator, arr: np.ndarray) -> np.ndarray:
     for k in range(1, p):
         dst, src = (r + k) % p, (r - k) % p
         view = out[src * b:(src + 1) * b]
-        (got,) = comm._step([(dst, arr[dst * b:(dst + 1) * b])], [(src, view)], "all_to_all", "pairwise", k - 1)
+        (got,) = comm._step([(dst, arr[dst * b:(dst + 1) * b])], [(src, view)], "all_to_all", "pairwise",
+                            k - 1)
         if not np.may_share_memory(got, out):
             view[...] = got
     return out
@@ -116,5 +117,6 @@ def barrier_dissemination(comm: Communicator) -> None:
     k = 0
     while (1 << k) < p:
         d = 1 << k
-        comm._step([((r + d) % p, empty)], [((r - d) % p, ((0,), empty.dtype))], "barrier", "dissemination", k)
+        comm._step([((r + d) % p, empty)], [((r - d) % p, ((0,), empty.dtype))], "barrier", "dissemination",
+                   k)
         k += 1
