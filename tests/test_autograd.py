@@ -207,3 +207,33 @@ def test_dtype_is_kept(dtype):
 
 def test_default_dtype_is_float64():
     assert Tensor([1, 2, 3]).dtype == np.float64
+
+
+class SaveSquare(Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x * x, x)  # a new array and the input's own (not counted again)
+        return x + 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2 * ctx.saved[1]
+
+
+def test_held_buffers_counts_each_buffer_once_in_its_window():
+    from minipar.autograd import graph_bytes, held_buffers, seq_mark
+
+    w = Tensor(np.ones((4, 6)), requires_grad=True)
+    x = Tensor(np.ones((3, 4)))
+    h = x @ w                                   # 3x6 new: 144 bytes
+    v = h.reshape(6, 3).transpose()             # two views of h: free
+    mark = seq_mark()
+    y = SaveSquare.apply(v[0:2])                # a view of h (free); output and saved x*x: 2x6 each
+    z = (y * 2.0).sum()                         # 2x6 product + scalar
+    got = held_buffers(z)
+    assert sorted(n for _, n in got.values()) == [8, 96, 96, 96, 144]
+    assert graph_bytes(z) == 144 * 3 + 96 * 3 + 8  # views count again there, saved arrays do not
+    late = held_buffers(z, since=mark)
+    assert sorted(n for _, n in late.values()) == [8, 96, 96, 96]  # h belongs to the earlier window
+    assert all(seq >= mark for seq, _ in late.values())
+    assert held_buffers(w[1:]) == {}  # a view of a parameter is the parameter's memory
