@@ -4,17 +4,17 @@ Properties drawn by hypothesis (t in 1..4 dividing heads, d_ff and vocabulary; s
 on/off; shapes; seeds): every layer and the whole GPT give the outputs, loss, gathered gradients
 and updated parameters of ``minipar.nn``, on the threads backend and under ``mpiexec``. The trace
 gives the collectives per block and the bytes per rank, held against ``formulas``; the memory
-samples show sequence parallelism dividing the layer-norm region's activations by exactly t.
+samples, measured from the autograd graph, show sequence parallelism dividing the layer-norm
+region's activations by exactly t, and equal ``formulas.activation_bytes``.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tp_helpers import cols, graph_arrays, rand, rows, summarise
 
 from minipar import functional as F
 from minipar import launch, trace
@@ -51,21 +51,6 @@ def tp_configs(draw: st.DrawFn, max_t: int = 4) -> dict:
             "ff": t * draw(st.integers(1, 3)), "vocab": t * draw(st.integers(2, 4)), "seq": seq,
             "batch": draw(st.integers(1, 2)), "layers": draw(st.integers(1, 2)),
             "seed": draw(st.integers(0, 2**16)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
-
-
-def rand(seed: int, *shape: int) -> np.ndarray:
-    return np.random.default_rng(seed).normal(size=shape)
-
-
-def rows(a: np.ndarray, comm, sp: bool) -> np.ndarray:
-    """This rank's sequence shard (axis 0) under SP, else everything."""
-    k = a.shape[0] // comm.size
-    return a[comm.rank * k:(comm.rank + 1) * k] if sp else a
-
-
-def cols(a: np.ndarray, comm) -> np.ndarray:
-    k = a.shape[-1] // comm.size
-    return a[..., comm.rank * k:(comm.rank + 1) * k]
 
 
 # ---- layers ---------------------------------------------------------------------------------------
@@ -180,40 +165,6 @@ def optimizer(c: dict, params):
     return SGD(params, lr=0.1, momentum=0.9)
 
 
-def graph_arrays(t: Tensor) -> list[np.ndarray]:
-    """Every array in the autograd graph that produced ``t``."""
-    seen, stack, out = set(), [t], []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        out.append(node.data)
-        stack.extend(node._parents)
-    return out
-
-
-def summarise(events: list, rank: int) -> dict:
-    """From one rank's trace events: collective calls (first messages) and bytes sent per block and
-    phase, bytes sent by op over the step, peak activation bytes by memory-sample label."""
-    sends = [e for e in events if e.kind == "comm" and e.src == rank]
-    calls: dict[tuple, Counter] = {}
-    block_bytes: Counter = Counter()
-    for span in (e for e in events if e.kind == "compute" and isinstance(e.args.get("layer"), int)):
-        inside = [e for e in sends if span.t0 <= e.t0 <= span.t1]
-        calls[(span.args["layer"], span.name)] = Counter(e.op for e in inside if e.step == 0)
-        for e in inside:
-            block_bytes[(span.args["layer"], e.op)] += e.nbytes
-    total: Counter = Counter()
-    for e in sends:
-        total[e.op] += e.nbytes
-    peaks: dict[str, int] = {}
-    for e in events:
-        if e.kind == "memory":
-            peaks[e.name] = max(peaks.get(e.name, 0), e.nbytes)
-    return {"calls": calls, "block_bytes": block_bytes, "bytes": total, "peaks": peaks}
-
-
 def gpt_run(comm, c: dict, steps: int = 2) -> dict:
     model = TensorParallelGPT(c["vocab"], c["seq"] + 1, c["d"], c["heads"], c["layers"], comm, c["ff"],
                               sequence_parallel=c["sp"], seed=c["seed"])
@@ -310,7 +261,7 @@ def memory_run(comm, c: dict) -> dict:
     """Peak and final activation bytes by label for one training step, with and without SP."""
     out = {}
     for sp in (False, True):
-        model = TensorParallelGPT(c["vocab"], c["seq"], c["d"], c["heads"], 1, comm, c["ff"],
+        model = TensorParallelGPT(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], comm, c["ff"],
                                   sequence_parallel=sp)
         x, y = batch(c, 0)
         with trace.recording(comm.world_rank) as rec:
@@ -322,13 +273,20 @@ def memory_run(comm, c: dict) -> dict:
 
 
 def test_sequence_parallel_divides_layer_norm_activations_by_t() -> None:
-    c = {"vocab": 8, "seq": 8, "d": 8, "heads": 4, "ff": 16, "batch": 2, "seed": 1}
-    t = 4
+    """Measured from the graph (every buffer once): the layer-norm/residual region (8 arrays per
+    block, 3 around) is t times smaller with SP; the tensor-parallel regions differ by exactly the
+    gathered whole-sequence inputs SP adds (2 per block, 1 for the head: without SP ``f`` passes the
+    layer-norm output itself); the logits are 1/t of the vocabulary either way."""
+    c = {"vocab": 8, "seq": 8, "d": 8, "heads": 4, "ff": 16, "batch": 2, "seed": 1, "layers": 2}
+    t, a = 4, 8 * 2 * 8 * 8  # a = seq x batch x d x 8 bytes
     for got in launch(memory_run, t, c=c):
         plain, sp = got[False]["peak"], got[True]["peak"]
-        assert plain["activations/ln"] == t * sp["activations/ln"] == 3 * 8 * 2 * 8 * 8  # 2 per block + ln_f
-        assert plain["activations/tp"] == sp["activations/tp"] > 0
-        assert plain["activations/logits"] == sp["activations/logits"] == 2 * 8 * 2 * (8 // t) * 8
+        for flag in (False, True):
+            assert got[flag]["peak"] == formulas.activation_bytes(
+                t, c["batch"], c["seq"], c["d"], c["heads"], c["ff"], 2, c["vocab"], 8, flag)
+        assert plain["activations/ln"] == t * sp["activations/ln"] == (8 * 2 + 3) * a
+        assert sp["activations/tp"] - plain["activations/tp"] == (2 * 2 + 1) * a
+        assert plain["activations/logits"] == sp["activations/logits"] < 8 * 2 * c["vocab"] * 8
         for run_ in got.values():  # backward releases every layer's activations
             assert run_["final"] == dict.fromkeys(run_["peak"], 0)
 
@@ -357,7 +315,9 @@ def test_vocab_parallel_loss_never_forms_the_full_logits() -> None:
         assert got["loss"] == pytest.approx(want, rel=1e-12)
         assert c["vocab"] not in got["axes"]  # no array in the graph spans the vocabulary
         assert c["vocab"] // t in got["axes"]
-        assert got["peak_logits"] == 2 * n * (c["vocab"] // t) * 8
+        held = formulas.activation_bytes(t, 2, 4, 8, 4, 8, 1, c["vocab"])["activations/logits"]
+        assert got["peak_logits"] == held == 2 * n * (c["vocab"] // t) * 8 + n * (8 + 1) + 8
+        assert held < n * c["vocab"] * 8  # less than the full logits of one rank
         assert got["biggest_message"] == n * c["d"] * 8 // t  # an activation chunk, never logits
 
 

@@ -132,11 +132,14 @@ class on_backward(Function):
 class ActivationMeter:
     """Bytes of activations kept for backward on this rank, by label, sampled into the trace.
 
-    Labels: ``activations/ln`` (layer-norm and residual region: the inputs of the layer norms,
-    sharded by sequence parallelism), ``activations/tp`` (tensor-parallel regions: inputs of the
-    column-parallel linears, local heads' q, k, v and softmax, local MLP hidden) and
-    ``activations/logits`` (the vocabulary-parallel logits and their softmax). ``peak`` keeps the
-    largest total per label since the last ``reset``.
+    The model feeds it bytes measured from its autograd graph (``autograd.held_buffers``), by the
+    region whose code allocated each buffer. Labels: ``activations/ln`` (layer-norm and residual
+    region, on the sequence shard under sequence parallelism: layer-norm outputs, reduced outputs
+    of ``g`` / ``sp_reduce_scatter``, bias and residual sums, the embedding's reduced sum),
+    ``activations/tp`` (made inside the tensor-parallel regions: gathered inputs, local q, k, v,
+    scores and softmax, local MLP hidden, row-parallel and embedding partial sums) and
+    ``activations/logits`` (the vocabulary-parallel logits and what the loss saves). ``peak``
+    keeps the largest total per label since the last ``reset``.
     """
 
     LABELS = ("activations/ln", "activations/tp", "activations/logits")

@@ -13,13 +13,24 @@ Collectives (Shoeybi et al. 2019 Sec. 3; Korthikanti et al. 2022 Sec. 4.2.2), ri
   all-gather), the loss (3 all-reduces of ``s b`` numbers: max, sum of exponentials, target logit)
   and, with sequence parallelism, one all-reduce of the replicated parameters' gradients.
 
-Activation bytes kept for backward (Korthikanti et al. Sec. 4.1's accounting, no dropout): per block
-``ln`` = the two layer-norm inputs, ``2 A`` (``2 A / t`` with sequence parallelism) and ``tp`` =
-q/k/v input ``A``, q, k, v ``3 A/t``, softmax ``b (H/t) s^2 w``, proj input ``A/t``, fc input ``A``,
-gelu in and out ``2 s b d_ff w / t``. The whole-sequence inputs of the column-parallel linears are
-kept as gathered (Megatron instead keeps the shard and gathers again in backward). Around the
-blocks: ``ln`` + the final layer norm's input, ``tp`` + the head's input ``A``, ``logits``
-= logits and softmax ``2 s b V w / t``.
+Activation bytes kept for backward, as measured (``autograd.held_buffers``: every distinct buffer
+the graph holds, views free; ``P = b (H/t) s^2 w`` one set of local attention scores, ``M = s b
+d_ff w / t`` one local MLP hidden, ``S = A/t`` with sequence parallelism and ``A`` without). This
+engine keeps every op's output until backward, so there are more terms than in Korthikanti et al.
+Sec. 4.1 (which counts what PyTorch saves), and the same split: per block ``ln = 8 S`` (two
+layer-norm outputs, two reduced row-parallel outputs, two bias sums, two residual sums: all on
+the sequence shard) and ``tp = 2A + 8A/t + 4P + 3M`` (two row-parallel partial sums ``A``; q, k, v
+before and after the bias ``6A/t``; scores, scaled, masked, softmax ``4P``; attention output
+``A/t`` and its heads merged ``A/t``, a copy unless one local head or one position; fc before and
+after the bias and gelu ``3M``), plus under sequence parallelism ``2A``: the gathered whole-sequence
+inputs of the column-parallel linears. Without it ``f`` hands over the layer-norm output itself
+(counted in ``ln``); with it the engine keeps the shard AND the gathered copy (Megatron keeps only
+the shard and gathers again in backward). So sequence parallelism divides ``ln`` by exactly t and
+adds exactly the gathered inputs to ``tp``. Around the blocks: ``ln`` + ``3 S`` (the embedding's
+reduced output and position sum, the final layer norm's output), ``tp`` + ``2A`` (the embedding
+rows and their masked copy, every position) + the head's gathered input ``A`` under sequence
+parallelism; ``logits`` = logits and the loss's saved softmax ``2 s b V w / t``, its saved target
+indices and mask ``s b (8 + 1)`` and the loss ``w``.
 """
 
 from __future__ import annotations
@@ -72,13 +83,17 @@ def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
 
 
 def activation_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, n_layers: int,
-                     vocab: int, itemsize: int = 8, sequence_parallel: bool = False) -> dict[str, int]:
-    """Peak activation bytes held per rank after the forward pass, by memory-sample label."""
-    a = seq * batch * d * itemsize
-    shard = a // t if sequence_parallel else a
-    per_ln = 2 * shard
-    per_tp = a + 3 * a // t + batch * (n_heads // t) * seq * seq * itemsize + a // t \
-        + a + 2 * seq * batch * (d_ff // t) * itemsize
-    return {"activations/ln": n_layers * per_ln + shard,
-            "activations/tp": n_layers * per_tp + a,
-            "activations/logits": 2 * seq * batch * (vocab // t) * itemsize}
+                     vocab: int, itemsize: int = 8, sequence_parallel: bool = False,
+                     index_itemsize: int = 8) -> dict[str, int]:
+    """Activation bytes held per rank after the forward pass, by memory-sample label (module
+    docstring); ``index_itemsize`` = bytes of the targets' integer type (int64: 8)."""
+    w, n = itemsize, seq * batch
+    a, a_t = n * d * w, n * (d // t) * w
+    s_ = a_t if sequence_parallel else a
+    gathered = a if sequence_parallel else 0
+    scores = batch * (n_heads // t) * seq * seq * w
+    merged = a_t if n_heads // t > 1 and seq > 1 else 0  # numpy merges the heads by a view otherwise
+    per_tp = 2 * gathered + 2 * a + 6 * a_t + 4 * scores + a_t + merged + 3 * n * (d_ff // t) * w
+    return {"activations/ln": (8 * n_layers + 3) * s_,
+            "activations/tp": n_layers * per_tp + 2 * a + gathered,
+            "activations/logits": 2 * n * (vocab // t) * w + n * (index_itemsize + 1) + w}

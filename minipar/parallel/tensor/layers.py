@@ -89,9 +89,17 @@ class RowParallelLinear(Module):
             self.bias.sequence_parallel = sequence_parallel
         self.init_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = exit_region(x @ self.weight, self.comm, self.sequence_parallel)
+    def partial(self, x: Tensor) -> Tensor:
+        """This rank's partial sum ``X_r A_r`` (full size: inside the tensor-parallel region)."""
+        return x @ self.weight
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """Leave the region: sum the ranks' partial sums (``g`` or ``sp_reduce_scatter``), add the bias."""
+        y = exit_region(partial, self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.reduce(self.partial(x))
 
 
 class VocabParallelEmbedding(Module):
@@ -113,7 +121,8 @@ class VocabParallelEmbedding(Module):
                                 shard=(slice(lo, hi), slice(None)))
         self.init_parameters()
 
-    def forward(self, idx: np.ndarray) -> Tensor:
+    def partial(self, idx: np.ndarray) -> Tensor:
+        """This rank's partial sum: its tokens' rows, zeros for the others (every position)."""
         idx = np.asarray(idx)
         check_tokens(idx, self.num_embeddings, "token ids")
         if self.sequence_parallel and (idx.ndim == 0 or idx.shape[0] % self.comm.size):
@@ -121,8 +130,10 @@ class VocabParallelEmbedding(Module):
                              f"{self.comm.size} ranks; make the sequence length a multiple of t")
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = np.where(outside, 0, idx - self.vocab_start)
-        partial = F.embedding(self.weight, local) * (~outside)[..., None].astype(self.weight.dtype)
-        return exit_region(partial, self.comm, self.sequence_parallel)
+        return F.embedding(self.weight, local) * (~outside)[..., None].astype(self.weight.dtype)
+
+    def forward(self, idx: np.ndarray) -> Tensor:
+        return exit_region(self.partial(idx), self.comm, self.sequence_parallel)
 
 
 def check_tokens(idx: np.ndarray, vocab_size: int, what: str) -> None:

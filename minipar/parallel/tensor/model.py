@@ -23,15 +23,17 @@ transposes once; attention transposes to ``(batch, seq, heads*d_head)`` for ``F.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
 
 from minipar import functional as F
 from minipar import trace
-from minipar.autograd import Tensor
+from minipar.autograd import Tensor, held_buffers, seq_mark
 from minipar.nn import LayerNorm, Module, ModuleList, Parameter
-from minipar.parallel.tensor.comm_ops import ActivationMeter, enter_region, on_backward
+from minipar.parallel.tensor.comm_ops import ActivationMeter, enter_region, exit_region, on_backward
 from minipar.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -61,15 +63,34 @@ def check_config(comm: Any, vocab_size: int, d_model: int, n_heads: int, d_ff: i
                          ". Choose sizes that are multiples of t (or another t that divides them all).")
 
 
-class _Ledger:
-    """Activation bytes one layer holds, released when its backward is done."""
+class _Held:
+    """Activation bytes one part of the forward pass (a block, the embedding, the head, the loss)
+    keeps, MEASURED from its autograd graph (``autograd.held_buffers``) and released into the meter
+    when backward has passed through it.
+
+    Every buffer is attributed to the region whose code allocated it: tensors made inside a
+    ``region(label)`` window go to ``label``, the rest of the part to ``measure``'s ``default``.
+    """
 
     def __init__(self, meter: ActivationMeter) -> None:
         self.meter, self.bytes = meter, dict.fromkeys(meter.LABELS, 0)
+        self.start, self.windows = seq_mark(), []  # (lo, hi, label)
 
-    def hold(self, label: str, nbytes: int) -> None:
-        self.bytes[label] += nbytes
-        self.meter.hold(label, nbytes)
+    @contextmanager
+    def region(self, label: str) -> Iterator[None]:
+        lo = seq_mark()
+        yield
+        self.windows.append((lo, seq_mark(), label))
+
+    def measure(self, out: Tensor, default: str) -> None:
+        """Hold the bytes the graph behind ``out`` keeps for the tensors made since this part began."""
+        got = dict.fromkeys(self.bytes, 0)
+        for seq, nbytes in held_buffers(out, self.start).values():
+            got[next((lab for lo, hi, lab in self.windows if lo <= seq < hi), default)] += nbytes
+        for label, n in got.items():
+            if n:
+                self.bytes[label] += n
+                self.meter.hold(label, n)
 
     def release(self) -> None:
         for label, n in self.bytes.items():
@@ -87,13 +108,10 @@ class ParallelMLP(Module):
         self.fc = ColumnParallelLinear(d_model, d_ff, comm, sequence_parallel=sequence_parallel, dtype=dtype)
         self.proj = RowParallelLinear(d_ff, d_model, comm, sequence_parallel=sequence_parallel, dtype=dtype)
 
-    def forward(self, x: Tensor, ledger: _Ledger | None = None) -> Tensor:
-        h = enter_region(x, self.comm, self.sequence_parallel)
-        a = self.fc.local(h)
-        z = F.gelu(a)
-        if ledger is not None:  # fc input (whole sequence), gelu input and output (d_ff/t columns)
-            ledger.hold(TP, h.data.nbytes + a.data.nbytes + z.data.nbytes)
-        return self.proj(z)
+    def forward(self, x: Tensor, held: _Held | None = None) -> Tensor:
+        with held.region(TP) if held is not None else nullcontext():  # the tensor-parallel region
+            partial = self.proj.partial(F.gelu(self.fc(x)))
+        return self.proj.reduce(partial)
 
 
 class ParallelAttention(Module):
@@ -110,23 +128,21 @@ class ParallelAttention(Module):
         self.v = ColumnParallelLinear(d_model, d_model, comm, **kw)
         self.proj = RowParallelLinear(d_model, d_model, comm, **kw)
 
-    def forward(self, x: Tensor, ledger: _Ledger | None = None) -> Tensor:
-        h = enter_region(x, self.comm, self.sequence_parallel)  # one f (or all-gather) for q, k and v
-        q, k, v = (lin.local(h).transpose(1, 0, 2) for lin in (self.q, self.k, self.v))
-        y = F.attention(q, k, v, self.local_heads).transpose(1, 0, 2)
-        if ledger is not None:  # input, q, k, v, softmax (batch x local heads x seq x seq), proj input
-            b, s = q.shape[0], q.shape[1]
-            probs = b * self.local_heads * s * s * q.data.itemsize
-            qkv = q.data.nbytes + k.data.nbytes + v.data.nbytes
-            ledger.hold(TP, h.data.nbytes + qkv + probs + y.data.nbytes)
-        return self.proj(y)
+    def forward(self, x: Tensor, held: _Held | None = None) -> Tensor:
+        with held.region(TP) if held is not None else nullcontext():  # the tensor-parallel region
+            h = enter_region(x, self.comm, self.sequence_parallel)  # one f (or all-gather) for q, k, v
+            q, k, v = (lin.local(h).transpose(1, 0, 2) for lin in (self.q, self.k, self.v))
+            partial = self.proj.partial(F.attention(q, k, v, self.local_heads).transpose(1, 0, 2))
+        return self.proj.reduce(partial)
 
 
 class ParallelBlock(Module):
     """Pre-norm block ``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` on ``[seq(/t), batch, d]``.
 
     Forward is one ``F`` span, backward one ``B`` span (args ``layer``) in the trace, and the
-    activations it keeps are sampled into ``activations/ln`` and ``activations/tp``."""
+    activations its graph keeps are measured into ``activations/tp`` (made inside the attention's
+    and the MLP's tensor-parallel regions) and ``activations/ln`` (the rest: layer-norm outputs,
+    reduced outputs, bias and residual sums, all on the sequence shard under sequence parallelism)."""
 
     def __init__(self, d_model: int, n_heads: int, comm: Any, d_ff: int | None = None,
                  sequence_parallel: bool = False, layer: int = 0, dtype: Any = np.float64) -> None:
@@ -140,7 +156,7 @@ class ParallelBlock(Module):
                 p.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        ledger, started = _Ledger(self.meter), [0.0]  # this forward's: released by its own backward
+        held, started = _Held(self.meter), [0.0]  # this forward's: released by its own backward
 
         def backward_starts() -> None:
             started[0] = trace.now()
@@ -149,15 +165,15 @@ class ParallelBlock(Module):
             rec = trace.current()
             if rec is not None:
                 rec.add("compute", "B", started[0], trace.now(), args={"layer": self.layer})
-            ledger.release()
+            held.release()
 
         with trace.span("F", args={"layer": self.layer}):
             x = on_backward.apply(x, backward_done)  # its backward runs after the whole block's
-            ledger.hold(LN, x.data.nbytes)
-            x = x + self.attn(self.ln1(x), ledger)
-            ledger.hold(LN, x.data.nbytes)
-            x = x + self.mlp(self.ln2(x), ledger)
-            return on_backward.apply(x, backward_starts)  # its backward runs first
+            x = x + self.attn(self.ln1(x), held)
+            x = x + self.mlp(self.ln2(x), held)
+            out = on_backward.apply(x, backward_starts)  # its backward runs first
+            held.measure(out, LN)
+            return out
 
 
 class TensorParallelGPT(Module):
@@ -204,28 +220,36 @@ class TensorParallelGPT(Module):
                              f"{self.comm.size}")
         check_tokens(idx, self.vocab_size, "token ids")
 
-    def embed(self, idx: np.ndarray) -> Tensor:
+    def embed(self, idx: np.ndarray, held: _Held | None = None) -> Tensor:
         """Token + position embeddings as ``[seq, batch, d]`` (this rank's sequence shard under SP)."""
         idx = np.asarray(idx)
         self._check(idx)
         seq, t, r = idx.shape[1], self.comm.size, self.comm.rank
         lo, hi = (r * seq // t, (r + 1) * seq // t) if self.sequence_parallel else (0, seq)
-        x = self.tok_emb(np.ascontiguousarray(idx.T))
+        with held.region(TP) if held is not None else nullcontext():  # vocabulary-parallel partial sums
+            partial = self.tok_emb.partial(np.ascontiguousarray(idx.T))
+        x = exit_region(partial, self.comm, self.sequence_parallel)
         return x + self.pos_emb.weight[lo:hi].reshape(hi - lo, 1, self.d_model)
 
     def local_logits(self, idx: np.ndarray) -> Tensor:
         """This rank's vocabulary slice of the logits, ``[seq, batch, V/t]`` (whole sequence)."""
         self.meter.reset()
-        top = _Ledger(self.meter)
         with trace.span("F", args={"layer": "embed"}):
-            x = on_backward.apply(self.embed(idx), top.release)  # released when backward reaches here
+            emb = _Held(self.meter)
+            x = on_backward.apply(self.embed(idx, emb), emb.release)  # released when backward reaches here
+            emb.measure(x, LN)
         for block in self.blocks:
             x = block(x)
         with trace.span("F", args={"layer": "head"}):
-            top.hold(LN, x.data.nbytes)
-            h = enter_region(self.ln_f(x), self.comm, self.sequence_parallel)
-            top.hold(TP, h.data.nbytes)
-            return self.head.local(h)
+            head = _Held(self.meter)
+            x = on_backward.apply(x, head.release)  # released once backward has passed the head
+            h = self.ln_f(x)
+            with head.region(TP):
+                h = enter_region(h, self.comm, self.sequence_parallel)
+            with head.region(LOGITS):
+                logits = self.head.local(h)
+            head.measure(logits, LN)
+            return logits
 
     def forward(self, idx: np.ndarray) -> Tensor:
         """Logits ``(batch, seq, V/t)``: this rank's vocabulary columns (``gather_logits`` for all)."""
@@ -239,10 +263,11 @@ class TensorParallelGPT(Module):
         check_tokens(targets, self.vocab_size, "targets")
         logits = self.local_logits(idx)
         with trace.span("F", args={"layer": "loss"}):
-            ledger = _Ledger(self.meter)
-            ledger.hold(LOGITS, 2 * logits.data.nbytes)  # the logits and their softmax
-            logits = on_backward.apply(logits, ledger.release)
-            return vocab_parallel_cross_entropy(logits, np.ascontiguousarray(targets.T), self.comm)
+            held = _Held(self.meter)  # the softmax and target indices the loss saves, the loss itself
+            logits = on_backward.apply(logits, held.release)
+            loss = vocab_parallel_cross_entropy(logits, np.ascontiguousarray(targets.T), self.comm)
+            held.measure(loss, LOGITS)
+            return loss
 
     # ---- after backward ------------------------------------------------------------------------
     def sync_grads(self) -> None:
