@@ -12,8 +12,10 @@
    the same batches: every step's loss equals the single-process model's.
 3. From the trace of the last step: collectives per transformer block (2 all-reduces forward, 2
    backward; with sequence parallelism all-gathers and reduce-scatters of the same bytes) and the
-   bytes each rank sent, next to the formulas; activation bytes held per rank (the layer-norm
-   region shrinks by t under sequence parallelism, the tensor-parallel regions do not).
+   bytes each rank sent, next to the formulas; activation bytes held per rank, measured from the
+   autograd graph (the layer-norm region shrinks by exactly t under sequence parallelism; the
+   tensor-parallel regions grow by the gathered whole-sequence inputs, which without it are the
+   layer-norm outputs themselves).
 Writes runs/04_tensor_parallel/{tp,tp_sp}.json and report.html; prints the timeline.
 """
 
@@ -186,7 +188,10 @@ def totals_table(traces: dict[str, mtrace.Trace]) -> Table:
 
 
 def memory_table(peaks: dict[str, dict[str, int]], t: int, layers: int = LAYERS, batch: int = BATCH) -> Table:
-    table = Table(title="activation bytes held per rank at the end of the forward pass", title_justify="left")
+    table = Table(title="activation bytes held per rank at the end of the forward pass (measured: every "
+                        "buffer the autograd graph keeps, once)", title_justify="left",
+                  caption="with sequence parallelism tp also keeps the all-gathered inputs of the "
+                          "column-parallel linears (2 per block, 1 for the head)", caption_justify="left")
     for col in ("region", "no TP (formula)", "TP measured", "TP formula", "TP+SP measured", "TP+SP formula",
                 "ratio TP / TP+SP"):
         table.add_column(col, justify="right")
