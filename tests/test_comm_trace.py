@@ -96,6 +96,42 @@ def test_sub_communicator_messages_use_world_ranks():
         assert triples and all(t[0] == r and {t[1], t[2]} == {r, partner} for t in triples)
 
 
+def test_point_to_point_labels_land_on_each_sides_event():
+    """stage/microbatch/chunk given to send/isend/recv/irecv/sendrecv are recorded on that side's
+    event; unlabelled messages carry none; a bad label is refused before anything is sent."""
+    def fn(comm):
+        r, peer = comm.rank, 1 - comm.rank
+        with trace.record(None, comm) as rec:
+            if r == 0:
+                comm.send(np.zeros(3), 1, tag=1, stage=2, microbatch=5, chunk=1)
+                comm.isend(np.zeros(2), 1, tag=2, microbatch=np.int64(4)).wait()
+                comm.recv(1, tag=3)
+            else:
+                comm.irecv(0, tag=1, stage=3, microbatch=5).wait()
+                comm.recv(0, tag=2, chunk=0)
+                comm.send(np.zeros(1), 0, tag=3)
+            comm.sendrecv(np.zeros(4), peer, peer, stage=r, microbatch=7)
+            errors = []
+            for bad in ({"stage": -1}, {"microbatch": 1.5}, {"chunk": True}):
+                try:
+                    comm.isend(np.zeros(1), peer, **bad)
+                except (TypeError, ValueError) as exc:
+                    errors.append(str(exc))
+        labels = [(e.name, e.src, e.dst, e.nbytes, e.stage, e.microbatch, e.chunk)
+                  for e in rec.events if e.kind == "comm"]
+        return labels, errors
+    (l0, err0), (l1, _) = launch(fn, 2)
+    assert sorted(l0) == sorted([("send", 0, 1, 24, 2, 5, 1), ("send", 0, 1, 16, None, 4, None),
+                                 ("recv", 1, 0, 8, None, None, None), ("recv", 1, 0, 32, 0, 7, None),
+                                 ("send", 0, 1, 32, 0, 7, None)])
+    assert sorted(l1) == sorted([("recv", 0, 1, 24, 3, 5, None), ("recv", 0, 1, 16, None, None, 0),
+                                 ("send", 1, 0, 8, None, None, None), ("recv", 0, 1, 32, 1, 7, None),
+                                 ("send", 1, 0, 32, 1, 7, None)])
+    assert err0 == ["send: stage must be a non-negative int or None, got -1",
+                    "send: microbatch must be a non-negative int or None, got 1.5",
+                    "send: chunk must be a non-negative int or None, got True"]
+
+
 def test_trace_round_trip_and_chrome_export(tmp_path):
     path, chrome = tmp_path / "run.json", tmp_path / "chrome.json"
 

@@ -93,9 +93,11 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
         spans = sorted((e.name, e.stage, e.microbatch) for e in rec.events if e.kind == "compute")
         sent = sorted(e.nbytes for e in rec.events
                       if e.kind == "comm" and e.op == "send" and e.src == comm.world_rank)
+        msgs = sorted((e.name, e.src, e.dst, e.stage, e.microbatch, e.chunk, e.nbytes) for e in rec.events
+                      if e.kind == "comm" and e.op == "send")
         out.append({"losses": losses, "state": gather_state_dict(pipe), "grads": gather_grads(pipe),
                     "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans,
-                    "held": held, "sent": sent})
+                    "held": held, "sent": sent, "msgs": msgs})
     return out
 
 
@@ -120,6 +122,31 @@ def expected_messages(cfg: dict, p: int) -> dict[int, list[int]]:
     return {r: sorted(v) for r, v in out.items()}
 
 
+def expected_labels(cfg: dict, p: int) -> dict[int, list[tuple]]:
+    """Each rank's message events per step, ``(name, src, dst, stage, microbatch, chunk, nbytes)``:
+    stage s lives on rank s mod p as chunk s // p. Activation of stage s, micro-batch i: the sender's
+    event says stage s (the stage it leaves), the receiver's says s + 1 (the stage it enters);
+    the gradient stage s sends back: the sender's event says s, the receiver's s - 1."""
+    n_stages = p * cfg["v"]
+    ranges = split_layers(sum(cfg["counts"]), n_stages, cfg["counts"] if cfg["given_counts"] else None)
+    per_mb = (8 * cfg["mb_size"] * GPT_DIMS["seq_len"] * GPT_DIMS["d_model"] if cfg["model"] == "gpt" else None)
+
+    def nbytes(layer: int) -> int:
+        return per_mb if per_mb is not None else 8 * cfg["mb_size"] * cfg["widths"][layer]
+
+    out: dict[int, list[tuple]] = {r: [] for r in range(p)}
+    for i in range(cfg["m"]):
+        for s in range(n_stages - 1):  # activation s -> s + 1, size of stage s's output
+            a, b, size = s % p, (s + 1) % p, nbytes(ranges[s].stop)
+            out[a].append(("send", a, b, s, i, s // p, size))
+            out[b].append(("recv", a, b, s + 1, i, (s + 1) // p, size))
+        for s in range(1, n_stages):  # gradient s -> s - 1, size of stage s's input
+            a, b, size = s % p, (s - 1) % p, nbytes(ranges[s].start)
+            out[a].append(("send", a, b, s, i, s // p, size))
+            out[b].append(("recv", a, b, s - 1, i, (s - 1) // p, size))
+    return {r: sorted(v * STEPS) for r, v in out.items()}
+
+
 def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     ref_losses, ref_state, ref_grads = reference(cfg)
     p = len(results)
@@ -137,6 +164,11 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     assert [results[r][index]["peak_attr"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
     want = expected_messages(cfg, p)  # traffic from the trace: 2 m per boundary, activation-sized
     assert [results[r][index]["sent"] for r in range(p)] == [want[r] for r in range(p)], cfg
+    labels = expected_labels(cfg, p)  # every activation/gradient event: its stage, micro-batch, chunk
+    assert [results[r][index]["msgs"] for r in range(p)] == [labels[r] for r in range(p)], cfg
+    sim_msgs = sorted((e.name, e.src, e.dst, e.stage, e.microbatch, e.chunk) for e in sim.trace.events
+                      if e.kind == "comm")  # the same labels as the simulator's trace, step by step
+    assert sorted(m[:6] for r in range(p) for m in results[r][index]["msgs"]) == sorted(sim_msgs * STEPS)
     for r in range(p):  # activation bytes: held while micro-batches are stashed, all freed by the end
         held = results[r][index]["held"]
         assert max(held) > 0 and held[-1] == 0

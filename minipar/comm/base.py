@@ -11,7 +11,10 @@ Messages travel in three contexts so they never match each other: ``P2P`` (the u
 traced). With ``header=True`` a message carries its shape and dtype (one small extra message on
 MPI); collectives that know the receive shape send the payload alone (``header=False``).
 Every array message is recorded by ``minipar.trace.message`` on the sender and on the receiver,
-with world ranks and payload bytes.
+with world ranks and payload bytes. Point-to-point calls may label their message for the trace with
+keyword-only ``stage``, ``microbatch`` and ``chunk`` (pipeline work): each side's event carries the
+labels that side passed. Unlabelled calls pass a shared ``NOWHERE`` tuple and labels are only read
+when tracing is on, so the untraced path costs three ``is None`` tests more than before.
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ if TYPE_CHECKING:
 
 P2P, COLL, CTL = 0, 1, 2
 MAX_TAG = 1 << 20  # user tags are 0 <= tag < MAX_TAG
+Where = tuple[int | None, int | None, int | None]  # (stage, microbatch, chunk) trace labels
+NOWHERE: Where = (None, None, None)
+
+
+def _where(stage: Any, microbatch: Any, chunk: Any, what: str) -> Where:
+    """The trace labels as ints (or None); ``TypeError``/``ValueError`` before anything is sent."""
+    out = []
+    for name, v in (("stage", stage), ("microbatch", microbatch), ("chunk", chunk)):
+        if v is not None and (not isinstance(v, int | np.integer) or isinstance(v, bool)):
+            raise TypeError(f"{what}: {name} must be a non-negative int or None, got {v!r}")
+        if v is not None and v < 0:
+            raise ValueError(f"{what}: {name} must be a non-negative int or None, got {v!r}")
+        out.append(None if v is None else int(v))
+    return (out[0], out[1], out[2])
 
 
 def wire_tag(ctx: int, tag: int, kind: int) -> int:
@@ -180,61 +197,83 @@ class PointToPoint(ABC):
             raise ValueError(f"{what}: tag must be an int in [0, {MAX_TAG}), got {tag!r}")
 
     def _trace(self, src: int, dst: int, nbytes: int, t0: float, op: str, algorithm: str | None,
-               step: int | None) -> None:
+               step: int | None, where: Where = NOWHERE) -> None:
         if trace.current() is not None:
             trace.message(self.group_ranks[src], self.group_ranks[dst], nbytes, t0, trace.now(), op,
-                          algorithm, step)
+                          algorithm, step, stage=where[0], microbatch=where[1], chunk=where[2])
 
     # ---- point to point on arrays -----------------------------------------------------------
+    # ``stage``, ``microbatch``, ``chunk`` (keyword-only, optional): labels recorded on this side's
+    # trace event of the message (e.g. the pipeline stage the activation leaves or enters).
     def isend(self, array: np.ndarray, dst: int, tag: int = 0, *, op: str = "send",
-              algorithm: str | None = None, step: int | None = None) -> Request:
+              algorithm: str | None = None, step: int | None = None, stage: int | None = None,
+              microbatch: int | None = None, chunk: int | None = None) -> Request:
         """Start sending ``array`` (shape and dtype travel with it) to rank ``dst``."""
-        arr = as_array(array, "send")
-        self._check_peer(dst, "send")
-        self._check_tag(tag, "send")
-        return self._isend(P2P, arr, dst, tag, True, op, algorithm, step)
+        return self._p2p_send(array, dst, tag, op, algorithm, step, stage, microbatch, chunk)
 
     def irecv(self, src: int, tag: int = 0, *, op: str = "send", algorithm: str | None = None,
-              step: int | None = None) -> Request:
+              step: int | None = None, stage: int | None = None, microbatch: int | None = None,
+              chunk: int | None = None) -> Request:
         """Start receiving an array from rank ``src``; ``wait()`` returns it."""
-        self._check_peer(src, "recv")
-        self._check_tag(tag, "recv")
-        return self._irecv(P2P, src, tag, None, None, op, algorithm, step)
+        return self._p2p_recv(src, tag, op, algorithm, step, stage, microbatch, chunk)
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, *, op: str = "send",
-             algorithm: str | None = None, step: int | None = None) -> None:
+             algorithm: str | None = None, step: int | None = None, stage: int | None = None,
+             microbatch: int | None = None, chunk: int | None = None) -> None:
         """Send ``array`` to rank ``dst`` and wait until its buffer may be reused."""
-        self.isend(array, dst, tag, op=op, algorithm=algorithm, step=step).wait()
+        self._p2p_send(array, dst, tag, op, algorithm, step, stage, microbatch, chunk).wait()
 
     def recv(self, src: int, tag: int = 0, *, op: str = "send", algorithm: str | None = None,
-             step: int | None = None) -> np.ndarray:
+             step: int | None = None, stage: int | None = None, microbatch: int | None = None,
+             chunk: int | None = None) -> np.ndarray:
         """Receive an array (any shape and dtype) from rank ``src``."""
-        return self.irecv(src, tag, op=op, algorithm=algorithm, step=step).wait()
+        return self._p2p_recv(src, tag, op, algorithm, step, stage, microbatch, chunk).wait()
 
     def sendrecv(self, array: np.ndarray, dst: int, src: int, sendtag: int = 0, recvtag: int = 0, *,
-                 op: str = "send", algorithm: str | None = None, step: int | None = None) -> np.ndarray:
-        """Send to ``dst`` and receive from ``src`` at the same time (no deadlock in a ring)."""
-        rreq = self.irecv(src, recvtag, op=op, algorithm=algorithm, step=step)
-        sreq = self.isend(array, dst, sendtag, op=op, algorithm=algorithm, step=step)
+                 op: str = "send", algorithm: str | None = None, step: int | None = None,
+                 stage: int | None = None, microbatch: int | None = None,
+                 chunk: int | None = None) -> np.ndarray:
+        """Send to ``dst`` and receive from ``src`` at the same time (no deadlock in a ring); the
+        labels go on this rank's events of both messages."""
+        rreq = self._p2p_recv(src, recvtag, op, algorithm, step, stage, microbatch, chunk)
+        sreq = self._p2p_send(array, dst, sendtag, op, algorithm, step, stage, microbatch, chunk)
         out = rreq.wait()
         sreq.wait()
         return out
 
+    def _p2p_send(self, array: Any, dst: int, tag: int, op: str, algorithm: str | None, step: int | None,
+                  stage: Any, microbatch: Any, chunk: Any) -> Request:
+        arr = as_array(array, "send")
+        self._check_peer(dst, "send")
+        self._check_tag(tag, "send")
+        where = NOWHERE if stage is None and microbatch is None and chunk is None else \
+            _where(stage, microbatch, chunk, "send")
+        return self._isend(P2P, arr, dst, tag, True, op, algorithm, step, where)
+
+    def _p2p_recv(self, src: int, tag: int, op: str, algorithm: str | None, step: int | None,
+                  stage: Any, microbatch: Any, chunk: Any) -> Request:
+        self._check_peer(src, "recv")
+        self._check_tag(tag, "recv")
+        where = NOWHERE if stage is None and microbatch is None and chunk is None else \
+            _where(stage, microbatch, chunk, "recv")
+        return self._irecv(P2P, src, tag, None, None, op, algorithm, step, where)
+
     def _isend(self, ctx: int, arr: np.ndarray, dst: int, tag: int, header: bool, op: str,
-               algorithm: str | None, step: int | None) -> Request:
+               algorithm: str | None, step: int | None, where: Where = NOWHERE) -> Request:
         t0 = trace.now()
         pending = self._post_send(ctx, arr, dst, tag, header)
         nbytes = arr.nbytes
         return Request(self, pending, f"{op} to rank {self.group_ranks[dst]}", [self.group_ranks[dst]],
-                       lambda _: self._trace(self.rank, dst, nbytes, t0, op, algorithm, step))
+                       lambda _: self._trace(self.rank, dst, nbytes, t0, op, algorithm, step, where))
 
     def _irecv(self, ctx: int, src: int, tag: int, like: tuple[tuple[int, ...], np.dtype] | None,
-               out: np.ndarray | None, op: str, algorithm: str | None, step: int | None) -> Request:
+               out: np.ndarray | None, op: str, algorithm: str | None, step: int | None,
+               where: Where = NOWHERE) -> Request:
         t0 = trace.now()
         pending = self._post_recv(ctx, src, tag, like, out)
 
         def done(value: np.ndarray) -> np.ndarray:
-            self._trace(src, self.rank, value.nbytes, t0, op, algorithm, step)
+            self._trace(src, self.rank, value.nbytes, t0, op, algorithm, step, where)
             return value
 
         return Request(self, pending, f"{op} from rank {self.group_ranks[src]}", [self.group_ranks[src]],

@@ -30,8 +30,14 @@ micro-batch, chunk (and ``args`` action, iteration), "opt" for the optimizer; me
 "activations" after every change, ``nbytes`` = bytes the stashed micro-batches' graphs keep alive
 (``autograd.graph_bytes``) and ``args["stashed"]`` = how many micro-batches are stashed (the
 simulator's count, so the measured peak equals ``simulate(...).peak_stash``); messages are recorded
-by the comm layer. Per step, rank r sends at most 2 m v messages of one micro-batch's activation
-(or gradient) each; memory: peak stash x (activations of one stage on one micro-batch).
+by the comm layer (op "send"), each side's event labelled with the stage, micro-batch and chunk of
+the SEND/RECV action in that rank's program, as the simulator labels them: the sender's event
+carries the stage the tensor leaves (``sSEND_F i``: stage s's output activation; ``sSEND_B i``:
+the gradient of stage s's input), the receiver's event the stage it enters (``sRECV_F i``: stage
+s's input, from stage s - 1; ``sRECV_B i``: the gradient of stage s's output, from stage s + 1).
+Per step, rank r sends at most 2 m v messages of one micro-batch's activation (or gradient) each
+(``message_bytes`` gives the exact count); memory: peak stash x (activations of one stage on one
+micro-batch).
 
 Bad configurations raise ``ValueError`` (``ScheduleError`` for schedules) on every rank before any
 message is sent: a schedule for another number of ranks, more stages than layers, m not a multiple
@@ -240,21 +246,27 @@ class Pipeline:
                     self._outbox[("B", s, i)] = grad
         self._sample()
 
+    def _labels(self, a: Action) -> dict[str, int]:
+        """Trace labels of a SEND/RECV action's message on this rank (see the module docstring)."""
+        return {"stage": a.stage, "microbatch": a.microbatch, "chunk": self.chunk_of[a.stage]}
+
     def _SEND_F(self, a: Action) -> None:
         data = self._outbox.pop(("F", a.stage, a.microbatch))
-        self._sends.append(self.comm.isend(data, a.peer, self._tag("F", a.stage, a.microbatch)))
+        tag = self._tag("F", a.stage, a.microbatch)
+        self._sends.append(self.comm.isend(data, a.peer, tag, **self._labels(a)))
 
     def _SEND_B(self, a: Action) -> None:
         data = self._outbox.pop(("B", a.stage, a.microbatch))
-        self._sends.append(self.comm.isend(data, a.peer, self._tag("B", a.stage - 1, a.microbatch)))
+        tag = self._tag("B", a.stage - 1, a.microbatch)
+        self._sends.append(self.comm.isend(data, a.peer, tag, **self._labels(a)))
 
     def _RECV_F(self, a: Action) -> None:
         tag = self._tag("F", a.stage - 1, a.microbatch)
-        self._inbox[("F", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag)
+        self._inbox[("F", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag, **self._labels(a))
 
     def _RECV_B(self, a: Action) -> None:
         tag = self._tag("B", a.stage, a.microbatch)
-        self._inbox[("B", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag)
+        self._inbox[("B", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag, **self._labels(a))
 
 
 def gather_state_dict(pipe: Pipeline, root: int | None = 0) -> dict[str, np.ndarray] | None:
