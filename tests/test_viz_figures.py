@@ -3,9 +3,10 @@ event times, heat-map cells hold the bytes of the events, bubble totals equal th
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from viz_traces import ACT_BYTES, GRAD_BYTES, SCHEDULE_1F1B, one_f_one_b, ring_allreduce
+from viz_traces import ACT_BYTES, GRAD_BYTES, SCHEDULE_1F1B, one_f_one_b, ring_allreduce, ring_and_naive
 
 from minipar.trace import Event, Trace
 from viz import analysis as A
@@ -120,3 +121,42 @@ def test_summary_numbers():
     s = A.summary(one_f_one_b())
     assert s["step_time"] == 15.0 and s["bubble_fraction"] == 0.2
     assert s["bytes_moved"] == 4 * (ACT_BYTES + GRAD_BYTES) and s["world_size"] == 2
+
+
+def test_per_rank_formula_drawn_as_an_outline_on_each_ranks_bar():
+    p, n = 3, 3000
+    t = ring_and_naive(p, n)
+    assert A.formula_by_rank(t) == [("allreduce/naive", [2 * n, n, n], [2.0 * n, n, n])]
+    assert A.measured_vs_formula(t) == [("allreduce/ring", [4000] * 3, 4000.0)]
+    fig = figures.traffic(t)
+    measured = {tr.offsetgroup: tr for tr in fig.data if tr.type == "bar" and tr.legendgroup == "measured"}
+    assert {g: list(tr.y) for g, tr in measured.items()} == {
+        "rank 0": [4000, 2 * n], "rank 1": [4000, n], "rank 2": [4000, n]}
+    assert list(measured["rank 0"].x) == ["allreduce/ring", "allreduce/naive"]
+    outlines = [tr for tr in fig.data if tr.legendgroup == "formula by rank"]
+    assert [tr.offsetgroup for tr in outlines] == ["rank 0", "rank 1", "rank 2"]  # over its own bar
+    assert [list(tr.x) for tr in outlines] == [["allreduce/naive"]] * 3
+    assert [list(tr.y) for tr in outlines] == [[2.0 * n], [1.0 * n], [1.0 * n]]  # root sends (p-1) n
+    assert [tr.showlegend for tr in outlines] == [True, False, False]
+    assert all(tr.marker.color == "rgba(0,0,0,0)" for tr in outlines)  # an outline, not a filled bar
+    scalar = [tr for tr in fig.data if tr.name == "formula (per rank)"]
+    assert len(scalar) == 1 and list(scalar[0].x) == ["allreduce/ring"] and list(scalar[0].y) == [4000.0]
+
+
+def test_per_rank_formula_wins_over_the_scalar_and_is_not_the_measurement():
+    t = ring_and_naive(3, 3000)
+    t.meta["expected_bytes"]["allreduce/naive"] = 4000.0  # the rank mean, as data.py also writes
+    t.meta["expected_bytes_by_rank"]["allreduce/naive"] = [5000, 1000, 2000]  # deliberately off
+    fig = figures.traffic(t)
+    scalar = next(tr for tr in fig.data if tr.name == "formula (per rank)")
+    assert list(scalar.x) == ["allreduce/ring"]  # the naive key is drawn per rank only
+    outlines = [tr for tr in fig.data if tr.legendgroup == "formula by rank"]
+    assert [tr.y[0] for tr in outlines] == [5000.0, 1000.0, 2000.0]
+    assert [tr.customdata[0][0] for tr in outlines] == [6000, 3000, 3000]  # measured, in the hover
+
+
+def test_per_rank_formula_of_the_wrong_length_says_what_to_give():
+    t = ring_and_naive(3, 3000)
+    t.meta["expected_bytes_by_rank"] = {"allreduce/naive": [1, 2]}
+    with pytest.raises(ValueError, match=r"expected_bytes_by_rank\['allreduce/naive'\] must be a list of 3"):
+        figures.traffic(t)

@@ -6,7 +6,7 @@ import io
 
 import pytest
 from rich.console import Console
-from viz_traces import one_f_one_b, ring_allreduce
+from viz_traces import one_f_one_b, ring_allreduce, ring_and_naive
 
 from minipar.trace import Event, Trace, save
 from viz import terminal
@@ -83,6 +83,21 @@ def test_traffic_table_bytes_and_formula():
     assert cells == [["0", "4,000", "4,000"], ["1", "4,000", "4,000"], ["2", "4,000", "4,000"],
                      ["formula", "4,000", ""]]
     assert "allreduce/ring" in out
+
+
+def test_traffic_table_per_rank_formula_column_next_to_its_measured_column():
+    t = ring_and_naive(p=3, n=3000)
+    out = "\n".join(_plain(t, width=90))
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
+    # columns: rank | allreduce/ring | allreduce/naive | formula (naive, per rank) | total
+    assert cells == [["0", "4,000", "6,000", "6,000", "10,000"], ["1", "4,000", "3,000", "3,000", "7,000"],
+                     ["2", "4,000", "3,000", "3,000", "7,000"], ["formula", "4,000", "", "", ""]]
+    t.meta["expected_bytes_by_rank"] = {"allreduce": [1, 2, 3]}  # a bare op: after its last column
+    cells = [[c.strip() for c in row.strip("│").split("│")]
+             for row in "\n".join(_plain(t, width=90)).splitlines() if row.startswith("│")]
+    assert [row[3] for row in cells] == ["1", "2", "3", ""]
+    assert "allreduce formula" in "\n".join(_plain(t, width=120))
 
 
 def test_too_narrow_width_says_what_to_change():

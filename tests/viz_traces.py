@@ -71,3 +71,25 @@ def ring_allreduce(p: int = 3, n: int = 3000) -> Trace:
     meta = {"paradigm": "collectives", "world_size": p, "backend": "hand-made",
             "expected_bytes": {"allreduce/ring": 2 * (p - 1) / p * n}}
     return Trace(meta, sorted(events, key=lambda e: (e.t0, e.rank)))
+
+
+def naive_allreduce(p: int = 3, n: int = 3000, t_start: float = 0.0) -> list[Event]:
+    """Naive all-reduce of n bytes: step 0 every rank r > 0 sends n to rank 0, step 1 rank 0 sends
+    n back to each; so rank 0 sends (p-1) n bytes and every other rank n (1 ms per step)."""
+    events: list[Event] = []
+    for step, pairs in enumerate(([(r, 0) for r in range(1, p)], [(0, r) for r in range(1, p)])):
+        t0, t1 = t_start + step * 1e-3, t_start + (step + 1) * 1e-3
+        for src, dst in pairs:
+            for rank, name in ((src, "send"), (dst, "recv")):
+                events.append(Event(rank, "comm", name, t0, t1, src=src, dst=dst, nbytes=n, op="allreduce",
+                                    algorithm="naive", step=step))
+    return events
+
+
+def ring_and_naive(p: int = 3, n: int = 3000) -> Trace:
+    """``ring_allreduce`` then ``naive_allreduce``: the ring's formula is one number (every rank sends
+    2(p-1)/p n), the naive one's is per rank, ``[(p-1) n, n, ..., n]`` in ``expected_bytes_by_rank``."""
+    ring = ring_allreduce(p, n)
+    start = max(e.t1 for e in ring.events)
+    meta = dict(ring.meta, expected_bytes_by_rank={"allreduce/naive": [(p - 1) * n] + [n] * (p - 1)})
+    return Trace(meta, ring.events + naive_allreduce(p, n, start))

@@ -144,22 +144,50 @@ def bytes_by_op(trace: Trace) -> dict[str, list[int]]:
     return out
 
 
+def _measured(trace: Trace, key: str, sent: list[Event]) -> list[int]:
+    """Bytes sent per rank by the messages a formula key names (see ``measured_vs_formula``)."""
+    p = trace.world_size
+    per_rank = [0] * p
+    for e in sent:
+        if (op_key(e) == key or (e.op or e.name) == key) and 0 <= e.rank < p:
+            per_rank[e.rank] += e.nbytes or 0
+    return per_rank
+
+
 def measured_vs_formula(trace: Trace) -> list[tuple[str, list[int], float]]:
     """For each key of ``meta["expected_bytes"]``: (key, measured bytes sent per rank, formula).
 
     A key ``"op/algorithm"`` matches messages of that op and algorithm; a bare ``"op"`` matches the
-    op under any algorithm. Measured bytes are totals over the trace, as are the formula's.
+    op under any algorithm. Measured bytes are totals over the trace, as are the formula's. The
+    scalar form says every rank sends that many bytes (or gives the mean over ranks); when ranks
+    differ, ``meta["expected_bytes_by_rank"]`` (``formula_by_rank``) says it per rank.
     """
     expected = trace.meta.get("expected_bytes") or {}
-    rows = []
+    sent = sends(trace)
+    return [(str(key), _measured(trace, str(key), sent), float(value)) for key, value in expected.items()]
+
+
+def formula_by_rank(trace: Trace) -> list[tuple[str, list[int], list[float]]]:
+    """For each key of ``meta["expected_bytes_by_rank"]`` (``{key: [bytes rank 0 sends, rank 1, ...]}``,
+    one number per rank, for formulas whose ranks differ: the naive all-reduce's root, parameter-server
+    hubs, a pipeline's first and last stages): (key, measured bytes sent per rank, formula per rank).
+    Keys match messages as in ``measured_vs_formula``. Raises ``ValueError`` naming the key when a
+    value is not one number per rank of the trace.
+    """
+    expected = trace.meta.get("expected_bytes_by_rank") or {}
+    if not isinstance(expected, dict):
+        raise ValueError("trace meta expected_bytes_by_rank must map 'op' or 'op/algorithm' to a list of "
+                         f"bytes per rank, got {type(expected).__name__}")
     p = trace.world_size
     sent = sends(trace)
-    for key, value in expected.items():
-        per_rank = [0] * p
-        for e in sent:
-            if (op_key(e) == key or (e.op or e.name) == key) and 0 <= e.rank < p:
-                per_rank[e.rank] += e.nbytes or 0
-        rows.append((str(key), per_rank, float(value)))
+    rows = []
+    for key, values in expected.items():
+        ok = isinstance(values, list | tuple) and len(values) == p and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        if not ok:
+            raise ValueError(f"trace meta expected_bytes_by_rank[{key!r}] must be a list of {p} numbers "
+                             f"(bytes per rank of this {p}-rank trace), got {values!r}")
+        rows.append((str(key), _measured(trace, str(key), sent), [float(v) for v in values]))
     return rows
 
 

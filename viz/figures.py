@@ -5,7 +5,10 @@
   messages are thin bars on the sender's and receiver's rows plus an arrow from the send's start
   on the sender to the receive's end on the receiver; each row ends with its idle (bubble) total.
 - ``traffic``: rank x rank heat map of bytes sent (cell [src][dst]) and, per ``op/algorithm``,
-  bytes sent per rank next to what the formula in ``meta["expected_bytes"]`` predicts.
+  bytes sent per rank next to what the formula predicts: one red bar per key for the scalar
+  ``meta["expected_bytes"]`` (the same for every rank), or, for a key of
+  ``meta["expected_bytes_by_rank"]``, a red outline on each rank's own bar at that rank's formula
+  (drawn in the rank's offset group, so it sits exactly over the measured bar it predicts).
 - ``memory``: bytes held per rank over time, stacked by the labels of the memory samples.
 - ``compare``: several traces' timelines stacked on one shared time axis.
 
@@ -26,6 +29,7 @@ from viz import analysis as A
 
 COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "other": "#9D9D9D"}
 COMM_COLOR = "#B279A2"
+FORMULA_COLOR = "#E45756"
 MEMORY_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6"]
 ROW_HEIGHT = 0.7  # compute bar thickness in rank rows
 COMM_HEIGHT = 0.18  # message bar thickness, drawn along the bottom edge of the row
@@ -164,14 +168,27 @@ def traffic(trace: Trace, title: str | None = None) -> go.Figure:
         keys = list(by_op)
         fig.add_trace(go.Bar(
             x=keys, y=[by_op[k][r] for k in keys], name=f"rank {r} measured", legendgroup="measured",
+            offsetgroup=f"rank {r}",
             marker={"color": COLORS["forward"], "opacity": 0.45 + 0.55 * (r + 1) / p},
             hovertemplate=f"rank {r}: %{{x}} %{{y}} bytes<extra></extra>",
         ), row=1, col=2)
-    formula = A.measured_vs_formula(trace)
+    by_rank = A.formula_by_rank(trace)
+    ranked = {k for k, _, _ in by_rank}
+    formula = [row for row in A.measured_vs_formula(trace) if row[0] not in ranked]
     if formula:
         fig.add_trace(go.Bar(
             x=[k for k, _, _ in formula], y=[v for _, _, v in formula], name="formula (per rank)",
-            marker={"color": "#E45756"}, hovertemplate="formula: %{x} %{y:.0f} bytes<extra></extra>",
+            offsetgroup="formula", marker={"color": FORMULA_COLOR},
+            hovertemplate="formula: %{x} %{y:.0f} bytes<extra></extra>",
+        ), row=1, col=2)
+    for r in range(p if by_rank else 0):  # an outline over rank r's measured bar (same offset group)
+        fig.add_trace(go.Bar(
+            x=[k for k, _, _ in by_rank], y=[f[r] for _, _, f in by_rank], name="formula by rank (outline)",
+            legendgroup="formula by rank", showlegend=r == 0, offsetgroup=f"rank {r}",
+            marker={"color": "rgba(0,0,0,0)", "line": {"color": FORMULA_COLOR, "width": 2.5}},
+            customdata=[[got[r]] for _, got, _ in by_rank],
+            hovertemplate=f"rank {r} formula: %{{x}} %{{y:.0f}} bytes (measured %{{customdata[0]}})"
+                          "<extra></extra>",
         ), row=1, col=2)
     fig.update_yaxes(title_text="bytes", row=1, col=2)
     fig.update_layout(title=title or _title(trace, "traffic"), barmode="group",

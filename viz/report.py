@@ -111,7 +111,7 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
         parts.append("<h2>side by side</h2>")
         parts.append(_fig_html(figures.compare(traces, titles), "fig-compare"))
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
-        meta = {k: v for k, v in t.meta.items() if k != "expected_bytes"}
+        meta = {k: v for k, v in t.meta.items() if k not in ("expected_bytes", "expected_bytes_by_rank")}
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(f'<p class="meta">{html.escape(", ".join(f"{k}={v}" for k, v in meta.items()))}</p>')
         for kind, fig, note in figures_for(t, title):

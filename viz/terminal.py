@@ -167,23 +167,41 @@ def legend(cell: float | None = None, unit: str = "s", width: int = 80) -> list[
 
 
 def traffic_table(trace: Trace) -> Table | None:
-    """Bytes sent per rank, per op/algorithm (and the formula's bytes per rank when given)."""
+    """Bytes sent per rank, per op/algorithm, and the formula's bytes: a "formula" row for the
+    scalar ``expected_bytes`` (every rank the same), and for a key of ``expected_bytes_by_rank`` a
+    "formula" column next to the measured column(s) it covers, one number per rank."""
     by_op = A.bytes_by_op(trace)
     if not by_op:
         return None
+    by_rank = A.formula_by_rank(trace)
+    keys = list(by_op)
+
+    def covers(fkey: str, key: str) -> bool:  # a bare "op" formula covers every "op/algorithm" column
+        return fkey == key or fkey == key.split("/")[0]
+
+    after: dict[int, list[tuple[str, list[float]]]] = {}  # measured column index -> formula columns
+    for fkey, _, values in by_rank:
+        hits = [i for i, k in enumerate(keys) if covers(fkey, k)]
+        after.setdefault(hits[-1] if hits else len(keys) - 1, []).append((fkey, values))
+    columns: list[tuple[str, str | None, list[float] | None]] = []  # (header, measured key, formula)
+    for i, key in enumerate(keys):
+        columns.append((key, key, None))
+        for fkey, values in after.get(i, []):
+            columns.append(("formula" if fkey == key else f"{fkey} formula", None, values))
     table = Table(title="bytes sent per rank", title_justify="left")
     table.add_column("rank", justify="right")
-    for key in by_op:
-        table.add_column(key, justify="right")
+    for header, key, _ in columns:
+        table.add_column(header, justify="right", style=None if key else "italic")
     table.add_column("total", justify="right", style="bold")
     for r in range(trace.world_size):
-        vals = [by_op[k][r] for k in by_op]
-        table.add_row(str(r), *[f"{v:,}" for v in vals], f"{sum(vals):,}")
-    expected = {k: v for k, _, v in A.measured_vs_formula(trace)}
+        cells = [f"{by_op[key][r]:,}" if key else f"{values[r]:,.0f}" for _, key, values in columns]
+        table.add_row(str(r), *cells, f"{sum(by_op[k][r] for k in keys):,}")
+    ranked = {fkey for fkey, _, _ in by_rank}
+    expected = {k: v for k, _, v in A.measured_vs_formula(trace) if k not in ranked}
     if expected:
         row = []
-        for k in by_op:  # a bare "op" key of the formula applies to every "op/algorithm" column
-            v = expected.get(k, expected.get(k.split("/")[0]))
+        for _, key, _ in columns:  # a bare "op" key of the formula applies to every "op/algorithm" column
+            v = None if key is None else expected.get(key, expected.get(key.split("/")[0]))
             row.append("" if v is None else f"{v:,.0f}")
         table.add_row("formula", *row, "", style="italic")
     return table
