@@ -10,8 +10,9 @@ Every rank holds the same-sized buffer of float64; all four all-reduce algorithm
 - native: the MPI library's own (its messages are hidden from us).
 The table holds the bytes each rank sent, read from the trace, next to the formula's prediction,
 and the time (median of ``--reps`` untraced runs, slowest rank). The trace lands in ``--out``, with
-the formula's bytes per rank in its metadata (drawn next to the measured bytes in the report) and
-memory samples of the input and of the results the lesson keeps.
+the formula's bytes per rank in its metadata (``expected_bytes_by_rank``, drawn over each rank's
+measured bar in the report and as a formula column in the terminal table) and memory samples of
+the input and of the results the lesson keeps.
 """
 
 from __future__ import annotations
@@ -55,16 +56,21 @@ def formula_bytes(algorithm: str, n: int, itemsize: int, p: int, rank: int) -> i
     return None  # native: inside the MPI library
 
 
-def expected_bytes(n: int, itemsize: int, p: int) -> dict[str, float]:
-    """The trace metadata the viewer draws next to the measured bytes: ``{"allreduce/<alg>": bytes
-    per rank}`` for the algorithms whose formula gives every rank the same count (ring when p
-    divides n, recursive doubling when p is a power of two; never naive, whose root sends more)."""
-    out = {}
+def expected_bytes(n: int, itemsize: int, p: int) -> dict[str, dict[str, Any]]:
+    """The trace metadata the viewer draws next to the measured bytes:
+    ``expected_bytes_by_rank`` = ``{"allreduce/<alg>": [bytes rank 0 sends, rank 1, ...]}`` for every
+    algorithm with a formula (the naive root's (p-1) n stands out against the others' n), and the
+    scalar ``expected_bytes`` = ``{"allreduce/<alg>": bytes}`` for those whose formula gives every
+    rank the same count (ring when p divides n, recursive doubling when p is a power of two)."""
+    scalar, by_rank = {}, {}
     for alg in ALGORITHMS:
-        per_rank = {formula_bytes(alg, n, itemsize, p, r) for r in range(p)}
-        if len(per_rank) == 1 and None not in per_rank:
-            out[f"allreduce/{alg}"] = float(per_rank.pop())
-    return out
+        per_rank = [formula_bytes(alg, n, itemsize, p, r) for r in range(p)]
+        if None in per_rank:
+            continue
+        by_rank[f"allreduce/{alg}"] = per_rank
+        if len(set(per_rank)) == 1:
+            scalar[f"allreduce/{alg}"] = float(per_rank[0])
+    return {"expected_bytes": scalar, "expected_bytes_by_rank": by_rank}
 
 
 def formula_steps(algorithm: str, p: int) -> str:
@@ -84,7 +90,7 @@ def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.P
         path = Path(out) / "trace.json"
     results: dict[str, np.ndarray] = {}
     meta = {"paradigm": "collectives", "lesson": "01_collectives", "elements": n,
-            "expected_bytes": expected_bytes(n, x.itemsize, comm.size)}
+            **expected_bytes(n, x.itemsize, comm.size)}
     with trace.record(path, comm, **meta) as rec:
         trace.memory("input", x.nbytes)
         for alg in ALGORITHMS:
