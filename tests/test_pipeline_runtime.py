@@ -78,6 +78,13 @@ def reference(cfg: dict) -> tuple[list[float], dict, dict]:
     return losses, model.state_dict(), {k: p.grad for k, p in model.named_parameters()}
 
 
+def _activation_bytes(cfg: dict, layer: int) -> int:
+    """Bytes of one micro-batch's activation entering ``layer`` (float64)."""
+    if cfg["model"] == "gpt":
+        return 8 * cfg["mb_size"] * GPT_DIMS["seq_len"] * GPT_DIMS["d_model"]
+    return 8 * cfg["mb_size"] * cfg["widths"][layer]
+
+
 def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
     """Run every configuration on this rank; gathered results on rank 0, peak stash on every rank."""
     out = []
@@ -93,11 +100,13 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
         spans = sorted((e.name, e.stage, e.microbatch) for e in rec.events if e.kind == "compute")
         sent = sorted(e.nbytes for e in rec.events
                       if e.kind == "comm" and e.op == "send" and e.src == comm.world_rank)
+        boundaries = [_activation_bytes(cfg, rng.stop) for rng in pipe.layer_ranges[:-1]]
+        formula = pipe.trace_meta(boundaries, steps=STEPS)["expected_bytes_by_rank"]["send"]
         msgs = sorted((e.name, e.src, e.dst, e.stage, e.microbatch, e.chunk, e.nbytes) for e in rec.events
                       if e.kind == "comm" and e.op == "send")
         out.append({"losses": losses, "state": gather_state_dict(pipe), "grads": gather_grads(pipe),
                     "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans,
-                    "held": held, "sent": sent, "msgs": msgs})
+                    "held": held, "sent": sent, "msgs": msgs, "formula": formula})
     return out
 
 
@@ -164,6 +173,8 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     assert [results[r][index]["peak_attr"] for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
     want = expected_messages(cfg, p)  # traffic from the trace: 2 m per boundary, activation-sized
     assert [results[r][index]["sent"] for r in range(p)] == [want[r] for r in range(p)], cfg
+    formula = results[0][index]["formula"]  # the trace meta's formula = bytes each rank sent
+    assert formula == [sum(results[r][index]["sent"]) for r in range(p)] == [sum(want[r]) for r in range(p)]
     labels = expected_labels(cfg, p)  # every activation/gradient event: its stage, micro-batch, chunk
     assert [results[r][index]["msgs"] for r in range(p)] == [labels[r] for r in range(p)], cfg
     sim_msgs = sorted((e.name, e.src, e.dst, e.stage, e.microbatch, e.chunk) for e in sim.trace.events
@@ -333,3 +344,26 @@ def test_stages_hold_only_their_layers_with_full_model_names_and_values():
     for part in parts:
         for name, value in part.items():
             np.testing.assert_array_equal(value, full[name])
+
+
+# ---- the traffic formula in the trace meta --------------------------------------------------------
+def formula_run(comm) -> tuple[list[int], list[int], str]:
+    model = mlp([3, 4, 4, 4, 4, 4, 4, 4, 2], seed=0)
+    plain = Pipeline(comm, model, "1f1b", microbatches=5).trace_meta(100, steps=2)
+    inter = Pipeline(comm, model, "interleaved", microbatches=4, chunks=2).message_bytes(100)
+    try:
+        Pipeline(comm, model, "gpipe", microbatches=2).message_bytes([1, 2])
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    return plain["expected_bytes_by_rank"]["send"], inter, error
+
+
+def test_message_bytes_first_and_last_stage_send_half():
+    plain, inter, error = testing.run(formula_run, 4, "threads")[0]
+    m, a = 5, 100  # 1F1B on 4 ranks, 2 steps: first and last rank m A per step, the middle ones 2 m A
+    assert plain == [2 * m * a, 2 * 2 * m * a, 2 * 2 * m * a, 2 * m * a]
+    # interleaved, v = 2, 8 stages, m = 4: rank 0 holds stages 0 (activation out) and 4 (both ways):
+    # 3 m A; ranks 1, 2 two middle stages: 4 m A; rank 3 stages 3 (both ways) and 7 (gradient): 3 m A
+    assert inter == [3 * 4 * a, 4 * 4 * a, 4 * 4 * a, 3 * 4 * a]
+    assert "one non-negative int per stage boundary (3 for 4 stages)" in error

@@ -17,8 +17,10 @@ loss); only the order of the forwards (F) and backwards (B) differs:
 For each schedule the lesson prints the per-rank action order, the bubble fraction measured from
 the trace's F/B spans next to the formula and to the simulator fed with the per-stage durations
 measured in the run, and the peak number of stashed micro-batches next to the simulator's. It writes
-runs/02_pipeline/<schedule>.json (the last step of the real run) and <schedule>_sim.json (the
-simulator's prediction), prints the 1F1B timeline, and writes runs/02_pipeline/report.html.
+runs/02_pipeline/<schedule>.json (the last step of the real run, with the formula's bytes sent per
+rank in its meta: m activations forward and m gradients back across every stage boundary) and
+<schedule>_sim.json (the simulator's prediction), prints the 1F1B timeline and traffic, and writes
+runs/02_pipeline/report.html.
 On a 2-core machine 4 ranks share 2 cores, so measured durations stretch when more than 2 ranks
 compute at once: the measured bubble differs from the formula, and the simulator fed with measured
 durations explains part of that difference.
@@ -70,11 +72,20 @@ def train(comm: Any, kind: str, chunks: int = 1, steps: int = 3, microbatches: i
             losses.append(pipe.step(x, y, opt))
             continue
         config = {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "blocks": blocks, "batch": BATCH}
-        meta = pipe.trace_meta() | {"time_unit": "s", "step": step, "config": config}
+        meta = pipe.trace_meta(boundary_bytes(len(x), microbatches)) | {"time_unit": "s", "step": step,
+                                                                        "config": config}
         with mtrace.record(trace_path, comm, **meta):
             losses.append(pipe.step(x, y, opt))
     return {"losses": losses, "peak_stash": pipe.peak_stash,
             "stages": {s: st.layer_names for s, st in pipe.stages.items()}}
+
+
+def boundary_bytes(batch: int = BATCH, microbatches: int = MICROBATCHES) -> int:
+    """Bytes of one micro-batch's activation between two GPT stages: (batch / m, seq, d_model) float64
+    (the embedding's and every block's output have that shape). Each boundary between stages on two
+    ranks carries m of them forward and m gradients of the same size back (``Pipeline.message_bytes``),
+    which the trace meta holds as the formula the report draws over the measured bytes."""
+    return 8 * (batch // microbatches) * SEQ * D_MODEL
 
 
 def schedule_bubble(trace: mtrace.Trace) -> float:

@@ -36,8 +36,8 @@ carries the stage the tensor leaves (``sSEND_F i``: stage s's output activation;
 the gradient of stage s's input), the receiver's event the stage it enters (``sRECV_F i``: stage
 s's input, from stage s - 1; ``sRECV_B i``: the gradient of stage s's output, from stage s + 1).
 Per step, rank r sends at most 2 m v messages of one micro-batch's activation (or gradient) each
-(``message_bytes`` gives the exact count); memory: peak stash x (activations of one stage on one
-micro-batch).
+(``message_bytes`` gives the exact bytes, ``trace_meta`` puts them in the trace); memory: peak
+stash x (activations of one stage on one micro-batch).
 
 Bad configurations raise ``ValueError`` (``ScheduleError`` for schedules) on every rank before any
 message is sent: a schedule for another number of ranks, more stages than layers, m not a multiple
@@ -141,13 +141,38 @@ class Pipeline:
         for name, p in own.items():
             p.data[...] = full_state[name]
 
-    def trace_meta(self) -> dict[str, Any]:
-        """Metadata for ``trace.record``: paradigm, schedule, p, m, v, per-rank actions, stage layers."""
-        return {"paradigm": "pipeline", "schedule": self.kind, "p": self.comm.size, "m": self.microbatches,
+    def message_bytes(self, boundary_bytes: int | Sequence[int]) -> list[int]:
+        """Bytes each rank sends in one step, by rank: every stage boundary s -> s + 1 whose stages
+        live on different ranks carries m activations forward (sent by stage s's rank) and m
+        gradients of the same size backward (sent by stage s + 1's rank). ``boundary_bytes``: bytes
+        of one micro-batch's activation crossing each of the S - 1 boundaries (one number for all).
+        For p ranks, v = 1 and A bytes per boundary: the first rank sends m A, the last m A, the
+        others 2 m A."""
+        n = self.n_stages - 1
+        sizes = [boundary_bytes] * n if isinstance(boundary_bytes, int | np.integer) else list(boundary_bytes)
+        if len(sizes) != n or any(not isinstance(b, int | np.integer) or b < 0 for b in sizes):
+            raise ValueError(f"pipeline: boundary_bytes needs one non-negative int per stage boundary "
+                             f"({n} for {self.n_stages} stages) or one int for all, got {boundary_bytes!r}")
+        out = [0] * self.comm.size
+        for s, size in enumerate(sizes):
+            a, b = self.owner[s], self.owner[s + 1]
+            if a != b:
+                out[a] += self.microbatches * int(size)
+                out[b] += self.microbatches * int(size)
+        return out
+
+    def trace_meta(self, boundary_bytes: int | Sequence[int] | None = None, steps: int = 1) -> dict[str, Any]:
+        """Metadata for ``trace.record``: paradigm, schedule, p, m, v, per-rank actions, stage layers;
+        with ``boundary_bytes`` (see ``message_bytes``) also the formula the viewer draws next to the
+        measured traffic, ``expected_bytes_by_rank = {"send": bytes per rank over steps}``."""
+        meta = {"paradigm": "pipeline", "schedule": self.kind, "p": self.comm.size, "m": self.microbatches,
                 "v": self.chunks, "model": self.model.kind, "activation_unit": "bytes",
                 "actions": {str(r): [str(a) for a in acts] for r, acts in self.program.items()},
                 "stage_layers": {str(s): [self.model.names[i] for i in rng]
                                  for s, rng in enumerate(self.layer_ranges)}}
+        if boundary_bytes is not None:
+            meta["expected_bytes_by_rank"] = {"send": [steps * b for b in self.message_bytes(boundary_bytes)]}
+        return meta
 
     # ---- one training step ---------------------------------------------------------------------
     def step(self, x: np.ndarray, y: np.ndarray, optimizer: Optimizer | None = None) -> float:
