@@ -96,7 +96,6 @@ class Layout:
         self.workers = list(range(n_servers, world_size))
         owner = assign_parameters([p.data.nbytes for _, p in self.named], n_servers)
         self.owned = [[i for i, o in enumerate(owner) if o == s] for s in self.servers]
-        self.itemsize = self.named[0][1].data.dtype.itemsize
 
     def shard_bytes(self, s: int) -> int:
         return sum(self.named[i][1].data.nbytes for i in self.owned[s])
@@ -324,8 +323,3 @@ def merge(results: Sequence[Result]) -> tuple[dict[str, np.ndarray], list[float]
     steps = max((len(ls) for ls in workers), default=0)
     losses = [float(np.mean([ls[c] for ls in workers if len(ls) > c])) for c in range(steps)]
     return state, losses
-
-
-def collect(comm: Any, result: Result) -> list[Result]:
-    """Every rank's ``Result``, by rank, on every rank (control plane: not traced)."""
-    return comm.allgather_object(result)
