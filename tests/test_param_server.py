@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import minipar
@@ -197,20 +197,39 @@ def ps_rank_checked(comm, **kw):
     return None, 0
 
 
+SYNC_CONFIG = st.fixed_dictionaries({"steps": st.integers(1, 4), "n_servers": st.integers(1, 3),
+                                     "seed": st.integers(0, 1000), "opt": st.sampled_from(["sgd", "adamw"])})
+
+
 @pytest.mark.mpi
-def test_under_mpiexec_sync_async_traffic_and_a_lost_worker():
-    runs = [dict(steps=4, n_servers=2, mode="sync", seed=5),
-            dict(steps=4, n_servers=2, mode="async", staleness=0, seed=5),
+def test_under_mpiexec_sync_equals_single_process():
+    # two examples: hypothesis's first is always the simplest one (here both configs 1 step, 1 server,
+    # seed 0, SGD); the second is drawn. No shrinking: every example is an mpiexec launch.
+    @settings(max_examples=2, phases=[Phase.generate])
+    @given(st.lists(SYNC_CONFIG, min_size=2, max_size=2))
+    def check(drawn):
+        runs = [dict(cfg, mode="sync") for cfg in drawn]
+        per_rank = run(ps_runs_mpi, 4, backend="mpi", timeout=90, runs=runs)
+        for i, cfg in enumerate(drawn):
+            sync = [r[i] for r in per_rank]
+            ref_losses, ref_state = single_process(cfg["steps"], cfg["seed"], cfg["opt"])
+            state, losses = ps.merge([r for r, _ in sync])
+            assert_close_state(state, ref_state)
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+            assert link_traffic([e for _, e in sync]) == ps.link_bytes(MLP(SIZES), 4, cfg["n_servers"],
+                                                                       cfg["steps"])
+
+    check()
+
+
+@pytest.mark.mpi
+def test_under_mpiexec_async_k0_staleness_bound_and_a_lost_worker():
+    runs = [dict(steps=4, n_servers=2, mode="async", staleness=0, seed=5),
             dict(steps=8, n_servers=1, mode="async", staleness=2, slow={1: 0.01}),
             dict(steps=6, n_servers=1, mode="async", staleness=1, stop_at={3: 2}, silence_timeout=0.5)]
     per_rank = run(ps_runs_mpi, 4, backend="mpi", timeout=90, runs=runs)
-    sync, asyn, stale, lost = ([r[i] for r in per_rank] for i in range(4))
-    ref_losses, ref_state = single_process(4, 5, "sgd")
-    state, losses = ps.merge([r for r, _ in sync])
-    assert_close_state(state, ref_state)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
-    assert link_traffic([e for _, e in sync]) == ps.link_bytes(MLP(SIZES), 4, 2, 4)
-    assert_close_state(ps.merge([r for r, _ in asyn])[0], state)
+    asyn, stale, lost = ([r[i] for r in per_rank] for i in range(3))
+    assert_close_state(ps.merge([r for r, _ in asyn])[0], single_process(4, 5, "sgd")[1])  # k = 0: sync
     assert max(m["staleness"] for m in applied_marks([e for _, e in stale])) == 2
     assert lost[0][0].dropped == [3] and [len(r.losses) for r, _ in lost[1:]] == [6, 6, 2]
 
