@@ -82,7 +82,7 @@ class Tensor:
         self._backward: Callable[[np.ndarray], Sequence[np.ndarray | None]] | None = None
         self._hooks: list[Callable[[Tensor], None]] = []
         self._retain = False
-        self._ctx: Context | None = None  # a Function's saved state (what held_buffers counts)
+        self._ctx: Context | None = None  # a Function's saved state (memory.held_buffers counts it)
         self._seq = next(_seq)
 
     # -- graph plumbing ---------------------------------------------------------------------
@@ -394,60 +394,6 @@ class Function:
         if result._backward is not None:
             result._ctx = ctx
         return result
-
-
-def graph_bytes(root: Tensor) -> int:
-    """Bytes of the intermediate results (non-leaf tensors) the graph behind ``root`` keeps alive
-    for backward: the activation memory a stashed micro-batch costs. A view (reshape, transpose)
-    counts again here; ``held_buffers`` counts each buffer once."""
-    seen, stack, total = {id(root)}, [root], 0
-    while stack:
-        node = stack.pop()
-        if not node.is_leaf:
-            total += node.data.nbytes
-        for p in node._parents:
-            if id(p) not in seen:
-                seen.add(id(p))
-                stack.append(p)
-    return total
-
-
-def seq_mark() -> int:
-    """A number above the ``_seq`` of every tensor made so far, below every later one's."""
-    return next(_seq)
-
-
-def held_buffers(root: Tensor, since: int = 0) -> dict[int, tuple[int, int]]:
-    """Memory the graph behind ``root`` keeps for backward, measured: ``{id(buffer): (seq, nbytes)}``.
-
-    Counts the arrays of non-leaf tensors made at or after ``since`` (a ``seq_mark``) and what a
-    ``Function`` saved with ``ctx.save_for_backward``, each buffer once, ``seq`` = its first tensor
-    (a reshape or transpose is a view of its input, free; a view keeps its whole base alive).
-    Skips buffers of leaves (parameters, inputs, constants) and of tensors made before ``since``,
-    and arrays a backward closure captures without a tensor holding them (layer norm's normalised
-    input and 1/std, gelu's tanh, masks). Cost: one walk over the nodes made since ``since``.
-    """
-    def owner(a: np.ndarray) -> np.ndarray:
-        while isinstance(a.base, np.ndarray):
-            a = a.base
-        return a
-
-    own: dict[int, tuple[int, int]] = {}
-    elsewhere, seen, stack = set(), {id(root)}, [root]
-    while stack:
-        node = stack.pop()
-        if node.is_leaf or node._seq < since:
-            elsewhere.add(id(owner(node.data)))
-            continue
-        saved = node._ctx.saved if node._ctx is not None else ()
-        for buf in (owner(a) for a in (node.data, *saved) if isinstance(a, np.ndarray)):
-            if id(buf) not in own or node._seq < own[id(buf)][0]:
-                own[id(buf)] = (node._seq, buf.nbytes)
-        for p in node._parents:
-            if id(p) not in seen:
-                seen.add(id(p))
-                stack.append(p)
-    return {k: v for k, v in own.items() if k not in elsewhere}
 
 
 def tensor(data: ArrayLike, requires_grad: bool = False, dtype: Any = None) -> Tensor:

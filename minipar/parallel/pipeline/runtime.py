@@ -28,7 +28,7 @@ broadcast the loss from the last stage to every rank, run the optimizer on this 
 Trace (``minipar.trace``, same format as ``simulate``): compute spans "F"/"B" with stage,
 micro-batch, chunk (and ``args`` action, iteration), "opt" for the optimizer; memory samples
 "activations" after every change, ``nbytes`` = bytes the stashed micro-batches' graphs keep alive
-(``autograd.graph_bytes``) and ``args["stashed"]`` = how many micro-batches are stashed (the
+(``memory.activation_bytes``, plus the received input) and ``args["stashed"]`` = how many micro-batches are stashed (the
 simulator's count, so the measured peak equals ``simulate(...).peak_stash``); messages are recorded
 by the comm layer (op "send"), each side's event labelled with the stage, micro-batch and chunk of
 the SEND/RECV action in that rank's program, as the simulator labels them: the sender's event
@@ -52,8 +52,9 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.autograd import Tensor, graph_bytes
+from minipar.autograd import Tensor
 from minipar.comm.base import MAX_TAG
+from minipar.memory import activation_bytes
 from minipar.nn import Parameter
 from minipar.optim import Optimizer
 
@@ -254,7 +255,7 @@ class Pipeline:
             else:
                 self._outbox[("F", s, i)] = out.data
             self._stash[(s, i)] = (inp, out)
-            self._stash_bytes[(s, i)] = graph_bytes(out) + (inp.data.nbytes if isinstance(inp, Tensor) else 0)
+            self._stash_bytes[(s, i)] = activation_bytes(out) + (inp.data.nbytes if isinstance(inp, Tensor) else 0)
         self._sample()
 
     def _B(self, a: Action) -> None:

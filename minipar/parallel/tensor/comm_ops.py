@@ -132,7 +132,7 @@ class on_backward(Function):
 class ActivationMeter:
     """Bytes of activations kept for backward on this rank, by label, sampled into the trace.
 
-    The model feeds it bytes measured from its autograd graph (``autograd.held_buffers``), by the
+    The model feeds it bytes measured from its autograd graph (``memory.held_buffers``), by the
     region whose code allocated each buffer. Labels: ``activations/ln`` (layer-norm and residual
     region, on the sequence shard under sequence parallelism: layer-norm outputs, reduced outputs
     of ``g`` / ``sp_reduce_scatter``, bias and residual sums, the embedding's reduced sum),

@@ -13,7 +13,7 @@ Collectives (Shoeybi et al. 2019 Sec. 3; Korthikanti et al. 2022 Sec. 4.2.2), ri
   all-gather), the loss (3 all-reduces of ``s b`` numbers: max, sum of exponentials, target logit)
   and, with sequence parallelism, one all-reduce of the replicated parameters' gradients.
 
-Activation bytes kept for backward, as measured (``autograd.held_buffers``: every distinct buffer
+Activation bytes kept for backward, as measured (``memory.held_buffers``: every distinct buffer
 the graph holds, views free; ``P = b (H/t) s^2 w`` one set of local attention scores, ``M = s b
 d_ff w / t`` one local MLP hidden, ``S = A/t`` with sequence parallelism and ``A`` without). This
 engine keeps every op's output until backward, so there are more terms than in Korthikanti et al.

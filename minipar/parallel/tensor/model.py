@@ -31,7 +31,8 @@ import numpy as np
 
 from minipar import functional as F
 from minipar import trace
-from minipar.autograd import Tensor, held_buffers, seq_mark
+from minipar.autograd import Tensor
+from minipar.memory import held_buffers, seq_mark
 from minipar.nn import LayerNorm, Module, ModuleList, Parameter
 from minipar.parallel.tensor.comm_ops import ActivationMeter, enter_region, exit_region, on_backward
 from minipar.parallel.tensor.layers import (
@@ -65,7 +66,7 @@ def check_config(comm: Any, vocab_size: int, d_model: int, n_heads: int, d_ff: i
 
 class _Held:
     """Activation bytes one part of the forward pass (a block, the embedding, the head, the loss)
-    keeps, MEASURED from its autograd graph (``autograd.held_buffers``) and released into the meter
+    keeps, MEASURED from its autograd graph (``memory.held_buffers``) and released into the meter
     when backward has passed through it.
 
     Every buffer is attributed to the region whose code allocated it: tensors made inside a

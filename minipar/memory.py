@@ -1,0 +1,57 @@
+"""Activation memory, measured from the autograd graph.
+
+What a stashed micro-batch (pipeline) or a transformer block's forward (tensor and sequence
+parallelism) costs is the set of arrays its graph keeps alive for backward. These functions walk
+that graph and count each underlying buffer once, so the memory the traces report is measured from
+the arrays themselves, not from a formula.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import autograd
+from minipar.autograd import Tensor
+
+
+def seq_mark() -> int:
+    """A number above the ``_seq`` of every tensor made so far, below every later one's."""
+    return next(autograd._seq)
+
+
+def held_buffers(root: Tensor, since: int = 0) -> dict[int, tuple[int, int]]:
+    """Memory the graph behind ``root`` keeps for backward, measured: ``{id(buffer): (seq, nbytes)}``.
+
+    Counts the arrays of non-leaf tensors made at or after ``since`` (a ``seq_mark``) and what a
+    ``Function`` saved with ``ctx.save_for_backward``, each buffer once, ``seq`` = its first tensor
+    (a reshape or transpose is a view of its input, free; a view keeps its whole base alive).
+    Skips buffers of leaves (parameters, inputs, constants) and of tensors made before ``since``,
+    and arrays a backward closure captures without a tensor holding them (layer norm's normalised
+    input and 1/std, gelu's tanh, masks). Cost: one walk over the nodes made since ``since``.
+    """
+    def owner(a: np.ndarray) -> np.ndarray:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        return a
+
+    own: dict[int, tuple[int, int]] = {}
+    elsewhere, seen, stack = set(), {id(root)}, [root]
+    while stack:
+        node = stack.pop()
+        if node.is_leaf or node._seq < since:
+            elsewhere.add(id(owner(node.data)))
+            continue
+        saved = node._ctx.saved if node._ctx is not None else ()
+        for buf in (owner(a) for a in (node.data, *saved) if isinstance(a, np.ndarray)):
+            if id(buf) not in own or node._seq < own[id(buf)][0]:
+                own[id(buf)] = (node._seq, buf.nbytes)
+        for p in node._parents:
+            if id(p) not in seen:
+                seen.add(id(p))
+                stack.append(p)
+    return {k: v for k, v in own.items() if k not in elsewhere}
+
+
+def activation_bytes(root: Tensor, since: int = 0) -> int:
+    """Total bytes of ``held_buffers(root, since)``: the activation memory behind ``root``."""
+    return sum(nbytes for _, nbytes in held_buffers(root, since).values())
