@@ -304,3 +304,18 @@ def test_memory_per_rank_is_a_full_replica_plus_the_buckets_in_flight(opt_kind, 
         # per step: the bytes in flight grow bucket by bucket up to n, then drop to 0 at write-back
         per_step = [*np.cumsum(buckets).tolist(), 0]
         assert samples["gradient buckets"] == per_step * 2 and per_step[-2] == n
+
+
+def local_after_remove_hooks(comm):
+    model = MLP(MLP_SIZES, seed=0)
+    ddp = DistributedDataParallel(model, comm)
+    ddp.remove_hooks()
+    x, y = data.regression(2, MLP_SIZES[0], MLP_SIZES[-1], seed=comm.rank)
+    with trace.recording(comm.rank) as rec:
+        loss_fn(model, x, y).backward()
+    return len([e for e in rec.events if e.kind == "comm"]), model.layers[0].weight.grad.copy()
+
+
+def test_remove_hooks_makes_backward_local_again():
+    (n0, g0), (n1, g1) = minipar.launch(local_after_remove_hooks, 2)
+    assert n0 == n1 == 0 and not np.allclose(g0, g1)  # no all-reduce: each rank keeps its own gradient
