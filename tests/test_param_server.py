@@ -240,3 +240,23 @@ def test_under_mpiexec_sync_fails_naming_the_lost_worker():
     with pytest.raises(HarnessError, match="worker rank 2 sent no gradient for step 1"):
         run(ps_runs_mpi, 3, backend="mpi", timeout=60,
             runs=[dict(steps=3, n_servers=1, mode="sync", stop_at={2: 1}, silence_timeout=0.5)])
+
+
+@pytest.mark.parametrize("opt, state_copies", [("sgd", 0), ("adamw", 2)])
+def test_memory_servers_hold_their_shard_workers_the_whole_model(opt, state_copies):
+    steps, world, servers = 2, 4, 2
+    out = minipar.launch(ps_rank, world, steps=steps, n_servers=servers, mode="sync", opt=opt)
+    model = MLP(SIZES)
+    n = sum(p.data.nbytes for p in model.parameters())
+    shard = [ps.Layout(model, world, servers).shard_bytes(s) for s in range(servers)]
+    assert sum(shard) == n and all(0 < b < n for b in shard)
+    for rank, (_, events) in enumerate(out):
+        mem: dict[str, list[int]] = {}
+        for e in events:
+            if e.kind == "memory":
+                mem.setdefault(e.name, []).append(e.nbytes)
+        if rank < servers:  # its shard of the parameters, and the optimizer state for that shard only
+            state = [state_copies * shard[rank]] * steps
+            assert mem == {"parameters": [shard[rank]], "optimizer state": state}
+        else:  # a full replica of the parameters and the gradients, no optimizer
+            assert mem == {"parameters": [n], "gradients": [n] * steps}

@@ -37,6 +37,9 @@ knows which step a worker is on from the count of its pushes.
 Costs per step, ``n`` parameter bytes, server ``s`` owning ``n_s``: every link (s, w) carries
 ``n_s`` bytes each way (pull, push); a server sends and receives ``W n_s`` (with one server:
 ``W n``, the hub's hot link) while a ring all-reduce moves ``2(p-1)/p n`` per rank, evenly.
+Memory (trace samples "parameters", "gradients", "optimizer state"): server ``s`` holds ``n_s`` of
+parameters and its optimizer's state for them (SGD without momentum: none; Adam: ``2 n_s``); a
+worker holds the full ``n`` of parameters and ``n`` of gradients, and no optimizer state.
 """
 
 from __future__ import annotations
@@ -206,6 +209,7 @@ def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
           slow: float) -> Result:
     out = Result(comm.rank, "worker")
     w, n_w = comm.rank - len(lay.servers), len(lay.workers)
+    trace.memory("parameters", sum(p.data.nbytes for _, p in lay.named))
     for c in range(steps):
         pulls = [comm.irecv(s, TAG_PULL, op="pull", step=c) for s in lay.servers]
         for s, req in zip(lay.servers, pulls):
@@ -221,6 +225,7 @@ def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
         model.zero_grad()
         with trace.span("B", step=c):
             loss.backward()
+        trace.memory("gradients", sum(p.grad.nbytes for _, p in lay.named))
         pushes = [comm.isend(lay.flat(s, "grad"), s, TAG_PUSH, op="push", step=c) for s in lay.servers]
         for req in pushes:
             req.wait()
@@ -233,6 +238,7 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
     s = comm.rank
     out = Result(s, "server")
     opt = optimizer([lay.named[i][1] for i in lay.owned[s]])
+    trace.memory("parameters", lay.shard_bytes(s))
     clock = dict.fromkeys(lay.workers, 0)  # pushes received from each worker
     live = set(lay.workers)
     asked = set(lay.workers)  # workers waiting for the pull of their step clock[w]
@@ -248,6 +254,7 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
         with trace.span("opt"):
             lay.unflatten(s, grad, "grad")
             opt.step()
+        trace.memory("optimizer state", opt.state_bytes())
 
     def record(w: int, c: int, v_at: int) -> None:
         v_from = pulled_at[w][0]
