@@ -134,15 +134,16 @@ class Tensor:
                         seen.add(id(p))
                         stack.append(p)
         grads: dict[int, np.ndarray] = {id(self): grad}
+        handed: set[int] = set()  # gradient arrays already stored in some leaf's .grad
         ready = [(-self._seq, self)]
         while ready:
             _, node = heapq.heappop(ready)
             g = grads.pop(id(node))
-            if node.is_leaf:
-                node._accumulate(g)
-                continue
-            if node._retain:
-                node._accumulate(g)
+            if node.is_leaf or node._retain:
+                node._accumulate(g, owned=False)  # the caller's array, or one this node's backward reads
+                if node.is_leaf:
+                    continue
+            done: list[Tensor] = []
             for p, pg in zip(node._parents, node._backward(g), strict=True):
                 if not p.requires_grad:
                     continue
@@ -154,13 +155,23 @@ class Tensor:
                     if id(p) not in grads:  # every consumer passed None: a zero gradient
                         grads[id(p)] = np.zeros_like(p.data)
                     if p.is_leaf:  # accumulate (and fire hooks) at once, like PyTorch's AccumulateGrad
-                        p._accumulate(grads.pop(id(p)))
+                        done.append(p)
                     else:
                         heapq.heappush(ready, (-p._seq, p))
+            for p in done:
+                pg = grads.pop(id(p))
+                # keep the array itself (no copy) only when nothing else can see it
+                owned = (pg.flags.owndata and pg.flags.writeable and id(pg) not in handed
+                         and pg is not g and all(v is not pg for v in grads.values()))
+                handed.add(id(pg))
+                p._accumulate(pg, owned)
 
-    def _accumulate(self, g: np.ndarray) -> None:
+    def _accumulate(self, g: np.ndarray, owned: bool) -> None:
         g = unbroadcast(np.asarray(g), self.data.shape).astype(self.data.dtype, copy=False)
-        self.grad = np.array(g, copy=True) if self.grad is None else self.grad + g
+        if self.grad is not None:
+            self.grad = self.grad + g
+        else:
+            self.grad = g if owned and g.flags.owndata else np.array(g, copy=True)
         for hook in list(self._hooks):
             hook(self)
 

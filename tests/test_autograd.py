@@ -237,3 +237,16 @@ def test_held_buffers_counts_each_buffer_once_in_its_window():
     assert sorted(n for _, n in late.values()) == [8, 96, 96, 96]  # h belongs to the earlier window
     assert all(seq >= mark for seq, _ in late.values())
     assert held_buffers(w[1:]) == {}  # a view of a parameter is the parameter's memory
+
+
+def test_leaf_gradients_never_share_memory():
+    a = Tensor(np.ones(3), requires_grad=True)
+    b = Tensor(np.ones(3), requires_grad=True)
+    h = a * 2.0
+    (h + b + h).sum().backward()  # b receives the upstream gradient object itself
+    a.grad *= 10.0  # in-place changes of one gradient leave the others alone
+    np.testing.assert_array_equal(b.grad, np.ones(3))
+    np.testing.assert_array_equal(a.grad, np.full(3, 40.0))
+    w = Tensor(np.ones((2, 2)), requires_grad=True)
+    (Tensor(np.ones((3, 2))) @ w).sum().backward()
+    assert w.grad.flags.owndata and w.grad.flags.writeable
