@@ -22,9 +22,10 @@ install: $(STAMP)
 demo: install
 	FORCE_COLOR=1 $(MPIEXEC) -n 4 $(PY) lessons/02_pipeline/lesson.py
 
-# Debian's chromium for the real-browser test of the HTML report.
+# Debian's chromium for the real-browser test of the HTML report (needs root or sudo). Outside CI a
+# failed install only skips that test; in CI (CI set) it fails the run.
 browser:
-	bash scripts/install-chromium.sh
+	@bash scripts/install-chromium.sh || { test -z "$$CI" && echo "warning: chromium not installed; the browser test will be skipped"; }
 
 test: install browser
 	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider
