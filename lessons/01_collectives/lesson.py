@@ -29,8 +29,9 @@ from rich.table import Table
 
 from lessons.common import console, finish
 from minipar import trace
-from minipar.comm import Communicator, chunk_bounds, launch, world
+from minipar.comm import Communicator, launch, world
 from minipar.comm.mpi import under_mpiexec
+from minipar.cost import allreduce_bytes
 
 ALGORITHMS = ("ring", "recursive_doubling", "naive", "native")
 OUT = Path("runs/01_collectives")
@@ -39,21 +40,9 @@ MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p
 
 
 def formula_bytes(algorithm: str, n: int, itemsize: int, p: int, rank: int) -> int | None:
-    """Bytes ``rank`` sends in one all-reduce of ``n`` elements, by the algorithm's formula."""
-    if p == 1:
-        return 0
-    if algorithm == "ring":  # every chunk but its own (reduce-scatter), every chunk but its right
-        c = [b - a for a, b in chunk_bounds(n, p)]  # neighbour's (all-gather): 2(p-1)/p n when p | n
-        return itemsize * (2 * n - c[rank] - c[(rank + 1) % p])
-    if algorithm == "recursive_doubling":
-        pp = 1 << (p.bit_length() - 1)
-        lg, extra = pp.bit_length() - 1, p - pp
-        if rank < 2 * extra:  # fold-in of the ranks beyond the largest power of two
-            return itemsize * n * (1 if rank % 2 == 0 else lg + 1)
-        return itemsize * n * lg
-    if algorithm == "naive":
-        return itemsize * n * (p - 1 if rank == 0 else 1)
-    return None  # native: inside the MPI library
+    """Bytes ``rank`` sends in one all-reduce of ``n`` elements, by the algorithm's formula
+    (``minipar.cost.allreduce_bytes``); None for native, whose messages live inside MPI."""
+    return None if algorithm == "native" else allreduce_bytes(n, itemsize, p, rank, algorithm)
 
 
 def expected_bytes(n: int, itemsize: int, p: int) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,7 @@ loss over its ``B/p`` samples, and the all-reduce average over ``p`` ranks is th
 (``train_step`` does this.)
 
 Costs per step, ``n`` gradient bytes in ``k`` buckets on ``p`` ranks (ring): ``k`` all-reduces of
-``2(p-1)`` messages each, ``2(p-1)/p * n`` bytes sent per rank (``allreduce_bytes`` is exact,
+``2(p-1)`` messages each, ``2(p-1)/p * n`` bytes sent per rank (``minipar.cost.allreduce_bytes`` is exact,
 chunk by chunk). Memory per rank: a full replica (ZeRO's baseline), ``n`` bytes of parameters,
 ``n`` of gradients and the optimizer state (SGD with momentum ``n``, Adam ``2n``), plus the flat
 buffers of the buckets in flight (``n`` when the last bucket starts, 0 once written back: the
@@ -49,12 +49,12 @@ import numpy as np
 
 from minipar import trace
 from minipar.autograd import Tensor
-from minipar.comm.ring import chunk_bounds
+from minipar.cost import ALLREDUCE_ALGORITHMS as ALGORITHMS
+from minipar.cost import allreduce_bytes
 from minipar.data import shard
 from minipar.nn import Module, Parameter
 from minipar.optim import Optimizer
 
-ALGORITHMS = ("ring", "recursive_doubling", "naive", "native")
 DEFAULT_BUCKET_CAP = 25 * 2**20  # PyTorch's bucket_cap_mb=25; tiny models then fit in one bucket
 
 
@@ -78,33 +78,6 @@ def bucket_assignment(nbytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: i
             buckets.append([i])
             size = nbytes[i]
     return buckets
-
-
-def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str) -> int:
-    """Exact payload bytes ``rank`` sends in one all-reduce of ``numel`` elements (see comm/ring.py).
-
-    ring: reduce-scatter sends every chunk but chunk ``rank``, all-gather every chunk but chunk
-    ``rank+1`` (chunks cut like ``np.array_split``), which is ``2(p-1)/p * n`` when ``p`` divides
-    ``numel`` and averages to exactly that over the ranks otherwise. recursive_doubling: ``lg p``
-    rounds of ``n`` (with ``p`` not a power of two, the paired ranks below ``2(p - 2^lg p)`` send
-    ``n`` once (even) or ``(lg p + 1) n`` (odd)). naive: rank 0 sends ``(p-1) n``, the others ``n``.
-    native: 0 (MPI's own messages are not visible in the trace).
-    """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALGORITHMS}")
-    n = numel * itemsize
-    if p == 1 or algorithm == "native":
-        return 0
-    if algorithm == "ring":
-        sizes = [b - a for a, b in chunk_bounds(numel, p)]
-        return (2 * numel - sizes[rank] - sizes[(rank + 1) % p]) * itemsize
-    if algorithm == "naive":
-        return (p - 1) * n if rank == 0 else n
-    pp = 1 << (p.bit_length() - 1)
-    extra, lg = p - pp, pp.bit_length() - 1
-    if rank < 2 * extra:
-        return n if rank % 2 == 0 else (lg + 1) * n
-    return lg * n
 
 
 class Bucket:

@@ -35,14 +35,7 @@ indices and mask ``s b (8 + 1)`` and the loss ``w``.
 
 from __future__ import annotations
 
-
-def ring(op: str, nbytes: float, t: int) -> float:
-    """Bytes one rank sends in a ring ``op`` on ``t`` ranks; ``nbytes`` = the (full) array's size."""
-    if op == "allreduce":
-        return 2 * (t - 1) / t * nbytes
-    if op in ("allgather", "reduce_scatter"):
-        return (t - 1) / t * nbytes
-    raise ValueError(f"no ring formula for {op!r}")
+from minipar.cost import ring_bytes as ring  # noqa: F401 - the lesson and notebook use formulas.ring
 
 
 def collectives_per_block(sequence_parallel: bool) -> dict[str, dict[str, int]]:
