@@ -4,6 +4,7 @@ and the closing terminal timeline plus HTML report."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,9 +14,10 @@ from minipar.trace import Trace
 
 
 def console(width: int | None = None) -> Console:
-    """A rich console; under mpiexec stdout is no terminal, so colour is kept when FORCE_COLOR is set."""
-    forced = bool(os.environ.get("FORCE_COLOR"))
-    return Console(force_terminal=forced or None, width=width or (120 if forced else None))
+    """A rich console: colour under mpiexec when FORCE_COLOR is set (stdout is no terminal there),
+    and the terminal's width (110 columns when there is none) unless ``width`` is given."""
+    width = width or shutil.get_terminal_size(fallback=(110, 24)).columns
+    return Console(force_terminal=bool(os.environ.get("FORCE_COLOR")) or None, width=width)
 
 
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from lessons.common import console as make_console
+from lessons.common import finish
 from minipar import data
 from minipar import trace as mtrace
 from minipar.comm import world
@@ -49,12 +50,6 @@ VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8
 BATCH, MICROBATCHES, CHUNKS = 32, 8, 2
 SCHEDULES = (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", CHUNKS))
 OUT = Path("runs/02_pipeline")
-
-
-def make_console() -> Console:
-    """Colour under mpiexec when FORCE_COLOR is set; a fixed width when stdout is not a terminal."""
-    width = shutil.get_terminal_size(fallback=(110, 24)).columns
-    return Console(force_terminal=bool(os.environ.get("FORCE_COLOR")) or None, width=width)
 
 
 def train(comm: Any, kind: str, chunks: int = 1, steps: int = 3, microbatches: int = MICROBATCHES,
@@ -208,15 +203,11 @@ def main() -> None:
     spread = max(abs(a - b) for ls in losses.values() for a, b in zip(ls, losses["naive"], strict=True))
     console.print(f"Every schedule gives the same losses (largest difference {spread:.1e}): a schedule "
                   "changes the order of the work, never the result.", highlight=False)
-    from viz.report import write_report
-    from viz.terminal import print_timeline
-
     console.rule("[bold]1F1B timeline (last step, measured)")
     console.print("(this bubble counts the whole step, loss broadcast and optimizer included)",
                   highlight=False)
-    print_timeline(OUT / "1f1b.json", console=console)
-    report = write_report(paths, OUT / "report.html", titles=titles)
-    console.print(f"traces: {', '.join(str(p_) for p_ in paths[::2])}\nreport: {report}  "
+    finish(paths, OUT / "report.html", console, timeline=OUT / "1f1b.json", titles=titles)
+    console.print(f"traces: {', '.join(str(p_) for p_ in paths[::2])}  "
                   f"(or: minipar view {OUT / '1f1b.json'})", highlight=False)
 
 

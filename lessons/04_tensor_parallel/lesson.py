@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
+from lessons.common import console as make_console
+from lessons.common import finish
 from minipar import data
 from minipar import trace as mtrace
 from minipar.comm import world
@@ -41,12 +41,6 @@ from minipar.parallel.tensor import TensorParallelGPT, formulas
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 64, 32, 64, 8, 2, 256, 8
 OUT = Path("runs/04_tensor_parallel")
 LABELS = ("activations/ln", "activations/tp", "activations/logits")
-
-
-def make_console() -> Console:
-    """Colour under mpiexec when FORCE_COLOR is set; a fixed width when stdout is not a terminal."""
-    width = shutil.get_terminal_size(fallback=(110, 24)).columns
-    return Console(force_terminal=bool(os.environ.get("FORCE_COLOR")) or None, width=width)
 
 
 # ---- 1. the picture ---------------------------------------------------------------------------------
@@ -240,14 +234,10 @@ def main() -> None:
         console.print(traffic_table(traces[name], t, sp))
     console.print(totals_table(traces))
     console.print(memory_table({k: v["peak"] for k, v in results.items()}, t))
-    from viz.report import write_report
-    from viz.terminal import print_timeline
-
     console.rule("[bold]timeline of the last step with sequence parallelism (F/B per block, opt)")
-    print_timeline(traces["tp_sp"], console=console)
-    report = write_report([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html",
-                          titles=["tensor parallel", "tensor + sequence parallel"])
-    console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}\nreport: {report}", highlight=False)
+    finish([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html", console, timeline=traces["tp_sp"],
+           titles=["tensor parallel", "tensor + sequence parallel"])
+    console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}", highlight=False)
 
 
 if __name__ == "__main__":
