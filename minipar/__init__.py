@@ -1,9 +1,9 @@
 """minipar: every way deep-learning training is split across workers, in numpy, over real MPI ranks."""
 
 from minipar import functional, nn, optim
-from minipar.autograd import Function, Tensor, no_grad, tensor
+from minipar.autograd import Function, Tensor, no_grad
 
-__all__ = ["Function", "Tensor", "functional", "launch", "nn", "no_grad", "optim", "tensor"]
+__all__ = ["Function", "Tensor", "functional", "launch", "nn", "no_grad", "optim"]
 
 
 def __getattr__(name: str):  # launch lives in the comm layer; imported on first use

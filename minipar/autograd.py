@@ -405,7 +405,3 @@ class Function:
         if result._backward is not None:
             result._ctx = ctx
         return result
-
-
-def tensor(data: ArrayLike, requires_grad: bool = False, dtype: Any = None) -> Tensor:
-    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
