@@ -41,7 +41,7 @@ from minipar import Tensor  # noqa: E402
 from minipar import functional as F  # noqa: E402
 from minipar.nn import MLP  # noqa: E402
 from minipar.optim import SGD  # noqa: E402
-from minipar.parallel.data import DistributedDataParallel, train_step  # noqa: E402
+from minipar.parallel.ddp import DistributedDataParallel, train_step  # noqa: E402
 
 CONFIGS = [("ring", True), ("ring", False), ("native", True)]
 

@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minipar import data  # noqa: E402
+from minipar import datasets  # noqa: E402
 from minipar import trace as mtrace  # noqa: E402
 from minipar.comm import world  # noqa: E402
 from minipar.optim import SGD  # noqa: E402
@@ -87,16 +87,16 @@ def main() -> None:
     lead = comm.rank == 0
     if lead:
         OUT.mkdir(parents=True, exist_ok=True)
-    stream = data.token_stream(50_000, VOCAB, seed=0)
+    stream = datasets.token_stream(50_000, VOCAB, seed=0)
     pipes = {}
     for kind, v in SCHEDULES:
         model = gpt(VOCAB, SEQ, D_MODEL, HEADS, BLOCKS, seed=0)
         pipe = Pipeline(comm, model, kind, microbatches=m, chunks=v, layers=gpt_layer_counts(BLOCKS, p * v))
         pipes[kind] = (pipe, SGD(pipe.parameters(), lr=0.01), v)
-        pipe.step(*data.lm_batch(stream, BATCH, SEQ, step=0), pipes[kind][1])  # warm-up
+        pipe.step(*datasets.lm_batch(stream, BATCH, SEQ, step=0), pipes[kind][1])  # warm-up
     results: dict[str, list[dict[str, object]]] = {kind: [] for kind, _ in SCHEDULES}
     for r in range(args.rounds):
-        x, y = data.lm_batch(stream, BATCH, SEQ, step=r + 1)
+        x, y = datasets.lm_batch(stream, BATCH, SEQ, step=r + 1)
         for kind, _ in SCHEDULES:
             pipe, opt, v = pipes[kind]
             path = OUT / f"{kind}.json"

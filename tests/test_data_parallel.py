@@ -12,11 +12,11 @@ from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 import minipar
-from minipar import data, trace
+from minipar import datasets, trace
 from minipar import functional as F
 from minipar.nn import GPT, MLP, Linear, Module
 from minipar.optim import SGD, AdamW
-from minipar.parallel.data import (
+from minipar.parallel.ddp import (
     ALGORITHMS,
     DistributedDataParallel,
     allreduce_bytes,
@@ -37,9 +37,9 @@ def build(kind: str, seed: int) -> Module:
 
 def batch(kind: str, size: int, step: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     if kind == "mlp":
-        x, y = data.regression(size * (STEPS + 1), MLP_SIZES[0], MLP_SIZES[-1], seed=seed)
+        x, y = datasets.regression(size * (STEPS + 1), MLP_SIZES[0], MLP_SIZES[-1], seed=seed)
         return x[step * size:(step + 1) * size], y[step * size:(step + 1) * size]
-    return data.lm_batch(data.token_stream(300, 8, seed=seed), size, 4, step=step, seed=seed)
+    return datasets.lm_batch(datasets.token_stream(300, 8, seed=seed), size, 4, step=step, seed=seed)
 
 
 def loss_fn(model: Module, x: np.ndarray, y: np.ndarray) -> minipar.Tensor:
@@ -146,7 +146,7 @@ def traced_steps(comm, cap: int, algorithm: str, overlap: bool, sizes: list[int]
     model = MLP(sizes, seed=0)
     ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=cap, algorithm=algorithm, overlap=overlap)
     opt = SGD(model.parameters(), lr=0.01)
-    x, y = data.regression(rows * comm.size, sizes[0], sizes[-1], seed=1)
+    x, y = datasets.regression(rows * comm.size, sizes[0], sizes[-1], seed=1)
     with trace.recording(comm.rank) as rec:
         for _ in range(steps):
             train_step(ddp, opt, loss_fn, x, y, accumulation)
@@ -237,7 +237,7 @@ def bad_step(comm, what: str):
                 model = MLP(MLP_SIZES)
                 ddp = DistributedDataParallel(model, comm)
                 rec.events.clear()
-                x, y = data.regression(7, MLP_SIZES[0], MLP_SIZES[-1])
+                x, y = datasets.regression(7, MLP_SIZES[0], MLP_SIZES[-1])
                 train_step(ddp, SGD(model.parameters()), loss_fn, x, y)
             elif what == "algorithm":
                 DistributedDataParallel(MLP(MLP_SIZES), comm, algorithm="tree")
@@ -284,7 +284,7 @@ def memory_samples(comm, opt_kind: str):
     model = MLP(MLP_SIZES, seed=0)
     ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=300)
     opt = make_opt(model, opt_kind)
-    x, y = data.regression(4 * comm.size, MLP_SIZES[0], MLP_SIZES[-1], seed=1)
+    x, y = datasets.regression(4 * comm.size, MLP_SIZES[0], MLP_SIZES[-1], seed=1)
     with trace.recording(comm.rank) as rec:
         for _ in range(2):
             train_step(ddp, opt, loss_fn, x, y)
@@ -310,7 +310,7 @@ def local_after_remove_hooks(comm):
     model = MLP(MLP_SIZES, seed=0)
     ddp = DistributedDataParallel(model, comm)
     ddp.remove_hooks()
-    x, y = data.regression(2, MLP_SIZES[0], MLP_SIZES[-1], seed=comm.rank)
+    x, y = datasets.regression(2, MLP_SIZES[0], MLP_SIZES[-1], seed=comm.rank)
     with trace.recording(comm.rank) as rec:
         loss_fn(model, x, y).backward()
     return len([e for e in rec.events if e.kind == "comm"]), model.layers[0].weight.grad.copy()

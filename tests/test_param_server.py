@@ -11,17 +11,17 @@ from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 import minipar
-from minipar import data, trace
+from minipar import datasets, trace
 from minipar import functional as F
 from minipar.comm import RankError
 from minipar.nn import MLP, Module
 from minipar.optim import SGD, AdamW
 from minipar.parallel import param_server as ps
-from minipar.parallel.data import allreduce_bytes
+from minipar.parallel.ddp import allreduce_bytes
 from minipar.testing import HarnessError, run
 
 SIZES = [6, 12, 12, 3]
-X, Y = data.regression(12 * 8, SIZES[0], SIZES[-1], seed=3)
+X, Y = datasets.regression(12 * 8, SIZES[0], SIZES[-1], seed=3)
 
 
 def loss_fn(model: Module, x: np.ndarray, y: np.ndarray) -> minipar.Tensor:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from minipar import data, testing
+from minipar import datasets, testing
 from minipar import functional as F
 from minipar import trace as mtrace
 from minipar.nn import GPT, MLP
@@ -46,10 +46,10 @@ def _model(cfg: dict):
 def _batches(cfg: dict) -> list[tuple[np.ndarray, np.ndarray]]:
     n = cfg["m"] * cfg["mb_size"]
     if cfg["model"] == "gpt":
-        stream = data.token_stream(200, GPT_DIMS["vocab_size"], seed=cfg["seed"])
-        return [data.lm_batch(stream, n, GPT_DIMS["seq_len"], step=k) for k in range(STEPS)]
+        stream = datasets.token_stream(200, GPT_DIMS["vocab_size"], seed=cfg["seed"])
+        return [datasets.lm_batch(stream, n, GPT_DIMS["seq_len"], step=k) for k in range(STEPS)]
     w = cfg["widths"][: sum(cfg["counts"]) + 1]
-    return [data.regression(n, w[0], w[-1], seed=cfg["seed"] + k) for k in range(STEPS)]
+    return [datasets.regression(n, w[0], w[-1], seed=cfg["seed"] + k) for k in range(STEPS)]
 
 
 def _optimizer(cfg: dict, params):
@@ -266,7 +266,7 @@ DEADLOCK = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1B1", "1F0", "1B0"]}
 def rejected_run(comm, cases: list[str]) -> list[tuple[str, str, int]]:
     """Per case: (exception type, message, number of trace events this rank recorded before it)."""
     two, four = mlp([3, 4, 2], seed=0), mlp([3, 4, 4, 4, 2], seed=0)
-    x, y = data.regression(5, 3, 2)
+    x, y = datasets.regression(5, 3, 2)
     build = {
         "deadlock": lambda: Pipeline(comm, two, DEADLOCK),
         "more_stages_than_layers": lambda: Pipeline(comm, two, "interleaved", microbatches=2, chunks=2),

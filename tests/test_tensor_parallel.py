@@ -19,6 +19,7 @@ from tp_helpers import cols, graph_arrays, rand, rows, summarise
 from minipar import functional as F
 from minipar import launch, trace
 from minipar.autograd import Tensor
+from minipar.cost import tensor as formulas
 from minipar.nn import GPT, Block, Embedding, Linear
 from minipar.optim import SGD, AdamW
 from minipar.parallel.tensor import (
@@ -27,7 +28,6 @@ from minipar.parallel.tensor import (
     RowParallelLinear,
     TensorParallelGPT,
     VocabParallelEmbedding,
-    formulas,
     gather_array,
     gather_grads,
     gather_logits,

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from lessons.common import console as make_console
 from lessons.common import finish
-from minipar import data, trace
+from minipar import datasets, trace
 from minipar.nn import GPT
 from minipar.optim import AdamW
 
@@ -46,7 +46,7 @@ def gradient_check(model: GPT, x: np.ndarray, y: np.ndarray, eps: float = 1e-6) 
 
 def entropy_rate(vocab: int, seed: int = 0) -> float:
     """Best achievable loss on the stream: the chain's conditional entropy under its visit frequencies."""
-    probs = data.markov_chain(vocab, seed)
+    probs = datasets.markov_chain(vocab, seed)
     stationary = np.full(vocab, 1.0 / vocab)
     for _ in range(500):
         stationary = stationary @ probs
@@ -75,11 +75,11 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
           trace_path: str | Path | None = None, traced_steps: int = 3) -> list[float]:
     """Train the tiny GPT; the last ``traced_steps`` steps are recorded to ``trace_path`` (if given)."""
     console = console or Console()
-    stream = data.token_stream(20_000, VOCAB, seed=0)
+    stream = datasets.token_stream(20_000, VOCAB, seed=0)
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, seed=0)
     console.print(f"tiny GPT: {model.num_parameters():,} parameters, vocab {VOCAB}, seq {SEQ}, "
                   f"d_model {D_MODEL}, {HEADS} heads, {LAYERS} layers")
-    x, y = data.lm_batch(stream, batch, SEQ, step=0)
+    x, y = datasets.lm_batch(stream, batch, SEQ, step=0)
     analytic, numeric = gradient_check(model, x, y)
     console.print(f"gradient check  d loss / d q.weight[1,2]: autograd {analytic:.9f}   "
                   f"central difference {numeric:.9f}   |diff| {abs(analytic - numeric):.1e}")
@@ -90,11 +90,11 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=steps, loss=float("nan"))
         for step in range(steps - traced_steps):
-            losses.append(train_step(model, opt, *data.lm_batch(stream, batch, SEQ, step=step)))
+            losses.append(train_step(model, opt, *datasets.lm_batch(stream, batch, SEQ, step=step)))
             progress.update(task, advance=1, loss=np.mean(losses[-20:]))
         with trace.record(trace_path, paradigm="single process", lesson="00_autograd", time_unit="s"):
             for step in range(steps - traced_steps, steps):
-                losses.append(train_step(model, opt, *data.lm_batch(stream, batch, SEQ, step=step)))
+                losses.append(train_step(model, opt, *datasets.lm_batch(stream, batch, SEQ, step=step)))
                 progress.update(task, advance=1, loss=np.mean(losses[-20:]))
     table = Table(title="loss")
     for col in ("steps", "mean loss"):

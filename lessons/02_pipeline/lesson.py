@@ -39,7 +39,7 @@ from rich.table import Table
 
 from lessons.common import console as make_console
 from lessons.common import finish
-from minipar import data
+from minipar import datasets
 from minipar import trace as mtrace
 from minipar.comm import world
 from minipar.optim import AdamW
@@ -59,10 +59,10 @@ def train(comm: Any, kind: str, chunks: int = 1, steps: int = 3, microbatches: i
     pipe = Pipeline(comm, gpt(VOCAB, SEQ, D_MODEL, HEADS, blocks, seed=0), kind, microbatches=microbatches,
                     chunks=chunks, layers=gpt_layer_counts(blocks, comm.size * chunks))
     opt = AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.0)
-    stream = data.token_stream(20_000, VOCAB, seed=0)
+    stream = datasets.token_stream(20_000, VOCAB, seed=0)
     losses = []
     for step in range(steps):
-        x, y = data.lm_batch(stream, BATCH, SEQ, step=step)
+        x, y = datasets.lm_batch(stream, BATCH, SEQ, step=step)
         if step < steps - 1:
             losses.append(pipe.step(x, y, opt))
             continue

@@ -32,19 +32,19 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console, finish
-from minipar import data, trace
+from minipar import datasets, trace
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
 from minipar.nn import GPT, Module
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
-from minipar.parallel.data import ALGORITHMS, DistributedDataParallel, train_step
+from minipar.parallel.ddp import ALGORITHMS, DistributedDataParallel, train_step
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, BATCH, LR = 16, 16, 32, 4, 2, 12, 1.0
 CAP = 16 * 1024  # bucket cap (bytes): the tiny GPT's 250 KB of gradients make several buckets
 STRAGGLER, DELAY = 1, 0.03  # the parameter server's slow worker and its extra seconds per step
 OUT = Path("runs/03_data_parallel")
-STREAM = data.token_stream(20_000, VOCAB, seed=0)
+STREAM = datasets.token_stream(20_000, VOCAB, seed=0)
 
 
 def model() -> GPT:
@@ -53,7 +53,7 @@ def model() -> GPT:
 
 def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of ``step`` (the same on every rank)."""
-    return data.lm_batch(STREAM, BATCH, SEQ, step=step)
+    return datasets.lm_batch(STREAM, BATCH, SEQ, step=step)
 
 
 def loss_fn(m: Module, x: np.ndarray, y: np.ndarray) -> Any:

@@ -31,12 +31,13 @@ from rich.table import Table
 
 from lessons.common import console as make_console
 from lessons.common import finish
-from minipar import data
+from minipar import datasets
 from minipar import trace as mtrace
 from minipar.comm import world
+from minipar.cost import tensor as formulas
 from minipar.nn import GPT
 from minipar.optim import AdamW
-from minipar.parallel.tensor import TensorParallelGPT, formulas
+from minipar.parallel.tensor import TensorParallelGPT
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 64, 32, 64, 8, 2, 256, 8
 OUT = Path("runs/04_tensor_parallel")
@@ -89,8 +90,8 @@ def picture_summary(results: list[dict[str, Any]]) -> str:
 
 # ---- 2. training ----------------------------------------------------------------------------------
 def batches(steps: int, batch: int = BATCH, seq: int = SEQ) -> list[tuple[np.ndarray, np.ndarray]]:
-    stream = data.token_stream(20_000, VOCAB, seed=0)
-    return [data.lm_batch(stream, batch, seq, step=s) for s in range(steps)]
+    stream = datasets.token_stream(20_000, VOCAB, seed=0)
+    return [datasets.lm_batch(stream, batch, seq, step=s) for s in range(steps)]
 
 
 def train(comm: Any, sequence_parallel: bool, steps: int = 4,

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.data import shard
+from minipar.datasets import shard
 from minipar.nn import Module, Parameter
 from minipar.optim import SGD, Optimizer
 

@@ -6,10 +6,10 @@ al. 2022) and the vocabulary-parallel embedding and cross-entropy.
 - ``layers.py``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``,
   ``vocab_parallel_cross_entropy``; ``gather_state_dict`` / ``gather_grads``.
 - ``model.py``: ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, ``TensorParallelGPT``.
-- ``formulas.py``: collectives, bytes per rank and activation bytes a step should take.
+
+What a step should cost (collectives, bytes per rank, activation bytes) is in ``minipar.cost.tensor``.
 """
 
-from minipar.parallel.tensor import formulas
 from minipar.parallel.tensor.comm_ops import (
     ActivationMeter,
     enter_region,
@@ -43,7 +43,7 @@ from minipar.parallel.tensor.model import (
 __all__ = [
     "ActivationMeter", "ColumnParallelLinear", "ParallelAttention", "ParallelBlock", "ParallelMLP",
     "RowParallelLinear", "TensorParallelGPT", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
-    "check_config", "enter_region", "exit_region", "f", "formulas", "g", "gather_array", "gather_grads",
+    "check_config", "enter_region", "exit_region", "f", "g", "gather_array", "gather_grads",
     "gather_logits", "gather_state_dict", "gather_last", "sp_gather", "sp_reduce_scatter",
     "sync_sequence_parallel_grads", "vocab_parallel_cross_entropy",
 ]

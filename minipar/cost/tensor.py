@@ -35,7 +35,7 @@ indices and mask ``s b (8 + 1)`` and the loss ``w``.
 
 from __future__ import annotations
 
-from minipar.cost import ring_bytes as ring  # noqa: F401 - the lesson and notebook use formulas.ring
+from minipar.cost.collectives import ring_bytes as ring  # noqa: F401 - the lesson and notebook use formulas.ring
 
 
 def collectives_per_block(sequence_parallel: bool) -> dict[str, dict[str, int]]:

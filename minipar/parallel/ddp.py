@@ -51,7 +51,7 @@ from minipar import trace
 from minipar.autograd import Tensor
 from minipar.cost import ALLREDUCE_ALGORITHMS as ALGORITHMS
 from minipar.cost import allreduce_bytes
-from minipar.data import shard
+from minipar.datasets import shard
 from minipar.nn import Module, Parameter
 from minipar.optim import Optimizer
 

@@ -1,0 +1,13 @@
+"""Every byte, memory and time formula minipar's measurements are held against: one home.
+
+- ``collectives.py``: bytes per rank of each collective algorithm (ring, recursive doubling, naive).
+- ``tensor.py``: Megatron tensor (and sequence) parallelism: collectives per block, bytes per rank,
+  activation bytes kept for backward.
+
+Traces, tests and lessons import from here; the derivations are in each module's docstring and in
+``docs/formulas.md``.
+"""
+
+from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, ring_bytes
+
+__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "ring_bytes"]
