@@ -1,3 +1,13 @@
+"""Hypothesis profiles. ``default`` (CI) keeps the suite short; ``thorough`` runs ten times more examples.
+
+    HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest tests
+
+Examples are drawn at random on every run (no global ``derandomize``): cases that must always run are
+``@example``s on the test. A failure is shrunk and printed with its ``@reproduce_failure`` blob, and
+``--hypothesis-seed=N`` replays a whole run. ``strategies.budget(n)`` scales a test's example count with
+the profile.
+"""
+
 import os
 import sys
 
@@ -6,8 +16,8 @@ from hypothesis import HealthCheck, settings
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-settings.register_profile(
-    "default", deadline=None, max_examples=25, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile("default")
+_common = {"deadline": None, "print_blob": True,
+           "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+settings.register_profile("default", max_examples=10, **_common)
+settings.register_profile("thorough", max_examples=100, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+SCALE = 10 if THOROUGH else 1
+
+
+def budget(n: int) -> settings:
+    """``@budget(n)``: this test runs ``n`` drawn examples by default and ``10 n`` under the thorough profile.
+
+    For an ``mpiexec`` property, ``n`` counts jobs; each job runs a list of drawn configurations.
+    """
+    return settings(max_examples=n * SCALE)
 
 
 def shapes(min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 5) -> st.SearchStrategy:
