@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 export OPENBLAS_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint browser bench clean
+.PHONY: install demo test thorough notebook lint browser bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ browser:
 
 test: install browser
 	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider
+
+# Ten times as many hypothesis examples per property (run before resolving an issue).
+thorough: install browser
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider
+
+# JupyterLab on the lessons' walkthrough notebooks (they run on the in-process threads backend).
+notebook: install
+	$(PY) -m pip install -q -e '.[dev,notebook]'
+	$(VENV)/bin/jupyter lab lessons/
 
 lint: install
 	$(VENV)/bin/ruff check .
