@@ -1,16 +1,57 @@
-"""What every lesson does at the start and the end: a console that keeps colour under mpiexec,
-and the closing terminal timeline plus HTML report."""
+"""What every lesson does at the start and the end: ranks (mpiexec or in-process threads, with the
+same checks), a console that keeps colour under mpiexec, a note when ranks time-share cores, and
+the closing terminal timeline plus HTML report."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
+from minipar.comm import launch, world
+from minipar.comm.mpi import under_mpiexec
 from minipar.trace import Trace
+
+
+def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str | None] | None = None,
+              **kwargs: Any) -> Any:
+    """Run ``body(comm, **kwargs)`` on every rank and return rank 0's result (None on other ranks).
+
+    Under ``mpiexec`` the ranks are its processes; otherwise ``ranks`` threads in this process, said
+    in one line. ``check(world_size)`` returns what is wrong with that world size (or None): the
+    message is printed once, by rank 0, and every rank exits with status 2 before any message.
+    """
+    mpi = under_mpiexec()
+    comm = world() if mpi else None
+    size, rank = (comm.size, comm.rank) if comm is not None else (ranks, 0)
+    problem = check(size) if check is not None else None
+    if problem:
+        if rank == 0:
+            print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    if comm is not None:
+        result = body(comm, **kwargs)
+        return result if comm.rank == 0 else None
+    print(f"(no mpiexec: {ranks} ranks run as threads of this process; --ranks N to change, "
+          f"or mpiexec -n N for real processes)")
+    return launch(body, ranks, "threads", **kwargs)[0]
+
+
+def time_sharing(ranks: int) -> str | None:
+    """A warning when ``ranks`` outnumber this machine's cores: measured times then include waiting
+    for a core, not only for peers (bubbles look larger, overlap smaller); formulas assume one core
+    per rank."""
+    cores = os.cpu_count() or 1
+    if ranks <= cores:
+        return None
+    return (f"{ranks} ranks time-share {cores} cores: measured times include waiting for a core, "
+            "so measured bubbles and idle times are larger than the formula's and schedules that "
+            "should differ can look alike")
 
 
 def console(width: int | None = None) -> Console:
