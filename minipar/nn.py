@@ -4,12 +4,26 @@ Initialisation contract (DESIGN.md): a parameter's values come from ``(seed, ful
 shape)`` alone. A sharded parameter (tensor parallelism, ZeRO-3) records the full shape and the
 slice it owns and takes that slice of the same full draw, so every parallel layout of a model
 starts from exactly the numbers of the single-process model.
+
+The full value is addressable: it is cut into tiles of at most ``TILE x TILE`` numbers (the last
+two axes; one index per tile along any leading axis; runs of ``TILE**2`` for a vector) and tile
+``k`` is drawn from its own generator, seeded with ``(seed, crc32(name), *k)``. A shard generates
+only the tiles it overlaps, so building a sharded model never holds more than its shard plus one
+tile. The values differ from one ``rng.normal(size=shape)`` draw, and that is the point: no rank
+ever has to draw the whole to take its part.
+
+A module's parameters are initialised once, when the outermost module constructor returns
+(``Module.__init_subclass__`` wraps every constructor), with ``self.seed``: a ``Block`` built inside
+a ``GPT`` is not initialised on its own first.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,23 +45,93 @@ class Parameter(Tensor):
         self.shard = shard
 
 
-def full_init(seed: int, name: str, shape: Sequence[int], init: Init) -> np.ndarray:
-    """The full (unsharded) float64 initial value of parameter ``name``: a function of its arguments only."""
-    kind = init[0]
-    if kind == "zeros":
-        return np.zeros(shape)
-    if kind == "ones":
-        return np.ones(shape)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    if kind == "normal":
+TILE = 64  # edge of an initialisation tile: at most TILE * TILE numbers (32 KiB in float64)
+
+
+def _tile_edges(ndim: int) -> tuple[int, ...]:
+    if ndim == 0:
+        return ()
+    if ndim == 1:
+        return (TILE * TILE,)
+    return (1,) * (ndim - 2) + (TILE, TILE)
+
+
+def _draw_tile(seed: int, name: str, init: Init, tile: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), *tile])
+    if init[0] == "normal":
         return rng.normal(0.0, init[1], size=shape)
-    if kind == "uniform":
+    if init[0] == "uniform":
         return rng.uniform(-init[1], init[1], size=shape)
     raise ValueError(f"unknown initialiser {init!r}")
 
 
+def init_values(seed: int, name: str, full_shape: Sequence[int], init: Init,
+                index: tuple[slice, ...] | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``full[index]`` of parameter ``name``'s initial value, generating only the tiles ``index``
+    overlaps (module docstring); ``index=None`` gives the whole. Bit-identical to slicing the whole:
+    a function of ``(seed, name, full_shape, init)`` and the position alone. Written into ``out``
+    when given (no other array of that size is made), else into a new float64 array."""
+    full_shape = tuple(full_shape)
+    index = tuple(index) if index is not None else ()
+    index += (slice(None),) * (len(full_shape) - len(index))
+    spans = [range(*s.indices(n)) for s, n in zip(index, full_shape, strict=True)]
+    if any(r.step != 1 for r in spans):
+        raise ValueError(f"init_values: slices must have step 1, got {index}")
+    out_shape = tuple(len(r) for r in spans)
+    if out is None:
+        out = np.empty(out_shape)
+    elif out.shape != out_shape:
+        raise ValueError(f"init_values: out has shape {out.shape}, the slice {index} of {full_shape} is {out_shape}")
+    if init[0] in ("zeros", "ones"):
+        out[...] = 1.0 if init[0] == "ones" else 0.0
+        return out
+    if init[0] not in ("normal", "uniform"):
+        raise ValueError(f"unknown initialiser {init!r}")
+    if not out.size:
+        return out
+    edges = _tile_edges(len(full_shape))
+    tiles = [range(r.start // e, (r.stop - 1) // e + 1) for r, e in zip(spans, edges, strict=True)]
+    for tile in itertools.product(*tiles):
+        lo = [k * e for k, e in zip(tile, edges, strict=True)]
+        hi = [min(a + e, n) for a, e, n in zip(lo, edges, full_shape, strict=True)]
+        block = _draw_tile(seed, name, init, tile, tuple(b - a for a, b in zip(lo, hi, strict=True)))
+        src = tuple(slice(max(r.start, a) - a, min(r.stop, b) - a) for r, a, b in zip(spans, lo, hi, strict=True))
+        dst = tuple(slice(max(r.start, a) - r.start, min(r.stop, b) - r.start)
+                    for r, a, b in zip(spans, lo, hi, strict=True))
+        out[dst] = block[src]
+    return out
+
+
+_building = threading.local()  # depth of nested module constructors, per thread (threads-backend ranks)
+
+
+def _init_when_built(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a module constructor: when the outermost one returns, initialise every parameter once."""
+    @functools.wraps(init)
+    def wrapper(self: Module, *args: Any, **kwargs: Any) -> None:
+        depth = getattr(_building, "depth", 0)
+        _building.depth = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _building.depth = depth
+        if depth == 0:
+            self.init_parameters(self.seed)
+    return wrapper
+
+
 class Module:
-    """Base class: parameters and sub-modules are found through attributes, in assignment order."""
+    """Base class: parameters and sub-modules are found through attributes, in assignment order.
+
+    ``seed``: what the parameters are initialised from when the outermost constructor returns (a
+    model that takes a ``seed`` argument sets it first)."""
+
+    seed = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls):
+            cls.__init__ = _init_when_built(vars(cls)["__init__"])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -78,10 +162,10 @@ class Module:
             p.grad = None
 
     def init_parameters(self, seed: int = 0, prefix: str = "") -> Module:
-        """(Re)initialise every parameter from ``(seed, prefix + name, full shape)``; returns self."""
+        """(Re)initialise every parameter from ``(seed, prefix + name, full shape)``: each generates
+        only its own shard (``init_values``); returns self."""
         for name, p in self.named_parameters(prefix):
-            full = full_init(seed, name, p.full_shape, p.init)
-            p.data[...] = full[p.shard] if p.shard is not None else full
+            init_values(seed, name, p.full_shape, p.init, p.shard, out=p.data)
         return self
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -137,7 +221,6 @@ class Linear(Module):
         bound = 1.0 / np.sqrt(in_features)
         self.weight = Parameter((in_features, out_features), ("uniform", bound), dtype)
         self.bias = Parameter((out_features,), ("uniform", bound), dtype) if bias else None
-        self.init_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         y = x @ self.weight
@@ -149,7 +232,6 @@ class LayerNorm(Module):
         self.weight = Parameter((dim,), ("ones",), dtype)
         self.bias = Parameter((dim,), ("zeros",), dtype)
         self.eps = eps
-        self.init_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.weight, self.bias, self.eps)
@@ -160,7 +242,6 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings: int, dim: int, dtype: Any = np.float64) -> None:
         self.weight = Parameter((num_embeddings, dim), ("normal", 1.0), dtype)
-        self.init_parameters()
 
     def forward(self, idx: np.ndarray) -> Tensor:
         return F.embedding(self.weight, idx)
@@ -172,8 +253,8 @@ class MLP(Module):
     def __init__(self, sizes: Sequence[int], seed: int = 0, dtype: Any = np.float64) -> None:
         if len(sizes) < 2:
             raise ValueError(f"MLP needs at least an input and an output width, got {list(sizes)}")
+        self.seed = seed
         self.layers = ModuleList([Linear(a, b, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
-        self.init_parameters(seed)
 
     def forward(self, x: Tensor) -> Tensor:
         for i, layer in enumerate(self.layers):
@@ -189,7 +270,6 @@ class FeedForward(Module):
     def __init__(self, d_model: int, d_ff: int, dtype: Any = np.float64) -> None:
         self.fc = Linear(d_model, d_ff, dtype=dtype)
         self.proj = Linear(d_ff, d_model, dtype=dtype)
-        self.init_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -206,7 +286,6 @@ class CausalSelfAttention(Module):
         self.k = Linear(d_model, d_model, dtype=dtype)
         self.v = Linear(d_model, d_model, dtype=dtype)
         self.proj = Linear(d_model, d_model, dtype=dtype)
-        self.init_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.n_heads))
@@ -220,7 +299,6 @@ class Block(Module):
         self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = FeedForward(d_model, d_ff or 4 * d_model, dtype=dtype)
-        self.init_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -235,13 +313,12 @@ class GPT(Module):
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
                  d_ff: int | None = None, seed: int = 0, dtype: Any = np.float64) -> None:
-        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.tok_emb = Embedding(vocab_size, d_model, dtype=dtype)
         self.pos_emb = Embedding(seq_len, d_model, dtype=dtype)
         self.blocks = ModuleList([Block(d_model, n_heads, d_ff, dtype=dtype) for _ in range(n_layers)])
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = Linear(d_model, vocab_size, bias=False, dtype=dtype)
-        self.init_parameters(seed)
 
     def embed(self, idx: np.ndarray) -> Tensor:
         idx = np.asarray(idx)

@@ -7,7 +7,7 @@ import pytest
 from gradcheck import numerical_grad
 
 from minipar import nn
-from minipar.nn import GPT, MLP, Parameter, full_init
+from minipar.nn import GPT, MLP, Parameter, init_values
 
 
 def test_gpt_full_gradient_matches_central_differences():
@@ -47,7 +47,7 @@ def test_initialisation_depends_only_on_seed_name_and_full_shape():
 
 
 def test_sharded_parameter_takes_its_slice_of_the_full_draw():
-    full = full_init(0, "layer.weight", (6, 8), ("normal", 0.02))
+    full = init_values(0, "layer.weight", (6, 8), ("normal", 0.02))
     for r in range(4):
         cols = slice(2 * r, 2 * r + 2)
         p = Parameter((6, 2), ("normal", 0.02), full_shape=(6, 8), shard=(slice(None), cols))

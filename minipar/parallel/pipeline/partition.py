@@ -165,11 +165,10 @@ class Stage(Module):
     ``load_state_dict`` (non-strict, with the full model's dict) work as on the whole model."""
 
     def __init__(self, index: int, model: LayeredModel, layers: range) -> None:
-        self.index = index
+        self.index, self.seed = index, model.seed
         self.layer_range = layers
         self.layer_names = [model.names[i] for i in layers]
         self._layers = [(model.prefixes[i], model.make(i)) for i in layers]
-        self.init_parameters(model.seed)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         for pre, layer in self._layers:

@@ -55,7 +55,6 @@ class ColumnParallelLinear(Module):
                                 full_shape=(in_features, out_features), shard=(slice(None), slice(lo, hi)))
         self.bias = Parameter((hi - lo,), ("uniform", bound), dtype, full_shape=(out_features,),
                               shard=(slice(lo, hi),)) if bias else None
-        self.init_parameters()
 
     def local(self, x: Tensor) -> Tensor:
         y = x @ self.weight
@@ -87,7 +86,6 @@ class RowParallelLinear(Module):
         self.bias = Parameter((out_features,), ("uniform", bound), dtype) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
-        self.init_parameters()
 
     def partial(self, x: Tensor) -> Tensor:
         """This rank's partial sum ``X_r A_r`` (full size: inside the tensor-parallel region)."""
@@ -119,7 +117,6 @@ class VocabParallelEmbedding(Module):
         self.num_embeddings, self.vocab_start, self.vocab_end = num_embeddings, lo, hi
         self.weight = Parameter((hi - lo, dim), ("normal", 1.0), dtype, full_shape=(num_embeddings, dim),
                                 shard=(slice(lo, hi), slice(None)))
-        self.init_parameters()
 
     def partial(self, idx: np.ndarray) -> Tensor:
         """This rank's partial sum: its tokens' rows, zeros for the others (every position)."""

@@ -192,7 +192,7 @@ class TensorParallelGPT(Module):
                  dtype: Any = np.float64, tp: int | None = None) -> None:
         d_ff = d_ff or 4 * d_model
         check_config(comm, vocab_size, d_model, n_heads, d_ff, tp)
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.comm, self.sequence_parallel, self.seed = comm, sequence_parallel, seed
         self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
         self.meter = ActivationMeter()
         sp = sequence_parallel
@@ -207,7 +207,6 @@ class TensorParallelGPT(Module):
             p.sequence_parallel = sp
         for block in self.blocks:
             block.meter = self.meter  # one meter for the whole model
-        self.init_parameters(seed)
 
     # ---- forward --------------------------------------------------------------------------------
     def _check(self, idx: np.ndarray) -> None:
