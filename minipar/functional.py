@@ -1,8 +1,11 @@
 """Differentiable functions of Tensors used by the models, each with its backward beside it.
 
-Fused ops (softmax, log_softmax, layer_norm, gelu, cross_entropy) carry their analytic backward
-rather than a chain of primitive nodes: fewer nodes, fewer temporaries, and the formulas a reader
-finds in the papers.
+Fused ops (softmax, log_softmax, layer_norm, gelu, attention, cross_entropy) carry their analytic
+backward rather than a chain of primitive nodes: fewer nodes, fewer temporaries, and the formulas a
+reader finds in the papers. ``layer_norm``, ``gelu`` and ``attention`` are ``Function``s that keep
+for backward exactly what Korthikanti et al. 2022 (Sec. 4.1) count for a transformer layer: the
+layer norm's input, GELU's input, attention's q, k, v and softmax; everything else they need is
+recomputed in backward, and ``memory.held_buffers`` sees all they keep.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minipar.autograd import Tensor
+from minipar.autograd import Context, Function, Tensor
 
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))  # a python float keeps float32 arrays float32
 
@@ -32,16 +35,25 @@ def log(x: Tensor) -> Tensor:
     return x.log()
 
 
+class _Gelu(Function):
+    """GELU, tanh form (Hendrycks & Gimpel 2016); keeps its input, recomputes the tanh in backward."""
+
+    @staticmethod
+    def forward(ctx: Context, a: np.ndarray) -> np.ndarray:
+        ctx.save_for_backward(a)
+        return 0.5 * a * (1.0 + np.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a**3)))
+
+    @staticmethod
+    def backward(ctx: Context, g: np.ndarray) -> np.ndarray:
+        (a,) = ctx.saved
+        t = np.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a**3))
+        dt = (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * a * a)
+        return g * (0.5 * (1.0 + t) + 0.5 * a * dt)
+
+
 def gelu(x: Tensor) -> Tensor:
     """GELU, tanh form (Hendrycks & Gimpel 2016): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    a = x.data
-    t = np.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a**3))
-
-    def backward(g: np.ndarray) -> tuple[np.ndarray]:
-        dt = (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * a * a)
-        return (g * (0.5 * (1.0 + t) + 0.5 * a * dt),)
-
-    return Tensor._make(0.5 * a * (1.0 + t), (x,), backward)
+    return _Gelu.apply(x)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -56,28 +68,44 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return Tensor._make(y, (x,), lambda g: (g - np.exp(y) * g.sum(axis=axis, keepdims=True),))
 
 
+def _normalise(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    xc = x - x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xc *= rstd
+    return xc, rstd
+
+
+class _LayerNorm(Function):
+    """Keeps its input only: the mean and 1/std (two numbers per row, which Megatron's fused kernel
+    also keeps) are recomputed in backward, so what stays alive is exactly the input."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None,
+                eps: float) -> np.ndarray:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.has_bias, ctx.eps = weight, bias is not None, eps
+        out, _ = _normalise(x, eps)
+        if weight is not None:
+            out *= weight
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        (x,) = ctx.saved
+        xhat, rstd = _normalise(x, ctx.eps)
+        lead = tuple(range(x.ndim - 1))
+        gh = g * ctx.weight if ctx.weight is not None else g
+        dx = rstd * (gh - gh.mean(axis=-1, keepdims=True) - xhat * (gh * xhat).mean(axis=-1, keepdims=True))
+        dw = (g * xhat).sum(axis=lead) if ctx.weight is not None else None
+        db = g.sum(axis=lead) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """Layer normalisation over the last axis (Ba et al. 2016): (x - mean) / sqrt(var + eps) * weight + bias."""
-    mu = x.data.mean(axis=-1, keepdims=True)
-    xc = x.data - mu
-    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    xhat = xc * rstd
-    lead = tuple(range(x.ndim - 1))
-    parents = tuple(p for p in (x, weight, bias) if p is not None)
-
-    def backward(g: np.ndarray) -> list[np.ndarray]:
-        gh = g * weight.data if weight is not None else g
-        grads = [rstd * (gh - gh.mean(axis=-1, keepdims=True) - xhat * (gh * xhat).mean(axis=-1, keepdims=True))]
-        if weight is not None:
-            grads.append((g * xhat).sum(axis=lead))
-        if bias is not None:
-            grads.append(g.sum(axis=lead))
-        return grads
-
-    out = xhat * weight.data if weight is not None else xhat
-    if bias is not None:
-        out = out + bias.data
-    return Tensor._make(out, parents, backward)
+    return _LayerNorm.apply(x, weight, bias, eps)
 
 
 def embedding(weight: Tensor, idx: np.ndarray | Tensor) -> Tensor:
@@ -115,17 +143,48 @@ def mse_loss(pred: Tensor, target: np.ndarray | Tensor) -> Tensor:
     return (diff * diff).mean()
 
 
-def masked_fill(x: Tensor, mask: np.ndarray, value: float) -> Tensor:
-    """``value`` where ``mask`` is true (broadcast), ``x`` elsewhere; no gradient through the filled places."""
-    keep = ~np.broadcast_to(mask, x.shape)
-    return Tensor._make(np.where(keep, x.data, value).astype(x.dtype), (x,), lambda g: (g * keep,))
+class _Attention(Function):
+    """softmax(q k^T / sqrt(d_head)) v per head; keeps q, k, v and the softmax (Korthikanti et al.
+    2022, Sec. 4.1, without dropout), recomputes the head layouts in backward."""
 
+    @staticmethod
+    def heads(x: np.ndarray, n_heads: int) -> np.ndarray:
+        b, t, width = x.shape
+        return x.reshape(b, t, n_heads, width // n_heads).transpose(0, 2, 1, 3)
 
-def causal_mask(scores: Tensor) -> Tensor:
-    """Hide future positions: entry (i, j) of the last two axes becomes -inf where j > i."""
-    t_q, t_k = scores.shape[-2:]
-    future = np.triu(np.ones((t_q, t_k), dtype=bool), k=1 + t_k - t_q)
-    return masked_fill(scores, future, -np.inf)
+    @staticmethod
+    def forward(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
+                causal: bool) -> np.ndarray:
+        b, t_q, width = q.shape
+        t_k = k.shape[1]
+        scale = 1.0 / float(np.sqrt(width // n_heads))
+        qh, kh, vh = (_Attention.heads(x, n_heads) for x in (q, k, v))
+        p = qh @ kh.transpose(0, 1, 3, 2)
+        p *= scale
+        if causal:
+            p[..., np.triu(np.ones((t_q, t_k), dtype=bool), k=1 + t_k - t_q)] = -np.inf
+        p -= p.max(axis=-1, keepdims=True)
+        np.exp(p, out=p)
+        p /= p.sum(axis=-1, keepdims=True)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.n_heads, ctx.scale = n_heads, scale
+        return (p @ vh).transpose(0, 2, 1, 3).reshape(b, t_q, width)
+
+    @staticmethod
+    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        q, k, v, p = ctx.saved
+        n = ctx.n_heads
+        qh, kh, vh, gh = (_Attention.heads(x, n) for x in (q, k, v, g))
+        dv = p.transpose(0, 1, 3, 2) @ gh
+        dp = gh @ vh.transpose(0, 1, 3, 2)
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        ds *= ctx.scale
+        dq, dk = ds @ kh, ds.transpose(0, 1, 3, 2) @ qh
+
+        def merge(x: np.ndarray, like: np.ndarray) -> np.ndarray:
+            return x.transpose(0, 2, 1, 3).reshape(like.shape)
+
+        return merge(dq, q), merge(dk, k), merge(dv, v), None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, causal: bool = True) -> Tensor:
@@ -133,17 +192,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, causal: bool = True
 
     ``q, k, v`` are ``(batch, seq, n_heads * d_head)``; so is the result (heads concatenated).
     """
-    b, t_q, width = q.shape
-    t_k, hd = k.shape[1], width // n_heads
-
-    def heads(x: Tensor, t: int) -> Tensor:
-        return x.reshape(b, t, n_heads, hd).transpose(0, 2, 1, 3)
-
-    scores = (heads(q, t_q) @ heads(k, t_k).transpose(0, 1, 3, 2)) * (1.0 / float(np.sqrt(hd)))
-    if causal:
-        scores = causal_mask(scores)
-    y = softmax(scores) @ heads(v, t_k)
-    return y.transpose(0, 2, 1, 3).reshape(b, t_q, width)
+    if q.shape[-1] % n_heads:
+        raise ValueError(f"attention: width {q.shape[-1]} is not divisible by n_heads={n_heads}")
+    return _Attention.apply(q, k, v, n_heads, causal)
 
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:

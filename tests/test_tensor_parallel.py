@@ -20,6 +20,7 @@ from minipar import functional as F
 from minipar import launch, trace
 from minipar.autograd import Tensor
 from minipar.cost import tensor as formulas
+from minipar.memory import held_buffers, seq_mark
 from minipar.nn import GPT, Block, Embedding, Linear
 from minipar.optim import SGD, AdamW
 from minipar.parallel.tensor import (
@@ -232,9 +233,12 @@ def check_gpt(c: dict, results: list[dict]) -> None:
     for op, per_rank in want_bytes.items():  # chunks of the loss's all-reduces may differ by rank
         total = sum(got["bytes"].get(op, 0) for got in results)
         assert total == pytest.approx(t * per_rank if t > 1 else 0, rel=1e-12), op
-    if t > 1 and c["sp"]:  # all-gathers and reduce-scatters move equal bytes on every rank
+    if t > 1 and c["sp"]:  # the re-gathers: all-gathers exceed reduce-scatters by 2 per block + the head's
+        a = c["seq"] * c["batch"] * c["d"] * itemsize
         for got in results:
-            assert got["bytes"]["allgather"] == got["bytes"]["reduce_scatter"]
+            assert got["regathers"] == 2 * c["layers"] + 1
+            extra = got["bytes"]["allgather"] - got["bytes"]["reduce_scatter"]
+            assert extra == (2 * c["layers"] + 1) * (t - 1) * a // t
 
 
 @settings(max_examples=20)
@@ -273,10 +277,10 @@ def memory_run(comm, c: dict) -> dict:
 
 
 def test_sequence_parallel_divides_layer_norm_activations_by_t() -> None:
-    """Measured from the graph (every buffer once): the layer-norm/residual region (8 arrays per
-    block, 3 around) is t times smaller with SP; the tensor-parallel regions differ by exactly the
-    gathered whole-sequence inputs SP adds (2 per block, 1 for the head: without SP ``f`` passes the
-    layer-norm output itself); the logits are 1/t of the vocabulary either way."""
+    """Measured from the graph (every buffer once): the layer-norm/residual region (4 arrays per
+    block, 3 around) is t times smaller with SP, the tensor-parallel regions are the same (the
+    column-parallel linears keep the shard and gather again in backward); the logits are 1/t of
+    the vocabulary either way; backward releases everything."""
     c = {"vocab": 8, "seq": 8, "d": 8, "heads": 4, "ff": 16, "batch": 2, "seed": 1, "layers": 2}
     t, a = 4, 8 * 2 * 8 * 8  # a = seq x batch x d x 8 bytes
     for got in launch(memory_run, t, c=c):
@@ -284,11 +288,48 @@ def test_sequence_parallel_divides_layer_norm_activations_by_t() -> None:
         for flag in (False, True):
             assert got[flag]["peak"] == formulas.activation_bytes(
                 t, c["batch"], c["seq"], c["d"], c["heads"], c["ff"], 2, c["vocab"], 8, flag)
-        assert plain["activations/ln"] == t * sp["activations/ln"] == (8 * 2 + 3) * a
-        assert sp["activations/tp"] - plain["activations/tp"] == (2 * 2 + 1) * a
+        assert plain["activations/ln"] == t * sp["activations/ln"] == (4 * 2 + 3) * a
+        assert sp["activations/tp"] == plain["activations/tp"]
         assert plain["activations/logits"] == sp["activations/logits"] < 8 * 2 * c["vocab"] * 8
         for run_ in got.values():  # backward releases every layer's activations
             assert run_["final"] == dict.fromkeys(run_["peak"], 0)
+
+
+def block_memory_run(comm, c: dict) -> dict:
+    """The buffers one block's graph keeps for backward (made by the block), sorted by size."""
+    out = {}
+    for sp in (False, True):
+        blk = ParallelBlock(c["d"], c["heads"], comm, c["ff"], sp)
+        x = Tensor(rows(rand(0, c["seq"], c["batch"], c["d"]), comm, sp), requires_grad=True)
+        since = seq_mark()
+        out[sp] = sorted(n for _, n in held_buffers(blk(x), since).values())
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_one_layer_keeps_what_korthikanti_et_al_count(t: int) -> None:
+    """Korthikanti et al. 2022, Sec. 4.1 and Table 2: one layer keeps sbh (34/t + 5as/(ht)) bytes of
+    16-bit activations with tensor and sequence parallelism, sbh (10 + 24/t + 5as/(ht)) with tensor
+    parallelism alone. Without dropout four terms go: the softmax's dropout mask (as^2 b) and output
+    (2 as^2 b), and the 1-byte masks after attention and after the MLP (sbh each, on the shard under
+    SP). Measured here in float64 (8 bytes a number instead of 2), term by term."""
+    s, b, h, heads = 8, 2, 8, 4
+    c = {"seq": s, "batch": b, "d": h, "heads": heads, "ff": 4 * h}  # the paper's 4h MLP
+    w = 8
+    for got in launch(block_memory_run, t, c=c):
+        for sp, measured in got.items():
+            if sp:
+                paper = s * b * h * (34 / t + 5 * heads * s / (h * t))
+                dropout = heads * s * s * b / t + 2 * heads * s * s * b / t + 2 * s * b * h / t
+            else:
+                paper = s * b * h * (10 + 24 / t + 5 * heads * s / (h * t))
+                dropout = heads * s * s * b / t + 2 * heads * s * s * b / t + 2 * s * b * h
+            assert sum(measured) == (paper - dropout) / 2 * w, sp
+            ln = s * b * h * w // (t if sp else 1)  # ln1 output, residual 1, ln2 output, block output
+            local = s * b * h * w // t
+            terms = [ln, 3 * local, heads * s * s * b * w // t, local, ln, ln, 4 * local, 4 * local, ln]
+            assert measured == sorted(terms), sp  # q, k, v are one buffer: the fused projection's output
+            assert measured == sorted(formulas.layer_terms(t, b, s, h, heads, 4 * h, w, sp).values())
 
 
 def vocab_run(comm, c: dict) -> dict:

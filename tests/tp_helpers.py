@@ -40,7 +40,8 @@ def graph_arrays(t: Tensor) -> list[np.ndarray]:
 
 def summarise(events: list, rank: int) -> dict:
     """From one rank's trace events: collective calls (first messages) and bytes sent per block and
-    phase, bytes sent by op over the step, peak activation bytes by memory-sample label."""
+    phase, bytes sent by op over the step, peak activation bytes by memory-sample label, the number of
+    sequence-parallel re-gathers (marks)."""
     sends = [e for e in events if e.kind == "comm" and e.src == rank]
     calls: dict[tuple, Counter] = {}
     block_bytes: Counter = Counter()
@@ -56,4 +57,5 @@ def summarise(events: list, rank: int) -> dict:
     for e in events:
         if e.kind == "memory":
             peaks[e.name] = max(peaks.get(e.name, 0), e.nbytes)
-    return {"calls": calls, "block_bytes": block_bytes, "bytes": total, "peaks": peaks}
+    regathers = sum(1 for e in events if e.kind == "mark" and e.name == "re-gather")
+    return {"calls": calls, "block_bytes": block_bytes, "bytes": total, "peaks": peaks, "regathers": regathers}

@@ -11,11 +11,11 @@
    with sequence parallelism (Korthikanti et al. 2022), from the single-process initialisation, on
    the same batches: every step's loss equals the single-process model's.
 3. From the trace of the last step: collectives per transformer block (2 all-reduces forward, 2
-   backward; with sequence parallelism all-gathers and reduce-scatters of the same bytes) and the
-   bytes each rank sent, next to the formulas; activation bytes held per rank, measured from the
-   autograd graph (the layer-norm region shrinks by exactly t under sequence parallelism; the
-   tensor-parallel regions grow by the gathered whole-sequence inputs, which without it are the
-   layer-norm outputs themselves).
+   backward; with sequence parallelism all-gathers and reduce-scatters of the same bytes, plus 2
+   all-gathers in backward that gather the kept sequence shards again for the weight gradients)
+   and the bytes each rank sent, next to the formulas; activation bytes held per rank, measured
+   from the autograd graph: one layer keeps Korthikanti et al.'s sbh (34/t + 5as/(ht)) without the
+   dropout terms, and the layer-norm region shrinks by exactly t under sequence parallelism.
 Writes runs/04_tensor_parallel/{tp,tp_sp}.json and report.html; prints the timeline.
 """
 
@@ -182,11 +182,19 @@ def totals_table(traces: dict[str, mtrace.Trace]) -> Table:
     return table
 
 
+def layer_caption(t: int, batch: int = BATCH) -> str:
+    """One layer's bytes against Korthikanti et al. 2022 (Sec. 4.1), dropout terms removed."""
+    terms = formulas.layer_terms(t, batch, SEQ, D_MODEL, HEADS, D_FF, 8, sequence_parallel=True)
+    listed = ", ".join(f"{name} {n:,}" for name, n in terms.items())
+    return (f"one layer with TP+SP keeps (Korthikanti et al. sbh(34/t + 5as/(ht)) without dropout's terms, "
+            f"8-byte numbers): {listed}; total {sum(terms.values()):,} B. The column-parallel linears keep "
+            "only the sequence shard and all-gather it again in backward.")
+
+
 def memory_table(peaks: dict[str, dict[str, int]], t: int, layers: int = LAYERS, batch: int = BATCH) -> Table:
     table = Table(title="activation bytes held per rank at the end of the forward pass (measured: every "
                         "buffer the autograd graph keeps, once)", title_justify="left",
-                  caption="with sequence parallelism tp also keeps the all-gathered inputs of the "
-                          "column-parallel linears (2 per block, 1 for the head)", caption_justify="left")
+                  caption=layer_caption(t), caption_justify="left")
     for col in ("region", "no TP (formula)", "TP measured", "TP formula", "TP+SP measured", "TP+SP formula",
                 "ratio TP / TP+SP"):
         table.add_column(col, justify="right")

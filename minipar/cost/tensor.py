@@ -7,30 +7,29 @@ tokens ``(batch b, seq s)``, width ``d``, ``H`` heads, MLP width ``d_ff``, ``L``
 Collectives (Shoeybi et al. 2019 Sec. 3; Korthikanti et al. 2022 Sec. 4.2.2), ring algorithms:
 - per block without sequence parallelism: 2 all-reduces of ``A`` forward (``g`` after attention and
   after the MLP) and 2 backward (``f`` before them); each sends ``2 (t-1)/t A`` per rank.
-- with it: 2 all-gathers + 2 reduce-scatters forward and the same backward; each sends
-  ``(t-1)/t A``: the same total bytes as the all-reduces they replace.
+- with it: 2 all-gathers + 2 reduce-scatters forward; backward 2 reduce-scatters (the column-parallel
+  inputs' gradients), 2 all-gathers (``g-bar``'s backward) and 2 more all-gathers: the
+  column-parallel linears keep only the sequence shard and gather it again for their weight
+  gradients ("an extra all-gather", Korthikanti et al. Sec. 4.2.2). Each sends ``(t-1)/t A``: the
+  all-reduces' bytes plus the ``2 (t-1)/t A`` of the re-gathers.
 - around the blocks: the embedding (``g`` / reduce-scatter forward), the head's input (``f`` /
-  all-gather), the loss (3 all-reduces of ``s b`` numbers: max, sum of exponentials, target logit)
-  and, with sequence parallelism, one all-reduce of the replicated parameters' gradients.
+  all-gather, re-gathered in backward), the loss (3 all-reduces of ``s b`` numbers: max, sum of
+  exponentials, target logit) and, with sequence parallelism, one all-reduce of the replicated
+  parameters' gradients.
 
-Activation bytes kept for backward, as measured (``memory.held_buffers``: every distinct buffer
-the graph holds, views free; ``P = b (H/t) s^2 w`` one set of local attention scores, ``M = s b
-d_ff w / t`` one local MLP hidden, ``S = A/t`` with sequence parallelism and ``A`` without). This
-engine keeps every op's output until backward, so there are more terms than in Korthikanti et al.
-Sec. 4.1 (which counts what PyTorch saves), and the same split: per block ``ln = 8 S`` (two
-layer-norm outputs, two reduced row-parallel outputs, two bias sums, two residual sums: all on
-the sequence shard) and ``tp = 2A + 8A/t + 4P + 3M`` (two row-parallel partial sums ``A``; q, k, v
-before and after the bias ``6A/t``; scores, scaled, masked, softmax ``4P``; attention output
-``A/t`` and its heads merged ``A/t``, a copy unless one local head or one position; fc before and
-after the bias and gelu ``3M``), plus under sequence parallelism ``2A``: the gathered whole-sequence
-inputs of the column-parallel linears. Without it ``f`` hands over the layer-norm output itself
-(counted in ``ln``); with it the engine keeps the shard AND the gathered copy (Megatron keeps only
-the shard and gathers again in backward). So sequence parallelism divides ``ln`` by exactly t and
-adds exactly the gathered inputs to ``tp``. Around the blocks: ``ln`` + ``3 S`` (the embedding's
-reduced output and position sum, the final layer norm's output), ``tp`` + ``2A`` (the embedding
-rows and their masked copy, every position) + the head's gathered input ``A`` under sequence
-parallelism; ``logits`` = logits and the loss's saved softmax ``2 s b V w / t``, its saved target
-indices and mask ``s b (8 + 1)`` and the loss ``w``.
+Activation bytes kept for backward (Korthikanti et al. 2022 Sec. 4.1, Table 2), as measured by
+``memory.held_buffers``. Per layer the paper counts ``sbh (34 + 5as/h)`` bytes with 16-bit
+activations, ``sbh (10 + 24/t + 5as/(ht))`` with tensor parallelism and ``sbh (34/t + 5as/(ht))``
+with sequence parallelism too. minipar has no dropout, so four terms drop: the attention-softmax
+dropout mask (``as^2 b``) and its output (``2 as^2 b``), and the two 1-byte masks after attention
+and after the MLP (``sbh`` each). What stays is ``layer_terms``: in numbers, ``16 sbh / t + as^2 b
+/ t`` per layer with sequence parallelism (``4 sbh + 12 sbh / t + as^2 b / t`` without), times
+``w`` bytes each. The paper's 2 bytes of the layer-norm inputs are the block's input (the previous
+block's output) and its second residual sum; minipar counts each block's output to that block.
+Around the blocks: ``ln`` + ``3 S`` (the embedding's reduced output and position sum, the final
+layer norm's output; ``S = A/t`` under sequence parallelism, ``A`` without), ``tp`` + ``2A`` (the
+embedding rows and their masked copy, every position); ``logits`` = logits and the loss's saved
+softmax ``2 s b V w / t``, its saved target indices and mask ``s b (8 + 1)`` and the loss ``w``.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ from minipar.cost.collectives import ring_bytes as ring  # noqa: F401 - the less
 def collectives_per_block(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     """Calls per transformer block by phase: ``{"forward": {op: n}, "backward": {op: n}}``."""
     if sequence_parallel:
-        both = {"allgather": 2, "reduce_scatter": 2}
-        return {"forward": dict(both), "backward": dict(both)}
+        return {"forward": {"allgather": 2, "reduce_scatter": 2},
+                "backward": {"allgather": 4, "reduce_scatter": 2}}  # 2 of the all-gathers: re-gathers
     return {"forward": {"allreduce": 2}, "backward": {"allreduce": 2}}
 
 
@@ -57,12 +56,14 @@ def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize
     """Bytes each rank sends in one training step (forward, backward, ``sync_grads``), by op."""
     a = seq * batch * d * itemsize
     loss = 3 * ring("allreduce", seq * batch * itemsize, t)
-    calls = 4 * n_layers + 2  # blocks (2 forward, 2 backward), embedding, head input
     if not sequence_parallel:
+        calls = 4 * n_layers + 2  # blocks (2 forward, 2 backward), embedding, head input
         return {"allreduce": calls * ring("allreduce", a, t) + loss}
     grads = sequence_parallel_params(seq_len or seq, d, n_layers) * itemsize
-    return {"allgather": calls * ring("allgather", a, t),
-            "reduce_scatter": calls * ring("reduce_scatter", a, t),
+    gathers = 6 * n_layers + 3  # blocks; the embedding's backward; the head's input and its re-gather
+    scatters = 4 * n_layers + 2  # blocks; the embedding's forward; the head input's gradient
+    return {"allgather": gathers * ring("allgather", a, t),
+            "reduce_scatter": scatters * ring("reduce_scatter", a, t),
             "allreduce": loss + ring("allreduce", grads, t)}
 
 
@@ -70,9 +71,26 @@ def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
                 sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes each rank sends for one block, forward plus backward, by op."""
     a = seq * batch * d * itemsize
-    if sequence_parallel:
-        return {"allgather": 4 * ring("allgather", a, t), "reduce_scatter": 4 * ring("reduce_scatter", a, t)}
-    return {"allreduce": 4 * ring("allreduce", a, t)}
+    calls = collectives_per_block(sequence_parallel)
+    return {op: (calls["forward"].get(op, 0) + n) * ring(op, a, t) for op, n in calls["backward"].items()}
+
+
+def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
+                sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes one transformer layer keeps for backward on each rank, term by term: Korthikanti et al.
+    2022 Sec. 4.1 without the dropout terms (module docstring), in the order a block makes them."""
+    n, w = seq * batch, itemsize
+    shard = n * d * w // t if sequence_parallel else n * d * w  # the layer-norm region's tensors
+    local = n * d * w // t  # one of q, k, v or the attention output on this rank's heads
+    hidden = n * (d_ff // t) * w
+    return {"ln1 output (q k v input)": shard, "q k v": 3 * local,
+            "softmax": batch * (n_heads // t) * seq * seq * w, "attention output (proj input)": local,
+            "residual 1 (ln2 input)": shard, "ln2 output (fc input)": shard,
+            "gelu input": hidden, "gelu output (proj input)": hidden, "residual 2 (next ln1 input)": shard}
+
+
+LN_TERMS = ("ln1 output (q k v input)", "residual 1 (ln2 input)", "ln2 output (fc input)",
+            "residual 2 (next ln1 input)")  # the rest are made inside the tensor-parallel regions
 
 
 def activation_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, n_layers: int,
@@ -81,12 +99,10 @@ def activation_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: i
     """Activation bytes held per rank after the forward pass, by memory-sample label (module
     docstring); ``index_itemsize`` = bytes of the targets' integer type (int64: 8)."""
     w, n = itemsize, seq * batch
-    a, a_t = n * d * w, n * (d // t) * w
-    s_ = a_t if sequence_parallel else a
-    gathered = a if sequence_parallel else 0
-    scores = batch * (n_heads // t) * seq * seq * w
-    merged = a_t if n_heads // t > 1 and seq > 1 else 0  # numpy merges the heads by a view otherwise
-    per_tp = 2 * gathered + 2 * a + 6 * a_t + 4 * scores + a_t + merged + 3 * n * (d_ff // t) * w
-    return {"activations/ln": (8 * n_layers + 3) * s_,
-            "activations/tp": n_layers * per_tp + 2 * a + gathered,
+    a = n * d * w
+    s_ = a // t if sequence_parallel else a
+    terms = layer_terms(t, batch, seq, d, n_heads, d_ff, itemsize, sequence_parallel)
+    ln = sum(v for k, v in terms.items() if k in LN_TERMS)
+    return {"activations/ln": n_layers * ln + 3 * s_,
+            "activations/tp": n_layers * (sum(terms.values()) - ln) + 2 * a,
             "activations/logits": 2 * n * (vocab // t) * w + n * (index_itemsize + 1) + w}

@@ -1,10 +1,13 @@
 """Tensor parallelism: Megatron-LM (Shoeybi et al. 2019) with sequence parallelism (Korthikanti et
 al. 2022) and the vocabulary-parallel embedding and cross-entropy.
 
-- ``comm_ops.py``: the conjugate operators ``f`` and ``g`` and the sequence-parallel pair
-  ``sp_gather`` / ``sp_reduce_scatter`` as autograd ``Function``s; the activation meter.
-- ``layers.py``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``,
-  ``vocab_parallel_cross_entropy``; ``gather_state_dict`` / ``gather_grads``.
+- ``comm_ops.py``: the exit operators ``g`` and ``sp_reduce_scatter`` (Korthikanti et al.'s
+  ``g-bar``) as autograd ``Function``s; the activation meter.
+- ``layers.py``: ``ColumnParallelMatmul`` (``f`` or the sequence all-gather fused with the
+  column-parallel linear, re-gathering in backward), ``RowParallelMatmul`` (row-parallel linear,
+  ``g`` or the reduce-scatter, bias and residual add); ``ColumnParallelLinear``,
+  ``RowParallelLinear``, ``VocabParallelEmbedding``, ``vocab_parallel_cross_entropy``;
+  ``gather_state_dict`` / ``gather_grads``.
 - ``model.py``: ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, ``TensorParallelGPT``.
 
 What a step should cost (collectives, bytes per rank, activation bytes) is in ``minipar.cost.tensor``.
@@ -12,17 +15,17 @@ What a step should cost (collectives, bytes per rank, activation bytes) is in ``
 
 from minipar.parallel.tensor.comm_ops import (
     ActivationMeter,
-    enter_region,
     exit_region,
     f,
     g,
     gather_last,
-    sp_gather,
     sp_reduce_scatter,
 )
 from minipar.parallel.tensor.layers import (
     ColumnParallelLinear,
+    ColumnParallelMatmul,
     RowParallelLinear,
+    RowParallelMatmul,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_array,
@@ -41,9 +44,9 @@ from minipar.parallel.tensor.model import (
 )
 
 __all__ = [
-    "ActivationMeter", "ColumnParallelLinear", "ParallelAttention", "ParallelBlock", "ParallelMLP",
-    "RowParallelLinear", "TensorParallelGPT", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
-    "check_config", "enter_region", "exit_region", "f", "g", "gather_array", "gather_grads",
-    "gather_logits", "gather_state_dict", "gather_last", "sp_gather", "sp_reduce_scatter",
+    "ActivationMeter", "ColumnParallelLinear", "ColumnParallelMatmul", "ParallelAttention", "ParallelBlock",
+    "ParallelMLP", "RowParallelLinear", "RowParallelMatmul", "TensorParallelGPT", "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding", "check_config", "exit_region", "f", "g", "gather_array", "gather_grads",
+    "gather_logits", "gather_state_dict", "gather_last", "sp_reduce_scatter",
     "sync_sequence_parallel_grads", "vocab_parallel_cross_entropy",
 ]

@@ -10,16 +10,22 @@ partial sum of the output).
 Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Sec. 4.2.2, Fig. 5): "g is all-gather in the forward pass and reduce-scatter
 in the backward pass. g-bar is reduce-scatter in forward pass and all-gather in backward pass."
-Their ``g`` takes the place of Megatron's ``f`` (named ``sp_gather`` here) and their ``g-bar``
-takes the place of Megatron's ``g`` (``sp_reduce_scatter``), so layer norms and residual adds work
-on a 1/t sequence shard. "A ring all-reduce is composed of two steps: a reduce-scatter followed by
-an all-gather", so the bytes sent are the same as with ``f``/``g``.
+Their ``g`` takes the place of Megatron's ``f`` and their ``g-bar`` takes the place of Megatron's
+``g`` (``sp_reduce_scatter`` here), so layer norms and residual adds work on a 1/t sequence shard.
+"A ring all-reduce is composed of two steps: a reduce-scatter followed by an all-gather", so the
+bytes sent are the same as with ``f``/``g``.
+
+Where a region is entered, the entry operator (``f``, or Korthikanti et al.'s ``g``) is fused with
+the column-parallel linear that follows it (``layers.ColumnParallelMatmul``): keeping only the
+sequence shard means its backward must all-gather again, which only the fused op can do. The exit
+operators live here as ``Function``s (``g``, ``sp_reduce_scatter``, used by the vocabulary-parallel
+embedding) and, fused with the bias and residual add, in ``layers.RowParallelMatmul``.
 
 Layout: the comm layer gathers and scatters along axis 0, so activations inside the blocks are
 Megatron's ``[seq, batch, hidden]``: rank r's sequence shard is rows ``[r T/t, (r+1) T/t)``.
 
 Costs per call on t ranks for an activation of n bytes (ring): ``f``/``g`` all-reduce sends
-2(t-1)/t n bytes per rank; ``sp_gather``/``sp_reduce_scatter`` send (t-1)/t n each way.
+2(t-1)/t n bytes per rank; the all-gather and the reduce-scatter send (t-1)/t n each.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ ALGORITHM = "ring"  # hand-written ring collectives: every message is in the tra
 
 
 class f(Function):  # the paper's name
-    """Megatron's ``f``: identity forward, all-reduce (sum over the tensor-parallel group) backward."""
+    """Megatron's ``f``: identity forward, all-reduce (sum over the tensor-parallel group) backward.
+    The layers fuse it with the column-parallel linear (``layers.ColumnParallelMatmul``); on its
+    own it shows the operator, as in the lesson's walkthrough."""
 
     @staticmethod
     def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
@@ -58,20 +66,6 @@ class g(Function):  # the paper's name
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
         return grad, None
-
-
-class sp_gather(Function):  # Korthikanti et al.'s ``g``
-    """Sequence-parallel ``g``: all-gather the sequence shards (axis 0) forward, reduce-scatter the
-    gradient back to this rank's shard backward. Replaces Megatron's ``f`` under sequence parallelism."""
-
-    @staticmethod
-    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
-        ctx.comm = comm
-        return comm.allgather(x, algorithm=ALGORITHM)
-
-    @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
-        return ctx.comm.reduce_scatter(grad, op="sum", algorithm=ALGORITHM), None
 
 
 class sp_reduce_scatter(Function):  # Korthikanti et al.'s ``g-bar``
@@ -102,11 +96,6 @@ class gather_last(Function):  # Megatron's gather_from_tensor_model_parallel_reg
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
         lo = ctx.rank * ctx.width
         return np.ascontiguousarray(grad[..., lo:lo + ctx.width]), None
-
-
-def enter_region(x: Tensor, comm: Any, sequence_parallel: bool) -> Tensor:
-    """Into a tensor-parallel region: ``f`` (or ``sp_gather`` on a sequence shard)."""
-    return sp_gather.apply(x, comm) if sequence_parallel else f.apply(x, comm)
 
 
 def exit_region(x: Tensor, comm: Any, sequence_parallel: bool) -> Tensor:

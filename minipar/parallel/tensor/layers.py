@@ -9,8 +9,14 @@ With ``Y = X A`` and ``A`` of shape ``(in, out)`` (``minipar.nn.Linear``'s layou
   r computes the partial sum ``X_r A_r``; ``Y = sum_r X_r A_r`` needs one all-reduce forward (``g``).
   The bias is added once, after the reduction.
 
-Every sharded weight is a ``Parameter`` with ``full_shape`` and ``shard``, so ``init_parameters``
-gives each rank its slice of the single-process initialisation: the model starts identical.
+The two linears run as single autograd ops, as Megatron-LM runs them: ``ColumnParallelMatmul``
+(enter the region and multiply: Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``)
+and ``RowParallelMatmul`` (multiply, leave the region, add the bias and the residual: its
+row-parallel linear followed by bias-dropout-add, without dropout). Each keeps only its input for
+backward, which is what Korthikanti et al. 2022 (Sec. 4.1) count.
+
+Every sharded weight is a ``Parameter`` with ``full_shape`` and ``shard``, so each rank generates
+only its slice of the single-process initialisation: the model starts identical.
 ``gather_state_dict`` / ``gather_grads`` put the shards back together (all-gathers).
 """
 
@@ -21,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from minipar import functional as F
+from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.nn import Module, Parameter
-from minipar.parallel.tensor.comm_ops import ALGORITHM, enter_region, exit_region, gather_last
+from minipar.parallel.tensor.comm_ops import ALGORITHM, exit_region, gather_last
 
 
 def _split(n: int, t: int, rank: int, what: str, fix: str) -> tuple[int, int]:
@@ -33,13 +40,102 @@ def _split(n: int, t: int, rank: int, what: str, fix: str) -> tuple[int, int]:
     return rank * k, (rank + 1) * k
 
 
+def _rows(a: np.ndarray) -> np.ndarray:
+    """``a`` as a matrix of rows (every leading axis flattened): for weight gradients ``X^T dY``."""
+    return a.reshape(-1, a.shape[-1])
+
+
+class ColumnParallelMatmul(Function):
+    """Enter the tensor-parallel region and apply column-parallel linears, as one op:
+    ``[X A_1 + b_1, ..., X A_n + b_n]`` (concatenated on the last axis) with ``X = f(x)`` (Megatron's
+    ``f``: identity) or, under sequence parallelism, ``X = g(x)`` (Korthikanti et al.'s ``g``: the
+    all-gather of the sequence shards). Several linears share one entry (q, k and v, as Megatron's
+    fused QKV weight does).
+
+    Keeps only ``x``: under sequence parallelism the sequence shard, not the gathered ``X``. Backward
+    gathers it again for the weight gradient, as Korthikanti et al. 2022 (Sec. 4.2.2) and Megatron-LM
+    do ("an extra all-gather" in backward, marked ``re-gather`` in the trace). Backward:
+    ``dA_i = X^T dY_i``, ``db_i = sum dY_i``, ``dX = sum_i dY_i A_i^T``, then all-reduced (``f``'s
+    backward) or reduce-scattered (``g``'s) to the shape of ``x``.
+    Call as ``apply(x, comm, sequence_parallel, A_1, .., A_n, b_1, .., b_n)`` (a bias may be None).
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any, sequence_parallel: bool, *params: Any) -> np.ndarray:
+        n = len(params) // 2
+        weights, biases = params[:n], params[n:]
+        ctx.comm, ctx.sp, ctx.weights, ctx.has_bias = comm, sequence_parallel, weights, [b is not None for b in biases]
+        ctx.save_for_backward(x)
+        whole = comm.allgather(x, algorithm=ALGORITHM) if sequence_parallel else x
+        outs = [whole @ w if b is None else whole @ w + b for w, b in zip(weights, biases, strict=True)]
+        return outs[0] if n == 1 else np.concatenate(outs, axis=-1)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        (x,) = ctx.saved
+        if ctx.sp:
+            trace.mark("re-gather", nbytes=x.nbytes)
+            whole = ctx.comm.allgather(x, algorithm=ALGORITHM)
+        else:
+            whole = x
+        edges = np.cumsum([w.shape[1] for w in ctx.weights])[:-1]
+        d_weights, d_biases, dx = [], [], np.zeros(whole.shape, dtype=grad.dtype)
+        for w, g, has_bias in zip(ctx.weights, np.split(grad, edges, axis=-1), ctx.has_bias, strict=True):
+            d_weights.append(_rows(whole).T @ _rows(g))
+            d_biases.append(_rows(g).sum(axis=0) if has_bias else None)
+            dx += g @ w.T
+        if ctx.sp:
+            dx = ctx.comm.reduce_scatter(dx, op="sum", algorithm=ALGORITHM)
+        else:
+            dx = ctx.comm.allreduce(dx, op="sum", algorithm=ALGORITHM)
+        return (dx, None, None, *d_weights, *d_biases)
+
+
+class RowParallelMatmul(Function):
+    """Multiply, leave the tensor-parallel region, add the bias and the residual, as one op:
+    ``y = g(X_r A_r) + b + residual`` with Megatron's ``g`` (all-reduce of the ranks' partial sums)
+    or, under sequence parallelism, Korthikanti et al.'s ``g-bar`` (reduce-scatter: each rank keeps
+    its sequence shard). Megatron-LM's row-parallel linear followed by its fused bias-dropout-add,
+    without dropout.
+
+    Keeps only ``x`` (the partial sum and the reduced output are not kept). Backward: ``g-bar``'s
+    all-gather of the gradient (identity for ``g``), then ``dA_r = X_r^T dY``, ``dX_r = dY A_r^T``;
+    ``db = sum dY`` and ``d residual = dY`` on this rank's rows.
+    Call as ``apply(x, comm, sequence_parallel, A_r, b_or_None, residual_or_None)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Any, sequence_parallel: bool, weight: np.ndarray,
+                bias: np.ndarray | None, residual: np.ndarray | None) -> np.ndarray:
+        ctx.comm, ctx.sp, ctx.weight = comm, sequence_parallel, weight
+        ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+        ctx.save_for_backward(x)
+        partial = x @ weight
+        if sequence_parallel:
+            y = comm.reduce_scatter(partial, op="sum", algorithm=ALGORITHM)
+        else:
+            y = comm.allreduce(partial, op="sum", algorithm=ALGORITHM)
+        y = y + bias if bias is not None else np.array(y, copy=True)
+        if residual is not None:
+            y += residual
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        (x,) = ctx.saved
+        whole = ctx.comm.allgather(grad, algorithm=ALGORITHM) if ctx.sp else grad
+        d_bias = _rows(grad).sum(axis=0) if ctx.has_bias else None
+        return (whole @ ctx.weight.T, None, None, _rows(x).T @ _rows(whole), d_bias,
+                grad if ctx.has_residual else None)
+
+
 class ColumnParallelLinear(Module):
     """``Y = X A + b`` with ``A``'s columns (and ``b``) split: rank r owns columns ``[r n/t, (r+1) n/t)``.
 
-    ``forward(x)`` enters the region (``f``, or ``sp_gather`` when ``sequence_parallel``: ``x`` is
+    ``forward(x)`` enters the region (``f``, or the all-gather when ``sequence_parallel``: ``x`` is
     then a sequence shard along axis 0) and returns this rank's output columns, or all of them
-    when ``gather_output`` (one all-gather along the last axis). ``local(x)`` is the matmul alone,
-    for callers that entered the region once for several linears (q, k, v).
+    when ``gather_output`` (one all-gather along the last axis); one ``ColumnParallelMatmul``.
+    ``column_parallel(x, [q, k, v])`` enters once for several linears.
     Cost per rank: ``in * out / t`` weights, ``2 m in out / t`` flops for ``m`` rows.
     """
 
@@ -56,13 +152,16 @@ class ColumnParallelLinear(Module):
         self.bias = Parameter((hi - lo,), ("uniform", bound), dtype, full_shape=(out_features,),
                               shard=(slice(lo, hi),)) if bias else None
 
-    def local(self, x: Tensor) -> Tensor:
-        y = x @ self.weight
-        return y + self.bias if self.bias is not None else y
-
     def forward(self, x: Tensor) -> Tensor:
-        y = self.local(enter_region(x, self.comm, self.sequence_parallel))
+        y = column_parallel(x, [self])
         return gather_last.apply(y, self.comm) if self.gather_output else y
+
+
+def column_parallel(x: Tensor, linears: list[ColumnParallelLinear]) -> Tensor:
+    """``[lin(x) for lin in linears]`` concatenated on the last axis, entering the region once."""
+    first = linears[0]
+    return ColumnParallelMatmul.apply(x, first.comm, first.sequence_parallel, *(lin.weight for lin in linears),
+                                      *(lin.bias for lin in linears))
 
 
 class RowParallelLinear(Module):
@@ -70,9 +169,9 @@ class RowParallelLinear(Module):
     receives ``X_r``, the matching columns of the input (a column-parallel layer's output).
 
     The partial sums leave the region through ``g`` (all-reduce) or, when ``sequence_parallel``,
-    ``sp_reduce_scatter`` (each rank keeps its sequence shard). The bias is replicated and added
-    after the reduction; under sequence parallelism each rank sees only its shard's gradient of it,
-    so it is marked ``sequence_parallel`` for ``sync_sequence_parallel_grads``.
+    the reduce-scatter (each rank keeps its sequence shard); ``forward(x, residual)`` adds the bias
+    and the residual in the same op (``RowParallelMatmul``). The bias is replicated; under sequence
+    parallelism each rank sees only its shard's gradient of it, so ``grad_sync_params`` names it.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Any, bias: bool = True,
@@ -84,20 +183,13 @@ class RowParallelLinear(Module):
         self.weight = Parameter((hi - lo, out_features), ("uniform", bound), dtype,
                                 full_shape=(in_features, out_features), shard=(slice(lo, hi), slice(None)))
         self.bias = Parameter((out_features,), ("uniform", bound), dtype) if bias else None
-        if self.bias is not None:
-            self.bias.sequence_parallel = sequence_parallel
 
-    def partial(self, x: Tensor) -> Tensor:
-        """This rank's partial sum ``X_r A_r`` (full size: inside the tensor-parallel region)."""
-        return x @ self.weight
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        return RowParallelMatmul.apply(x, self.comm, self.sequence_parallel, self.weight, self.bias, residual)
 
-    def reduce(self, partial: Tensor) -> Tensor:
-        """Leave the region: sum the ranks' partial sums (``g`` or ``sp_reduce_scatter``), add the bias."""
-        y = exit_region(partial, self.comm, self.sequence_parallel)
-        return y + self.bias if self.bias is not None else y
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.reduce(self.partial(x))
+    def grad_sync_params(self) -> list[Parameter]:
+        """Replicated parameters that see only this rank's sequence shard's gradient."""
+        return [self.bias] if self.sequence_parallel and self.bias is not None else []
 
 
 class VocabParallelEmbedding(Module):

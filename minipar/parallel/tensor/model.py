@@ -12,9 +12,17 @@ One block, t ranks::
 
 ``f``/``g`` are all-reduces in backward/forward: 2 all-reduces forward and 2 backward per block.
 With ``sequence_parallel=True`` the residual stream and layer norms hold a ``1/t`` sequence shard,
-``f`` becomes an all-gather and ``g`` a reduce-scatter (same bytes). Layer-norm weights, the
-row-parallel biases and the position embedding then see only their shard's gradient:
-``sync_grads()`` all-reduces them (one all-reduce per step, as Megatron does).
+``f`` becomes an all-gather and ``g`` a reduce-scatter (same bytes), and the column-parallel
+linears keep only the shard, all-gathering it again in backward (2 more all-gathers per block).
+Layer-norm weights, the row-parallel biases and the position embedding then see only their shard's
+gradient: ``sync_grads()`` all-reduces them (one all-reduce per step, as Megatron does).
+
+The linears, layer norms, GELU and attention are single autograd ops that keep exactly the tensors
+Korthikanti et al. 2022 (Sec. 4.1) count, so the graph of one block holds, measured, their
+``sbh (34/t + 5as/(ht))`` minus the dropout terms (``minipar.cost.tensor``).
+
+Measurement (the ``F``/``B`` spans per block, the activation meter's samples) happens only while
+a trace records (``trace.current()``); otherwise a block is its math alone.
 
 Layout: tokens arrive ``(batch, seq)``; inside, activations are ``[seq, batch, hidden]`` (Megatron's
 layout) so the sequence is axis 0, the axis the comm layer gathers and scatters. The embedding
@@ -34,12 +42,13 @@ from minipar import trace
 from minipar.autograd import Tensor
 from minipar.memory import held_buffers, seq_mark
 from minipar.nn import LayerNorm, Module, ModuleList, Parameter
-from minipar.parallel.tensor.comm_ops import ActivationMeter, enter_region, exit_region, on_backward
+from minipar.parallel.tensor.comm_ops import ActivationMeter, exit_region, on_backward
 from minipar.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     check_tokens,
+    column_parallel,
     vocab_parallel_cross_entropy,
 )
 
@@ -93,6 +102,11 @@ class _Held:
                 self.bytes[label] += n
                 self.meter.hold(label, n)
 
+    @staticmethod
+    def window(held: _Held | None, label: str) -> Any:
+        """``held.region(label)``, or nothing when no trace records (``held`` is None)."""
+        return held.region(label) if held is not None else nullcontext()
+
     def release(self) -> None:
         for label, n in self.bytes.items():
             if n:
@@ -105,23 +119,22 @@ class ParallelMLP(Module):
 
     def __init__(self, d_model: int, d_ff: int, comm: Any, sequence_parallel: bool = False,
                  dtype: Any = np.float64) -> None:
-        self.comm, self.sequence_parallel = comm, sequence_parallel
         self.fc = ColumnParallelLinear(d_model, d_ff, comm, sequence_parallel=sequence_parallel, dtype=dtype)
         self.proj = RowParallelLinear(d_ff, d_model, comm, sequence_parallel=sequence_parallel, dtype=dtype)
 
-    def forward(self, x: Tensor, held: _Held | None = None) -> Tensor:
-        with held.region(TP) if held is not None else nullcontext():  # the tensor-parallel region
-            partial = self.proj.partial(F.gelu(self.fc(x)))
-        return self.proj.reduce(partial)
+    def forward(self, x: Tensor, residual: Tensor | None = None, held: _Held | None = None) -> Tensor:
+        """``residual + proj(gelu(fc(x)))``."""
+        with _Held.window(held, TP):  # the tensor-parallel region
+            h = F.gelu(self.fc(x))
+        return self.proj(h, residual)
 
 
 class ParallelAttention(Module):
     """Causal self-attention on this rank's ``n_heads/t`` heads: q, k, v column-parallel (columns of
-    head h are ``[h d_head, (h+1) d_head)``, contiguous per rank), proj row-parallel."""
+    head h are ``[h d_head, (h+1) d_head)``, contiguous per rank) entered once, proj row-parallel."""
 
     def __init__(self, d_model: int, n_heads: int, comm: Any, sequence_parallel: bool = False,
                  dtype: Any = np.float64) -> None:
-        self.comm, self.sequence_parallel = comm, sequence_parallel
         self.local_heads = n_heads // comm.size
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype}
         self.q = ColumnParallelLinear(d_model, d_model, comm, **kw)
@@ -129,34 +142,39 @@ class ParallelAttention(Module):
         self.v = ColumnParallelLinear(d_model, d_model, comm, **kw)
         self.proj = RowParallelLinear(d_model, d_model, comm, **kw)
 
-    def forward(self, x: Tensor, held: _Held | None = None) -> Tensor:
-        with held.region(TP) if held is not None else nullcontext():  # the tensor-parallel region
-            h = enter_region(x, self.comm, self.sequence_parallel)  # one f (or all-gather) for q, k, v
-            q, k, v = (lin.local(h).transpose(1, 0, 2) for lin in (self.q, self.k, self.v))
-            partial = self.proj.partial(F.attention(q, k, v, self.local_heads).transpose(1, 0, 2))
-        return self.proj.reduce(partial)
+    def forward(self, x: Tensor, residual: Tensor | None = None, held: _Held | None = None) -> Tensor:
+        """``residual + proj(attention(q(x), k(x), v(x)))``."""
+        with _Held.window(held, TP):  # the tensor-parallel region
+            qkv = column_parallel(x, [self.q, self.k, self.v])  # one f (or all-gather) for q, k, v
+            q, k, v = (part.transpose(1, 0, 2) for part in F.split(qkv, 3, axis=-1))
+            y = F.attention(q, k, v, self.local_heads).transpose(1, 0, 2)
+        return self.proj(y, residual)
 
 
 class ParallelBlock(Module):
     """Pre-norm block ``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` on ``[seq(/t), batch, d]``.
 
-    Forward is one ``F`` span, backward one ``B`` span (args ``layer``) in the trace, and the
-    activations its graph keeps are measured into ``activations/tp`` (made inside the attention's
-    and the MLP's tensor-parallel regions) and ``activations/ln`` (the rest: layer-norm outputs,
-    reduced outputs, bias and residual sums, all on the sequence shard under sequence parallelism)."""
+    While a trace records, forward is one ``F`` span, backward one ``B`` span (args ``layer``), and
+    the activations its graph keeps are measured into ``activations/tp`` (made inside the attention's
+    and the MLP's tensor-parallel regions: q k v, softmax, attention output, fc output and GELU
+    output) and ``activations/ln`` (the rest: layer-norm outputs and the two residual sums, on the
+    sequence shard under sequence parallelism)."""
 
     def __init__(self, d_model: int, n_heads: int, comm: Any, d_ff: int | None = None,
                  sequence_parallel: bool = False, layer: int = 0, dtype: Any = np.float64) -> None:
-        self.layer, self.meter = layer, ActivationMeter()
+        self.layer, self.meter, self.sequence_parallel = layer, ActivationMeter(), sequence_parallel
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = ParallelAttention(d_model, n_heads, comm, sequence_parallel, dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = ParallelMLP(d_model, d_ff or 4 * d_model, comm, sequence_parallel, dtype)
-        for ln in (self.ln1, self.ln2):
-            for p in ln.parameters():
-                p.sequence_parallel = sequence_parallel
+
+    def math(self, x: Tensor, held: _Held | None = None) -> Tensor:
+        x = self.attn(self.ln1(x), x, held)
+        return self.mlp(self.ln2(x), x, held)
 
     def forward(self, x: Tensor) -> Tensor:
+        if trace.current() is None:
+            return self.math(x)
         held, started = _Held(self.meter), [0.0]  # this forward's: released by its own backward
 
         def backward_starts() -> None:
@@ -170,11 +188,16 @@ class ParallelBlock(Module):
 
         with trace.span("F", args={"layer": self.layer}):
             x = on_backward.apply(x, backward_done)  # its backward runs after the whole block's
-            x = x + self.attn(self.ln1(x), held)
-            x = x + self.mlp(self.ln2(x), held)
-            out = on_backward.apply(x, backward_starts)  # its backward runs first
+            out = on_backward.apply(self.math(x, held), backward_starts)  # its backward runs first
             held.measure(out, LN)
             return out
+
+    def grad_sync_params(self) -> list[Parameter]:
+        """Replicated parameters used on a sequence shard: the layer norms and the proj biases."""
+        if not self.sequence_parallel:
+            return []
+        return [*self.ln1.parameters(), *self.ln2.parameters(), *self.attn.proj.grad_sync_params(),
+                *self.mlp.proj.grad_sync_params()]
 
 
 class TensorParallelGPT(Module):
@@ -203,8 +226,6 @@ class TensorParallelGPT(Module):
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = ColumnParallelLinear(d_model, vocab_size, comm, bias=False, sequence_parallel=sp,
                                          dtype=dtype)
-        for p in (*self.ln_f.parameters(), self.pos_emb.weight):
-            p.sequence_parallel = sp
         for block in self.blocks:
             block.meter = self.meter  # one meter for the whole model
 
@@ -226,13 +247,18 @@ class TensorParallelGPT(Module):
         self._check(idx)
         seq, t, r = idx.shape[1], self.comm.size, self.comm.rank
         lo, hi = (r * seq // t, (r + 1) * seq // t) if self.sequence_parallel else (0, seq)
-        with held.region(TP) if held is not None else nullcontext():  # vocabulary-parallel partial sums
+        with _Held.window(held, TP):  # vocabulary-parallel partial sums
             partial = self.tok_emb.partial(np.ascontiguousarray(idx.T))
         x = exit_region(partial, self.comm, self.sequence_parallel)
         return x + self.pos_emb.weight[lo:hi].reshape(hi - lo, 1, self.d_model)
 
     def local_logits(self, idx: np.ndarray) -> Tensor:
         """This rank's vocabulary slice of the logits, ``[seq, batch, V/t]`` (whole sequence)."""
+        if trace.current() is None:
+            x = self.embed(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
         self.meter.reset()
         with trace.span("F", args={"layer": "embed"}):
             emb = _Held(self.meter)
@@ -244,10 +270,8 @@ class TensorParallelGPT(Module):
             head = _Held(self.meter)
             x = on_backward.apply(x, head.release)  # released once backward has passed the head
             h = self.ln_f(x)
-            with head.region(TP):
-                h = enter_region(h, self.comm, self.sequence_parallel)
             with head.region(LOGITS):
-                logits = self.head.local(h)
+                logits = self.head(h)
             head.measure(logits, LN)
             return logits
 
@@ -262,6 +286,8 @@ class TensorParallelGPT(Module):
             raise ValueError(f"targets {targets.shape} must have the tokens' shape {np.shape(idx)}")
         check_tokens(targets, self.vocab_size, "targets")
         logits = self.local_logits(idx)
+        if trace.current() is None:
+            return vocab_parallel_cross_entropy(logits, np.ascontiguousarray(targets.T), self.comm)
         with trace.span("F", args={"layer": "loss"}):
             held = _Held(self.meter)  # the softmax and target indices the loss saves, the loss itself
             logits = on_backward.apply(logits, held.release)
@@ -270,18 +296,25 @@ class TensorParallelGPT(Module):
             return loss
 
     # ---- after backward ------------------------------------------------------------------------
+    def grad_sync_params(self) -> list[Parameter]:
+        """Replicated parameters used on a sequence shard (empty without sequence parallelism): every
+        block's, the final layer norm's and the position embedding."""
+        if not self.sequence_parallel:
+            return []
+        own = [*self.ln_f.parameters(), self.pos_emb.weight]
+        return [p for block in self.blocks for p in block.grad_sync_params()] + own
+
     def sync_grads(self) -> None:
         """``sync_sequence_parallel_grads(self, comm)``: call after ``backward``, before the optimizer."""
-        if self.sequence_parallel:
-            sync_sequence_parallel_grads(self, self.comm)
+        sync_sequence_parallel_grads(self, self.comm)
 
 
 def sync_sequence_parallel_grads(module: Module, comm: Any) -> None:
-    """All-reduce (one flat buffer, ring) the gradients of the parameters marked ``sequence_parallel``:
+    """All-reduce (one flat buffer, ring) the gradients of ``module.grad_sync_params()``: parameters
     replicated on every rank but used on a sequence shard (layer norms, row-parallel biases, the
     position embedding), so each rank holds only its shard's part. Megatron does the same after
-    backward. Nothing is sent when no parameter is marked."""
-    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    backward. Nothing is sent when there are none (no sequence parallelism)."""
+    params = module.grad_sync_params()
     if not params:
         return
     grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
