@@ -29,7 +29,8 @@ Trace (``minipar.trace``, same format as ``simulate``): compute spans "F"/"B" wi
 micro-batch, chunk (and ``args`` action, iteration), "opt" for the optimizer; memory samples
 "activations" after every change, ``nbytes`` = bytes the stashed micro-batches' graphs keep alive
 (``memory.activation_bytes``, plus the received input) and ``args["stashed"]`` = how many micro-batches are stashed (the
-simulator's count, so the measured peak equals ``simulate(...).peak_stash``); messages are recorded
+simulator's count, so the measured peak equals ``simulate(...).peak_stash``), measured only while a
+trace records (no graph walk otherwise); messages are recorded
 by the comm layer (op "send"), each side's event labelled with the stage, micro-batch and chunk of
 the SEND/RECV action in that rank's program, as the simulator labels them: the sender's event
 carries the stage the tensor leaves (``sSEND_F i``: stage s's output activation; ``sSEND_B i``:
@@ -235,7 +236,8 @@ class Pipeline:
     def _sample(self) -> None:
         n = len(self._stash)
         self.peak_stash = max(self.peak_stash, n)
-        trace.memory("activations", sum(self._stash_bytes.values()), args={"stashed": n})
+        if trace.current() is not None:
+            trace.memory("activations", sum(self._stash_bytes.values()), args={"stashed": n})
 
     def _F(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
@@ -255,14 +257,16 @@ class Pipeline:
             else:
                 self._outbox[("F", s, i)] = out.data
             self._stash[(s, i)] = (inp, out)
-            self._stash_bytes[(s, i)] = activation_bytes(out) + (inp.data.nbytes if isinstance(inp, Tensor) else 0)
+            if trace.current() is not None:  # measuring walks the graph: only while a trace records
+                held = activation_bytes(out) + (inp.data.nbytes if isinstance(inp, Tensor) else 0)
+                self._stash_bytes[(s, i)] = held
         self._sample()
 
     def _B(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
         with trace.span("B", **self._where(a)):
             inp, out = self._stash.pop((s, i))
-            del self._stash_bytes[(s, i)]
+            self._stash_bytes.pop((s, i), None)
             out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)))
             if s > 0:
                 grad = inp.grad if inp.grad is not None else np.zeros_like(inp.data)
