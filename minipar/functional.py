@@ -35,20 +35,43 @@ def log(x: Tensor) -> Tensor:
     return x.log()
 
 
+def _gelu_tanh(a: np.ndarray) -> np.ndarray:
+    """tanh(sqrt(2/pi) (a + 0.044715 a^3)) in one fresh array (a^3 as a * a * a: ``a**3`` is ~30x slower)."""
+    u = np.multiply(a, a, out=np.empty_like(a))  # an array even for a 0-d input, so out= works
+    u *= 0.044715
+    u += 1.0
+    u *= a
+    u *= _SQRT_2_OVER_PI
+    return np.tanh(u, out=u)
+
+
 class _Gelu(Function):
-    """GELU, tanh form (Hendrycks & Gimpel 2016); keeps its input, recomputes the tanh in backward."""
+    """GELU, tanh form (Hendrycks & Gimpel 2016); keeps its input, recomputes the tanh in backward.
+    Both directions work in place on one array: at these sizes every fresh temporary costs a pass."""
 
     @staticmethod
     def forward(ctx: Context, a: np.ndarray) -> np.ndarray:
         ctx.save_for_backward(a)
-        return 0.5 * a * (1.0 + np.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a**3)))
+        y = _gelu_tanh(a)
+        y += 1.0
+        y *= a
+        y *= 0.5  # 0.5 a (1 + t)
+        return y
 
     @staticmethod
     def backward(ctx: Context, g: np.ndarray) -> np.ndarray:
         (a,) = ctx.saved
-        t = np.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a**3))
-        dt = (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * a * a)
-        return g * (0.5 * (1.0 + t) + 0.5 * a * dt)
+        t = _gelu_tanh(a)
+        d = np.multiply(a, a, out=np.empty_like(a))
+        d *= 3 * 0.044715 * _SQRT_2_OVER_PI
+        d += _SQRT_2_OVER_PI  # du/da
+        d *= 1.0 - t * t  # dt/da
+        d *= a
+        d += t
+        d += 1.0
+        d *= 0.5  # d gelu / da = 0.5 (1 + t) + 0.5 a dt/da
+        d *= g
+        return d
 
 
 def gelu(x: Tensor) -> Tensor:
