@@ -185,7 +185,7 @@ class _Attention(Function):
         p = qh @ kh.transpose(0, 1, 3, 2)
         p *= scale
         if causal:
-            p[..., np.triu(np.ones((t_q, t_k), dtype=bool), k=1 + t_k - t_q)] = -np.inf
+            p += np.triu(np.full((t_q, t_k), -np.inf, dtype=p.dtype), k=1 + t_k - t_q)  # -inf above the diagonal
         p -= p.max(axis=-1, keepdims=True)
         np.exp(p, out=p)
         p /= p.sum(axis=-1, keepdims=True)
@@ -200,9 +200,10 @@ class _Attention(Function):
         qh, kh, vh, gh = (_Attention.heads(x, n) for x in (q, k, v, g))
         dv = p.transpose(0, 1, 3, 2) @ gh
         dp = gh @ vh.transpose(0, 1, 3, 2)
-        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-        ds *= ctx.scale
-        dq, dk = ds @ kh, ds.transpose(0, 1, 3, 2) @ qh
+        dp -= (dp * p).sum(axis=-1, keepdims=True)  # softmax backward, in place: ds = p (dp - sum(dp p))
+        dp *= p
+        dp *= ctx.scale
+        dq, dk = dp @ kh, dp.transpose(0, 1, 3, 2) @ qh
 
         def merge(x: np.ndarray, like: np.ndarray) -> np.ndarray:
             return x.transpose(0, 2, 1, 3).reshape(like.shape)
