@@ -91,9 +91,15 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return Tensor._make(y, (x,), lambda g: (g - np.exp(y) * g.sum(axis=axis, keepdims=True),))
 
 
+def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sum(a * b) over the last axis, kept as an axis of length 1, without the product array."""
+    return np.einsum("...i,...i->...", a, b)[..., None]
+
+
 def _normalise(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    xc = x - x.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    n = x.shape[-1]
+    xc = x - x.sum(axis=-1, keepdims=True) / n
+    rstd = 1.0 / np.sqrt(_rowdot(xc, xc) / n + eps)
     xc *= rstd
     return xc, rstd
 
@@ -117,13 +123,18 @@ class _LayerNorm(Function):
     @staticmethod
     def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
         (x,) = ctx.saved
+        n = x.shape[-1]
         xhat, rstd = _normalise(x, ctx.eps)
-        lead = tuple(range(x.ndim - 1))
-        gh = g * ctx.weight if ctx.weight is not None else g
-        dx = rstd * (gh - gh.mean(axis=-1, keepdims=True) - xhat * (gh * xhat).mean(axis=-1, keepdims=True))
-        dw = (g * xhat).sum(axis=lead) if ctx.weight is not None else None
-        db = g.sum(axis=lead) if ctx.has_bias else None
-        return dx, dw, db, None
+        rows_g, rows_xhat = g.reshape(-1, n), xhat.reshape(-1, n)
+        dw = np.einsum("ri,ri->i", rows_g, rows_xhat) if ctx.weight is not None else None  # sum of g xhat
+        db = rows_g.sum(axis=0) if ctx.has_bias else None
+        # dx = rstd (gh - mean(gh) - xhat mean(gh xhat)) with gh = g weight, built in place in gh
+        gh = g * ctx.weight if ctx.weight is not None else g.copy()
+        xhat *= _rowdot(gh, xhat) / n
+        gh -= gh.sum(axis=-1, keepdims=True) / n
+        gh -= xhat
+        gh *= rstd
+        return gh, dw, db, None
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
@@ -137,7 +148,9 @@ def embedding(weight: Tensor, idx: np.ndarray | Tensor) -> Tensor:
 
     def backward(g: np.ndarray) -> tuple[np.ndarray]:
         gw = np.zeros_like(weight.data)
-        np.add.at(gw, idx, g)
+        n = gw.shape[-1]
+        # add.at on flat positions (row * n + column) takes numpy's fast 1-D path; rows repeat, so not +=
+        np.add.at(gw.reshape(-1), (idx.reshape(-1, 1) * n + np.arange(n)).reshape(-1), g.reshape(-1))
         return (gw,)
 
     return Tensor._make(weight.data[idx], (weight,), backward)
