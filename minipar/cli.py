@@ -89,6 +89,7 @@ def _configure_simulate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    from minipar.cost import pipeline as pipeline_cost
     from minipar.parallel.pipeline import make_schedule, simulate
     from minipar.trace import save
 
@@ -100,8 +101,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     for rank, actions in sorted(schedule.items()):
         print(f"rank {rank}: {' '.join(str(a) for a in actions)}")
     p, m, v = args.stages, args.microbatches, args.chunks
+    formula = pipeline_cost.bubble_fraction(args.kind, p, m, v)
     print(f"makespan {result.makespan:g}   bubble fraction {result.bubble_fraction:.1%} "
-          f"(formula (p-1)/(v m + p - 1) = {(p - 1) / (v * m + p - 1):.1%})   "
+          f"(formula {pipeline_cost.bubble_formula(args.kind)} = {formula:.1%})   "
           f"peak stashed micro-batches per rank {[result.peak_stash[r] for r in range(p)]}")
     if args.output:
         save(result.trace, args.output)

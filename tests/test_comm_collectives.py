@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipar.comm import ALGORITHMS, chunk_bounds, launch, scatter_shape
+from minipar.comm import ALGORITHMS_BY_OP, chunk_bounds, launch, scatter_shape
 
 SHAPES = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 DTYPES = st.sampled_from(["float64", "float32", "int64"])
@@ -37,9 +37,9 @@ def close(a: np.ndarray, b: np.ndarray) -> None:
 def run_reductions(comm, seed, shape, dtype, op):
     x = data(seed, comm.rank, shape, dtype)
     before = x.copy()
-    out = {alg: comm.allreduce(x, op=op, algorithm=alg) for alg in ALGORITHMS["allreduce"]}
+    out = {alg: comm.allreduce(x, op=op, algorithm=alg) for alg in ALGORITHMS_BY_OP["allreduce"]}
     out.update({f"rs_{alg}": comm.reduce_scatter(x, op=op, algorithm=alg)
-                for alg in ALGORITHMS["reduce_scatter"]})
+                for alg in ALGORITHMS_BY_OP["reduce_scatter"]})
     out["reduce"] = comm.reduce(x, root=comm.size - 1, op=op)
     assert np.array_equal(x, before), "a collective modified its input"
     return out
@@ -59,10 +59,10 @@ def check_reductions(results, seed, shape, dtype, op):
     p = len(results)
     want = reference([data(seed, r, shape, dtype) for r in range(p)], op)
     for r, res in enumerate(results):
-        for alg in ALGORITHMS["allreduce"]:
+        for alg in ALGORITHMS_BY_OP["allreduce"]:
             close(res[alg], want)
         a, b = chunk_bounds(want.size, p)[r]
-        for alg in ALGORITHMS["reduce_scatter"]:
+        for alg in ALGORITHMS_BY_OP["reduce_scatter"]:
             close(res[f"rs_{alg}"], want.reshape(-1)[a:b].reshape(scatter_shape(shape, p, r)))
         if r == p - 1:
             close(res["reduce"], want)

@@ -14,10 +14,10 @@ import minipar
 from minipar import datasets, trace
 from minipar import functional as F
 from minipar.comm import RankError
+from minipar.cost import allreduce_bytes
 from minipar.nn import MLP, Module
 from minipar.optim import SGD, AdamW
 from minipar.parallel import param_server as ps
-from minipar.parallel.ddp import allreduce_bytes
 from minipar.testing import HarnessError, run
 
 SIZES = [6, 12, 12, 3]

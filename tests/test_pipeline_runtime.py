@@ -22,8 +22,6 @@ from minipar.optim import SGD, AdamW
 from minipar.parallel.pipeline import (
     KINDS,
     Pipeline,
-    gather_grads,
-    gather_state_dict,
     gpt,
     make_schedule,
     mlp,
@@ -104,7 +102,7 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
         formula = pipe.trace_meta(boundaries, steps=STEPS)["expected_bytes_by_rank"]["send"]
         msgs = sorted((e.name, e.src, e.dst, e.stage, e.microbatch, e.chunk, e.nbytes) for e in rec.events
                       if e.kind == "comm" and e.op == "send")
-        out.append({"losses": losses, "state": gather_state_dict(pipe), "grads": gather_grads(pipe),
+        out.append({"losses": losses, "state": pipe.full_state_dict(), "grads": pipe.full_grads(),
                     "peak": max(samples), "peak_attr": pipe.peak_stash, "spans": spans,
                     "held": held, "sent": sent, "msgs": msgs, "formula": formula})
     return out
@@ -231,7 +229,7 @@ def hand_written_run(comm, schedule, counts) -> tuple[list[float], dict | None]:
            "opt": "sgd"}
     pipe = Pipeline(comm, _model(cfg), schedule, layers=counts)
     opt = _optimizer(cfg, pipe.parameters())
-    return [pipe.step(x, y, opt) for x, y in _batches(cfg)], gather_state_dict(pipe)
+    return [pipe.step(x, y, opt) for x, y in _batches(cfg)], pipe.full_state_dict()
 
 
 @pytest.mark.parametrize("schedule", [
@@ -350,16 +348,16 @@ def test_stages_hold_only_their_layers_with_full_model_names_and_values():
 def formula_run(comm) -> tuple[list[int], list[int], str]:
     model = mlp([3, 4, 4, 4, 4, 4, 4, 4, 2], seed=0)
     plain = Pipeline(comm, model, "1f1b", microbatches=5).trace_meta(100, steps=2)
-    inter = Pipeline(comm, model, "interleaved", microbatches=4, chunks=2).message_bytes(100)
+    inter = Pipeline(comm, model, "interleaved", microbatches=4, chunks=2).trace_meta(100)
     try:
-        Pipeline(comm, model, "gpipe", microbatches=2).message_bytes([1, 2])
+        Pipeline(comm, model, "gpipe", microbatches=2).trace_meta([1, 2])
         error = ""
     except ValueError as exc:
         error = str(exc)
-    return plain["expected_bytes_by_rank"]["send"], inter, error
+    return plain["expected_bytes_by_rank"]["send"], inter["expected_bytes_by_rank"]["send"], error
 
 
-def test_message_bytes_first_and_last_stage_send_half():
+def test_send_bytes_first_and_last_stage_send_half():
     plain, inter, error = testing.run(formula_run, 4, "threads")[0]
     m, a = 5, 100  # 1F1B on 4 ranks, 2 steps: first and last rank m A per step, the middle ones 2 m A
     assert plain == [2 * m * a, 2 * 2 * m * a, 2 * 2 * m * a, 2 * m * a]

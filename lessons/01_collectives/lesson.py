@@ -31,9 +31,8 @@ from lessons.common import console, finish
 from minipar import trace
 from minipar.comm import Communicator, launch, world
 from minipar.comm.mpi import under_mpiexec
-from minipar.cost import allreduce_bytes
+from minipar.cost import ALLREDUCE_ALGORITHMS, allreduce_bytes
 
-ALGORITHMS = ("ring", "recursive_doubling", "naive", "native")
 OUT = Path("runs/01_collectives")
 MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p-1) n, others n",
          "native": ""}
@@ -52,7 +51,7 @@ def expected_bytes(n: int, itemsize: int, p: int) -> dict[str, dict[str, Any]]:
     scalar ``expected_bytes`` = ``{"allreduce/<alg>": bytes}`` for those whose formula gives every
     rank the same count (ring when p divides n, recursive doubling when p is a power of two)."""
     scalar, by_rank = {}, {}
-    for alg in ALGORITHMS:
+    for alg in ALLREDUCE_ALGORITHMS:
         per_rank = [formula_bytes(alg, n, itemsize, p, r) for r in range(p)]
         if None in per_rank:
             continue
@@ -82,27 +81,27 @@ def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.P
             **expected_bytes(n, x.itemsize, comm.size)}
     with trace.record(path, comm, **meta) as rec:
         trace.memory("input", x.nbytes)
-        for alg in ALGORITHMS:
+        for alg in ALLREDUCE_ALGORITHMS:
             trace.mark(f"allreduce {alg}")
             comm.barrier()
             results[alg] = comm.allreduce(x, algorithm=alg)
             trace.memory("results kept", sum(r.nbytes for r in results.values()))
     mine = [e for e in rec.events if e.kind == "comm" and e.op == "allreduce"]
     sent = {alg: sum(e.nbytes for e in mine if e.algorithm == alg and e.src == comm.world_rank)
-            for alg in ALGORITHMS}
+            for alg in ALLREDUCE_ALGORITHMS}
     steps = {alg: len({e.step for e in mine if e.algorithm == alg and e.step is not None})
-             for alg in ALGORITHMS}
-    times = {alg: [] for alg in ALGORITHMS}
+             for alg in ALLREDUCE_ALGORITHMS}
+    times = {alg: [] for alg in ALLREDUCE_ALGORITHMS}
     for _ in range(reps):
-        for alg in ALGORITHMS:
+        for alg in ALLREDUCE_ALGORITHMS:
             comm.barrier()
             t0 = time.perf_counter()
             comm.allreduce(x, algorithm=alg)
             times[alg].append(time.perf_counter() - t0)
-    agree = {alg: bool(np.allclose(results[alg], results["native"])) for alg in ALGORITHMS}
+    agree = {alg: bool(np.allclose(results[alg], results["native"])) for alg in ALLREDUCE_ALGORITHMS}
     table = comm.allgather_object((sent, steps, times, agree))
     rows = []
-    for alg in ALGORITHMS:
+    for alg in ALLREDUCE_ALGORITHMS:
         rows.append({
             "algorithm": alg,
             "steps": max(t[1][alg] for t in table),

@@ -42,6 +42,7 @@ from lessons.common import finish
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.comm import world
+from minipar.cost import pipeline as pipeline_cost
 from minipar.optim import AdamW
 from minipar.parallel.pipeline import Pipeline, format_schedule, gpt, gpt_layer_counts, make_schedule
 from minipar.parallel.pipeline import simulate as simulate_schedule
@@ -78,7 +79,7 @@ def train(comm: Any, kind: str, chunks: int = 1, steps: int = 3, microbatches: i
 def boundary_bytes(batch: int = BATCH, microbatches: int = MICROBATCHES) -> int:
     """Bytes of one micro-batch's activation between two GPT stages: (batch / m, seq, d_model) float64
     (the embedding's and every block's output have that shape). Each boundary between stages on two
-    ranks carries m of them forward and m gradients of the same size back (``Pipeline.message_bytes``),
+    ranks carries m of them forward and m gradients of the same size back (``minipar.cost.pipeline.send_bytes``),
     which the trace meta holds as the formula the report draws over the measured bytes."""
     return 8 * (batch // microbatches) * SEQ * D_MODEL
 
@@ -102,11 +103,6 @@ def stage_durations(trace: mtrace.Trace, n_stages: int) -> tuple[list[float], li
     return med["F"], med["B"]
 
 
-def formula_bubble(kind: str, p: int, m: int, v: int) -> float:
-    """Bubble share of the step for uniform stages: naive (p-1)/p, else (p-1)/(v m + p-1)."""
-    return (p - 1) / p if kind == "naive" else (p - 1) / (v * m + p - 1)
-
-
 def analyse(trace_path: str | os.PathLike[str], sim_path: str | os.PathLike[str] | None = None,
             ) -> dict[str, Any]:
     """Measured vs predicted for one recorded run; writes the simulator's trace to ``sim_path``."""
@@ -120,7 +116,7 @@ def analyse(trace_path: str | os.PathLike[str], sim_path: str | os.PathLike[str]
     peaks = {r: max((e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)),
                     default=0) for r in range(p)}
     return {"kind": kind, "p": p, "m": m, "v": v, "measured": schedule_bubble(trace),
-            "simulated": sim.bubble_fraction, "formula": formula_bubble(kind, p, m, v),
+            "simulated": sim.bubble_fraction, "formula": pipeline_cost.bubble_fraction(kind, p, m, v),
             "peak": peaks, "sim_peak": dict(sim.peak_stash), "forward": fwd, "backward": bwd,
             "step_time": max(e.t1 for e in trace.events if e.kind == "compute" and e.name in "FB")
             - min(e.t0 for e in trace.events if e.kind == "compute" and e.name in "FB"),

@@ -35,10 +35,11 @@ from lessons.common import console, finish
 from minipar import datasets, trace
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
+from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.nn import GPT, Module
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
-from minipar.parallel.ddp import ALGORITHMS, DistributedDataParallel, train_step
+from minipar.parallel.ddp import DistributedDataParallel, train_step
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, BATCH, LR = 16, 16, 32, 4, 2, 12, 1.0
 CAP = 16 * 1024  # bucket cap (bytes): the tiny GPT's 250 KB of gradients make several buckets
@@ -108,7 +109,7 @@ def ddp_run(comm: Any, algorithm: str, steps: int, out: Path) -> dict[str, Any]:
 def ps_run(comm: Any, mode: str, k: int, steps: int, out: Path) -> dict[str, Any]:
     name = "ps_sync" if mode == "sync" else f"ps_async_k{k}"
     path = out / f"{name}.json"
-    meta = ps.trace_meta(model(), comm.size, 1, steps, mode, k)
+    meta = ps.run_meta(model(), comm.size, 1, steps, mode, k)
     t0 = time.perf_counter()
     with trace.record(path, comm, lesson="03_data_parallel", straggler=STRAGGLER, **meta) as rec:
         result = ps.train(comm, model(), loss_fn, batch, steps, n_servers=1, mode=mode, staleness=k,
@@ -129,7 +130,7 @@ def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
     if comm.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     comm.barrier()
-    ddp = {alg: ddp_run(comm, alg, steps, out) for alg in ALGORITHMS}
+    ddp = {alg: ddp_run(comm, alg, steps, out) for alg in ALLREDUCE_ALGORITHMS}
     runs = [ps_run(comm, "sync", 0, steps, out)] + [ps_run(comm, "async", k, steps, out) for k in (0, 2, 4)]
     return {"ddp": ddp, "ps": runs, "p": comm.size, "backend": comm.backend} if comm.rank == 0 else {}
 
@@ -141,16 +142,16 @@ def ddp_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
                    title_justify="left")
     losses.add_column("step", justify="right")
     losses.add_column("single process", justify="right")
-    for alg in ALGORITHMS:
+    for alg in ALLREDUCE_ALGORITHMS:
         losses.add_column(alg, justify="right")
     for s, r in enumerate(ref):
-        losses.add_row(str(s), f"{r:.10f}", *[f"{ddp[a]['losses'][s]:.10f}" for a in ALGORITHMS])
-    b = ddp[ALGORITHMS[0]]["buckets"]
+        losses.add_row(str(s), f"{r:.10f}", *[f"{ddp[a]['losses'][s]:.10f}" for a in ALLREDUCE_ALGORITHMS])
+    b = ddp[ALLREDUCE_ALGORITHMS[0]]["buckets"]
     traffic = Table(title=f"all-reduce bytes sent per rank over all steps: {len(b)} buckets of <= {CAP:,} B "
                     f"({sum(b):,} B of gradients)", title_justify="left")
     for col in ("algorithm", "trace, by rank", "formula, by rank", "match", "wall time"):
         traffic.add_column(col, justify="right")
-    for alg in ALGORITHMS:
+    for alg in ALLREDUCE_ALGORITHMS:
         d = ddp[alg]
         hidden = alg == "native"
         traffic.add_row(alg, "(inside MPI)" if hidden else " ".join(f"{v:,}" for v in d["sent"]),
@@ -234,8 +235,8 @@ def main() -> None:
     out.print(f"per step: the server sends {hub_step:,} B and receives as much; "
               f"a ring rank sends {ring_step:,} B (2(p-1)/p n), spread over one link",
               highlight=False)
-    paths = [res["ddp"][a]["path"] for a in ALGORITHMS] + [r["path"] for r in runs]
-    titles = [f"DDP {a}" for a in ALGORITHMS] + [r["name"] for r in runs]
+    paths = [res["ddp"][a]["path"] for a in ALLREDUCE_ALGORITHMS] + [r["path"] for r in runs]
+    titles = [f"DDP {a}" for a in ALLREDUCE_ALGORITHMS] + [r["name"] for r in runs]
     from viz.terminal import print_timeline
 
     out.rule("[bold]timeline: DDP with the ring (bucket all-reduces run while backward goes on)")

@@ -34,6 +34,7 @@ from lessons.common import finish
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.comm import world
+from minipar.cost import ring_bytes
 from minipar.cost import tensor as formulas
 from minipar.nn import GPT
 from minipar.optim import AdamW
@@ -80,9 +81,9 @@ def picture_summary(results: list[dict[str, Any]]) -> str:
     t, res = len(results), results[0]
     n = res["y"].nbytes
     return (f"column split: every rank owns whole output columns; Y needs an ALL-GATHER, ring formula "
-            f"(t-1)/t x {n} B = {formulas.ring('allgather', n, t):.0f} B per rank.\n"
+            f"(t-1)/t x {n} B = {ring_bytes('allgather', n, t):.0f} B per rank.\n"
             f"row split: every rank owns a full-size partial sum; Y needs an ALL-REDUCE, ring formula "
-            f"2(t-1)/t x {n} B = {formulas.ring('allreduce', n, t):.0f} B per rank.\n"
+            f"2(t-1)/t x {n} B = {ring_bytes('allreduce', n, t):.0f} B per rank.\n"
             f"both equal X W: {np.array_equal(res['y_col'], res['y'])}, "
             f"{np.allclose(res['y_row'], res['y'])}. Megatron: column split first, row split second, "
             "so the pair needs one all-reduce and nothing in between.")
@@ -164,7 +165,7 @@ def traffic_table(trace: mtrace.Trace, t: int, sp: bool, batch: int = BATCH) -> 
         phase = "forward" if name == "F" else "backward"
         calls = ", ".join(f"{n} {op}" for op, (n, _) in ops.items()) or "-"
         sent = sum(b for _, b in ops.values())
-        want = sum(n * formulas.ring(op, a, t) for op, n in per_call[phase].items())
+        want = sum(n * ring_bytes(op, a, t) for op, n in per_call[phase].items())
         table.add_row(str(layer), phase, calls, f"{sent:,}", f"{want:,.0f}")
     return table
 

@@ -20,12 +20,12 @@ for mismatches in debug mode (``MINIPAR_DEBUG=1``).
 """
 
 from minipar.comm.base import Request
-from minipar.comm.collectives import ALGORITHMS, OPS, Communicator, scatter_shape
+from minipar.comm.collectives import ALGORITHMS_BY_OP, OPS, Communicator, scatter_shape
 from minipar.comm.errors import Aborted, CollectiveMismatch, CommError, CommTimeout, RankError
 from minipar.comm.launch import launch, world
 from minipar.comm.ring import chunk_bounds
 
 __all__ = [
-    "ALGORITHMS", "OPS", "Aborted", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator",
+    "ALGORITHMS_BY_OP", "OPS", "Aborted", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator",
     "RankError", "Request", "chunk_bounds", "launch", "scatter_shape", "world",
 ]

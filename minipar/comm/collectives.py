@@ -25,7 +25,7 @@ from minipar.comm.base import PointToPoint, Request, as_array
 from minipar.comm.errors import CollectiveMismatch
 
 OPS = ("sum", "mean", "max")
-ALGORITHMS = {
+ALGORITHMS_BY_OP = {
     "allreduce": ("ring", "recursive_doubling", "naive", "native"),
     "reduce_scatter": ("ring", "native"),
     "allgather": ("ring", "native"),
@@ -59,8 +59,8 @@ class Communicator(PointToPoint):
 
     # ---- checks ----------------------------------------------------------------------------
     def _check(self, name: str, algorithm: str, arr: np.ndarray | None = None, op: str | None = None) -> None:
-        if algorithm not in ALGORITHMS.get(name, (algorithm,)):
-            raise ValueError(f"{name}: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS[name]}")
+        if algorithm not in ALGORITHMS_BY_OP.get(name, (algorithm,)):
+            raise ValueError(f"{name}: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS_BY_OP[name]}")
         if op is not None:
             if op not in OPS:
                 raise ValueError(f"{name}: unknown op {op!r}; choose one of {OPS}")

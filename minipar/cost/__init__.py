@@ -1,13 +1,16 @@
 """Every byte, memory and time formula minipar's measurements are held against: one home.
 
-- ``collectives.py``: bytes per rank of each collective algorithm (ring, recursive doubling, naive).
+- ``collectives.py``: bytes per rank of each collective algorithm (ring, recursive doubling, naive)
+  and their time in the alpha-beta-gamma model.
+- ``data.py``: DDP's bytes per step, the parameter server's links.
+- ``pipeline.py``: bubble, stashed micro-batches, bytes across stage boundaries.
 - ``tensor.py``: Megatron tensor (and sequence) parallelism: collectives per block, bytes per rank,
-  activation bytes kept for backward.
+  activation bytes kept for backward (Korthikanti et al.'s terms).
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
 ``docs/formulas.md``.
 """
 
-from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, ring_bytes
+from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
 
-__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "ring_bytes"]
+__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "ring_bytes"]

@@ -1,16 +1,22 @@
-"""Communication cost formulas that traces are held against (DESIGN.md, "Reference formulas").
+"""Collectives: bytes per rank and time in the alpha-beta-gamma model.
 
 - ``ring_bytes(op, nbytes, p)``: the closed form for one rank in a ring collective on ``p`` ranks:
   all-reduce ``2(p-1)/p n``, reduce-scatter and all-gather ``(p-1)/p n``.
 - ``allreduce_bytes(numel, itemsize, p, rank, algorithm)``: the exact payload bytes ``rank`` sends in
-  one all-reduce as ``minipar.comm`` runs it, for any length (chunks cut like ``np.array_split``).
+  one all-reduce, for any length (chunks cut like ``np.array_split``), derived here from the
+  algorithms' definitions, not from ``minipar.comm``'s code.
+- ``collective_time(op, algorithm, nbytes, p, alpha, beta, gamma)``: the alpha-beta-gamma model of
+  Thakur, Rabenseifner and Gropp 2005 (and Chan et al. 2007): a message of ``m`` bytes costs
+  ``alpha + m beta``, reducing ``m`` bytes ``m gamma``.
 """
 
 from __future__ import annotations
 
-from minipar.comm.ring import chunk_bounds
+import math
 
-ALLREDUCE_ALGORITHMS = ("ring", "recursive_doubling", "naive", "native")
+from minipar.comm.collectives import ALGORITHMS_BY_OP
+
+ALLREDUCE_ALGORITHMS = ALGORITHMS_BY_OP["allreduce"]
 
 
 def ring_bytes(op: str, nbytes: float, p: int) -> float:
@@ -38,7 +44,7 @@ def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str
     if p == 1 or algorithm == "native":
         return 0
     if algorithm == "ring":
-        sizes = [b - a for a, b in chunk_bounds(numel, p)]
+        sizes = [numel // p + (i < numel % p) for i in range(p)]  # np.array_split's chunks
         return (2 * numel - sizes[rank] - sizes[(rank + 1) % p]) * itemsize
     if algorithm == "naive":
         return (p - 1) * n if rank == 0 else n
@@ -47,3 +53,31 @@ def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str
     if rank < 2 * extra:
         return n if rank % 2 == 0 else (lg + 1) * n
     return lg * n
+
+
+def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float, beta: float,
+                    gamma: float = 0.0) -> float:
+    """Time of one collective of ``nbytes`` on ``p`` ranks (alpha: latency per message, beta: seconds
+    per byte, gamma: seconds per byte reduced). Thakur et al. 2005, Sec. 4:
+
+    - ring all-reduce ``2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma``; ring reduce-scatter
+      ``(p-1) alpha + (p-1)/p n (beta + gamma)``; ring all-gather ``(p-1) alpha + (p-1)/p n beta``;
+    - recursive-doubling all-reduce ``lg p (alpha + n beta + n gamma)`` (p a power of two);
+    - naive all-reduce (gather to one rank, reduce, send back; its links are sequential)
+      ``2(p-1)(alpha + n beta) + (p-1) n gamma``.
+    """
+    if p == 1:
+        return 0.0
+    n, steps = nbytes, p - 1
+    if algorithm == "ring":
+        if op == "allreduce":
+            return 2 * steps * alpha + 2 * steps / p * n * beta + steps / p * n * gamma
+        if op == "reduce_scatter":
+            return steps * alpha + steps / p * n * (beta + gamma)
+        if op == "allgather":
+            return steps * alpha + steps / p * n * beta
+    if op == "allreduce" and algorithm == "recursive_doubling":
+        return math.ceil(math.log2(p)) * (alpha + n * beta + n * gamma)
+    if op == "allreduce" and algorithm == "naive":
+        return 2 * steps * (alpha + n * beta) + steps * n * gamma
+    raise ValueError(f"no alpha-beta-gamma formula for {op} with {algorithm!r}")

@@ -34,7 +34,7 @@ softmax ``2 s b V w / t``, its saved target indices and mask ``s b (8 + 1)`` and
 
 from __future__ import annotations
 
-from minipar.cost.collectives import ring_bytes as ring  # noqa: F401 - the lesson and notebook use formulas.ring
+from minipar.cost.collectives import ring_bytes
 
 
 def collectives_per_block(sequence_parallel: bool) -> dict[str, dict[str, int]]:
@@ -55,16 +55,16 @@ def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize
                    sequence_parallel: bool = False, seq_len: int | None = None) -> dict[str, float]:
     """Bytes each rank sends in one training step (forward, backward, ``sync_grads``), by op."""
     a = seq * batch * d * itemsize
-    loss = 3 * ring("allreduce", seq * batch * itemsize, t)
+    loss = 3 * ring_bytes("allreduce", seq * batch * itemsize, t)
     if not sequence_parallel:
         calls = 4 * n_layers + 2  # blocks (2 forward, 2 backward), embedding, head input
-        return {"allreduce": calls * ring("allreduce", a, t) + loss}
+        return {"allreduce": calls * ring_bytes("allreduce", a, t) + loss}
     grads = sequence_parallel_params(seq_len or seq, d, n_layers) * itemsize
     gathers = 6 * n_layers + 3  # blocks; the embedding's backward; the head's input and its re-gather
     scatters = 4 * n_layers + 2  # blocks; the embedding's forward; the head input's gradient
-    return {"allgather": gathers * ring("allgather", a, t),
-            "reduce_scatter": scatters * ring("reduce_scatter", a, t),
-            "allreduce": loss + ring("allreduce", grads, t)}
+    return {"allgather": gathers * ring_bytes("allgather", a, t),
+            "reduce_scatter": scatters * ring_bytes("reduce_scatter", a, t),
+            "allreduce": loss + ring_bytes("allreduce", grads, t)}
 
 
 def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
@@ -72,7 +72,7 @@ def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
     """Bytes each rank sends for one block, forward plus backward, by op."""
     a = seq * batch * d * itemsize
     calls = collectives_per_block(sequence_parallel)
-    return {op: (calls["forward"].get(op, 0) + n) * ring(op, a, t) for op, n in calls["backward"].items()}
+    return {op: (calls["forward"].get(op, 0) + n) * ring_bytes(op, a, t) for op, n in calls["backward"].items()}
 
 
 def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,

@@ -49,8 +49,8 @@ import numpy as np
 
 from minipar import trace
 from minipar.autograd import Tensor
-from minipar.cost import ALLREDUCE_ALGORITHMS as ALGORITHMS
-from minipar.cost import allreduce_bytes
+from minipar.cost import ALLREDUCE_ALGORITHMS
+from minipar.cost import data as cost
 from minipar.datasets import shard
 from minipar.nn import Module, Parameter
 from minipar.optim import Optimizer
@@ -122,9 +122,9 @@ class DistributedDataParallel:
 
     def __init__(self, module: Module, comm: Any, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
                  algorithm: str = "ring", broadcast_from: int = 0, overlap: bool = True) -> None:
-        if algorithm not in ALGORITHMS:
+        if algorithm not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"DistributedDataParallel: unknown algorithm {algorithm!r}; "
-                             f"choose one of {ALGORITHMS}")
+                             f"choose one of {ALLREDUCE_ALGORITHMS}")
         if not isinstance(broadcast_from, int) or not 0 <= broadcast_from < comm.size:
             raise ValueError(f"DistributedDataParallel: broadcast_from={broadcast_from!r} is not a rank "
                              f"of the communicator (size {comm.size}); pick 0..{comm.size - 1}")
@@ -230,8 +230,8 @@ class DistributedDataParallel:
     def bytes_per_step(self, rank: int | None = None) -> int:
         """Exact all-reduce bytes ``rank`` (default: this rank) sends per synchronised step."""
         r = self.comm.rank if rank is None else rank
-        return sum(allreduce_bytes(b.numel, b.dtype.itemsize, self.comm.size, r, self.algorithm)
-                   for b in self.buckets)
+        return cost.ddp_bytes([(b.numel, b.dtype.itemsize) for b in self.buckets], self.comm.size, r,
+                              self.algorithm)
 
     def trace_meta(self, steps: int) -> dict[str, Any]:
         """Trace metadata: the config and ``expected_bytes`` (per rank, over ``steps`` synced steps;

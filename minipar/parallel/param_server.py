@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
+from minipar.cost import data as cost
 from minipar.datasets import shard
 from minipar.nn import Module, Parameter
 from minipar.optim import SGD, Optimizer
@@ -103,6 +104,10 @@ class Layout:
     def shard_bytes(self, s: int) -> int:
         return sum(self.named[i][1].data.nbytes for i in self.owned[s])
 
+    def shard_sizes(self) -> list[int]:
+        """Bytes each server owns, by server."""
+        return [self.shard_bytes(s) for s in self.servers]
+
     def flat(self, s: int, attr: str) -> np.ndarray:
         return np.concatenate([getattr(self.named[i][1], attr).reshape(-1) for i in self.owned[s]])
 
@@ -119,33 +124,26 @@ class Layout:
 
 
 def link_bytes(model: Module, world_size: int, n_servers: int, steps: int) -> dict[tuple[int, int], int]:
-    """Exact payload bytes per directed link ``(src, dst)`` over ``steps`` steps with no failure:
-    server -> worker ``steps * n_s`` (pulls), worker -> server the same (pushes)."""
-    lay = Layout(model, world_size, n_servers)
-    out = {}
-    for s in lay.servers:
-        for w in lay.workers:
-            out[(s, w)] = out[(w, s)] = steps * lay.shard_bytes(s)
-    return out
+    """Payload bytes per directed link ``(src, dst)`` over ``steps`` steps with no failure, for this
+    model's layout (``minipar.cost.data.ps_link_bytes``)."""
+    return cost.ps_link_bytes(Layout(model, world_size, n_servers).shard_sizes(), world_size, steps)
 
 
-def trace_meta(model: Module, world_size: int, n_servers: int, steps: int, mode: str,
-               staleness: int = 0) -> dict[str, Any]:
-    """Trace metadata: config and ``expected_bytes`` (pull: per server, the mean over servers;
-    push: per worker) plus the exact ``expected_bytes_by_rank``."""
+def run_meta(model: Module, world_size: int, n_servers: int, steps: int, mode: str,
+             staleness: int = 0) -> dict[str, Any]:
+    """Trace metadata of a run: config and ``expected_bytes`` (pull: per server, the mean over
+    servers; push: per worker) plus the exact ``expected_bytes_by_rank`` (``cost.data.ps_bytes``)."""
     lay = Layout(model, world_size, n_servers)
     n_w = len(lay.workers)
-    pull = [steps * n_w * lay.shard_bytes(r) if r < n_servers else 0 for r in range(world_size)]
-    n = sum(lay.shard_bytes(s) for s in lay.servers)
-    push = [0 if r < n_servers else steps * n for r in range(world_size)]
+    by_rank = cost.ps_bytes(lay.shard_sizes(), world_size, steps)
     label = f"async, k={staleness}" if mode == "async" else "sync"
     return {"paradigm": f"parameter server ({label})",
             "mode": mode, "staleness": staleness, "servers": n_servers, "workers": n_w, "steps": steps,
-            "expected_bytes": {"pull": sum(pull) / n_servers, "push": sum(push) / n_w},
-            "expected_bytes_by_rank": {"pull": pull, "push": push}}
+            "expected_bytes": {"pull": sum(by_rank["pull"]) / n_servers, "push": sum(by_rank["push"]) / n_w},
+            "expected_bytes_by_rank": by_rank}
 
 
-def check_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]],
+def check_ps_config(comm: Any, model: Module, batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]],
                  steps: int, n_servers: int, mode: str, staleness: int, silence_timeout: float,
                  stop_at: dict[int, int], slow: dict[int, float]) -> None:
     """Reject a bad configuration with the same ``ValueError`` on every rank, before any message."""
@@ -197,7 +195,7 @@ def train(comm: Any, model: Module, loss_fn: Callable[[Module, np.ndarray, np.nd
     steps (a straggler); ``stop_at={rank: step}`` silences a worker (see the module docstring).
     """
     stop_at, slow = dict(stop_at or {}), dict(slow or {})
-    check_config(comm, model, batch_fn, steps, n_servers, mode, staleness, silence_timeout, stop_at, slow)
+    check_ps_config(comm, model, batch_fn, steps, n_servers, mode, staleness, silence_timeout, stop_at, slow)
     lay = Layout(model, comm.size, n_servers)
     if comm.rank < n_servers:
         return _serve(comm, lay, optimizer, steps, mode, staleness, silence_timeout)

@@ -24,9 +24,9 @@ __all__ = [
 
 # The runtime (partition.py, runtime.py): cut a model into stages and run any valid schedule over ranks.
 from .partition import LayeredModel, Stage, build_stage, gpt, gpt_layer_counts, mlp, split_layers  # noqa: E402
-from .runtime import Pipeline, gather_grads, gather_state_dict  # noqa: E402
+from .runtime import Pipeline  # noqa: E402
 
 __all__ += [
-    "LayeredModel", "Pipeline", "Stage", "build_stage", "gather_grads", "gather_state_dict", "gpt",
+    "LayeredModel", "Pipeline", "Stage", "build_stage", "gpt",
     "gpt_layer_counts", "mlp", "split_layers",
 ]

@@ -20,7 +20,7 @@ Narayanan et al. 2021, section 2.2.2.) Building a schedule costs O(p v m).
 
 from __future__ import annotations
 
-from .schedule import Action, B, F, Schedule
+from .schedule import Action, Schedule, bwd, fwd
 
 KINDS = ("naive", "gpipe", "1f1b", "interleaved")
 
@@ -29,7 +29,7 @@ def naive(p: int, m: int) -> dict[int, list[Action]]:
     """Plain model parallelism: one micro-batch in flight. Every rank runs F then B of micro-batch 0,
     then of 1, ...; rank 0 can start micro-batch i + 1 only after micro-batch i's backward came all
     the way back, so only one rank is ever busy."""
-    return {r: [a for i in range(m) for a in (F(r, i), B(r, i))] for r in range(p)}
+    return {r: [a for i in range(m) for a in (fwd(r, i), bwd(r, i))] for r in range(p)}
 
 
 def gpipe(p: int, m: int) -> dict[int, list[Action]]:
@@ -38,7 +38,7 @@ def gpipe(p: int, m: int) -> dict[int, list[Action]]:
     Backwards run in micro-batch order 0..m-1, as in Narayanan et al. 2021 (Figure 3) and
     ``torch.distributed.pipelining.ScheduleGPipe``; GPipe's own Figure 2 draws them in reverse,
     which has the same makespan and stash. Every rank stashes all m micro-batches."""
-    return {r: [F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)}
+    return {r: [fwd(r, i) for i in range(m)] + [bwd(r, i) for i in range(m)] for r in range(p)}
 
 
 def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
@@ -50,10 +50,10 @@ def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
     out = {}
     for r in range(p):
         warm = min(p - 1 - r, m)
-        acts = [F(r, i) for i in range(warm)]
+        acts = [fwd(r, i) for i in range(warm)]
         for i in range(m - warm):
-            acts += [F(r, warm + i), B(r, i)]
-        acts += [B(r, i) for i in range(m - warm, m)]
+            acts += [fwd(r, warm + i), bwd(r, i)]
+        acts += [bwd(r, i) for i in range(m - warm, m)]
         out[r] = acts
     return out
 

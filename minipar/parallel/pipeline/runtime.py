@@ -37,7 +37,7 @@ carries the stage the tensor leaves (``sSEND_F i``: stage s's output activation;
 the gradient of stage s's input), the receiver's event the stage it enters (``sRECV_F i``: stage
 s's input, from stage s - 1; ``sRECV_B i``: the gradient of stage s's output, from stage s + 1).
 Per step, rank r sends at most 2 m v messages of one micro-batch's activation (or gradient) each
-(``message_bytes`` gives the exact bytes, ``trace_meta`` puts them in the trace); memory: peak
+(``minipar.cost.pipeline.send_bytes`` gives the exact bytes, ``trace_meta`` puts them in the trace); memory: peak
 stash x (activations of one stage on one micro-batch).
 
 Bad configurations raise ``ValueError`` (``ScheduleError`` for schedules) on every rank before any
@@ -55,6 +55,7 @@ import numpy as np
 from minipar import trace
 from minipar.autograd import Tensor
 from minipar.comm.base import MAX_TAG
+from minipar.cost import pipeline as cost
 from minipar.memory import activation_bytes
 from minipar.nn import Parameter
 from minipar.optim import Optimizer
@@ -133,6 +134,20 @@ class Pipeline:
         return {n: (p.grad if p.grad is not None else np.zeros_like(p.data)).copy()
                 for n, p in self.named_parameters()}
 
+    def full_state_dict(self, root: int | None = 0) -> dict[str, np.ndarray] | None:
+        """The whole model's state dict assembled from every rank's stages: on ``root`` (None
+        elsewhere), or on every rank with ``root=None``. Control-plane objects: not traced."""
+        return self._assemble(self.state_dict(), root)
+
+    def full_grads(self, root: int | None = 0) -> dict[str, np.ndarray] | None:
+        """The last step's gradients by full parameter name, assembled like ``full_state_dict``."""
+        return self._assemble(self.grads(), root)
+
+    def _assemble(self, part: dict[str, np.ndarray], root: int | None) -> dict[str, np.ndarray] | None:
+        comm = self.comm
+        parts = comm.allgather_object(part) if root is None else comm.gather_object(part, root=root)
+        return None if parts is None else {k: v for d in parts for k, v in d.items()}
+
     def load_state_dict(self, full_state: Mapping[str, np.ndarray]) -> None:
         """Copy this rank's parameters out of the single-process model's full state dict."""
         own = dict(self.named_parameters())
@@ -143,37 +158,20 @@ class Pipeline:
         for name, p in own.items():
             p.data[...] = full_state[name]
 
-    def message_bytes(self, boundary_bytes: int | Sequence[int]) -> list[int]:
-        """Bytes each rank sends in one step, by rank: every stage boundary s -> s + 1 whose stages
-        live on different ranks carries m activations forward (sent by stage s's rank) and m
-        gradients of the same size backward (sent by stage s + 1's rank). ``boundary_bytes``: bytes
-        of one micro-batch's activation crossing each of the S - 1 boundaries (one number for all).
-        For p ranks, v = 1 and A bytes per boundary: the first rank sends m A, the last m A, the
-        others 2 m A."""
-        n = self.n_stages - 1
-        sizes = [boundary_bytes] * n if isinstance(boundary_bytes, int | np.integer) else list(boundary_bytes)
-        if len(sizes) != n or any(not isinstance(b, int | np.integer) or b < 0 for b in sizes):
-            raise ValueError(f"pipeline: boundary_bytes needs one non-negative int per stage boundary "
-                             f"({n} for {self.n_stages} stages) or one int for all, got {boundary_bytes!r}")
-        out = [0] * self.comm.size
-        for s, size in enumerate(sizes):
-            a, b = self.owner[s], self.owner[s + 1]
-            if a != b:
-                out[a] += self.microbatches * int(size)
-                out[b] += self.microbatches * int(size)
-        return out
-
     def trace_meta(self, boundary_bytes: int | Sequence[int] | None = None, steps: int = 1) -> dict[str, Any]:
         """Metadata for ``trace.record``: paradigm, schedule, p, m, v, per-rank actions, stage layers;
-        with ``boundary_bytes`` (see ``message_bytes``) also the formula the viewer draws next to the
-        measured traffic, ``expected_bytes_by_rank = {"send": bytes per rank over steps}``."""
+        with ``boundary_bytes`` (``minipar.cost.pipeline.send_bytes``: one micro-batch's activation at
+        each stage boundary) also the formula the viewer draws next to the measured traffic,
+        ``expected_bytes_by_rank = {"send": bytes per rank over steps}``."""
         meta = {"paradigm": "pipeline", "schedule": self.kind, "p": self.comm.size, "m": self.microbatches,
                 "v": self.chunks, "model": self.model.kind, "activation_unit": "bytes",
                 "actions": {str(r): [str(a) for a in acts] for r, acts in self.program.items()},
                 "stage_layers": {str(s): [self.model.names[i] for i in rng]
                                  for s, rng in enumerate(self.layer_ranges)}}
         if boundary_bytes is not None:
-            meta["expected_bytes_by_rank"] = {"send": [steps * b for b in self.message_bytes(boundary_bytes)]}
+            per_step = cost.send_bytes([self.owner[s] for s in range(self.n_stages)], self.microbatches,
+                                       boundary_bytes)
+            meta["expected_bytes_by_rank"] = {"send": [steps * b for b in per_step]}
         return meta
 
     # ---- one training step ---------------------------------------------------------------------
@@ -297,21 +295,3 @@ class Pipeline:
     def _RECV_B(self, a: Action) -> None:
         tag = self._tag("B", a.stage, a.microbatch)
         self._inbox[("B", a.stage, a.microbatch)] = self.comm.recv(a.peer, tag, **self._labels(a))
-
-
-def gather_state_dict(pipe: Pipeline, root: int | None = 0) -> dict[str, np.ndarray] | None:
-    """The full model's state dict assembled from every rank's stages: on ``root`` (None elsewhere),
-    or on every rank with ``root=None``. Control-plane objects: not traced."""
-    return _gather(pipe.comm, pipe.state_dict(), root)
-
-
-def gather_grads(pipe: Pipeline, root: int | None = 0) -> dict[str, np.ndarray] | None:
-    """The gradients of the last step, by full parameter name, assembled like ``gather_state_dict``."""
-    return _gather(pipe.comm, pipe.grads(), root)
-
-
-def _gather(comm: Any, part: dict[str, np.ndarray], root: int | None) -> dict[str, np.ndarray] | None:
-    parts = comm.allgather_object(part) if root is None else comm.gather_object(part, root=root)
-    if parts is None:
-        return None
-    return {k: v for d in parts for k, v in d.items()}

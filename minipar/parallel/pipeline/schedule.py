@@ -130,11 +130,11 @@ class Action:
         return Action(stage, "SEND_" + direction, self.microbatch, own_rank)
 
 
-def F(stage: int, microbatch: int) -> Action:
+def fwd(stage: int, microbatch: int) -> Action:
     return Action(stage, "F", microbatch)
 
 
-def B(stage: int, microbatch: int) -> Action:
+def bwd(stage: int, microbatch: int) -> Action:
     return Action(stage, "B", microbatch)
 
 

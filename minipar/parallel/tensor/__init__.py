@@ -38,7 +38,7 @@ from minipar.parallel.tensor.model import (
     ParallelBlock,
     ParallelMLP,
     TensorParallelGPT,
-    check_config,
+    check_tp_config,
     gather_logits,
     sync_sequence_parallel_grads,
 )
@@ -46,7 +46,7 @@ from minipar.parallel.tensor.model import (
 __all__ = [
     "ActivationMeter", "ColumnParallelLinear", "ColumnParallelMatmul", "ParallelAttention", "ParallelBlock",
     "ParallelMLP", "RowParallelLinear", "RowParallelMatmul", "TensorParallelGPT", "VocabParallelCrossEntropy",
-    "VocabParallelEmbedding", "check_config", "exit_region", "f", "g", "gather_array", "gather_grads",
+    "VocabParallelEmbedding", "check_tp_config", "exit_region", "f", "g", "gather_array", "gather_grads",
     "gather_logits", "gather_state_dict", "gather_last", "sp_reduce_scatter",
     "sync_sequence_parallel_grads", "vocab_parallel_cross_entropy",
 ]

@@ -55,7 +55,7 @@ from minipar.parallel.tensor.layers import (
 LN, TP, LOGITS = ActivationMeter.LABELS
 
 
-def check_config(comm: Any, vocab_size: int, d_model: int, n_heads: int, d_ff: int,
+def check_tp_config(comm: Any, vocab_size: int, d_model: int, n_heads: int, d_ff: int,
                  tp: int | None = None) -> None:
     """Raise ``ValueError`` (on every rank, before any message) naming what to change."""
     t = comm.size
@@ -214,7 +214,7 @@ class TensorParallelGPT(Module):
                  d_ff: int | None = None, sequence_parallel: bool = False, seed: int = 0,
                  dtype: Any = np.float64, tp: int | None = None) -> None:
         d_ff = d_ff or 4 * d_model
-        check_config(comm, vocab_size, d_model, n_heads, d_ff, tp)
+        check_tp_config(comm, vocab_size, d_model, n_heads, d_ff, tp)
         self.comm, self.sequence_parallel, self.seed = comm, sequence_parallel, seed
         self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
         self.meter = ActivationMeter()

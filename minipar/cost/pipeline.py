@@ -1,0 +1,74 @@
+"""Pipeline parallelism: bubble, stashed micro-batches and the bytes crossing stage boundaries.
+
+Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (virtual stage
+``s = chunk * p + rank`` lives on rank ``s mod p``); derivations in ``docs/formulas.md``:
+
+- ``bubble_fraction``: the idle share of the step. Naive model parallelism ``(p-1)/p``; GPipe
+  (Huang et al. 2018) and 1F1B (Narayanan et al. 2021, Sec. 2.2.1) ``(p-1)/(m+p-1)``; interleaved
+  1F1B (Sec. 2.2.2) ``(p-1)/(vm+p-1)``.
+- ``peak_stash``: micro-batches whose activations rank ``r`` holds at once: naive 1, GPipe ``m``,
+  1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunk-micro-batches
+  (Megatron-LM's warm-up count ``2 (p - r - 1) + (v - 1) p`` forwards, plus the one in flight; with
+  ``m = p`` every forward is warm-up: ``v m``).
+- ``send_bytes``: each boundary between stages on different ranks carries ``m`` activations forward
+  and ``m`` gradients of the same size backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+
+
+def _check(kind: str) -> None:
+    if kind not in SCHEDULES:
+        raise ValueError(f"no formula for schedule {kind!r}; choose one of {SCHEDULES}")
+
+
+def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
+    """Idle share of the step for uniform stages (Huang et al. 2018; Narayanan et al. 2021)."""
+    _check(kind)
+    if kind == "naive":
+        return (p - 1) / p
+    return (p - 1) / ((v if kind == "interleaved" else 1) * m + p - 1)
+
+
+def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
+    """Micro-batches (interleaved: chunk-micro-batches) stashed at once on ``rank``."""
+    _check(kind)
+    if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
+        return v * m if m == p else min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
+    return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m)}[kind]
+
+
+def bubble_formula(kind: str) -> str:
+    """The bubble formula as text, for printing next to its value."""
+    _check(kind)
+    return {"naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
+            "interleaved": "(p-1)/(v m+p-1)"}[kind]
+
+
+def stage_owner(p: int, v: int = 1) -> list[int]:
+    """Rank of each of the ``p v`` virtual stages: stage ``s`` on rank ``s mod p``."""
+    return [s % p for s in range(p * v)]
+
+
+def send_bytes(owner: Sequence[int], m: int, boundary_bytes: int | Sequence[int]) -> list[int]:
+    """Bytes each rank sends in one step. ``owner[s]``: rank of stage s; ``boundary_bytes``: one
+    micro-batch's activation across each of the ``S - 1`` boundaries (one int for all). A boundary
+    between two ranks carries ``m`` activations (sent by the earlier stage's rank) and ``m``
+    gradients (sent by the later one's). For ``p`` ranks in a line (v = 1) and ``A`` bytes: the
+    first and the last rank send ``m A``, the others ``2 m A``."""
+    n = len(owner) - 1
+    sizes = [boundary_bytes] * n if isinstance(boundary_bytes, Integral) else list(boundary_bytes)
+    if len(sizes) != n or any(not isinstance(b, Integral) or b < 0 for b in sizes):
+        raise ValueError(f"pipeline: boundary_bytes needs one non-negative int per stage boundary "
+                         f"({n} for {len(owner)} stages) or one int for all, got {boundary_bytes!r}")
+    out = [0] * (max(owner) + 1)
+    for s, size in enumerate(sizes):
+        if owner[s] != owner[s + 1]:
+            out[owner[s]] += m * int(size)
+            out[owner[s + 1]] += m * int(size)
+    return out

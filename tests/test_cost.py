@@ -1,0 +1,63 @@
+"""minipar.cost: the formulas against independent derivations (the simulator, hand-worked cases)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import budget
+
+from minipar.cost import collective_time
+from minipar.cost import data as data_cost
+from minipar.cost import pipeline as pipe_cost
+from minipar.parallel.pipeline import make_schedule, simulate
+
+
+@budget(20)
+@given(kind=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved"]), p=st.integers(1, 6),
+       k=st.integers(1, 4), v=st.integers(2, 3))
+def test_pipeline_formulas_equal_the_simulated_schedules(kind: str, p: int, k: int, v: int) -> None:
+    m = p * k  # interleaved needs m a multiple of p
+    chunks = v if kind == "interleaved" else 1
+    sim = simulate(make_schedule(kind, p, m, chunks), forward=1.0, backward=2.0)
+    assert pipe_cost.bubble_fraction(kind, p, m, chunks) == pytest.approx(sim.bubble_fraction, rel=1e-12)
+    assert {r: pipe_cost.peak_stash(kind, p, m, r, chunks) for r in range(p)} == sim.peak_stash
+
+
+def test_send_bytes_by_hand() -> None:
+    a, m = 10, 3
+    assert pipe_cost.send_bytes(pipe_cost.stage_owner(4), m, a) == [30, 60, 60, 30]
+    # interleaved v = 2 on 2 ranks: stages 0 1 2 3 on ranks 0 1 0 1, three boundaries cross ranks
+    assert pipe_cost.send_bytes(pipe_cost.stage_owner(2, 2), m, [1, 2, 4]) == [3 * (1 + 2 + 4), 3 * (1 + 2 + 4)]
+    assert pipe_cost.send_bytes([0, 0, 1], m, 5) == [15, 15]  # the boundary inside rank 0 is free
+    with pytest.raises(ValueError, match="one non-negative int per stage boundary"):
+        pipe_cost.send_bytes([0, 1], m, [1, 2])
+
+
+def test_parameter_server_bytes_by_hand() -> None:
+    shards = [100, 60]  # 2 servers, ranks 2, 3, 4 workers
+    got = data_cost.ps_bytes(shards, 5, steps=2)
+    assert got == {"pull": [2 * 3 * 100, 2 * 3 * 60, 0, 0, 0], "push": [0, 0, 320, 320, 320]}
+    links = data_cost.ps_link_bytes(shards, 5, steps=2)
+    assert links[(0, 3)] == links[(3, 0)] == 200 and links[(1, 4)] == 120 and len(links) == 12
+
+
+def test_ddp_bytes_add_the_buckets() -> None:
+    # ring on 4 ranks, buckets of 8 and 6 float64 numbers: chunks (2,2,2,2) and (2,2,1,1)
+    # rank 2 sends every chunk but its own and its right neighbour's in each bucket
+    assert data_cost.ddp_bytes([(8, 8), (6, 8)], 4, 2, "ring") == (16 - 2 - 2) * 8 + (12 - 1 - 1) * 8
+    assert data_cost.ddp_bytes([(8, 8)], 4, 0, "naive") == 3 * 64
+
+
+def test_alpha_beta_gamma_by_hand() -> None:
+    alpha, beta, gamma, n = 1e-6, 1e-9, 1e-10, 8e6
+    rs = collective_time("reduce_scatter", "ring", n, 4, alpha, beta, gamma)
+    ag = collective_time("allgather", "ring", n, 4, alpha, beta)
+    # a ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009)
+    assert collective_time("allreduce", "ring", n, 4, alpha, beta, gamma) == pytest.approx(rs + ag)
+    assert ag == pytest.approx(3 * alpha + 0.75 * n * beta)
+    assert collective_time("allreduce", "recursive_doubling", n, 8, alpha, beta, gamma) == \
+        pytest.approx(3 * (alpha + n * beta + n * gamma))
+    assert collective_time("allreduce", "ring", n, 1, alpha, beta) == 0.0
+    with pytest.raises(ValueError, match="no alpha-beta-gamma formula"):
+        collective_time("all_to_all", "pairwise", n, 4, alpha, beta)
