@@ -1,13 +1,18 @@
-"""Composable hypothesis strategies shared by the tests (in the style of minitorch's)."""
+"""Composable hypothesis strategies shared by the tests (in the style of minitorch's): arrays and shapes
+for autograd, and every paradigm's configurations (``<paradigm>_configs``) with ``mpi_jobs`` for mpiexec."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+from minipar.cost import ALLREDUCE_ALGORITHMS
+from minipar.parallel.pipeline import KINDS
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 SCALE = 10 if THOROUGH else 1
@@ -51,3 +56,68 @@ def matmul_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...]]:
     batch = draw(st.sampled_from([(), (2,), (3, 1), (1, 2)]))
     other = draw(st.sampled_from([(), batch[-1:] if batch else ()]))
     return (*batch, n, k), (*other, k, m)
+
+
+# ---- paradigm configurations ------------------------------------------------------------------------
+# Valid by construction (multiples, not filters): every draw is a configuration the paradigm accepts.
+# An mpiexec property draws ``mpi_jobs``: a world size and a list of configurations for it, all run in
+# one job (``minipar.testing.run_each``), so the start-up cost is paid once per job. Hypothesis tries
+# the simplest draw first, so ``budget(2)`` on such a property means the simplest job plus one random.
+
+
+def mpi_jobs(configs: Callable[[int], st.SearchStrategy], worlds: tuple[int, int] = (2, 4), min_size: int = 2,
+             max_size: int = 3) -> st.SearchStrategy:
+    """``(world size, [configurations for that world])``: one ``mpiexec`` job."""
+    return st.integers(*worlds).flatmap(
+        lambda p: st.tuples(st.just(p), st.lists(configs(p), min_size=min_size, max_size=max_size)))
+
+
+@st.composite
+def ddp_configs(draw: st.DrawFn, world: int) -> dict:
+    """One DDP run on ``world`` ranks: an MLP or a tiny GPT, a bucket cap (one bucket per parameter up
+    to one for the whole model), any all-reduce algorithm, gradient accumulation; the global batch is
+    a multiple of ``world x accumulation``."""
+    acc = draw(st.integers(1, 3))
+    return {"model": draw(st.sampled_from(["mlp", "gpt"])), "seed": draw(st.integers(0, 10_000)),
+            "cap": draw(st.sampled_from([64, 400, 2048, 1 << 20])),
+            "algorithm": draw(st.sampled_from(ALLREDUCE_ALGORITHMS)),
+            "accumulation": acc, "batch": world * acc * draw(st.integers(1, 2)),
+            "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+
+
+@st.composite
+def pipeline_configs(draw: st.DrawFn, p: int | None = None, kind: str | None = None) -> dict:
+    """One pipeline run on ``p`` ranks (2-4 when not given): a schedule kind, ``m`` micro-batches (a
+    multiple of ``p`` for interleaved, with ``v`` = 2-3 chunks), 1-2 layers per stage (given or split
+    by the runtime), an MLP (``widths``) or a tiny GPT, seed and optimizer."""
+    p = draw(st.integers(2, 4)) if p is None else p
+    kind = draw(st.sampled_from(KINDS)) if kind is None else kind
+    v = draw(st.integers(2, 3)) if kind == "interleaved" else 1
+    m = p * draw(st.integers(1, 2)) if kind == "interleaved" else draw(st.integers(1, 2 * p))
+    counts = draw(st.lists(st.integers(1, 2), min_size=p * v, max_size=p * v))
+    return {"kind": kind, "m": m, "v": v, "model": draw(st.sampled_from(["mlp", "gpt"])), "counts": counts,
+            "given_counts": draw(st.booleans()), "mb_size": draw(st.integers(1, 2)),
+            "widths": draw(st.lists(st.integers(1, 4), min_size=2 * p * v + 1, max_size=2 * p * v + 1)),
+            "seed": draw(st.integers(0, 1000)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+
+
+@st.composite
+def tp_configs(draw: st.DrawFn, t: int | None = None, max_t: int = 4) -> dict:
+    """A GPT and batch that ``t`` (1..max_t when not given) divides: heads, d_ff, vocabulary, and the
+    sequence under sequence parallelism."""
+    t = draw(st.integers(1, max_t)) if t is None else t
+    sp = draw(st.booleans())
+    heads = t * draw(st.integers(1, 2))
+    seq = t * draw(st.integers(1, 2)) if sp else draw(st.integers(1, 5))
+    return {"t": t, "sp": sp, "heads": heads, "d": heads * draw(st.sampled_from([2, 3])),
+            "ff": t * draw(st.integers(1, 3)), "vocab": t * draw(st.integers(2, 4)), "seq": seq,
+            "batch": draw(st.integers(1, 2)), "layers": draw(st.integers(1, 2)),
+            "seed": draw(st.integers(0, 2**16)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+
+
+@st.composite
+def ps_configs(draw: st.DrawFn, world: int) -> dict:
+    """A synchronous parameter-server run on ``world`` ranks: 1..world-1 servers (the rest workers),
+    steps, seed, server optimizer. The tests' global batch of 12 divides over 1-3 workers."""
+    return {"n_servers": draw(st.integers(1, world - 1)), "steps": draw(st.integers(1, 4)),
+            "seed": draw(st.integers(0, 1000)), "opt": draw(st.sampled_from(["sgd", "adamw"]))}
