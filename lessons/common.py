@@ -58,7 +58,7 @@ def console(width: int | None = None) -> Console:
     """A rich console: colour under mpiexec when FORCE_COLOR is set (stdout is no terminal there),
     and the terminal's width (110 columns when there is none) unless ``width`` is given."""
     width = width or shutil.get_terminal_size(fallback=(110, 24)).columns
-    return Console(force_terminal=bool(os.environ.get("FORCE_COLOR")) or None, width=width)
+    return Console(force_terminal=os.environ.get("FORCE_COLOR", "0") not in ("", "0") or None, width=width)
 
 
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],

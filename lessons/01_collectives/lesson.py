@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from lessons.common import console, finish
+from lessons.common import console, finish, run_ranks, time_sharing
 from minipar import trace
-from minipar.comm import Communicator, launch, world
-from minipar.comm.mpi import under_mpiexec
+from minipar.comm import Communicator
 from minipar.cost import ALLREDUCE_ALGORITHMS, allreduce_bytes
 
 OUT = Path("runs/01_collectives")
@@ -145,6 +144,10 @@ def render(rows: list[dict[str, Any]], p: int, n: int, backend: str) -> Table:
     return table
 
 
+def check_ranks(p: int) -> str | None:
+    return None if p >= 2 else f"lesson 1 compares collectives between ranks: run it on 2 or more (got {p})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,18 +157,18 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
     args = parser.parse_args()
 
-    def body(comm: Communicator) -> list[dict[str, Any]]:
-        return measure(comm, args.n, args.reps, args.out)
+    def body(comm: Communicator) -> tuple[list[dict[str, Any]], int, str]:
+        return measure(comm, args.n, args.reps, args.out), comm.size, comm.backend
 
-    if under_mpiexec():
-        comm = world()
-        rows, p, rank, backend = body(comm), comm.size, comm.rank, comm.backend
-    else:
-        rows, p, rank, backend = launch(body, args.ranks, "threads")[0], args.ranks, 0, "threads"
-    if rank != 0:
+    result = run_ranks(body, args.ranks, check_ranks)
+    if result is None:  # not rank 0
         return
+    rows, p, backend = result
     out = console(width=130)
     out.print(render(rows, p, args.n, backend))
+    note = time_sharing(p)
+    if note:
+        out.print(f"[yellow]note:[/yellow] {note} (the time column).", highlight=False)
     if not all(r["agrees"] for r in rows):
         raise SystemExit("the algorithms disagree with each other")
     path = Path(args.out) / "trace.json"

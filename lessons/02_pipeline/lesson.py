@@ -1,6 +1,7 @@
 """Lesson 2: pipeline parallelism. One tiny GPT, four schedules, the bubble measured and predicted.
 
     mpiexec -n 4 python lessons/02_pipeline/lesson.py [--steps 3] [--microbatches 8]
+    python lessons/02_pipeline/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
 The GPT's layers ([embed] + 8 blocks + [ln_f + head] = 10) are cut into consecutive stages, one
 per rank (two "model chunks" per rank for the interleaved schedule), the blocks spread evenly and
@@ -19,7 +20,8 @@ the trace's F/B spans next to the formula and to the simulator fed with the per-
 measured in the run, and the peak number of stashed micro-batches next to the simulator's. It writes
 runs/02_pipeline/<schedule>.json (the last step of the real run, with the formula's bytes sent per
 rank in its meta: m activations forward and m gradients back across every stage boundary) and
-<schedule>_sim.json (the simulator's prediction), prints the 1F1B timeline and traffic, and writes
+runs/02_pipeline/simulated/<schedule>.json (the simulator's prediction, apart so that
+runs/02_pipeline/*.json means the measured runs), prints the 1F1B timeline and traffic, and writes
 runs/02_pipeline/report.html.
 On a 2-core machine 4 ranks share 2 cores, so measured durations stretch when more than 2 ranks
 compute at once: the measured bubble differs from the formula, and the simulator fed with measured
@@ -38,10 +40,9 @@ from rich.console import Console
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish
+from lessons.common import finish, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
-from minipar.comm import world
 from minipar.cost import pipeline as pipeline_cost
 from minipar.optim import AdamW
 from minipar.parallel.pipeline import Pipeline, format_schedule, gpt, gpt_layer_counts, make_schedule
@@ -166,25 +167,35 @@ def print_schedule(console: Console, row: dict[str, Any], stages: dict[int, list
                   highlight=False)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    args = parser.parse_args()
-    comm = world()
+def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
+    """What is wrong with running the lesson on ``p`` ranks, or None."""
+    if p < 2 or BLOCKS < CHUNKS * p or microbatches % p:
+        return (f"lesson 2 needs 2 or more ranks with {BLOCKS} blocks >= {CHUNKS} chunks x ranks and "
+                f"{microbatches} micro-batches a multiple of the ranks (interleaved); got {p} ranks: "
+                "run it on 2 or 4")
+    return None
+
+
+def run(comm: Any, steps: int, m: int) -> None:
+    """Every schedule in turn on ``comm``; rank 0 prints."""
     console = make_console()
-    p, m = comm.size, args.microbatches
-    lead = comm.rank == 0
+    p, lead = comm.size, comm.rank == 0
     if lead:
-        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "simulated").mkdir(parents=True, exist_ok=True)
         console.print(f"[bold]tiny GPT[/bold] ({VOCAB} tokens, seq {SEQ}, d_model {D_MODEL}, {BLOCKS} blocks "
                       f"= {BLOCKS + 2} layers) on {p} pipeline ranks, batch {BATCH} = {m} micro-batches of "
-                      f"{BATCH // m}, {args.steps} steps per schedule, last step traced")
+                      f"{BATCH // m}, {steps} steps per schedule, last step traced")
+        console.print("Columns: [bold]measured[/bold] = idle share of each rank's F/B window in the trace; "
+                      "[bold]simulator[/bold] = the same schedule replayed with the F/B durations measured "
+                      "in this run (what the order alone costs); [bold]formula[/bold] = uniform stages, no "
+                      "communication time.", highlight=False)
+        note = time_sharing(p)
+        if note:
+            console.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
     rows, losses, paths, titles = [], {}, [], []
     for kind, v in SCHEDULES:
-        path, sim_path = OUT / f"{kind}.json", OUT / f"{kind}_sim.json"
-        result = train(comm, kind, v, args.steps, m, path)
+        path, sim_path = OUT / f"{kind}.json", OUT / "simulated" / f"{kind}.json"
+        result = train(comm, kind, v, steps, m, path)
         if lead:
             row = analyse(path, sim_path)
             rows.append(row)
@@ -196,15 +207,30 @@ def main() -> None:
         return
     console.rule("[bold]summary")
     console.print(summary_table(rows, losses))
+    note = time_sharing(p)
+    if note:
+        console.print(f"[yellow]note:[/yellow] {note}: compare the simulator column, not the measured one, "
+                      "with the formula.", highlight=False)
     spread = max(abs(a - b) for ls in losses.values() for a, b in zip(ls, losses["naive"], strict=True))
     console.print(f"Every schedule gives the same losses (largest difference {spread:.1e}): a schedule "
                   "changes the order of the work, never the result.", highlight=False)
     console.rule("[bold]1F1B timeline (last step, measured)")
-    console.print("(this bubble counts the whole step, loss broadcast and optimizer included)",
+    console.print("(idle time here counts the whole step, loss broadcast and optimizer included)",
                   highlight=False)
     finish(paths, OUT / "report.html", console, timeline=OUT / "1f1b.json", titles=titles)
     console.print(f"traces: {', '.join(str(p_) for p_ in paths[::2])}  "
                   f"(or: minipar view {OUT / '1f1b.json'})", highlight=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    args = parser.parse_args()
+    run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
+              m=args.microbatches)
 
 
 if __name__ == "__main__":

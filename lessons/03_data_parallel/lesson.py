@@ -31,10 +31,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from lessons.common import console, finish
+from lessons.common import console, finish, run_ranks
 from minipar import datasets, trace
-from minipar.comm import launch, world
-from minipar.comm.mpi import under_mpiexec
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.nn import GPT, Module
 from minipar.optim import SGD
@@ -202,6 +200,10 @@ def links_table(ring: np.ndarray, hub: np.ndarray) -> Table:
     return table
 
 
+def check_ranks(p: int) -> str | None:
+    return None if p == 4 else f"lesson 3 runs on 4 ranks (1 server and 3 workers, a straggler): got {p}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,15 +212,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and report.html")
     args = parser.parse_args()
     folder = Path(args.out)
-    if under_mpiexec():
-        comm = world()
-        if comm.size != 4:
-            raise SystemExit(f"lesson 3 runs on 4 ranks: mpiexec -n 4 (got {comm.size})")
-        res = run_all(comm, args.steps, folder)
-        if comm.rank != 0:
-            return
-    else:
-        res = launch(run_all, args.ranks, "threads", steps=args.steps, out=folder)[0]
+    res = run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
+    if res is None:  # not rank 0
+        return
     out = console(width=130)
     p, ddp_ref, runs = res["p"], single_process(args.steps), res["ps"]
     out.rule(f"[bold]1. DDP: the tiny GPT on {p} ranks ({res['backend']}), every all-reduce algorithm")

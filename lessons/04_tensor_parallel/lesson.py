@@ -1,6 +1,7 @@
 """Lesson 4: tensor parallelism (Megatron-LM) and sequence parallelism, byte by byte.
 
     mpiexec -n 4 python lessons/04_tensor_parallel/lesson.py [--steps 4]
+    python lessons/04_tensor_parallel/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
 1. The matrix-multiplication picture (Shoeybi et al. 2019, Sec. 3): Y = X W with X 4x5 and W 5x8.
    Split W by COLUMNS and every rank computes whole output columns, Y_r = X W_r: putting Y together
@@ -30,10 +31,9 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish
+from lessons.common import finish, run_ranks
 from minipar import datasets
 from minipar import trace as mtrace
-from minipar.comm import world
 from minipar.cost import ring_bytes
 from minipar.cost import tensor as formulas
 from minipar.nn import GPT
@@ -209,12 +209,19 @@ def memory_table(peaks: dict[str, dict[str, int]], t: int, layers: int = LAYERS,
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
-    comm, console = world(), make_console()
+def check_ranks(t: int) -> str | None:
+    """What is wrong with ``t`` tensor-parallel ranks, or None: t must divide the heads, d_ff, the
+    vocabulary and (for sequence parallelism) the sequence."""
+    bad = [f"{name}={n}" for name, n in (("heads", HEADS), ("d_ff", D_FF), ("vocab", VOCAB), ("seq", SEQ)) if n % t]
+    if t < 2 or bad:
+        return (f"lesson 4 splits {HEADS} heads, d_ff={D_FF}, vocab={VOCAB} and seq={SEQ} over the ranks: "
+                f"run it on 2, 4 or 8 ranks (got {t}{': ' + ', '.join(bad) + ' not divisible' if bad else ''})")
+    return None
+
+
+def run(comm: Any, steps: int) -> None:
+    """The three parts on ``comm``; rank 0 prints."""
+    console = make_console()
     t, lead = comm.size, comm.rank == 0
     picture = comm.gather_object(matmul_picture(comm))
     if lead:
@@ -223,15 +230,15 @@ def main() -> None:
         console.print(picture_table(picture))
         console.print(picture_summary(picture), highlight=False)
     runs = {"tp": False, "tp_sp": True}
-    results = {name: train(comm, sp, args.steps, OUT / f"{name}.json") for name, sp in runs.items()}
+    results = {name: train(comm, sp, steps, OUT / f"{name}.json") for name, sp in runs.items()}
     if not lead:
         return
     console.rule(f"[bold]2. tiny GPT on {t} tensor-parallel ranks")
-    ref = single_process_losses(args.steps)
+    ref = single_process_losses(steps)
     table = Table(title="loss per step", title_justify="left")
     for col in ("step", "single process", "TP", "TP + SP"):
         table.add_column(col, justify="right")
-    for s in range(args.steps):
+    for s in range(steps):
         table.add_row(str(s), f"{ref[s]:.10f}", f"{results['tp']['losses'][s]:.10f}",
                       f"{results['tp_sp']['losses'][s]:.10f}")
     console.print(table)
@@ -248,6 +255,15 @@ def main() -> None:
     finish([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html", console, timeline=traces["tp_sp"],
            titles=["tensor parallel", "tensor + sequence parallel"])
     console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}", highlight=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    args = parser.parse_args()
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
 
 
 if __name__ == "__main__":
