@@ -2,17 +2,19 @@
 
 Property: for drawn stage counts, micro-batches, layers per stage, chunks, models and seeds, every
 schedule kind gives the single-process loss, gradients and updated parameters after 2 steps (on
-threads, and under real mpiexec through ``minipar.testing.run``), and the stash measured from the
-runtime's memory samples equals the simulator's ``peak_stash``. Hand-written schedules run; broken
-ones and bad configurations are rejected on every rank before anything is sent.
+threads, and under real mpiexec: each job a drawn list of configurations through
+``minipar.testing.run``), and the stash measured from the runtime's memory samples equals the
+simulator's ``peak_stash``. 1F1B and interleaved with more micro-batches than stages always run.
+Hand-written schedules run; broken ones and bad configurations are rejected on every rank before
+anything is sent.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given
+from strategies import budget, mpi_jobs, pipeline_configs
 
 from minipar import datasets, testing
 from minipar import functional as F
@@ -20,7 +22,6 @@ from minipar import trace as mtrace
 from minipar.nn import GPT, MLP
 from minipar.optim import SGD, AdamW
 from minipar.parallel.pipeline import (
-    KINDS,
     Pipeline,
     gpt,
     make_schedule,
@@ -187,37 +188,34 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
                            for _ in range(STEPS))
 
 
-@st.composite
-def configs(draw: st.DrawFn, p: int | None = None, kind: str | None = None) -> dict:
-    p = draw(st.integers(2, 4)) if p is None else p
-    kind = draw(st.sampled_from(KINDS)) if kind is None else kind
-    v = draw(st.integers(2, 3)) if kind == "interleaved" else 1
-    m = p * draw(st.integers(1, 2)) if kind == "interleaved" else draw(st.integers(1, 2 * p))
-    model = draw(st.sampled_from(["mlp", "gpt"]))
-    counts = draw(st.lists(st.integers(1, 2), min_size=p * v, max_size=p * v))
-    return {"kind": kind, "m": m, "v": v, "model": model, "counts": counts,
-            "given_counts": draw(st.booleans()), "mb_size": draw(st.integers(1, 2)),
-            "widths": draw(st.lists(st.integers(1, 4), min_size=2 * p * v + 1, max_size=2 * p * v + 1)),
-            "seed": draw(st.integers(0, 1000)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+def config(kind: str, p: int, m: int, v: int = 1, model: str = "mlp", counts: list[int] | None = None,
+           opt: str = "sgd", seed: int = 5) -> dict:
+    """A hand-picked configuration in ``strategies.pipeline_configs``' shape (for ``@example``)."""
+    return {"kind": kind, "m": m, "v": v, "model": model, "counts": counts or [1 + s % 2 for s in range(p * v)],
+            "given_counts": counts is not None, "mb_size": 2, "widths": [3, 4, 2, 5, 3, 1, 4] * (p * v),
+            "seed": seed, "opt": opt}
 
 
-@settings(max_examples=15)
-@given(cfg=configs())
+# 1F1B and interleaved with more micro-batches than stages (m > p) always run: with m <= p 1F1B
+# never reaches its steady state
+@budget(10)
+@given(cfg=pipeline_configs())
+@example(cfg=config("1f1b", 3, 7, counts=[1, 2, 1]))
+@example(cfg=config("interleaved", 2, 4, v=2, model="gpt", opt="adamw"))
 def test_every_schedule_equals_single_process_on_threads(cfg):
     p = len(cfg["counts"]) // cfg["v"]
     check(cfg, testing.run(pipeline_run, p, "threads", cfgs=[cfg]))
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("p", [2, 3, 4])
-@settings(max_examples=1)
-@given(st.data())
-def test_every_schedule_equals_single_process_under_mpiexec(p, data):
-    """One mpiexec job per p runs all four schedule kinds with drawn shapes, layers and seeds."""
-    cfgs = [data.draw(configs(p=p, kind=kind)) for kind in KINDS]
-    # Hypothesis tries the simplest draw first (m = 1, width-1 MLPs, one layer per stage, where every
-    # schedule is the same); with one mpiexec job per p, ask for several micro-batches and both models.
-    assume(all(c["m"] > 1 for c in cfgs) and {c["model"] for c in cfgs} == {"mlp", "gpt"})
+@budget(2)
+@given(job=mpi_jobs(lambda p: pipeline_configs(p=p), min_size=2, max_size=4))
+@example(job=(4, [config("1f1b", 4, 8, model="gpt", opt="adamw"), config("interleaved", 4, 8, v=2),
+                  config("gpipe", 4, 3, counts=[2, 1, 1, 2]), config("naive", 4, 2, model="gpt")]))
+@example(job=(3, [config("interleaved", 3, 6, v=2, model="gpt"), config("1f1b", 3, 5, opt="adamw")]))
+def test_every_schedule_equals_single_process_under_mpiexec(job):
+    """One mpiexec job runs a drawn list of configurations (any schedule kinds) on p ranks."""
+    p, cfgs = job
     results = testing.run(pipeline_run, p, "mpi", timeout=90, cfgs=cfgs)
     for i, cfg in enumerate(cfgs):
         check(cfg, results, i)
