@@ -3,10 +3,12 @@
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
+from strategies import budget
 
 from minipar.parallel.pipeline import (
+    KINDS,
     Action,
     ScheduleError,
     format_schedule,
@@ -15,8 +17,6 @@ from minipar.parallel.pipeline import (
     parse_schedule,
     validate,
 )
-
-FAST = settings(max_examples=25, deadline=None)
 
 
 def words(text: str) -> list[str]:
@@ -86,7 +86,7 @@ def test_action_parse_rejects(bad):
 ops = st.sampled_from(["F", "B", "SEND_F", "SEND_B", "RECV_F", "RECV_B"])
 
 
-@FAST
+@budget(25)
 @given(stage=st.integers(0, 99), op=ops, mb=st.integers(0, 999), peer=st.integers(0, 63))
 def test_action_round_trip(stage, op, mb, peer):
     a = Action(stage, op, mb, None if op in ("F", "B") else peer)
@@ -94,9 +94,10 @@ def test_action_round_trip(stage, op, mb, peer):
     assert str(Action.parse(str(a))) == str(a)
 
 
-@FAST
-@given(kind=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved"]), p=st.integers(1, 4),
-       k=st.integers(1, 3), lowered=st.booleans())
+@budget(25)
+@given(kind=st.sampled_from(KINDS), p=st.integers(1, 4), k=st.integers(1, 3), lowered=st.booleans())
+@example(kind="1f1b", p=4, k=3, lowered=True)  # m = 12 > p: warm-up, steady state and cool-down
+@example(kind="interleaved", p=3, k=2, lowered=True)
 def test_schedule_round_trip(kind, p, k, lowered):
     sched = make_schedule(kind, p, p * k, chunks=2 if kind == "interleaved" else 1)
     if lowered:
