@@ -363,8 +363,9 @@ class Tensor:
 class Context:
     """What a ``Function``'s forward leaves for its backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, needs_input_grad: tuple[bool, ...] = ()) -> None:
         self.saved: tuple[Any, ...] = ()
+        self.needs_input_grad = needs_input_grad  # per forward argument: a Tensor that requires grad
 
     def save_for_backward(self, *values: Any) -> None:
         self.saved = values
@@ -388,7 +389,7 @@ class Function:
 
     @classmethod
     def apply(cls, *args: Any) -> Tensor:
-        ctx = Context()
+        ctx = Context(tuple(isinstance(a, Tensor) and a.requires_grad for a in args))
         raw = [a.data if isinstance(a, Tensor) else a for a in args]
         with no_grad():
             out = np.asarray(cls.forward(ctx, *raw))

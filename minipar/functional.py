@@ -46,6 +46,37 @@ def _exp_minus_2u(a: np.ndarray) -> np.ndarray:
         return np.exp(e, out=e)
 
 
+class _Linear(Function):
+    """``x @ weight + bias`` over the last axis of ``x``: the rows of every leading axis form one
+    GEMM, so the weight's gradient is one GEMM too, and the bias is added in place. Keeps ``x``
+    (a view of it) and the weight, which are alive anyway."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        rows = x.reshape(-1, x.shape[-1])  # (n, in)
+        ctx.save_for_backward(rows, weight)
+        ctx.shape = x.shape
+        y = rows @ weight  # (n, out)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[1])
+
+    @staticmethod
+    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        rows, weight = ctx.saved
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g = g.reshape(-1, weight.shape[1])  # (n, out)
+        dx = (g @ weight.T).reshape(ctx.shape) if need_x else None
+        dw = rows.T @ g if need_w else None
+        db = g.sum(axis=0) if need_b else None
+        return dx, dw, db
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight + bias`` with ``weight`` of shape ``(in, out)`` (``nn.Linear``'s layout)."""
+    return _Linear.apply(x, weight, bias)
+
+
 class _Gelu(Function):
     """GELU, tanh form (Hendrycks & Gimpel 2016), computed as a sigmoid: 0.5 (1 + tanh u) = s(2u) =
     1 / (1 + exp(-2u)), one exp instead of a slower tanh. Keeps its input and recomputes s in

@@ -50,6 +50,23 @@ def test_indexing_and_slicing(data, shape):
     check_gradients(lambda t: t[:, 0], x)
 
 
+@given(st.data(), shapes(min_dims=1, max_dims=3), st.integers(1, 4), st.booleans())
+def test_linear(data, shape, out, bias):
+    x, w = array(data.draw, shape), array(data.draw, (shape[-1], out))
+    if bias:
+        b = array(data.draw, (out,))
+        check_gradients(lambda t, wt, bt: F.linear(t, wt, bt), x, w, b)
+        expected = np.einsum("...i,io->...o", x, w) + b  # value, summed by hand over the last axis
+        np.testing.assert_allclose(F.linear(Tensor(x), Tensor(w), Tensor(b)).data, expected, rtol=1e-12)
+    else:
+        check_gradients(lambda t, wt: F.linear(t, wt), x, w)
+    # an input that needs no gradient (its GEMM is skipped): the weight still gets sum over rows of x
+    wt = Tensor(w, requires_grad=True)
+    F.linear(Tensor(x), wt).sum().backward()
+    np.testing.assert_allclose(wt.grad, np.broadcast_to(x.reshape(-1, shape[-1]).sum(0)[:, None], w.shape),
+                               rtol=1e-12, atol=1e-12)
+
+
 @given(st.data(), shapes(min_dims=1, max_dims=3), st.sampled_from(["exp", "log", "tanh", "relu", "gelu", "pow"]))
 def test_elementwise(data, shape, op):
     low = 0.2 if op in ("log", "pow") else -2.0
