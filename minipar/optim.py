@@ -6,6 +6,7 @@ Both update ``p.data`` in place from ``p.grad`` and skip parameters without a gr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,11 +75,20 @@ class AdamW(Optimizer):
             state.update(step=0, exp_avg=np.zeros_like(param), exp_avg_sq=np.zeros_like(param))
         state["step"] += 1
         t = state["step"]
-        param *= 1.0 - self.lr * self.weight_decay
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        # every pass in place, ``tmp`` the one scratch array (the update is memory-bound); python
+        # floats as factors keep float32 arrays float32
+        tmp = np.multiply(grad, 1.0 - b1, out=np.empty_like(param))
         m *= b1
-        m += (1.0 - b1) * grad
+        m += tmp
+        np.multiply(grad, grad, out=tmp)
+        tmp *= 1.0 - b2
         v *= b2
-        v += (1.0 - b2) * grad * grad
-        denom = np.sqrt(v) / np.sqrt(1.0 - b2**t) + self.eps
-        param -= (self.lr / (1.0 - b1**t)) * m / denom
+        v += tmp
+        np.sqrt(v, out=tmp)
+        tmp *= 1.0 / math.sqrt(1.0 - b2**t)
+        tmp += self.eps  # denominator
+        np.divide(m, tmp, out=tmp)
+        tmp *= self.lr / (1.0 - b1**t)
+        param *= 1.0 - self.lr * self.weight_decay
+        param -= tmp
