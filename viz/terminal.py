@@ -1,21 +1,34 @@
-"""The terminal timeline: per-rank lanes of F/B blocks, legend, bubbles and a traffic table (rich).
+"""The terminal timeline: per-rank lanes of labelled blocks, a time ruler, legend and traffic table (rich).
 
-Each rank gets one lane of ``columns`` character cells covering the step window (see
-``viz.analysis``) in equal time slices. A cell shows the compute span that covers more than half
-of it; a span too short to win any cell still claims its best-overlapping idle cell (if there is
-one), so short spans do not vanish. Each block starts with its label (``F0``, ``B3``, ``B3.1``
-with chunks; the chunk, then the micro-batch, are dropped when the block is too narrow) and is
-filled with spaces; with colour the whole block is painted by kind (forward blue, backward
-orange, optimizer green, other grey). Cells where the rank only communicates (sends, or waits in
-a receive) show ``~``, idle cells ``.``, so the lanes read without colour too.
+Each rank gets a lane of character cells, each covering the same slice of the step window (see
+``viz.analysis``). A cell shows the compute span that covers more than half of it; a span too short
+to win any cell still claims its best-overlapping idle cell, so short spans do not vanish. Cells
+left free show a collective call (``collective_calls``: all of a rank's messages of one call, one
+span from its first step to its last), a point-to-point message (``~``, sending or waiting in a
+receive) or nothing (``.``, idle).
+
+Labels: a block gets its label (``F0``, ``B3.1`` with chunks, ``opt``; ``allreduce ring`` for a
+collective call) only where the label fits inside it with at least one cell between it and the
+previous label; otherwise the label is shortened (chunk dropped; ``ring`` or ``allreduce``
+alone) or left out and the block is filled with its kind's character (``>`` forward,
+``<`` backward, ``*`` optimizer, ``#`` other, ``~`` communication). With colour each block is also
+painted by kind, so the lanes read with and without colour.
+
+Cell size (``layout``): a block needs one cell per character of its short label plus one, so the
+cell is the lower quartile over blocks of duration / (label length + 1): about three quarters of
+the blocks get their label. When the step needs more cells than the terminal has columns, the lanes fold into up to
+``MAX_BANDS`` bands, one under the other, each with a ruler of the time since the step's start;
+beyond that the cells grow and more labels are left out.
 
 Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console``.
-Cost: O(E * C) for E events and C columns.
+Cost: O(E log E + E * C) for E events and C cells.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -30,97 +43,189 @@ STYLES = {
     "optimizer": "bold white on green",
     "other": "bold white on grey50",
 }
+FILL = {"forward": ">", "backward": "<", "optimizer": "*", "other": "#"}
 COMM_CHAR, IDLE_CHAR = "~", "."
-COMM_STYLE, IDLE_STYLE = "magenta", "grey39"
+COMM_STYLE, CALL_STYLE, IDLE_STYLE, RULER_STYLE = "magenta", "bold magenta", "grey39", "dim"
 PREFIX_FMT = "rank {:<{w}} "
+SUFFIX_WIDTH = len("  idle 100%")
+MAX_BANDS = 4
+POINT_TO_POINT = (None, "send", "recv")
 
 
-def _as_trace(trace_or_path: Trace | str | os.PathLike[str]) -> Trace:
-    return trace_or_path if isinstance(trace_or_path, Trace) else load(trace_or_path)
+@dataclass(eq=False)
+class Call:
+    """One collective call as one rank took part in it: its message events, in time order."""
+
+    rank: int
+    op: str
+    algorithm: str | None
+    events: list[Event]
+
+    @property
+    def t0(self) -> float:
+        return self.events[0].t0
+
+    @property
+    def t1(self) -> float:
+        return max(e.t1 for e in self.events)
 
 
-def _cells(trace: Trace, rank: int, columns: int, lo: float, hi: float) -> list[Event | str | None]:
-    """Per cell: the compute Event shown there, COMM_CHAR, or None (idle)."""
-    dt = (hi - lo) / columns
-    edges = [(lo + c * dt, lo + (c + 1) * dt) for c in range(columns)]
+def collective_calls(trace: Trace, rank: int) -> list[Call]:
+    """The rank's collective messages grouped into calls.
 
-    def overlap(e: Event, c: int) -> float:
-        return max(0.0, min(e.t1, edges[c][1]) - max(e.t0, edges[c][0]))
+    A call is a run of the rank's comm events, consecutive in time, with one op and algorithm and
+    steps that never go back (each step usually has a send and a receive). A step back to an
+    earlier one, a change of op or algorithm, a point-to-point message (op ``send``/``recv``) or an
+    event without a step (a ``native`` collective's single record) ends the call.
+    """
+    calls: list[Call] = []
+    prev: Event | None = None
+    for e in sorted((e for e in trace.events if e.kind == "comm" and e.rank == rank), key=lambda e: e.t0):
+        if e.op in POINT_TO_POINT:
+            prev = None
+            continue
+        same = (prev is not None and (prev.op, prev.algorithm) == (e.op, e.algorithm)
+                and prev.step is not None and e.step is not None and e.step >= prev.step)
+        if same:
+            calls[-1].events.append(e)
+        else:
+            calls.append(Call(rank, str(e.op), e.algorithm, [e]))
+        prev = e
+    return calls
 
+
+def _call_labels(call: Call, several: set[str]) -> list[str]:
+    """``allreduce ring``; shorter: the algorithm if the trace runs the op with several, else the op."""
+    if not call.algorithm:
+        return [call.op]
+    return [f"{call.op} {call.algorithm}", call.algorithm if call.op in several else call.op]
+
+
+def _ops_with_several_algorithms(trace: Trace) -> set[str]:
+    algorithms: dict[str, set[str | None]] = {}
+    for e in trace.events:
+        if e.kind == "comm" and e.op not in POINT_TO_POINT:
+            algorithms.setdefault(str(e.op), set()).add(e.algorithm)
+    return {op for op, algs in algorithms.items() if len(algs) > 1}
+
+
+def _labels(owner: Event | Call, chunks: bool, several: set[str]) -> list[str]:
+    """Labels of a block, longest first."""
+    if isinstance(owner, Call):
+        return _call_labels(owner, several)
+    return list(dict.fromkeys((A.label(owner, chunks), A.label(owner))))
+
+
+Owner = Event | Call | str | None  # a compute span, a collective call, COMM_CHAR, or idle
+
+
+def _cells(trace: Trace, rank: int, n: int, lo: float, dt: float, calls: list[Call]) -> list[Owner]:
+    """Per cell: the compute Event shown there, the collective Call, COMM_CHAR, or None (idle)."""
+
+    def cover(t0: float, t1: float) -> range:
+        return range(max(0, min(n - 1, int((t0 - lo) / dt))), max(0, min(n - 1, int((t1 - lo) / dt))) + 1)
+
+    def overlap(t0: float, t1: float, c: int) -> float:
+        return max(0.0, min(t1, lo + (c + 1) * dt) - max(t0, lo + c * dt))
+
+    hi = lo + n * dt
     spans = A.compute_spans(trace, rank)
-    cells: list[Event | str | None] = [None] * columns
-    best = [0.0] * columns
+    cells: list[Owner] = [None] * n
+    best = [0.0] * n
     for e in spans:
-        first = max(0, min(columns - 1, int((e.t0 - lo) / dt)))
-        last = max(0, min(columns - 1, int((e.t1 - lo) / dt)))
-        for c in range(first, last + 1):
-            ov = overlap(e, c)
+        for c in cover(e.t0, e.t1):
+            ov = overlap(e.t0, e.t1, c)
             if ov > dt / 2 and ov >= best[c]:
                 cells[c], best[c] = e, ov
     shown = {id(x) for x in cells if isinstance(x, Event)}
     for e in spans:  # too short to win a cell: take its best idle cell
         if id(e) in shown or e.t1 <= lo or e.t0 >= hi:
             continue
-        first = max(0, min(columns - 1, int((e.t0 - lo) / dt)))
-        last = max(0, min(columns - 1, int((e.t1 - lo) / dt)))
-        free = [c for c in range(first, last + 1) if cells[c] is None]
+        free = [c for c in cover(e.t0, e.t1) if cells[c] is None]
         if free:
-            c = max(free, key=lambda c: overlap(e, c))
-            cells[c] = e
-    for e in trace.events:
-        if e.kind == "comm" and e.rank == rank and e.t1 > e.t0 and e.t1 > lo and e.t0 < hi:
-            first = max(0, min(columns - 1, int((e.t0 - lo) / dt)))
-            last = max(0, min(columns - 1, int((e.t1 - lo) / dt)))
-            for c in range(first, last + 1):
-                if cells[c] is None and overlap(e, c) > 0:
-                    cells[c] = COMM_CHAR
+            cells[max(free, key=lambda c: overlap(e.t0, e.t1, c))] = e
+    p2p = [(e.t0, e.t1, COMM_CHAR) for e in trace.events
+           if e.kind == "comm" and e.rank == rank and e.op in POINT_TO_POINT and e.t1 > e.t0]
+    for t0, t1, owner in [(k.t0, k.t1, k) for k in calls] + p2p:
+        if t1 > lo and t0 < hi:
+            for c in cover(t0, t1):
+                if cells[c] is None and (overlap(t0, t1, c) > 0 or t0 == t1):
+                    cells[c] = owner
     return cells
 
 
-def _fit(e: Event, chunks: bool, width: int) -> str:
-    """The longest label that fits: ``F3.1``, else ``F3`` (chunk dropped), else ``F``, else cut."""
-    for lab in (A.label(e, chunks), A.label(e), e.name):
-        if len(lab) <= width:
-            return lab
-    return e.name[:width]
+def _render(cells: list[Owner], chunks: bool, several: set[str], labelled: set[int]) -> Text:
+    """Draw a run of cells: each block once, labelled where its label fits (see the docstring).
+    ``labelled`` holds the blocks already labelled (in an earlier band); updated in place."""
+    text = Text()
+    free = 0  # the first cell where a label may start: one cell after the previous label
+    c = 0
+    while c < len(cells):
+        owner, end = cells[c], c + 1
+        while end < len(cells) and cells[end] is owner:
+            end += 1
+        if owner is None:
+            text.append(IDLE_CHAR * (end - c), IDLE_STYLE)
+        elif isinstance(owner, str):
+            text.append(owner * (end - c), COMM_STYLE)
+        else:
+            is_call = isinstance(owner, Call)
+            fill = COMM_CHAR if is_call else FILL[A.kind_of(owner)]
+            pad = fill if is_call else " "  # around a label, and where a labelled block goes on
+            s = max(c, free)
+            fits = [lab for lab in _labels(owner, chunks, several) if s + len(lab) <= end]
+            if id(owner) in labelled or not fits:
+                body = (pad if id(owner) in labelled else fill) * (end - c)
+            else:
+                labelled.add(id(owner))
+                body = pad * (s - c) + fits[0] + pad * (end - s - len(fits[0]))
+                free = s + len(fits[0]) + 1
+            text.append(body, CALL_STYLE if is_call else STYLES[A.kind_of(owner)])
+        c = end
+    return text
 
 
-def lanes(trace: Trace, columns: int) -> list[Text]:
-    """One styled lane of exactly ``columns`` cells per rank (no prefix or suffix)."""
+def layout(trace: Trace, columns: int, max_bands: int = MAX_BANDS) -> tuple[float, int]:
+    """(time per cell, bands): three blocks in four get one cell per character of its short label
+    plus one, in at most ``max_bands`` bands of ``columns`` cells (every band full)."""
+    lo, hi = A.window(trace)
+    if hi <= lo:
+        return 0.0, 1
+    several = _ops_with_several_algorithms(trace)
+    need = []
+    for rank in range(trace.world_size):
+        for b in [*A.compute_spans(trace, rank), *collective_calls(trace, rank)]:
+            if b.t1 > b.t0:
+                # room for the shortest label: F3 (no chunk), ring or allreduce
+                need.append((b.t1 - b.t0) / (len(_labels(b, False, several)[-1]) + 1))
+    target = sorted(need)[len(need) // 4] if need else hi - lo  # the lower quartile
+    bands = max(1, min(max_bands, math.ceil((hi - lo) / (columns * target))))
+    return (hi - lo) / (bands * columns), bands
+
+
+def lanes(trace: Trace, columns: int, bands: int = 1) -> list[list[Text]]:
+    """Per band, one styled lane of exactly ``columns`` cells per rank (no prefix or suffix); the
+    step window is cut into ``bands * columns`` equal cells."""
     if columns < 1:
         raise ValueError(f"timeline needs at least 1 column, got {columns}; pass a larger width")
     lo, hi = A.window(trace)
-    chunks = A.shows_chunks(trace)
-    out = []
+    if hi <= lo:
+        return [[Text(IDLE_CHAR * columns, IDLE_STYLE) for _ in range(trace.world_size)]] * bands
+    chunks, several = A.shows_chunks(trace), _ops_with_several_algorithms(trace)
+    dt = (hi - lo) / (bands * columns)
+    out: list[list[Text]] = [[] for _ in range(bands)]
     for rank in range(trace.world_size):
-        text = Text()
-        if hi <= lo:
-            text.append(IDLE_CHAR * columns, IDLE_STYLE)
-            out.append(text)
-            continue
-        cells = _cells(trace, rank, columns, lo, hi)
-        c = 0
-        while c < columns:
-            cell = cells[c]
-            end = c + 1
-            while end < columns and cells[end] is cell:
-                end += 1
-            if isinstance(cell, Event):
-                lab = _fit(cell, chunks, end - c)
-                text.append(lab.ljust(end - c), STYLES[A.kind_of(cell)])
-            elif cell == COMM_CHAR:
-                text.append(COMM_CHAR * (end - c), COMM_STYLE)
-            else:
-                text.append(IDLE_CHAR * (end - c), IDLE_STYLE)
-            c = end
-        out.append(text)
+        cells = _cells(trace, rank, bands * columns, lo, dt, collective_calls(trace, rank))
+        labelled: set[int] = set()
+        for b in range(bands):
+            out[b].append(_render(cells[b * columns:(b + 1) * columns], chunks, several, labelled))
     return out
 
 
 def _columns(trace: Trace, width: int) -> tuple[int, int, int]:
     """(prefix width, timeline cells, suffix width) of a ``width``-character lane line."""
     prefix = len(PREFIX_FMT.format(0, w=len(str(trace.world_size - 1))))
-    suffix = 11 if A.bubble_fractions(trace) is not None else 0  # "  idle 100%"
+    suffix = SUFFIX_WIDTH if A.bubble_fractions(trace) is not None else 0
     columns = width - prefix - suffix
     if columns < 4:
         raise ValueError(f"width {width} leaves {columns} columns for the timeline; use a width of at "
@@ -128,30 +233,62 @@ def _columns(trace: Trace, width: int) -> tuple[int, int, int]:
     return prefix, columns, suffix
 
 
-def timeline_text(trace: Trace, width: int = 80) -> list[Text]:
-    """Lanes with ``rank r`` in front and the bubble fraction behind, ``width`` characters in all."""
+def _tick_text(t: float, step: float, unit: str) -> str:
+    if unit != "s":
+        return f"{t:g} {unit}"
+    scale, name = next(((s, n) for s, n in ((1.0, "s"), (1e-3, "ms")) if step >= s), (1e-6, "µs"))
+    return f"{round(t / scale, 6):g} {name}"
+
+
+def ruler(first_cell: int, columns: int, dt: float, unit: str) -> Text:
+    """Times since the step's start (round numbers) at the cells where they fall, ``columns`` wide."""
+    line = [" "] * columns
+    if dt > 0:
+        widest = len(_tick_text((first_cell + columns) * dt, dt, unit)) + 2
+        step = next(m * 10.0 ** k for k in range(math.floor(math.log10(dt)) - 1, 400) for m in (1, 2, 5)
+                    if m * 10.0 ** k >= widest * dt)
+        t = math.ceil(first_cell * dt / step) * step
+        while (c := int(round(t / dt, 9)) - first_cell) < columns:
+            label = "|" + _tick_text(t, step, unit)
+            if c + len(label) <= columns:
+                line[c:c + len(label)] = label
+            t += step
+    return Text("".join(line), RULER_STYLE)
+
+
+def timeline_text(trace: Trace, width: int = 80, max_bands: int = MAX_BANDS) -> list[Text]:
+    """Per band a ruler, then each rank's lane with ``rank r`` in front; the idle fraction behind
+    the last band's lanes. Every line is at most ``width`` characters."""
     w = len(str(trace.world_size - 1))
     fractions = A.bubble_fractions(trace)
-    _, columns, suffix_w = _columns(trace, width)
+    prefix, columns, suffix = _columns(trace, width)
+    dt, bands = layout(trace, columns, max_bands)
+    unit = A.time_unit(trace)
     out = []
-    for r, lane in enumerate(lanes(trace, columns)):
-        line = Text()
-        line.append(PREFIX_FMT.format(r, w=w), "bold")
-        line.append_text(lane)
-        if fractions is not None:
-            line.append(f" idle {100 * fractions[r]:3.0f}%".rjust(suffix_w))
-        out.append(line)
+    for b, band in enumerate(lanes(trace, columns, bands)):
+        out.append(Text(" " * prefix).append_text(ruler(b * columns, columns, dt, unit)))
+        for r, lane in enumerate(band):
+            line = Text()
+            line.append(PREFIX_FMT.format(r, w=w), "bold")
+            line.append_text(lane)
+            if fractions is not None and b == bands - 1:
+                line.append(f" idle {100 * fractions[r]:3.0f}%".rjust(suffix))
+            out.append(line)
     return out
 
 
-def legend(cell: float | None = None, unit: str = "s", width: int = 80) -> list[Text]:
-    """What the blocks and characters mean (and the time one cell covers), wrapped to ``width``."""
+def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: tuple[str, ...] = tuple(STYLES),
+           calls: bool = False) -> list[Text]:
+    """What the blocks (of ``kinds``) and characters mean, and the time one cell covers, wrapped to
+    ``width``; ``calls`` adds the collective call."""
     items = []
-    for kind, letters in (("forward", "F"), ("backward", "B/W"), ("optimizer", "opt"), ("other", "name")):
-        item = Text()
-        item.append(f" {letters} ", STYLES[kind])
-        item.append(f" {kind}")
-        items.append(item)
+    for kind, letters in (("forward", "F0"), ("backward", "B0"), ("optimizer", "opt"), ("other", "name")):
+        if kind in kinds:
+            items.append(Text.assemble((f" {letters} {FILL[kind] * 2}", STYLES[kind]), f" {kind}"))
+    if kinds:
+        items.append(Text(f"({', '.join(FILL[k] for k in STYLES if k in kinds)}: too short for a label)"))
+    if calls:
+        items.append(Text.assemble(("allreduce ring~~", CALL_STYLE), " one collective call"))
     items.append(Text.assemble((COMM_CHAR, COMM_STYLE), " message (sending or waiting)"))
     items.append(Text.assemble((IDLE_CHAR, IDLE_STYLE), " idle"))
     if cell is not None:
@@ -166,13 +303,14 @@ def legend(cell: float | None = None, unit: str = "s", width: int = 80) -> list[
     return lines
 
 
-def traffic_table(trace: Trace) -> Table | None:
+def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
     """Bytes sent per rank, per op/algorithm, and the formula's bytes: a "formula" row for the
     scalar ``expected_bytes`` (every rank the same), and for a key of ``expected_bytes_by_rank`` a
-    "formula" column next to the measured column(s) it covers, one number per rank."""
+    "formula" column next to the measured column(s) it covers, one number per rank. Headers break
+    at ``/`` and are never cut: columns that do not fit in ``width`` go to a further table."""
     by_op = A.bytes_by_op(trace)
     if not by_op:
-        return None
+        return []
     by_rank = A.formula_by_rank(trace)
     keys = list(by_op)
 
@@ -183,38 +321,61 @@ def traffic_table(trace: Trace) -> Table | None:
     for fkey, _, values in by_rank:
         hits = [i for i, k in enumerate(keys) if covers(fkey, k)]
         after.setdefault(hits[-1] if hits else len(keys) - 1, []).append((fkey, values))
-    columns: list[tuple[str, str | None, list[float] | None]] = []  # (header, measured key, formula)
-    for i, key in enumerate(keys):
-        columns.append((key, key, None))
-        for fkey, values in after.get(i, []):
-            columns.append(("formula" if fkey == key else f"{fkey} formula", None, values))
-    table = Table(title="bytes sent per rank", title_justify="left")
-    table.add_column("rank", justify="right")
-    for header, key, _ in columns:
-        table.add_column(header, justify="right", style=None if key else "italic")
-    table.add_column("total", justify="right", style="bold")
-    for r in range(trace.world_size):
-        cells = [f"{by_op[key][r]:,}" if key else f"{values[r]:,.0f}" for _, key, values in columns]
-        table.add_row(str(r), *cells, f"{sum(by_op[k][r] for k in keys):,}")
     ranked = {fkey for fkey, _, _ in by_rank}
     expected = {k: v for k, _, v in A.measured_vs_formula(trace) if k not in ranked}
-    if expected:
-        row = []
-        for _, key, _ in columns:  # a bare "op" key of the formula applies to every "op/algorithm" column
-            v = None if key is None else expected.get(key, expected.get(key.split("/")[0]))
-            row.append("" if v is None else f"{v:,.0f}")
-        table.add_row("formula", *row, "", style="italic")
-    return table
+    p = trace.world_size
+    # (header, cells: one per rank then the formula row's, style)
+    columns: list[tuple[str, list[str], str | None]] = []
+    for i, key in enumerate(keys):
+        v = expected.get(key, expected.get(key.split("/")[0]))  # a bare "op" key covers "op/algorithm"
+        columns.append((key.replace("/", "\n"), [f"{n:,}" for n in by_op[key]] + ["" if v is None else f"{v:,.0f}"],
+                        None))
+        for fkey, values in after.get(i, []):
+            header = "formula" if fkey == key else fkey.replace("/", "\n") + "\nformula"
+            columns.append((header, [f"{x:,.0f}" for x in values] + [""], "italic"))
+    columns.append(("total", [f"{sum(by_op[k][r] for k in keys):,}" for r in range(p)] + [""], "bold"))
+    rows = [str(r) for r in range(p)] + (["formula"] if expected else [])
+
+    def need(header: str, cells: list[str]) -> int:  # content, padding 2, one border
+        return max(len(s) for s in [*header.split("\n"), *cells]) + 3
+
+    units: list[list[int]] = []  # a measured column and the formula columns after it stay together
+    for i, (_, _, style) in enumerate(columns):
+        if style == "italic" and units:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    groups: list[list[int]] = [[]]
+    used = need("rank", rows) + 1
+    for unit in units:
+        more = sum(need(columns[i][0], columns[i][1]) for i in unit)
+        if groups[-1] and used + more > width:
+            groups.append([])
+            used = need("rank", rows) + 1
+        groups[-1].extend(unit)
+        used += more
+    tables = []
+    for g, group in enumerate(groups):
+        title = "bytes sent per rank" + (" (continued)" if g else "")
+        table = Table(title=title, title_justify="left")
+        table.add_column("rank", justify="right", no_wrap=True)
+        for i in group:
+            header, cells, style = columns[i]
+            table.add_column(header, justify="right", style=style, no_wrap=True, min_width=need(header, cells) - 3)
+        for r, name in enumerate(rows):
+            table.add_row(name, *[columns[i][1][r] for i in group], style="italic" if name == "formula" else None)
+        tables.append(table)
+    return tables
 
 
 def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Console | None = None,
-                   width: int | None = None, title: str | None = None) -> None:
+                   width: int | None = None, title: str | None = None, max_bands: int = MAX_BANDS) -> None:
     """Print the timeline, legend, bubble fractions and traffic table of one trace.
 
     ``width`` is the whole line's width (default: the console's). Pass a ``Console`` to choose
     colour handling (e.g. ``Console(force_terminal=True)`` under ``mpiexec``).
     """
-    trace = _as_trace(trace_or_path)
+    trace = trace_or_path if isinstance(trace_or_path, Trace) else load(trace_or_path)
     if console is None:
         console = Console(width=width) if width else Console()
     width = width or console.width
@@ -228,13 +389,12 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     # console (e.g. 80 columns when stdout is not a terminal, as under mpiexec).
     console.print(Text(head, "bold"), soft_wrap=True)
     console.print(f"step {A.fmt_time(s['step_time'], unit)}{bubble}", soft_wrap=True, highlight=False)
-    for line in timeline_text(trace, width):
+    for line in timeline_text(trace, width, max_bands):
         console.print(line, soft_wrap=True)
-    lo, hi = A.window(trace)
-    columns = _columns(trace, width)[1]
-    for line in legend((hi - lo) / columns if hi > lo else None, unit, width):
+    dt, _ = layout(trace, _columns(trace, width)[1], max_bands)
+    kinds = tuple(k for k in STYLES if any(A.kind_of(e) == k for e in trace.events if e.kind == "compute"))
+    calls = any(collective_calls(trace, r) for r in range(trace.world_size))
+    for line in legend(dt or None, unit, width, kinds, calls):
         console.print(line, soft_wrap=True)
-    table = traffic_table(trace)
-    if table is not None:
-        console.print(table, width=width)
-
+    for table in traffic_tables(trace, min(width, console.width)):
+        console.print(table)
