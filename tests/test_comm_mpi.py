@@ -1,20 +1,21 @@
 """The same properties under real ``mpiexec`` (2-4 ranks), through the equivalence harness.
 
-Hypothesis draws the configuration here; each example runs as one ``mpiexec`` job.
+Hypothesis draws the configurations here, in the pytest process; each example is one ``mpiexec``
+job running a drawn list of configurations (``minipar.testing.run_each``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
+from strategies import budget, mpi_jobs
 from test_comm_collectives import check_movers, check_reductions, run_movers, run_reductions
 from test_comm_p2p import check_grid, grid
 
 from minipar import trace
-from minipar.comm import chunk_bounds
-from minipar.testing import HarnessError, run
+from minipar.testing import HarnessError, run, run_each
 
 pytestmark = pytest.mark.mpi
 
@@ -27,22 +28,32 @@ def everything(comm, seed, shape, dtype, op, rows, trailing, root):
     return out
 
 
-@settings(max_examples=4, derandomize=True)
-@given(p=st.integers(2, 4), shape=st.lists(st.integers(0, 5), max_size=2).map(tuple),
-       dtype=st.sampled_from(["float64", "float32"]), op=st.sampled_from(["sum", "mean", "max"]),
-       seed=st.integers(0, 10**6), rows=st.lists(st.integers(0, 3), min_size=4, max_size=4),
-       root=st.integers(0, 3))
-# the 4 derandomized draws hold no "mean" and mostly empty buffers: these two always run as well
-@example(p=4, shape=(5, 3), dtype="float32", op="mean", seed=7, rows=[2, 0, 3, 1], root=3)
-@example(p=3, shape=(7,), dtype="float64", op="mean", seed=11, rows=[1, 2, 0, 3], root=1)
-def test_collectives_under_mpiexec(p, shape, dtype, op, seed, rows, root):
-    rows, root = rows[:p], root % p
-    res = run(everything, p, backend="mpi", timeout=60, comm_timeout=20, seed=seed, shape=shape, dtype=dtype,
-              op=op, rows=rows, trailing=(2,), root=root)
-    check_reductions(res, seed, shape, dtype, op)
-    check_movers(res, seed, rows, (2,), dtype, root)
-    for out in res:
-        np.testing.assert_array_equal(out["iallreduce"], np.full(3, float(sum(range(p)))))
+@st.composite
+def collective_configs(draw: st.DrawFn, p: int) -> dict:
+    """Arguments of ``everything`` on p ranks: buffers (empty ones too), dtype, op, per-rank rows, root."""
+    return {"seed": draw(st.integers(0, 10**6)), "shape": draw(st.lists(st.integers(0, 5), max_size=2).map(tuple)),
+            "dtype": draw(st.sampled_from(["float64", "float32"])), "op": draw(st.sampled_from(["sum", "mean", "max"])),
+            "rows": draw(st.lists(st.integers(0, 3), min_size=p, max_size=p)), "trailing": (2,),
+            "root": draw(st.integers(0, p - 1))}
+
+
+def config(seed: int, shape: tuple, dtype: str, op: str, rows: list[int], root: int) -> dict:
+    return {"seed": seed, "shape": shape, "dtype": dtype, "op": op, "rows": rows, "trailing": (2,), "root": root}
+
+
+# every job runs every all-reduce algorithm (ring, recursive doubling, naive, native) on each
+# configuration; these always run too: "mean", non-empty buffers, p = 3 (not a power of two) and 4
+@budget(2)
+@given(mpi_jobs(collective_configs))
+@example((4, [config(7, (5, 3), "float32", "mean", [2, 0, 3, 1], 3), config(8, (6,), "float64", "max", [1] * 4, 0)]))
+@example((3, [config(11, (7,), "float64", "mean", [1, 2, 0], 1), config(12, (2, 4), "float32", "sum", [0, 3, 1], 2)]))
+def test_collectives_under_mpiexec(job):
+    p, cfgs = job
+    for c, res in zip(cfgs, run_each(everything, p, cfgs, timeout=60, comm_timeout=20)):
+        check_reductions(res, c["seed"], c["shape"], c["dtype"], c["op"])
+        check_movers(res, c["seed"], c["rows"], c["trailing"], c["dtype"], c["root"])
+        for out in res:
+            np.testing.assert_array_equal(out["iallreduce"], np.full(3, float(sum(range(p)))))
 
 
 def grid_and_bytes(comm):
@@ -67,7 +78,7 @@ def test_split_fifo_and_traced_bytes_under_mpiexec():
     res = run(grid_and_bytes, 4, backend="mpi", timeout=60, comm_timeout=20)
     check_grid([r[0] for r in res])
     assert res[1][1] == [[3] * 4, [2] * 3, [1] * 2, [0]]
-    chunks = [b - a for a, b in chunk_bounds(10, 4)]
+    chunks = [3, 3, 2, 2]  # 10 elements on 4 ranks: 10 // 4 each, one more for the first 10 % 4
     for r, (_, _, sent) in enumerate(res):
         assert sent["ring"] == 8 * (2 * 10 - chunks[r] - chunks[(r + 1) % 4])
         assert sent["recursive_doubling"] == 8 * 8 * 2  # n log2 p

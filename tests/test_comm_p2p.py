@@ -6,13 +6,14 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from strategies import budget
 
 from minipar.comm import Aborted, CollectiveMismatch, CommTimeout, RankError, launch
 
 
-@settings(max_examples=15)
+@budget(15)
 @given(shape=st.lists(st.integers(0, 4), max_size=4).map(tuple),
        dtype=st.sampled_from(["float64", "float32", "int64", "uint8", "bool"]))
 def test_send_recv_carries_shape_and_dtype(shape, dtype):
