@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given
+from strategies import budget, mpi_jobs, tp_configs
 from tp_helpers import cols, graph_arrays, rand, rows, summarise
 
 from minipar import functional as F
@@ -36,22 +36,19 @@ from minipar.parallel.tensor import (
     sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
-from minipar.testing import run
+from minipar.testing import run, run_each
 
 TOL = {"rtol": 1e-8, "atol": 1e-10}
 
 
-@st.composite
-def tp_configs(draw: st.DrawFn, max_t: int = 4) -> dict:
-    """A model and batch that t divides: heads, d_ff, vocabulary (and the sequence under SP)."""
-    t = draw(st.integers(1, max_t))
-    sp = draw(st.booleans())
-    heads = t * draw(st.integers(1, 2))
-    seq = t * draw(st.integers(1, 2)) if sp else draw(st.integers(1, 5))
-    return {"t": t, "sp": sp, "heads": heads, "d": heads * draw(st.sampled_from([2, 3])),
-            "ff": t * draw(st.integers(1, 3)), "vocab": t * draw(st.integers(2, 4)), "seq": seq,
-            "batch": draw(st.integers(1, 2)), "layers": draw(st.integers(1, 2)),
-            "seed": draw(st.integers(0, 2**16)), "opt": draw(st.sampled_from(["adamw", "sgd"]))}
+def config(t: int, sp: bool, seq: int, opt: str = "adamw", layers: int = 2) -> dict:
+    """A hand-picked configuration in ``strategies.tp_configs``' shape (for ``@example``)."""
+    return {"t": t, "sp": sp, "heads": 2 * t, "d": 4 * t, "ff": 3 * t, "vocab": 3 * t, "seq": seq, "batch": 2,
+            "layers": layers, "seed": 11, "opt": opt}
+
+
+# sequences longer than one token always run, with and without sequence parallelism
+SEQ_EXAMPLES = [config(2, True, 4), config(4, True, 8, "sgd", 1), config(3, False, 5)]
 
 
 # ---- layers ---------------------------------------------------------------------------------------
@@ -148,8 +145,11 @@ def check_layers(c: dict, results: list[dict]) -> None:
             np.testing.assert_allclose(grads[name], rgrads[name], err_msg=name, **TOL)
 
 
-@settings(max_examples=20)
+@budget(20)
 @given(c=tp_configs())
+@example(c=SEQ_EXAMPLES[0])
+@example(c=SEQ_EXAMPLES[1])
+@example(c=SEQ_EXAMPLES[2])
 def test_layers_equal_single_process_threads(c: dict) -> None:
     check_layers(c, launch(layers_run, c["t"], c=c))
 
@@ -241,8 +241,11 @@ def check_gpt(c: dict, results: list[dict]) -> None:
             assert extra == (2 * c["layers"] + 1) * (t - 1) * a // t
 
 
-@settings(max_examples=20)
+@budget(20)
 @given(c=tp_configs())
+@example(c=SEQ_EXAMPLES[0])
+@example(c=SEQ_EXAMPLES[1])
+@example(c=SEQ_EXAMPLES[2])
 def test_gpt_equals_single_process_threads(c: dict) -> None:
     check_gpt(c, launch(gpt_run, c["t"], c=c))
 
@@ -252,12 +255,16 @@ def layers_and_gpt(comm, c: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.mpi
-@settings(max_examples=3)
-@given(c=tp_configs(max_t=4).filter(lambda c: c["t"] >= 2))
-def test_layers_and_gpt_equal_single_process_mpiexec(c: dict) -> None:
-    results = run(layers_and_gpt, c["t"], backend="mpi", timeout=90, comm_timeout=30, c=c)
-    check_layers(c, [lay for lay, _ in results])
-    check_gpt(c, [gpt for _, gpt in results])
+@budget(2)
+@given(job=mpi_jobs(lambda t: tp_configs(t=t), min_size=2, max_size=3))
+@example(job=(2, [SEQ_EXAMPLES[0], config(2, False, 3, "sgd")]))
+@example(job=(4, [SEQ_EXAMPLES[1], config(4, False, 2)]))
+def test_layers_and_gpt_equal_single_process_mpiexec(job: tuple[int, list[dict]]) -> None:
+    """One mpiexec job per drawn t runs a drawn list of configurations."""
+    t, cs = job
+    for c, results in zip(cs, run_each(layers_and_gpt, t, [{"c": c} for c in cs], timeout=90, comm_timeout=30)):
+        check_layers(c, [lay for lay, _ in results])
+        check_gpt(c, [gpt for _, gpt in results])
 
 
 # ---- memory, the vocabulary, bad configurations ------------------------------------------------------
