@@ -1,8 +1,9 @@
 """Pipeline simulator (issue 4, point 4): makespan, bubble, stash and the trace against the formulas."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from strategies import budget
 
 from minipar import trace as mtrace
 from minipar.parallel.pipeline import ScheduleError, make_schedule, simulate, validate
@@ -113,7 +114,7 @@ def test_hand_written_schedule_simulates():
     assert res.trace.meta["schedule"] == "custom"
 
 
-@settings(max_examples=25, deadline=None)
+@budget(25)
 @given(kind=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved"]), p=st.integers(2, 6),
        m=st.integers(1, 16), v=st.integers(2, 3))
 def test_every_generated_schedule_validates_and_simulates(kind, p, m, v):
