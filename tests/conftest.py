@@ -5,7 +5,9 @@
 Examples are drawn at random on every run (no global ``derandomize``): cases that must always run are
 ``@example``s on the test. A failure is shrunk and printed with its ``@reproduce_failure`` blob, and
 ``--hypothesis-seed=N`` replays a whole run. ``strategies.budget(n)`` scales a test's example count with
-the profile.
+the profile. An ``mpiexec`` property draws here, in the pytest process: each example is one job, a world
+size and a list of configurations (``strategies.mpi_jobs``) that ``minipar.testing.run_each`` runs in
+one ``mpiexec``; the ranks never draw.
 """
 
 import os
