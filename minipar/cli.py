@@ -4,9 +4,11 @@
     minipar view TRACE... --terminal [--width N]   the timeline in the terminal (the default)
     minipar view TRACE --chrome out.json       Chrome-trace JSON for https://ui.perfetto.dev
     minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
+    minipar simulate interleaved --chunks 2                           (v model chunks per rank)
 
-Bad input (a missing, truncated or corrupt trace, a newer format, a bad option) prints one line
-``minipar: error: ...`` on stderr and exits with status 2, without a traceback. Subcommands are
+Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
+output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
+stderr and exits with status 2, without a traceback, before anything is printed or written. Subcommands are
 registered in ``COMMANDS``; add one with a ``(configure_parser, run)`` pair. ``viz`` is imported
 only inside ``view`` so the library itself never depends on the viewer.
 """
@@ -14,10 +16,12 @@ only inside ``view`` so the library itself never depends on the viewer.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 EXIT_USAGE = 2
+EXAMPLE_TRACE = "runs/02_pipeline/1f1b.json"
 
 
 class UsageError(Exception):
@@ -27,6 +31,51 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _traces_in(folder: str, limit: int = 4) -> tuple[list[str], int]:
+    """Up to ``limit`` minipar trace files in ``folder`` and its direct subfolders (known by their
+    header), and how many there are in all."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(dirs) if os.path.samefile(root, folder) else []
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if name.endswith(".json"):
+                try:
+                    with open(path, "rb") as fh:
+                        if b'"minipar-trace"' in fh.read(64):
+                            found.append(path)
+                except OSError:
+                    continue
+    return found[:limit], len(found)
+
+
+def _not_a_folder(path: str) -> None:
+    """Raise ``UsageError`` naming the traces inside when ``path`` is a folder, not a trace file."""
+    if not os.path.isdir(path):
+        return
+    shown, total = _traces_in(path)
+    if not shown:
+        raise UsageError(f"{path} is a directory with no minipar traces in it; give a trace file, "
+                         f"e.g. {EXAMPLE_TRACE} (a lesson writes them under runs/)")
+    more = f" and {total - len(shown)} more" if total > len(shown) else ""
+    raise UsageError(f"{path} is a directory; give one or more trace files, e.g. {shown[0]} "
+                     f"(traces inside: {', '.join(shown)}{more})")
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Raise ``UsageError`` before any work when ``path`` (given to ``option``) cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'out.json')}"
+    elif not os.path.isdir(folder):
+        problem = f"directory {folder} does not exist; create it first or choose another path"
+    elif not os.access(folder, os.W_OK):
+        problem = f"no permission to write in {folder}; choose another path"
+    else:
+        return
+    raise UsageError(f"cannot write output {path} ({option}): {problem}")
 
 
 def _configure_view(p: argparse.ArgumentParser) -> None:
@@ -48,6 +97,11 @@ def _run_view(args: argparse.Namespace) -> int:
         raise UsageError(f"got {len(args.title)} --title for {len(args.traces)} traces; give one per TRACE")
     if args.width is not None and args.width < 20:
         raise UsageError(f"--width {args.width} is too narrow; use at least 20")
+    for path in args.traces:
+        _not_a_folder(path)
+    for path, option in ((args.output, "-o"), (args.chrome, "--chrome")):
+        if path:
+            _check_writable(path, option)
     try:
         traces = [load(path) for path in args.traces]
     except TraceError as exc:
@@ -81,7 +135,8 @@ def _configure_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", help="schedule: naive, gpipe, 1f1b or interleaved")
     p.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
-    p.add_argument("--chunks", "-v", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--chunks", "-v", type=int, metavar="V",
+                   help="model chunks per rank, interleaved only (default 2 there; >= 2)")
     p.add_argument("--forward", type=float, default=1.0, help="duration of one forward (default 1)")
     p.add_argument("--backward", type=float, default=2.0, help="duration of one backward (default 2)")
     p.add_argument("-o", "--output", metavar="TRACE", help="also write the simulated trace here")
@@ -93,20 +148,36 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from minipar.parallel.pipeline import make_schedule, simulate
     from minipar.trace import save
 
+    interleaved = args.kind.lower() == "interleaved"
+    if interleaved and args.chunks is not None and args.chunks < 2:
+        raise UsageError(f"interleaved needs --chunks >= 2 model chunks per rank, got {args.chunks} "
+                         "(with one chunk it is 1F1B: 'minipar simulate 1f1b')")
+    if not interleaved and args.chunks not in (None, 1):
+        raise UsageError(f"--chunks {args.chunks} applies to the interleaved schedule only; drop it, or "
+                         f"run 'minipar simulate interleaved --chunks {args.chunks}'")
+    chunks = args.chunks or (2 if interleaved else 1)
+    if args.output:
+        _check_writable(args.output, "-o")
     try:
-        schedule = make_schedule(args.kind, args.stages, args.microbatches, args.chunks)
+        schedule = make_schedule(args.kind, args.stages, args.microbatches, chunks)
         result = simulate(schedule, forward=args.forward, backward=args.backward)
     except ValueError as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
+    if args.output:
+        try:
+            save(result.trace, args.output)
+        except OSError as exc:
+            raise UsageError(f"cannot write output {args.output} (-o): {exc.strerror or exc}") from None
+    if interleaved and args.chunks is None:
+        print(f"interleaved with {chunks} model chunks per rank (the default; --chunks V to change)")
     for rank, actions in sorted(schedule.items()):
         print(f"rank {rank}: {' '.join(str(a) for a in actions)}")
-    p, m, v = args.stages, args.microbatches, args.chunks
+    p, m, v = args.stages, args.microbatches, chunks
     formula = pipeline_cost.bubble_fraction(args.kind, p, m, v)
     print(f"makespan {result.makespan:g}   bubble fraction {result.bubble_fraction:.1%} "
           f"(formula {pipeline_cost.bubble_formula(args.kind)} = {formula:.1%})   "
           f"peak stashed micro-batches per rank {[result.peak_stash[r] for r in range(p)]}")
     if args.output:
-        save(result.trace, args.output)
         print(f"wrote {args.output}", file=sys.stderr)
     from viz.terminal import print_timeline
 
@@ -141,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"minipar: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # output piped into e.g. head, which stopped reading: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,14 @@ from minipar import trace
 from minipar.cli import main
 
 
+def _error(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert out == "", out
+    (line,) = err.strip().splitlines()
+    assert line.startswith("minipar: error: ")
+    return line
+
+
 def test_simulate_prints_order_and_numbers_and_writes_the_trace(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "-o", str(out), "--width", "60"]) == 0
@@ -19,5 +27,30 @@ def test_simulate_prints_order_and_numbers_and_writes_the_trace(tmp_path, capsys
 
 def test_simulate_bad_configuration_is_one_line(capsys):
     assert main(["simulate", "interleaved", "-p", "2", "-m", "3", "-v", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "multiple of" in err[0]
+    assert "multiple of" in _error(capsys)
+
+
+def test_interleaved_defaults_to_two_chunks_and_says_so(capsys):
+    assert main(["simulate", "interleaved", "-p", "2", "-m", "4", "--width", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "interleaved with 2 model chunks per rank (the default; --chunks V to change)"
+    # v = 2 on p = 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (Narayanan et al. 2021, 2.2.2)
+    assert lines[1].startswith("rank 0: 0F0 0F1 2F0 2F1") and lines[2].startswith("rank 1: 1F0 1F1 3F0")
+    assert "= 11.1%" in "\n".join(lines)  # (p - 1) / (v m + p - 1) = 1 / 9
+
+
+def test_chunks_that_do_not_apply_are_one_line_errors(capsys):
+    assert main(["simulate", "interleaved", "--chunks", "1"]) == 2
+    assert "interleaved needs --chunks >= 2 model chunks per rank, got 1" in _error(capsys)
+    assert main(["simulate", "gpipe", "--chunks", "2"]) == 2
+    assert "--chunks 2 applies to the interleaved schedule only" in _error(capsys)
+
+
+def test_unwritable_output_fails_before_printing_or_writing(tmp_path, capsys):
+    missing = tmp_path / "nonexistent" / "x.json"
+    assert main(["simulate", "1f1b", "-o", str(missing)]) == 2
+    line = _error(capsys)
+    assert f"cannot write output {missing} (-o): directory {missing.parent} does not exist" in line
+    assert main(["simulate", "1f1b", "-o", str(tmp_path)]) == 2
+    assert f"{tmp_path} is a directory; give a file name" in _error(capsys)
+    assert list(tmp_path.iterdir()) == []  # no trace, no temporary file

@@ -106,3 +106,42 @@ def test_view_writes_report_chrome_and_terminal(traces, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["pipeline, 1f1b, 2 ranks, hand-made", "step 15 units, bubble 20.0%"]
     assert sum(line.startswith("rank 0 F0") for line in out) == 1 and max(map(len, out)) <= 48
+
+
+def test_a_directory_names_the_traces_inside(traces, tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    save(one_f_one_b(), tmp_path / "sub" / "c.json")
+    (tmp_path / "notes.json").write_text('{"not": "a trace"}')
+    assert cli.main(["view", str(tmp_path), "--terminal"]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and line.startswith(f"minipar: error: {tmp_path} is a directory; give one or more trace files")
+    listed = line.split("traces inside: ")[1].rstrip(")").split(", ")
+    assert listed == [traces[0], traces[1], str(tmp_path / "sub" / "c.json")]  # notes.json is no trace
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["view", str(empty)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "no minipar traces in it; give a trace file, e.g. runs/02_pipeline/1f1b.json" in line
+
+
+def test_unwritable_outputs_fail_before_anything_is_written(traces, tmp_path, capsys):
+    html = tmp_path / "r.html"
+    cases = [
+        (["-o", str(html), "--chrome", str(tmp_path / "no" / "c.json")],
+         f"cannot write output {tmp_path / 'no' / 'c.json'} (--chrome): directory {tmp_path / 'no'} does not exist"),
+        (["-o", str(tmp_path)], f"cannot write output {tmp_path} (-o): {tmp_path} is a directory; give a file name"),
+    ]
+    for extra, words in cases:
+        assert cli.main(["view", traces[0], *extra]) == 2
+        out, err = capsys.readouterr()
+        (line,) = err.strip().splitlines()
+        assert out == "" and words in line, line
+    assert not html.exists()  # the report, which could be written, was not: nothing half done
+
+
+def test_a_directory_gives_no_traceback_from_the_console_entry(traces, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "minipar.cli", "view", str(tmp_path), "--terminal"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"minipar: error: {tmp_path} is a directory")
