@@ -163,6 +163,16 @@ def test_collective_calls_group_steps_of_one_call():
                                                                    ("native", 1, 0.02)]
 
 
+def test_back_to_back_calls_of_one_kind_share_a_label():
+    # two ring all-reduces of 4 ms each, back to back; 16 cells of 0.5 ms: 8 cells each, too few for
+    # "allreduce ring" (14), which the 16 cells of both together hold once
+    ring = [e for e in ring_allreduce(p=3).events if e.kind == "comm"]
+    later = [Event(e.rank, e.kind, e.name, e.t0 + 4e-3, e.t1 + 4e-3, src=e.src, dst=e.dst, nbytes=e.nbytes,
+                   op=e.op, algorithm=e.algorithm, step=e.step) for e in ring]
+    (band,) = terminal.lanes(Trace({"world_size": 3}, ring + later), 16)
+    assert [t.plain for t in band] == ["allreduce ring~~"] * 3
+
+
 def test_cells_shrink_under_load_into_at_most_four_bands():
     # Spans of 6 ms in a 31 * 15 + 6 + 4.5 = 475.5 ms step. One band of 82 cells would give 5.8 ms
     # per cell (a span per cell, mush). F15 needs 3 + 1 cells: 1.5 ms per cell, and a quarter of the

@@ -14,11 +14,10 @@ alone) or left out and the block is filled with its kind's character (``>`` forw
 ``<`` backward, ``*`` optimizer, ``#`` other, ``~`` communication). With colour each block is also
 painted by kind, so the lanes read with and without colour.
 
-Cell size (``layout``): a block needs one cell per character of its short label plus one, so the
-cell is the lower quartile over blocks of duration / (label length + 1): about three quarters of
-the blocks get their label. When the step needs more cells than the terminal has columns, the lanes fold into up to
-``MAX_BANDS`` bands, one under the other, each with a ruler of the time since the step's start;
-beyond that the cells grow and more labels are left out.
+Cell size (``layout``): a block needs a cell per character of its short label plus one, so a cell
+is the lower quartile over blocks of duration / (label length + 1): three blocks in four get their
+label. When that needs more cells than the terminal has columns, the lanes fold into up to
+``MAX_BANDS`` bands, each under a ruler of the time since the step's start; beyond, cells grow.
 
 Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console``.
 Cost: O(E log E + E * C) for E events and C cells.
@@ -37,12 +36,8 @@ from rich.text import Text
 from minipar.trace import Event, Trace, load
 from viz import analysis as A
 
-STYLES = {
-    "forward": "bold white on blue",
-    "backward": "bold black on dark_orange",
-    "optimizer": "bold white on green",
-    "other": "bold white on grey50",
-}
+STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
+          "optimizer": "bold white on green", "other": "bold white on grey50"}
 FILL = {"forward": ">", "backward": "<", "optimizer": "*", "other": "#"}
 COMM_CHAR, IDLE_CHAR = "~", "."
 COMM_STYLE, CALL_STYLE, IDLE_STYLE, RULER_STYLE = "magenta", "bold magenta", "grey39", "dim"
@@ -155,15 +150,21 @@ def _cells(trace: Trace, rank: int, n: int, lo: float, dt: float, calls: list[Ca
 
 
 def _render(cells: list[Owner], chunks: bool, several: set[str], labelled: set[int]) -> Text:
-    """Draw a run of cells: each block once, labelled where its label fits (see the docstring).
-    ``labelled`` holds the blocks already labelled (in an earlier band); updated in place."""
+    """Draw a run of cells: each block once (back-to-back calls of one op and algorithm as one),
+    labelled where its label fits (see the docstring). ``labelled`` holds the ids of the blocks
+    already labelled (in an earlier band); updated in place."""
+
+    def same(a: Owner, b: Owner) -> bool:
+        return a is b or (isinstance(a, Call) and isinstance(b, Call) and (a.op, a.algorithm) == (b.op, b.algorithm))
+
     text = Text()
     free = 0  # the first cell where a label may start: one cell after the previous label
     c = 0
     while c < len(cells):
         owner, end = cells[c], c + 1
-        while end < len(cells) and cells[end] is owner:
+        while end < len(cells) and same(cells[end], owner):
             end += 1
+        members = {id(x) for x in cells[c:end]}
         if owner is None:
             text.append(IDLE_CHAR * (end - c), IDLE_STYLE)
         elif isinstance(owner, str):
@@ -174,10 +175,10 @@ def _render(cells: list[Owner], chunks: bool, several: set[str], labelled: set[i
             pad = fill if is_call else " "  # around a label, and where a labelled block goes on
             s = max(c, free)
             fits = [lab for lab in _labels(owner, chunks, several) if s + len(lab) <= end]
-            if id(owner) in labelled or not fits:
-                body = (pad if id(owner) in labelled else fill) * (end - c)
+            if members & labelled or not fits:
+                body = (pad if members & labelled else fill) * (end - c)
             else:
-                labelled.add(id(owner))
+                labelled |= members
                 body = pad * (s - c) + fits[0] + pad * (end - s - len(fits[0]))
                 free = s + len(fits[0]) + 1
             text.append(body, CALL_STYLE if is_call else STYLES[A.kind_of(owner)])
@@ -278,17 +279,17 @@ def timeline_text(trace: Trace, width: int = 80, max_bands: int = MAX_BANDS) -> 
 
 
 def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: tuple[str, ...] = tuple(STYLES),
-           calls: bool = False) -> list[Text]:
+           call: str | None = None) -> list[Text]:
     """What the blocks (of ``kinds``) and characters mean, and the time one cell covers, wrapped to
-    ``width``; ``calls`` adds the collective call."""
+    ``width``; ``call`` (e.g. "allreduce ring") explains collective calls."""
     items = []
     for kind, letters in (("forward", "F0"), ("backward", "B0"), ("optimizer", "opt"), ("other", "name")):
         if kind in kinds:
             items.append(Text.assemble((f" {letters} {FILL[kind] * 2}", STYLES[kind]), f" {kind}"))
     if kinds:
         items.append(Text(f"({', '.join(FILL[k] for k in STYLES if k in kinds)}: too short for a label)"))
-    if calls:
-        items.append(Text.assemble(("allreduce ring~~", CALL_STYLE), " one collective call"))
+    if call:
+        items.append(Text.assemble((f"{call}~~", CALL_STYLE), " one collective call"))
     items.append(Text.assemble((COMM_CHAR, COMM_STYLE), " message (sending or waiting)"))
     items.append(Text.assemble((IDLE_CHAR, IDLE_STYLE), " idle"))
     if cell is not None:
@@ -393,8 +394,10 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
         console.print(line, soft_wrap=True)
     dt, _ = layout(trace, _columns(trace, width)[1], max_bands)
     kinds = tuple(k for k in STYLES if any(A.kind_of(e) == k for e in trace.events if e.kind == "compute"))
-    calls = any(collective_calls(trace, r) for r in range(trace.world_size))
-    for line in legend(dt or None, unit, width, kinds, calls):
+    calls = sorted((c for r in range(trace.world_size) for c in collective_calls(trace, r)),
+                   key=lambda c: c.op == "barrier")  # a call that moves data explains more
+    call = _labels(calls[0], False, _ops_with_several_algorithms(trace))[0] if calls else None
+    for line in legend(dt or None, unit, width, kinds, call):
         console.print(line, soft_wrap=True)
     for table in traffic_tables(trace, min(width, console.width)):
         console.print(table)
