@@ -194,16 +194,19 @@ def cross_entropy(logits: Tensor, targets: np.ndarray | Tensor) -> Tensor:
     if t.shape != logits.shape[:-1]:
         raise ValueError(f"targets of shape {t.shape} do not match logits {logits.shape}: need {logits.shape[:-1]}")
     z = logits.data - logits.data.max(axis=-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    picked = np.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+    picked = np.take_along_axis(z, t[..., None], axis=-1)  # z at the targets
+    e = np.exp(z, out=z)  # exp(z - max), in place: z is no longer needed
+    total = e.sum(axis=-1, keepdims=True)
     n = t.size
 
     def backward(g: np.ndarray) -> tuple[np.ndarray]:
-        d = np.exp(logp)
+        d = e / total  # softmax
         np.put_along_axis(d, t[..., None], np.take_along_axis(d, t[..., None], axis=-1) - 1.0, axis=-1)
-        return (d * (g / n),)
+        d *= g / n
+        return (d,)
 
-    return Tensor._make(np.asarray(-picked.mean(), dtype=logits.dtype), (logits,), backward)
+    loss = (np.log(total) - picked).mean()  # -log softmax at the targets = log(total) - z
+    return Tensor._make(np.asarray(loss, dtype=logits.dtype), (logits,), backward)
 
 
 def mse_loss(pred: Tensor, target: np.ndarray | Tensor) -> Tensor:
