@@ -173,6 +173,20 @@ def test_back_to_back_calls_of_one_kind_share_a_label():
     assert [t.plain for t in band] == ["allreduce ring~~"] * 3
 
 
+def test_layer_spans_are_named_and_short_calls_do_not_shrink_the_cells():
+    # tensor parallelism's spans: one per layer, no micro-batch; 12 ms F spans, 1 cell per ms holds
+    # "F embed" (7). Ten 0.1 ms all-gathers between them would ask for 0.01 ms cells: ignored,
+    # the compute spans set the cell (F needs 2 cells: 6 ms) -> one band of 24 cells, 1 ms each.
+    events = [Event(0, "compute", "F", 12e-3 * i, 12e-3 * (i + 1), args={"layer": layer})
+              for i, layer in enumerate(("embed", 0))]
+    events += [Event(0, "comm", "send", 24e-3 + 1e-4 * i, 24e-3 + 1e-4 * (i + 1), src=0, dst=0, nbytes=8,
+                     op="allgather", algorithm="ring", step=0) for i in range(10)]
+    trace = Trace({"world_size": 1}, events)
+    assert terminal.layout(trace, 24) == (pytest.approx(25e-3 / 24), 1)
+    ((lane,),) = terminal.lanes(trace, 24)
+    assert lane.plain.startswith("F embed     F 0")
+
+
 def test_cells_shrink_under_load_into_at_most_four_bands():
     # Spans of 6 ms in a 31 * 15 + 6 + 4.5 = 475.5 ms step. One band of 82 cells would give 5.8 ms
     # per cell (a span per cell, mush). F15 needs 3 + 1 cells: 1.5 ms per cell, and a quarter of the

@@ -14,10 +14,11 @@ alone) or left out and the block is filled with its kind's character (``>`` forw
 ``<`` backward, ``*`` optimizer, ``#`` other, ``~`` communication). With colour each block is also
 painted by kind, so the lanes read with and without colour.
 
-Cell size (``layout``): a block needs a cell per character of its short label plus one, so a cell
-is the lower quartile over blocks of duration / (label length + 1): three blocks in four get their
-label. When that needs more cells than the terminal has columns, the lanes fold into up to
-``MAX_BANDS`` bands, each under a ruler of the time since the step's start; beyond, cells grow.
+Cell size (``layout``): a block needs a cell per character of its short label plus one, so a
+cell is the lower quartile over compute spans (calls if there are none) of duration / (label
+length + 1): three in four get their label. When that needs more cells than the terminal has
+columns, the lanes fold into up to ``MAX_BANDS`` bands, each under a ruler of the time since the
+step's start; beyond, cells grow.
 
 Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console``.
 Cost: O(E log E + E * C) for E events and C cells.
@@ -105,10 +106,11 @@ def _ops_with_several_algorithms(trace: Trace) -> set[str]:
 
 
 def _labels(owner: Event | Call, chunks: bool, several: set[str]) -> list[str]:
-    """Labels of a block, longest first."""
+    """Labels of a block, longest first (``F embed`` for a span of a named layer, as tensor parallelism's)."""
     if isinstance(owner, Call):
         return _call_labels(owner, several)
-    return list(dict.fromkeys((A.label(owner, chunks), A.label(owner))))
+    layer = [f"{owner.name} {owner.args['layer']}"] if "layer" in owner.args and owner.microbatch is None else []
+    return list(dict.fromkeys((*layer, A.label(owner, chunks), A.label(owner))))
 
 
 Owner = Event | Call | str | None  # a compute span, a collective call, COMM_CHAR, or idle
@@ -187,18 +189,17 @@ def _render(cells: list[Owner], chunks: bool, several: set[str], labelled: set[i
 
 
 def layout(trace: Trace, columns: int, max_bands: int = MAX_BANDS) -> tuple[float, int]:
-    """(time per cell, bands): three blocks in four get one cell per character of its short label
-    plus one, in at most ``max_bands`` bands of ``columns`` cells (every band full)."""
+    """(time per cell, bands): three compute spans in four (collective calls in a trace without
+    compute) get a cell per character of their short label plus one, in at most ``max_bands``
+    bands of ``columns`` cells (every band full)."""
     lo, hi = A.window(trace)
     if hi <= lo:
         return 0.0, 1
     several = _ops_with_several_algorithms(trace)
-    need = []
-    for rank in range(trace.world_size):
-        for b in [*A.compute_spans(trace, rank), *collective_calls(trace, rank)]:
-            if b.t1 > b.t0:
-                # room for the shortest label: F3 (no chunk), ring or allreduce
-                need.append((b.t1 - b.t0) / (len(_labels(b, False, several)[-1]) + 1))
+    blocks = [e for e in trace.events if e.kind == "compute"] or [  # calls only in a trace of calls alone
+        k for rank in range(trace.world_size) for k in collective_calls(trace, rank)]
+    # room for the shortest label: F3 (no chunk), ring or allreduce
+    need = [(b.t1 - b.t0) / (len(_labels(b, False, several)[-1]) + 1) for b in blocks if b.t1 > b.t0]
     target = sorted(need)[len(need) // 4] if need else hi - lo  # the lower quartile
     bands = max(1, min(max_bands, math.ceil((hi - lo) / (columns * target))))
     return (hi - lo) / (bands * columns), bands
