@@ -1,4 +1,5 @@
-"""Small hand-made traces for the viewer tests (times and bytes chosen so every number is known).
+"""Small hand-made traces for the viewer tests (times and bytes chosen so every number is known),
+plus ``simulated``: a schedule played by minipar's pipeline simulator, as lesson 2 writes it.
 
 ``one_f_one_b()`` is the 1F1B schedule for p=2 stages and m=4 micro-batches with forward = 1 and
 backward = 2 time units, written out by hand from PipeDream-Flush's rule (stage s runs p-1-s
@@ -12,6 +13,7 @@ Makespan 15, each rank computes 12, so each idles 3 = (p-1)/(m+p-1) * 15.
 
 from __future__ import annotations
 
+from minipar.parallel.pipeline import make_schedule, simulate
 from minipar.trace import Event, Trace
 
 ACT_BYTES = 1000  # activation sent forward per micro-batch
@@ -93,3 +95,21 @@ def ring_and_naive(p: int = 3, n: int = 3000) -> Trace:
     start = max(e.t1 for e in ring.events)
     meta = dict(ring.meta, expected_bytes_by_rank={"allreduce/naive": [(p - 1) * n] + [n] * (p - 1)})
     return Trace(meta, ring.events + naive_allreduce(p, n, start))
+
+
+def ring_allreduce_twice(p: int = 4, n: int = 4000) -> Trace:
+    """Two ring all-reduces back to back (the second starts when the first ends): two calls."""
+    first = ring_allreduce(p, n)
+    comm = [e for e in first.events if e.kind == "comm"]
+    end = max(e.t1 for e in comm)
+    second = [Event(e.rank, "comm", e.name, e.t0 + end, e.t1 + end, src=e.src, dst=e.dst, nbytes=e.nbytes,
+                    op=e.op, algorithm=e.algorithm, step=e.step) for e in comm]
+    return Trace(dict(first.meta), comm + second)
+
+
+def simulated(kind: str = "1f1b", p: int = 4, m: int = 8, v: int = 1, forward: float | list[float] = 1.0,
+              backward: float | list[float] = 2.0) -> Trace:
+    """The simulator's trace of ``kind``, its schedule marked "(simulated)" as lesson 2 marks it."""
+    trace = simulate(make_schedule(kind, p, m, v), forward=forward, backward=backward).trace
+    trace.meta["schedule"] = f"{kind} (simulated)"
+    return trace

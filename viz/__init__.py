@@ -4,7 +4,9 @@ Reads trace files through ``minipar.trace.load`` only; imports nothing else of m
 
 - ``viz.terminal.print_timeline(trace_or_path, console=None, width=None)``: lanes in the terminal.
 - ``viz.report.write_report([paths_or_traces], out_html, titles=None)``: one offline HTML file.
-- ``viz.figures.timeline / traffic / memory / compare``: the Plotly figures (for notebooks).
+- ``viz.figures.timeline / compare / schedule_grid / traffic / memory``: the Plotly figures (for
+  notebooks); they live in ``viz.timeline`` (compute and comm lanes), ``viz.pipeline_grid`` (a
+  schedule as the papers draw it) and ``viz.figures``, with colours in ``viz.style``.
 - ``viz.analysis``: the numbers behind them (bubble/idle definition, traffic, memory).
 
 Submodules load lazily so that ``import viz`` does not pay for Plotly when only the terminal is used.
@@ -15,11 +17,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["analysis", "figures", "report", "terminal", "print_timeline", "write_report"]
+_MODULES = ("analysis", "figures", "pipeline_grid", "report", "style", "terminal", "timeline")
+__all__ = [*_MODULES, "print_timeline", "write_report"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("analysis", "figures", "report", "terminal"):
+    if name in _MODULES:
         return importlib.import_module(f"viz.{name}")
     if name == "print_timeline":
         return importlib.import_module("viz.terminal").print_timeline

@@ -144,6 +144,88 @@ def bytes_by_op(trace: Trace) -> dict[str, list[int]]:
     return out
 
 
+def is_simulated(trace: Trace) -> bool:
+    """True for a schedule played by the pipeline simulator (``backend`` "simulator", or a
+    ``schedule`` the lessons name "... (simulated)"): its times are predictions, its messages
+    carry no payload unless asked."""
+    return trace.meta.get("backend") == "simulator" or "(simulated)" in str(trace.meta.get("schedule") or "")
+
+
+@dataclass
+class CommSpan:
+    """One collective call (or one point-to-point message) as one rank saw it: the rank's comm
+    events from the call's first step to its last. ``sent`` / ``received``: bytes this rank sent /
+    received in it; ``hidden``: bytes of events without a peer (``native``: MPI's own messages)."""
+
+    rank: int
+    op: str
+    algorithm: str | None
+    events: list[Event]
+
+    @property
+    def t0(self) -> float:
+        return min(e.t0 for e in self.events)
+
+    @property
+    def t1(self) -> float:
+        return max(e.t1 for e in self.events)
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.algorithm}" if self.algorithm else self.op
+
+    @property
+    def title(self) -> str:
+        """``"allreduce ring"``, ``"send"``: op and algorithm as a reader says them."""
+        return f"{self.op} {self.algorithm}" if self.algorithm else self.op
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({e.step for e in self.events if e.step is not None})
+
+    @property
+    def sent(self) -> int:
+        return sum(e.nbytes or 0 for e in self.events if e.src is not None and e.src == self.rank)
+
+    @property
+    def received(self) -> int:
+        return sum(e.nbytes or 0 for e in self.events
+                   if e.dst is not None and e.dst == self.rank and e.src != self.rank)
+
+    @property
+    def hidden(self) -> int:
+        return sum(e.nbytes or 0 for e in self.events if e.src is None and e.dst is None)
+
+
+def collective_spans(trace: Trace) -> list[CommSpan]:
+    """Group each rank's comm events into one span per collective call.
+
+    A rank's comm events, in time order, belong to one call while they keep the same op and
+    algorithm and their ``step`` does not go back (a ring all-reduce: steps 0..2(p-1)-1, a send and
+    a receive each); a step lower than the last one, another op or algorithm, or an event without a
+    step (a point-to-point message: op "send" or "recv" as the rank saw it, a ``native``
+    collective) starts a new span. Limitation: one-step
+    collectives of the same op and algorithm called back to back merge into one span.
+    Cost: O(E log E).
+    """
+    spans: list[CommSpan] = []
+    by_rank: dict[int, list[Event]] = defaultdict(list)
+    for e in trace.events:
+        if e.kind == "comm":
+            by_rank[e.rank].append(e)
+    for rank in sorted(by_rank):
+        cur: CommSpan | None = None
+        for e in sorted(by_rank[rank], key=lambda e: e.t0):
+            op = e.name if e.op in ("send", "recv", None) else e.op  # a p2p receive is a "recv"
+            last = cur.events[-1].step if cur is not None else None
+            if (cur is None or e.step is None or last is None or e.step < last
+                    or (op, e.algorithm) != (cur.op, cur.algorithm)):
+                cur = CommSpan(rank, op, e.algorithm, [])
+                spans.append(cur)
+            cur.events.append(e)
+    return spans
+
+
 def _measured(trace: Trace, key: str, sent: list[Event]) -> list[int]:
     """Bytes sent per rank by the messages a formula key names (see ``measured_vs_formula``)."""
     p = trace.world_size
@@ -189,6 +271,42 @@ def formula_by_rank(trace: Trace) -> list[tuple[str, list[int], list[float]]]:
                              f"(bytes per rank of this {p}-rank trace), got {values!r}")
         rows.append((str(key), _measured(trace, str(key), sent), [float(v) for v in values]))
     return rows
+
+
+def traffic_rows(trace: Trace) -> list[tuple[str, list[int], list[float] | None]]:
+    """The bars of the traffic chart: (category, measured bytes sent per rank, formula per rank or
+    None). Categories are the measured ``op/algorithm`` keys (``bytes_by_op``); a formula sits on
+    the category it predicts: its own key, or, for a bare ``"op"`` key, the one measured
+    ``"op/algorithm"`` of that op. A formula matching none or several gets a category of its own
+    (measured = every message of the op). ``expected_bytes_by_rank`` wins over the scalar
+    ``expected_bytes``, which holds for every rank."""
+    p = trace.world_size
+    measured = bytes_by_op(trace)
+    formulas: dict[str, list[float]] = {str(k): [float(v)] * p for k, v in
+                                        (trace.meta.get("expected_bytes") or {}).items()}
+    formulas.update({k: f for k, _, f in formula_by_rank(trace)})
+    rows: dict[str, tuple[list[int], list[float] | None]] = {k: (v, None) for k, v in measured.items()}
+    sent = sends(trace)
+    for key, values in formulas.items():
+        matches = [k for k in measured if k == key] or [k for k in measured if k.split("/")[0] == key]
+        cat = matches[0] if len(matches) == 1 else key
+        rows[cat] = (rows[cat][0] if cat in rows else _measured(trace, key, sent), values)
+    return [(k, got, f) for k, (got, f) in rows.items()]
+
+
+def memory_counts(trace: Trace) -> bool:
+    """True when memory samples count stashed micro-batches, not bytes: the simulator's default
+    (``meta["activation_unit"] == "microbatches"``), or every sample's ``nbytes`` equal to its
+    ``args["stashed"]``."""
+    if trace.meta.get("activation_unit") == "microbatches":
+        return True
+    samples = [e for e in trace.events if e.kind == "memory"]
+    return bool(samples) and all("stashed" in e.args and e.nbytes == e.args["stashed"] for e in samples)
+
+
+def fmt_memory(trace: Trace, n: float) -> str:
+    """Bytes (``fmt_bytes``), or "4 micro-batches" when the trace counts a stash (``memory_counts``)."""
+    return f"{n:.0f} micro-batches" if memory_counts(trace) else fmt_bytes(n)
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size,
 paradigm, step time, bubble fraction, bytes moved, peak memory per rank), then, when there are
-several traces, their timelines on one shared time axis, then per trace its timeline, traffic
-and memory figures. The page records JavaScript errors into the ``data-js-errors`` attribute of
+several traces, their timelines on one shared time axis, then per trace: its metadata folded into
+a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline schedule: the papers'
+unit grid instead), its traffic (left out when no message carries a byte) and its memory (or
+stash counts). The page records JavaScript errors into the ``data-js-errors`` attribute of
 ``<html>`` (a JSON list) so a headless browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
@@ -20,7 +22,8 @@ from plotly.offline import get_plotlyjs
 
 from minipar.trace import Trace, load
 from viz import analysis as A
-from viz import figures
+from viz import figures, style
+from viz.pipeline_grid import is_grid
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -39,7 +42,10 @@ body { font-family: system-ui, sans-serif; margin: 1.5em 2em; color: #222; }
 table.summary { border-collapse: collapse; margin: 1em 0; font-size: 14px; }
 table.summary th, table.summary td { border: 1px solid #ccc; padding: 4px 10px; text-align: right; }
 table.summary th { background: #f0f0f0; } table.summary td:first-child { text-align: left; }
-.meta { color: #555; font-size: 13px; } .note { color: #777; font-style: italic; }
+.note { color: #777; font-style: italic; }
+details.meta { color: #555; font-size: 13px; margin: 0.5em 0; } details.meta summary { cursor: pointer; }
+table.meta { border-collapse: collapse; margin: 0.4em 0; } table.meta th { text-align: left; padding: 2px 10px 2px 0;
+  vertical-align: top; font-weight: 600; } table.meta td { padding: 2px 0; } table.meta code { font-size: 12px; }
 h2 { margin-top: 2em; border-bottom: 1px solid #ddd; }
 </style>"""
 
@@ -50,7 +56,7 @@ def _load_all(items: Sequence[TraceLike]) -> list[Trace]:
 
 def _default_title(item: TraceLike, trace: Trace) -> str:
     if isinstance(item, Trace):
-        return figures._title(trace, "")
+        return style.title(trace, "")
     return os.path.basename(os.fspath(item))
 
 
@@ -69,10 +75,47 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
             "step time": A.fmt_time(s["step_time"], unit),
             "bubble fraction": "-" if s["bubble_fraction"] is None else f"{100 * s['bubble_fraction']:.1f}%",
             "bytes moved": A.fmt_bytes(s["bytes_moved"]),
-            "peak memory per rank": ", ".join(A.fmt_bytes(b) for b in s["peak_memory"])
-            if any(s["peak_memory"]) else "-",
+            "peak memory per rank": _peaks(t, s["peak_memory"]),
         })
     return rows
+
+
+def _peaks(trace: Trace, peaks: list[int]) -> str:
+    if not any(peaks):
+        return "-"
+    if A.memory_counts(trace):
+        return ", ".join(str(b) for b in peaks) + " micro-batches stashed"
+    return ", ".join(A.fmt_bytes(b) for b in peaks)
+
+
+def _round(value: Any) -> Any:
+    """Floats to 4 significant digits, inside lists and dicts too."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, list | tuple):
+        return [_round(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    return value
+
+
+def _meta_value(key: str, value: Any) -> str:
+    """One metadata value as HTML: a schedule's ``actions`` one line per rank, the rest rounded."""
+    if key == "actions" and isinstance(value, dict):
+        return "".join(f"<div><b>rank {html.escape(str(r))}</b>: <code>{html.escape(' '.join(map(str, acts)))}"
+                       "</code></div>" for r, acts in value.items())
+    value = _round(value)
+    if isinstance(value, dict):
+        return "<br>".join(html.escape(f"{k}: {v}") for k, v in value.items())
+    return html.escape(str(value))
+
+
+def metadata(trace: Trace) -> str:
+    """The trace's metadata folded into a ``<details>`` block (closed), numbers rounded."""
+    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_meta_value(str(k), v)}</td></tr>"
+                   for k, v in trace.meta.items())
+    return (f'<details class="meta"><summary>run metadata ({len(trace.meta)} entries)</summary>'
+            f'<table class="meta">{rows}</table></details>')
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -87,15 +130,24 @@ def _fig_html(fig: go.Figure, div_id: str) -> str:
 
 
 def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
-    """(kind, figure or None, note) for the three per-trace figures; None when nothing to draw."""
-    out: list[tuple[str, go.Figure | None, str]] = [
-        ("timeline", figures.timeline(trace, f"timeline: {title}"), "")]
-    if A.sends(trace):
+    """(kind, figure or None, note) for the per-trace figures; None with a note when there is
+    nothing to draw. A simulated pipeline schedule is drawn as the papers' unit grid
+    (``viz.pipeline_grid``) and has no traffic panel when its messages carry no bytes."""
+    out: list[tuple[str, go.Figure | None, str]] = []
+    if is_grid(trace):
+        out.append(("schedule", figures.schedule_grid(trace, f"schedule as the papers draw it: {title}"), ""))
+    else:
+        out.append(("timeline", figures.timeline(trace, f"timeline: {title}"), ""))
+    moved = sum(e.nbytes or 0 for e in A.sends(trace))
+    if moved:
         out.append(("traffic", figures.traffic(trace, f"traffic: {title}"), ""))
+    elif A.sends(trace):
+        out.append(("traffic", None, "Its messages carry no bytes (a simulated schedule): no traffic panel."))
     else:
         out.append(("traffic", None, "No messages in this trace."))
     if any(e.kind == "memory" for e in trace.events):
-        out.append(("memory", figures.memory(trace, f"memory: {title}"), ""))
+        what = "stashed micro-batches" if A.memory_counts(trace) else "memory"
+        out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
     else:
         out.append(("memory", None, "No memory samples in this trace."))
     return out
@@ -111,9 +163,8 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
         parts.append("<h2>side by side</h2>")
         parts.append(_fig_html(figures.compare(traces, titles), "fig-compare"))
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
-        meta = {k: v for k, v in t.meta.items() if k not in ("expected_bytes", "expected_bytes_by_rank")}
         parts.append(f"<h2>{html.escape(title)}</h2>")
-        parts.append(f'<p class="meta">{html.escape(", ".join(f"{k}={v}" for k, v in meta.items()))}</p>')
+        parts.append(metadata(t))
         for kind, fig, note in figures_for(t, title):
             if fig is None:
                 parts.append(f'<p class="note" id="note-{i}-{kind}">{html.escape(note)}</p>')

@@ -1,0 +1,57 @@
+"""Colours and titles shared by the figures (one place, so every chart agrees).
+
+- Compute kinds: forward blue, backward orange, optimizer green, other grey. Model chunks of an
+  interleaved schedule are shades of their kind: chunk 0 the full colour, later chunks lighter, as
+  Narayanan et al. (2021, Fig. 4) draw them ("dark colors show the first chunk and light colors
+  show the second chunk").
+- Ranks in bar charts: a qualitative palette (Tableau 10 without its red), one distinct hue per rank.
+- Collectives in timelines: one hue per algorithm (ring, recursive doubling, naive, ...) or, for
+  point-to-point and parameter-server messages, per op (send, recv, pull, push).
+"""
+
+from __future__ import annotations
+
+from minipar.trace import Trace
+
+COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "other": "#9D9D9D"}
+RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#BAB0AC",
+               "#FF9DA6", "#79706E"]
+# one hue per algorithm (or per op without one), the same in every figure of a report
+COMM_COLORS = {"ring": "#B279A2", "recursive_doubling": "#2CA1A1", "naive": "#D6616B", "native": "#7B4173",
+               "tree": "#8C6D31", "pairwise": "#5254A3", "dissemination": "#BAB0AC", "send": "#9467BD",
+               "recv": "#17BECF", "pull": "#E7BA52", "push": "#637939"}
+SPARE_COLORS = ["#CE6DBD", "#6B6ECF", "#BD9E39", "#AD494A", "#393B79", "#843C39"]
+FORMULA_COLOR = "#D62728"
+MEMORY_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6"]
+
+
+def rank_color(rank: int) -> str:
+    return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+def shade(color: str, chunk: int | None, chunks: int) -> str:
+    """``color`` for chunk 0, mixed towards white for later chunks (at most 65% white)."""
+    if not chunk or chunks <= 1:
+        return color
+    mix = 0.65 * chunk / (chunks - 1)
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02X}" for c in rgb)
+
+
+def comm_color(key: str) -> str:
+    """The colour of a collective ``"op/algorithm"`` (by its algorithm) or of a bare ``"op"``;
+    unknown names get a spare colour chosen by their letters, so it is stable across figures."""
+    name = key.rsplit("/", 1)[-1]
+    return COMM_COLORS.get(name) or SPARE_COLORS[sum(map(ord, key)) % len(SPARE_COLORS)]
+
+
+def title(trace: Trace, what: str) -> str:
+    """``"what: paradigm, schedule, 4 ranks, backend"`` from the trace's metadata."""
+    meta = trace.meta
+    parts = [str(meta.get("paradigm", "trace"))]
+    if meta.get("schedule"):
+        parts.append(str(meta["schedule"]))
+    parts.append(f"{trace.world_size} ranks")
+    if meta.get("backend"):
+        parts.append(str(meta["backend"]))
+    return f"{what}: {', '.join(parts)}" if what else ", ".join(parts)
