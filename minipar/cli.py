@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 EXIT_USAGE = 2
 EXAMPLE_TRACE = "runs/02_pipeline/1f1b.json"
+MIN_WIDTH = 40  # room for a lane ("rank r ", cells, "  idle 100%") and a traffic table column
 
 
 class UsageError(Exception):
@@ -78,6 +79,11 @@ def _check_writable(path: str, option: str) -> None:
     raise UsageError(f"cannot write output {path} ({option}): {problem}")
 
 
+def _check_width(width: int | None) -> None:
+    if width is not None and width < MIN_WIDTH:
+        raise UsageError(f"--width {width} is too narrow; use at least {MIN_WIDTH}")
+
+
 def _configure_view(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace file(s) written by minipar.trace")
     p.add_argument("-o", "--output", metavar="HTML", help="write a self-contained HTML report here")
@@ -95,8 +101,7 @@ def _run_view(args: argparse.Namespace) -> int:
         raise UsageError(f"--chrome exports one trace, got {len(args.traces)}; pass a single TRACE")
     if args.title and len(args.title) != len(args.traces):
         raise UsageError(f"got {len(args.title)} --title for {len(args.traces)} traces; give one per TRACE")
-    if args.width is not None and args.width < 20:
-        raise UsageError(f"--width {args.width} is too narrow; use at least 20")
+    _check_width(args.width)
     for path in args.traces:
         _not_a_folder(path)
     for path, option in ((args.output, "-o"), (args.chrome, "--chrome")):
@@ -156,6 +161,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--chunks {args.chunks} applies to the interleaved schedule only; drop it, or "
                          f"run 'minipar simulate interleaved --chunks {args.chunks}'")
     chunks = args.chunks or (2 if interleaved else 1)
+    _check_width(args.width)
     if args.output:
         _check_writable(args.output, "-o")
     try:

@@ -54,3 +54,8 @@ def test_unwritable_output_fails_before_printing_or_writing(tmp_path, capsys):
     assert main(["simulate", "1f1b", "-o", str(tmp_path)]) == 2
     assert f"{tmp_path} is a directory; give a file name" in _error(capsys)
     assert list(tmp_path.iterdir()) == []  # no trace, no temporary file
+
+
+def test_too_narrow_width_is_one_line(capsys):
+    assert main(["simulate", "1f1b", "--width", "10"]) == 2
+    assert "--width 10 is too narrow; use at least 40" in _error(capsys)

@@ -15,7 +15,7 @@ from minipar.parallel.pipeline import make_schedule, simulate
 from minipar.trace import Event, Trace, save
 from viz import terminal
 
-WIDTHS = (48, 100, 160)
+WIDTHS = (40, 48, 100, 160)
 
 
 def _plain(trace_or_path, width: int = 48) -> list[str]:
@@ -213,7 +213,7 @@ def test_ruler_marks_round_times_at_their_cells():
 
 
 def test_table_headers_are_never_cut():
-    for width in (60, 100):
+    for width in (40, 60, 100):
         out = "\n".join(_plain(_collectives(), width))
         assert "…" not in out
         for word in ("barrier", "dissemination", "recursive_doubling", "naive", "formula", "total"):

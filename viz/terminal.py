@@ -301,8 +301,11 @@ def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: t
             lines.append(Text())
         if lines[-1].cell_len:
             lines[-1].append("  ")
+        if item.cell_len > width:  # longer than a line: word-wrapped on lines of its own
+            lines[-1:] = [*item.wrap(Console(width=width), width), Text()]
+            continue
         lines[-1].append_text(item)
-    return lines
+    return [line for line in lines if line.cell_len]
 
 
 def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
@@ -316,12 +319,9 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
     by_rank = A.formula_by_rank(trace)
     keys = list(by_op)
 
-    def covers(fkey: str, key: str) -> bool:  # a bare "op" formula covers every "op/algorithm" column
-        return fkey == key or fkey == key.split("/")[0]
-
     after: dict[int, list[tuple[str, list[float]]]] = {}  # measured column index -> formula columns
-    for fkey, _, values in by_rank:
-        hits = [i for i, k in enumerate(keys) if covers(fkey, k)]
+    for fkey, _, values in by_rank:  # a bare "op" formula covers every "op/algorithm" column
+        hits = [i for i, k in enumerate(keys) if fkey in (k, k.split("/")[0])]
         after.setdefault(hits[-1] if hits else len(keys) - 1, []).append((fkey, values))
     ranked = {fkey for fkey, _, _ in by_rank}
     expected = {k: v for k, _, v in A.measured_vs_formula(trace) if k not in ranked}
@@ -338,24 +338,22 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
     columns.append(("total", [f"{sum(by_op[k][r] for k in keys):,}" for r in range(p)] + [""], "bold"))
     rows = [str(r) for r in range(p)] + (["formula"] if expected else [])
 
-    def need(header: str, cells: list[str]) -> int:  # content, padding 2, one border
-        return max(len(s) for s in [*header.split("\n"), *cells]) + 3
-
-    units: list[list[int]] = []  # a measured column and the formula columns after it stay together
+    w = [max(len(s) for s in [*h.split("\n"), *cells]) + 3 for h, cells, _ in columns]  # padding, border
+    first = max(len(s) for s in ["rank", *rows]) + 4
+    units: list[list[int]] = []  # a measured column with its formula columns, unless too wide together
     for i, (_, _, style) in enumerate(columns):
-        if style == "italic" and units:
+        if style == "italic" and units and first + sum(w[j] for j in units[-1]) + w[i] <= width:
             units[-1].append(i)
         else:
             units.append([i])
     groups: list[list[int]] = [[]]
-    used = need("rank", rows) + 1
+    used = first
     for unit in units:
-        more = sum(need(columns[i][0], columns[i][1]) for i in unit)
-        if groups[-1] and used + more > width:
+        if groups[-1] and used + sum(w[i] for i in unit) > width:
             groups.append([])
-            used = need("rank", rows) + 1
+            used = first
         groups[-1].extend(unit)
-        used += more
+        used += sum(w[i] for i in unit)
     tables = []
     for g, group in enumerate(groups):
         title = "bytes sent per rank" + (" (continued)" if g else "")
@@ -363,7 +361,7 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
         table.add_column("rank", justify="right", no_wrap=True)
         for i in group:
             header, cells, style = columns[i]
-            table.add_column(header, justify="right", style=style, no_wrap=True, min_width=need(header, cells) - 3)
+            table.add_column(header, justify="right", style=style, no_wrap=True, min_width=w[i] - 3)
         for r, name in enumerate(rows):
             table.add_row(name, *[columns[i][1][r] for i in group], style="italic" if name == "formula" else None)
         tables.append(table)
@@ -389,7 +387,8 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     bubble = "" if s["bubble_fraction"] is None else f", bubble {100 * s['bubble_fraction']:.1f}%"
     # Lines are laid out to ``width`` here; soft_wrap stops rich from cropping them to a narrower
     # console (e.g. 80 columns when stdout is not a terminal, as under mpiexec).
-    console.print(Text(head, "bold"), soft_wrap=True)
+    for line in Text(head, "bold").wrap(Console(width=width), width):
+        console.print(line, soft_wrap=True)
     console.print(f"step {A.fmt_time(s['step_time'], unit)}{bubble}", soft_wrap=True, highlight=False)
     for line in timeline_text(trace, width, max_bands):
         console.print(line, soft_wrap=True)
