@@ -360,7 +360,7 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
         table = Table(title=title, title_justify="left")
         table.add_column("rank", justify="right", no_wrap=True)
         for i in group:
-            header, cells, style = columns[i]
+            header, _, style = columns[i]
             table.add_column(header, justify="right", style=style, no_wrap=True, min_width=w[i] - 3)
         for r, name in enumerate(rows):
             table.add_row(name, *[columns[i][1][r] for i in group], style="italic" if name == "formula" else None)
