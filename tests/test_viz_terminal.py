@@ -225,6 +225,11 @@ def test_table_headers_are_never_cut():
         assert "9,000" in out and all(len(line) <= width for line in out.splitlines())
 
 
+def test_no_traffic_table_when_no_message_carries_bytes():
+    assert "bytes sent per rank" not in "\n".join(_plain(_simulated("1f1b"), 100))  # simulator: 0 bytes
+    assert "bytes sent per rank" in "\n".join(_plain(one_f_one_b(), 100))
+
+
 def test_traffic_table_bytes_and_formula():
     out = "\n".join(_plain(ring_allreduce(p=3, n=3000), width=70))
     rows = [line for line in out.splitlines() if line.startswith("│")]

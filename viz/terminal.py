@@ -311,10 +311,11 @@ def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: t
 def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
     """Bytes sent per rank, per op/algorithm, and the formula's bytes: a "formula" row for the
     scalar ``expected_bytes`` (every rank the same), and for a key of ``expected_bytes_by_rank`` a
-    "formula" column next to the measured column(s) it covers, one number per rank. Headers break
+    "formula" column next to the measured column(s) it covers, one number per rank; none when no
+    message carries bytes. Headers break
     at ``/`` and are never cut: columns that do not fit in ``width`` go to a further table."""
     by_op = A.bytes_by_op(trace)
-    if not by_op:
+    if not any(any(row) for row in by_op.values()):  # no bytes (the simulator's messages): no table
         return []
     by_rank = A.formula_by_rank(trace)
     keys = list(by_op)
