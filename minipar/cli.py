@@ -8,9 +8,9 @@
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
 output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
-stderr and exits with status 2, without a traceback, before anything is printed or written. Subcommands are
-registered in ``COMMANDS``; add one with a ``(configure_parser, run)`` pair. ``viz`` is imported
-only inside ``view`` so the library itself never depends on the viewer.
+stderr and exits with status 2, without a traceback, before anything is printed or written.
+Subcommands are registered in ``COMMANDS``; add one with a ``(configure_parser, run)`` pair.
+``viz`` is imported only inside ``view`` so the library itself never depends on the viewer.
 """
 
 from __future__ import annotations
