@@ -149,7 +149,7 @@ def test_collective_calls_are_labelled_on_every_rank():
 
 def test_collective_calls_group_steps_of_one_call():
     t = ring_allreduce(p=3)
-    calls = terminal.collective_calls(t, 1)
+    calls = terminal.collective_calls(t)[1]
     assert [(c.op, c.algorithm, len(c.events)) for c in calls] == [("allreduce", "ring", 2 * 2 * (3 - 1))]
     assert (calls[0].t0, calls[0].t1) == (0.0, 4e-3)
     twice = Trace(t.meta, t.events + [Event(e.rank, e.kind, e.name, e.t0 + 5e-3, e.t1 + 5e-3, src=e.src,
@@ -158,7 +158,7 @@ def test_collective_calls_group_steps_of_one_call():
     native = Event(1, "comm", "native", 0.02, 0.03, nbytes=8, op="allreduce", algorithm="native")
     p2p = Event(1, "comm", "send", 0.04, 0.05, src=1, dst=2, nbytes=8, op="send")
     twice.events += [native, p2p]
-    calls = terminal.collective_calls(twice, 1)
+    calls = terminal.collective_calls(twice)[1]
     assert [(c.algorithm, len(c.events), c.t0) for c in calls] == [("ring", 8, 0.0), ("ring", 8, 5e-3),
                                                                    ("native", 1, 0.02)]
 

@@ -3,9 +3,9 @@
 Each rank gets a lane of character cells, each covering the same slice of the step window (see
 ``viz.analysis``). A cell shows the compute span that covers more than half of it; a span too short
 to win any cell still claims its best-overlapping idle cell, so short spans do not vanish. Cells
-left free show a collective call (``collective_calls``: all of a rank's messages of one call, one
-span from its first step to its last), a point-to-point message (``~``, sending or waiting in a
-receive) or nothing (``.``, idle).
+left free show a collective call (``viz.analysis.collective_spans``: all of a rank's messages of
+one call, one span from its first step to its last), a point-to-point message (``~``, sending or
+waiting in a receive) or nothing (``.``, idle).
 
 Labels: a block gets its label (``F0``, ``B3.1`` with chunks, ``opt``; ``allreduce ring`` for a
 collective call) only where the label fits inside it with at least one cell between it and the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -48,45 +47,15 @@ MAX_BANDS = 4
 POINT_TO_POINT = (None, "send", "recv")
 
 
-@dataclass(eq=False)
-class Call:
-    """One collective call as one rank took part in it: its message events, in time order."""
-
-    rank: int
-    op: str
-    algorithm: str | None
-    events: list[Event]
-
-    @property
-    def t0(self) -> float:
-        return self.events[0].t0
-
-    @property
-    def t1(self) -> float:
-        return max(e.t1 for e in self.events)
+Call = A.CommSpan  # one collective call as one rank took part in it
 
 
-def collective_calls(trace: Trace, rank: int) -> list[Call]:
-    """The rank's collective messages grouped into calls.
-
-    A call is a run of the rank's comm events, consecutive in time, with one op and algorithm and
-    steps that never go back (each step usually has a send and a receive). A step back to an
-    earlier one, a change of op or algorithm, a point-to-point message (op ``send``/``recv``) or an
-    event without a step (a ``native`` collective's single record) ends the call.
-    """
-    calls: list[Call] = []
-    prev: Event | None = None
-    for e in sorted((e for e in trace.events if e.kind == "comm" and e.rank == rank), key=lambda e: e.t0):
-        if e.op in POINT_TO_POINT:
-            prev = None
-            continue
-        same = (prev is not None and (prev.op, prev.algorithm) == (e.op, e.algorithm)
-                and prev.step is not None and e.step is not None and e.step >= prev.step)
-        if same:
-            calls[-1].events.append(e)
-        else:
-            calls.append(Call(rank, str(e.op), e.algorithm, [e]))
-        prev = e
+def collective_calls(trace: Trace) -> dict[int, list[Call]]:
+    """Each rank's collective calls: ``viz.analysis.collective_spans`` without point-to-point messages."""
+    calls: dict[int, list[Call]] = {r: [] for r in range(trace.world_size)}
+    for span in A.collective_spans(trace):
+        if span.op not in POINT_TO_POINT and span.rank in calls:
+            calls[span.rank].append(span)
     return calls
 
 
@@ -197,7 +166,7 @@ def layout(trace: Trace, columns: int, max_bands: int = MAX_BANDS) -> tuple[floa
         return 0.0, 1
     several = _ops_with_several_algorithms(trace)
     blocks = [e for e in trace.events if e.kind == "compute"] or [  # calls only in a trace of calls alone
-        k for rank in range(trace.world_size) for k in collective_calls(trace, rank)]
+        k for calls in collective_calls(trace).values() for k in calls]
     # room for the shortest label: F3 (no chunk), ring or allreduce
     need = [(b.t1 - b.t0) / (len(_labels(b, False, several)[-1]) + 1) for b in blocks if b.t1 > b.t0]
     target = sorted(need)[len(need) // 4] if need else hi - lo  # the lower quartile
@@ -216,8 +185,9 @@ def lanes(trace: Trace, columns: int, bands: int = 1) -> list[list[Text]]:
     chunks, several = A.shows_chunks(trace), _ops_with_several_algorithms(trace)
     dt = (hi - lo) / (bands * columns)
     out: list[list[Text]] = [[] for _ in range(bands)]
+    calls = collective_calls(trace)
     for rank in range(trace.world_size):
-        cells = _cells(trace, rank, bands * columns, lo, dt, collective_calls(trace, rank))
+        cells = _cells(trace, rank, bands * columns, lo, dt, calls[rank])
         labelled: set[int] = set()
         for b in range(bands):
             out[b].append(_render(cells[b * columns:(b + 1) * columns], chunks, several, labelled))
@@ -395,7 +365,7 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
         console.print(line, soft_wrap=True)
     dt, _ = layout(trace, _columns(trace, width)[1], max_bands)
     kinds = tuple(k for k in STYLES if any(A.kind_of(e) == k for e in trace.events if e.kind == "compute"))
-    calls = sorted((c for r in range(trace.world_size) for c in collective_calls(trace, r)),
+    calls = sorted((c for cs in collective_calls(trace).values() for c in cs),
                    key=lambda c: c.op == "barrier")  # a call that moves data explains more
     call = _labels(calls[0], False, _ops_with_several_algorithms(trace))[0] if calls else None
     for line in legend(dt or None, unit, width, kinds, call):
