@@ -192,7 +192,7 @@ def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -
 
 
 def save(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Write the trace atomically (a temporary file renamed into place)."""
+    """Write the trace atomically (a temporary file renamed into place; removed if writing fails)."""
     t_base = min((e.t0 for e in trace.events), default=0.0)
     events = []
     for e in sorted(trace.events, key=lambda e: (e.t0, e.rank)):
@@ -203,9 +203,14 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
     doc = {"format": FORMAT, "version": VERSION, "meta": trace.meta, "events": events}
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, default=_jsonable)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(doc, fh, default=_jsonable)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _jsonable(obj: Any) -> Any:

@@ -194,3 +194,11 @@ def test_chrome_export_packs_overlapping_spans_into_nested_threads(tmp_path):
         ("allreduce:recv 1->0", 0, 4e6, 1e6), ("allreduce:send 0->1", 0, 11e6, 2e6)]
     threads = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert threads == {0: "main", 1: "overlap 1"}
+
+
+def test_a_trace_that_cannot_be_written_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "run.json"
+    bad = trace.Trace({"world_size": 1, "weird": object.__new__(type("Unprintable", (), {"__str__": None}))}, [])
+    with pytest.raises(TypeError):
+        trace.save(bad, path)
+    assert list(tmp_path.iterdir()) == []  # neither the trace nor its temporary file
