@@ -89,12 +89,14 @@ def test_timeline_bars_are_the_event_times():
 
 def test_chunks_are_shades_with_a_legend_not_label_suffixes():
     ev = [Event(0, "compute", "F", 0.0, 1.0, microbatch=2, chunk=0),
-          Event(0, "compute", "F", 1.0, 2.0, microbatch=2, chunk=1)]
+          Event(0, "compute", "F", 1.0, 2.0, microbatch=2, chunk=1), Event(0, "compute", "F", 2.0, 3.0, microbatch=3)]
     fig = figures.timeline(Trace({"world_size": 1, "v": 2}, ev))
-    assert [(tr.name, list(tr.text)) for tr in fig.data] == [("forward", ["F2"]), ("forward, chunk 1", ["F2"])]
+    assert [(tr.name, list(tr.text)) for tr in fig.data] == [("forward", ["F2", "F3"]), ("forward, chunk 1", ["F2"])]
     # chunk 1 of 2: #4C78A8 mixed 65% towards white, channel by channel: 76 + 0.65 * 179 = 192 (C0), ...
     assert [tr.marker.color for tr in fig.data] == ["#4C78A8", "#C0D0E1"]
     assert list(fig.layout.yaxis.ticktext) == ["rank 0"]  # only compute: one lane per rank
+    one = figures.timeline(Trace({"world_size": 1}, [Event(0, "compute", "B", 0.0, 1.0, microbatch=0)]))
+    assert list(one.data[0].text) == ["B"]  # a single micro-batch is not worth a number
 
 
 def test_one_ring_allreduce_is_one_span_per_rank_with_its_bytes():

@@ -5,8 +5,8 @@
   Narayanan et al. (2021, Fig. 4) draw them ("dark colors show the first chunk and light colors
   show the second chunk").
 - Ranks in bar charts: a qualitative palette (Tableau 10 without its red), one distinct hue per rank.
-- Collectives in timelines: one hue per algorithm (ring, recursive doubling, naive, ...) or, for
-  point-to-point and parameter-server messages, per op (send, recv, pull, push).
+- Collectives in timelines: one hue per op and algorithm (all-reduce ring, all-gather ring, ...)
+  or, for point-to-point and parameter-server messages, per op (send, recv, pull, push).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from minipar.trace import Trace
 COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "other": "#9D9D9D"}
 RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#BAB0AC",
                "#FF9DA6", "#79706E"]
-# one hue per algorithm (or per op without one), the same in every figure of a report
-COMM_COLORS = {"ring": "#B279A2", "recursive_doubling": "#2CA1A1", "naive": "#D6616B", "native": "#7B4173",
-               "tree": "#8C6D31", "pairwise": "#5254A3", "dissemination": "#BAB0AC", "send": "#9467BD",
-               "recv": "#17BECF", "pull": "#E7BA52", "push": "#637939"}
-SPARE_COLORS = ["#CE6DBD", "#6B6ECF", "#BD9E39", "#AD494A", "#393B79", "#843C39"]
+# one hue per collective (op and algorithm) or point-to-point op, the same in every figure
+COMM_COLORS = {"allreduce/ring": "#B279A2", "allreduce/recursive_doubling": "#2CA1A1", "allreduce/naive": "#D6616B",
+               "allreduce/native": "#7B4173", "reduce_scatter/ring": "#E7BA52", "allgather/ring": "#5254A3",
+               "broadcast/tree": "#8C6D31", "barrier/dissemination": "#BAB0AC", "send": "#6B6ECF",
+               "recv": "#17BECF", "pull": "#BD9E39", "push": "#637939"}
+SPARE_COLORS = ["#CE6DBD", "#AD494A", "#393B79", "#843C39", "#9C9EDE", "#E7969C"]
 FORMULA_COLOR = "#D62728"
 MEMORY_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6"]
 
@@ -39,10 +40,9 @@ def shade(color: str, chunk: int | None, chunks: int) -> str:
 
 
 def comm_color(key: str) -> str:
-    """The colour of a collective ``"op/algorithm"`` (by its algorithm) or of a bare ``"op"``;
-    unknown names get a spare colour chosen by their letters, so it is stable across figures."""
-    name = key.rsplit("/", 1)[-1]
-    return COMM_COLORS.get(name) or SPARE_COLORS[sum(map(ord, key)) % len(SPARE_COLORS)]
+    """The colour of a collective ``"op/algorithm"`` or a bare ``"op"``; other keys get a spare
+    colour chosen by their letters, so a key has one colour in every figure."""
+    return COMM_COLORS.get(key) or SPARE_COLORS[sum(map(ord, key)) % len(SPARE_COLORS)]
 
 
 def title(trace: Trace, what: str) -> str:

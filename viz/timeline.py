@@ -96,6 +96,11 @@ def span_hover(span: A.CommSpan, unit: str, name: str = "") -> str:
     return "<br>".join(head + lines)
 
 
+def _label(e: Event, microbatches: bool) -> str:
+    """``F3`` (forward of micro-batch 3) when the trace has several micro-batches, else ``F``."""
+    return A.label(e) if microbatches else e.name
+
+
 def _compute_groups(trace: Trace, chunks: bool) -> dict[tuple[str, int], list[Event]]:
     groups: dict[tuple[str, int], list[Event]] = {}
     for e in trace.events:
@@ -123,6 +128,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
     lane = lanes(trace)
     chunks = A.shows_chunks(trace)
     n_chunks = 1 + max((e.chunk or 0 for e in trace.events if e.kind == "compute"), default=0)
+    several = len({e.microbatch for e in trace.events if e.kind == "compute" and e.microbatch is not None}) > 1
     # numpy arrays and one hover string per bar: Plotly validates those fast (lists of lists are slow)
     for (kind, chunk), spans in _compute_groups(trace, chunks).items():
         entry = f"{kind}, chunk {chunk}" if chunk else kind  # chunk 0 is the kind's full colour
@@ -131,7 +137,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
             y=np.array([lane.compute[e.rank] for e in spans]), base=np.array([e.t0 for e in spans]),
             x=np.array([e.duration for e in spans]), width=COMPUTE_WIDTH,
             marker={"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1}},
-            text=[A.label(e) for e in spans], textposition="inside", insidetextanchor="middle", textangle=0,
+            text=[_label(e, several) for e in spans], textposition="inside", insidetextanchor="middle", textangle=0,
             hovertext=[f"{name}rank {e.rank} {e.name}<br>start {e.t0:.6g} {unit}, duration "
                        f"{A.fmt_time(e.duration, unit)}<br>stage {e.stage}, micro-batch {e.microbatch}, "
                        f"chunk {e.chunk}" for e in spans],
