@@ -35,6 +35,36 @@ def log(x: Tensor) -> Tensor:
     return x.log()
 
 
+class _Linear(Function):
+    """``x @ weight`` over the last axis of ``x``: the rows of every leading axis form one GEMM, so
+    the weight's gradient is one GEMM too. Keeps ``x`` (a view of it) and the weight, alive anyway."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        rows = x.reshape(-1, x.shape[-1])  # (n, in)
+        ctx.save_for_backward(rows, weight)
+        ctx.shape = x.shape
+        return (rows @ weight).reshape(*x.shape[:-1], weight.shape[1])
+
+    @staticmethod
+    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        rows, weight = ctx.saved
+        need_x, need_w = ctx.needs_input_grad
+        g = g.reshape(-1, weight.shape[1])  # (n, out)
+        dx = (g @ weight.T).reshape(ctx.shape) if need_x else None
+        dw = rows.T @ g if need_w else None
+        return dx, dw
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight + bias`` with ``weight`` of shape ``(in, out)`` (``nn.Linear``'s layout).
+
+    The bias is added as its own node: its gradient is ready before the layer's two GEMMs run, so
+    data parallelism can send a bucket that holds it that much earlier (``parallel/ddp.py``)."""
+    y = _Linear.apply(x, weight)
+    return y + bias if bias is not None else y
+
+
 def _exp_minus_2u(a: np.ndarray) -> np.ndarray:
     """exp(-2u) with u = sqrt(2/pi) (a + 0.044715 a^3), in one fresh array (a^3 as a * a * a: ``a**3``
     is ~30x slower). It overflows to inf for very negative a, where GELU is -0 and its slope 0."""
@@ -44,37 +74,6 @@ def _exp_minus_2u(a: np.ndarray) -> np.ndarray:
     e *= a
     with np.errstate(over="ignore"):
         return np.exp(e, out=e)
-
-
-class _Linear(Function):
-    """``x @ weight + bias`` over the last axis of ``x``: the rows of every leading axis form one
-    GEMM, so the weight's gradient is one GEMM too, and the bias is added in place. Keeps ``x``
-    (a view of it) and the weight, which are alive anyway."""
-
-    @staticmethod
-    def forward(ctx: Context, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        rows = x.reshape(-1, x.shape[-1])  # (n, in)
-        ctx.save_for_backward(rows, weight)
-        ctx.shape = x.shape
-        y = rows @ weight  # (n, out)
-        if bias is not None:
-            y += bias
-        return y.reshape(*x.shape[:-1], weight.shape[1])
-
-    @staticmethod
-    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
-        rows, weight = ctx.saved
-        need_x, need_w, need_b = ctx.needs_input_grad
-        g = g.reshape(-1, weight.shape[1])  # (n, out)
-        dx = (g @ weight.T).reshape(ctx.shape) if need_x else None
-        dw = rows.T @ g if need_w else None
-        db = g.sum(axis=0) if need_b else None
-        return dx, dw, db
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight + bias`` with ``weight`` of shape ``(in, out)`` (``nn.Linear``'s layout)."""
-    return _Linear.apply(x, weight, bias)
 
 
 class _Gelu(Function):
