@@ -299,3 +299,12 @@ def test_report_of_a_simulated_schedule_has_no_empty_traffic_panel_and_folds_its
     assert block.startswith('<details class="meta">') and block.endswith("</details>")
     assert "0.3333" in block and "0.33333" not in block  # rounded to 4 significant digits
     assert "<b>rank 0</b>: <code>0F0 0SEND_F0-&gt;1" in block  # the actions, one line per rank
+
+
+def test_a_category_without_bytes_or_formula_is_left_out_of_the_bar_chart():
+    t = ring_allreduce(p=3, n=3000)
+    t.events += [Event(r, "comm", "send", 0.0, 1e-3, src=r, dst=(r + 1) % 3, nbytes=0, op="barrier",
+                       algorithm="dissemination", step=0) for r in range(3)]
+    assert [k for k, _, _ in A.traffic_rows(t)][-1] == "barrier/dissemination"
+    fig = figures.traffic(t)
+    assert {tuple(tr.x) for tr in fig.data if tr.type == "bar"} == {("allreduce/ring",)}

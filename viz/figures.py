@@ -36,7 +36,7 @@ def traffic(trace: Trace, title: str | None = None) -> go.Figure:
     """Heat map of bytes sent src -> dst, and bytes per op/algorithm per rank with the formula."""
     p = trace.world_size
     m = A.traffic_matrix(trace)
-    rows = A.traffic_rows(trace)
+    rows = [row for row in A.traffic_rows(trace) if any(row[1]) or row[2] is not None]  # no empty category
     fig = make_subplots(rows=1, cols=2, column_widths=[0.42, 0.58], horizontal_spacing=0.16,
                         subplot_titles=("bytes sent (row = sender, column = receiver)",
                                         "bytes sent per rank, per op/algorithm"))

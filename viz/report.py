@@ -1,11 +1,11 @@
 """One self-contained HTML report for one or more traces.
 
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size,
-paradigm, step time, bubble fraction, bytes moved, peak memory per rank), then, when there are
-several traces, their timelines on one shared time axis, then per trace: its metadata folded into
-a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline schedule: the papers'
-unit grid instead), its traffic (left out when no message carries a byte) and its memory (or
-stash counts). The page records JavaScript errors into the ``data-js-errors`` attribute of
+paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
+then, when there are several traces, their timelines on one shared time axis, then per trace: its
+metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
+schedule: the papers' unit grid instead), its traffic (left out when no message carries a byte)
+and its memory (or stash counts). The page records JavaScript errors into the ``data-js-errors`` attribute of
 ``<html>`` (a JSON list) so a headless browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
@@ -73,7 +73,8 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
             "backend": str(s["backend"]),
             "world size": str(s["world_size"]),
             "step time": A.fmt_time(s["step_time"], unit),
-            "bubble fraction": "-" if s["bubble_fraction"] is None else f"{100 * s['bubble_fraction']:.1f}%",
+            "idle (bubble of a pipeline)": "-" if s["bubble_fraction"] is None
+            else f"{100 * s['bubble_fraction']:.1f}%",
             "bytes moved": A.fmt_bytes(s["bytes_moved"]),
             "peak memory per rank": _peaks(t, s["peak_memory"]),
         })
