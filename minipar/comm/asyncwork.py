@@ -41,6 +41,8 @@ class Worker:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
+        if hasattr(comm, "spin"):  # mpi: sleep between tests, never spin; the compute this overlaps
+            comm.spin = 0.0  # needs the cores (and the GIL)
         self.queue: queue.Queue[Any] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=f"minipar-async-{comm.world_rank}",
                                        daemon=True)

@@ -1,9 +1,11 @@
 """The MPI backend: mpi4py's buffer (upper-case) methods on numpy arrays, no pickling on hot paths.
 
-Every wait polls non-blocking requests with a short back-off sleep (``watchdog.poll``), so a rank
-blocked in communication gives its core back (MPICH busy-polls inside blocking calls) and a
-stuck wait ends in ``CommTimeout``. Under ``mpiexec`` an uncaught exception on any rank (any thread)
-prints its traceback and calls ``MPI_Abort``: the whole job exits non-zero instead of hanging.
+Every wait polls non-blocking requests (``watchdog.poll``): it spins for ``spin`` seconds (1 ms;
+MPI progresses only inside MPI calls, so an operation done within it costs what the blocking call
+costs), then sleeps between tests, so a rank blocked in communication gives its core back (MPICH
+busy-polls inside blocking calls) and a stuck wait ends in ``CommTimeout``. Under ``mpiexec`` an
+uncaught exception on any rank (any thread) prints its traceback and calls ``MPI_Abort``: the whole
+job exits non-zero instead of hanging.
 
 Wire format: with a header, a message is a 16 x int64 header (dtype code, ndim, shape) on tag
 ``3t``, then the payload bytes on tag ``3t+1``. Header receives are matched in posting order, and
@@ -29,7 +31,7 @@ from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
 from minipar.comm.errors import CommTimeout
 from minipar.comm.ring import chunk_bounds
-from minipar.comm.watchdog import RankState, default_timeout, poll
+from minipar.comm.watchdog import SPIN, RankState, default_timeout, poll
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
                                 "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
@@ -96,7 +98,9 @@ class _HeaderRecv:
 
 
 class MpiCommunicator(Communicator):
-    """A communicator over an mpi4py ``MPI.Comm``."""
+    """A communicator over an mpi4py ``MPI.Comm``. ``spin``: seconds a wait spins before it sleeps
+    (0 on the communicator of the non-blocking collectives' worker, which shares the cores with the
+    compute it overlaps)."""
 
     backend = "mpi"
 
@@ -110,6 +114,7 @@ class MpiCommunicator(Communicator):
         ranks = MPI.Group.Translate_ranks(group, list(range(mpicomm.Get_size())), world_group)
         super().__init__(mpicomm.Get_rank(), mpicomm.Get_size(), [int(r) for r in ranks], state)
         self._fifo: dict[tuple[int, int], deque[_HeaderRecv]] = {}
+        self.spin = SPIN
 
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
         MPI, c = self.MPI, self.mpicomm
@@ -133,7 +138,7 @@ class MpiCommunicator(Communicator):
 
     def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
               timeout: float | None = None) -> None:
-        poll(self.state, test, what, peers, timeout)
+        poll(self.state, test, what, peers, timeout, self.spin)
 
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
         return MpiCommunicator(self.mpicomm.Split(color, index), self.state)

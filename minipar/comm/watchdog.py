@@ -1,9 +1,9 @@
 """The watchdog: every blocking wait has a deadline, and says what it waited for when it expires.
 
-A rank blocked in a receive or a collective polls its pending requests with a short back-off sleep
-(so it gives the core back to ranks that compute: MPICH would busy-poll otherwise) and raises
-``CommTimeout`` after ``timeout`` seconds. The message names the operation, the peer ranks (world
-ranks) it waited for, and this rank's last completed operations.
+A rank blocked in a receive or a collective polls its pending requests, spinning for a millisecond
+and then sleeping between tests (so it gives the core back to ranks that compute: MPICH would
+busy-poll otherwise), and raises ``CommTimeout`` after ``timeout`` seconds. The message names the
+operation, the peer ranks (world ranks) it waited for, and this rank's last completed operations.
 
 The timeout is, in order: the ``timeout=`` argument of ``launch``/``world``, the environment variable
 ``MINIPAR_TIMEOUT`` (seconds), or 60 s.
@@ -20,6 +20,7 @@ from minipar.comm.errors import Aborted, CommTimeout
 
 DEFAULT_TIMEOUT = 60.0
 HISTORY = 6
+SPIN = 1e-3  # seconds a wait spins before it sleeps (see ``poll``)
 
 
 def default_timeout(timeout: float | None = None) -> float:
@@ -69,18 +70,19 @@ class RankState:
 
 
 def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int],
-         timeout: float | None = None) -> None:
-    """Call ``test`` until it returns True, sleeping with back-off; ``CommTimeout`` after the deadline.
+         timeout: float | None = None, spin: float = SPIN) -> None:
+    """Call ``test`` until it returns True; ``CommTimeout`` after the deadline.
 
-    The first few polls spin (short messages complete in microseconds); after that each sleep
-    doubles from 20 us up to 1 ms, which keeps an idle rank's CPU use near zero.
+    MPI moves data only inside MPI calls (MPICH has no progress thread), so a rank asleep between
+    tests stalls its own transfers and collectives. The wait first spins for ``spin`` seconds (an
+    operation done within it costs what MPI's blocking call costs), then sleeps between tests, each
+    sleep an eighth of the time waited so far, from 20 us to 1 ms: a wait ends at most ~1/8 later
+    than spinning would, and an idle rank's CPU use stays near zero.
     """
     if test():
         return
     start = time.monotonic()
     deadline = start + (state.timeout if timeout is None else timeout)
-    delay = 0.0
-    spins = 0
     while not test():
         reason = state.abort()
         if reason is not None:
@@ -88,8 +90,6 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
         now = time.monotonic()
         if now > deadline:
             raise state.timeout_error(what, peers, now - start)
-        spins += 1
-        if spins < 20:
-            continue
-        delay = min(1e-3, max(2e-5, delay * 2))
-        time.sleep(delay)
+        waited = now - start
+        if waited >= spin:
+            time.sleep(min(1e-3, max(2e-5, waited / 8)))
