@@ -30,7 +30,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,50 +43,81 @@ from minipar import Tensor  # noqa: E402
 from minipar import functional as F  # noqa: E402
 from minipar.nn import MLP  # noqa: E402
 from minipar.optim import SGD  # noqa: E402
-from minipar.parallel.ddp import DistributedDataParallel, train_step  # noqa: E402
+from minipar.parallel.ddp import DistributedDataParallel, local_batch, train_step  # noqa: E402
 
-CONFIGS = [("ring", True), ("ring", False), ("native", True)]
+# (name, algorithm, overlap): DDP configurations of the 2-rank job, timed step by step in turn
+CONFIGS = [("ring/overlap", "ring", True), ("ring/no overlap", "ring", False),
+           ("native/overlap", "native", True), ("native/no overlap", "native", False),
+           ("blocking Allreduce", "blocking", False), ("no sync", "local", False)]
 
 
 def loss_fn(model: MLP, x: np.ndarray, y: np.ndarray) -> Tensor:
     return F.mse_loss(model(Tensor(x)), Tensor(y))
 
 
+def make_step(comm: Any, kind: str, overlap: bool, args: argparse.Namespace, x: np.ndarray,
+              y: np.ndarray) -> Callable[[], None]:
+    """One training step of configuration ``kind``: "local" (this rank's shard, no communication;
+    on one rank: single-process training), a DDP all-reduce algorithm, or "blocking": the same
+    buckets all-reduced after backward by MPICH's blocking ``MPI_Allreduce`` called straight
+    through mpi4py (benchmark only)."""
+    model = MLP(args.sizes, seed=0)
+    opt = SGD(model.parameters(), lr=1e-3)
+    if kind == "local":
+        xs, ys = local_batch(comm, x, y)
+
+        def local() -> None:
+            opt.zero_grad()
+            loss_fn(model, xs, ys).backward()
+            opt.step()
+        return local
+    ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=args.cap,
+                                  algorithm="ring" if kind == "blocking" else kind, overlap=overlap)
+    if kind != "blocking":
+        def ddp_step() -> None:
+            train_step(ddp, opt, loss_fn, x, y)
+        return ddp_step
+    from mpi4py import MPI
+
+    ddp.remove_hooks()
+    xs, ys = local_batch(comm, x, y)
+
+    def blocking() -> None:
+        opt.zero_grad()
+        loss_fn(model, xs, ys).backward()
+        for b in ddp.buckets:
+            out = np.empty(b.numel, b.dtype)
+            comm.mpicomm.Allreduce(b.flat_grads(), out, op=MPI.SUM)
+            out /= comm.size
+            b.unflatten(out, "grad")
+        opt.step()
+    return blocking
+
+
 def inner(args: argparse.Namespace) -> None:
-    """Under mpiexec: time ``--steps`` steps of each configuration; rank 0 prints one JSON line."""
+    """Under mpiexec: time ``--steps`` steps of every configuration, the configurations taking turns
+    step by step (so load from elsewhere hits them alike); rank 0 prints the median step times
+    (each step's time is the slowest rank's) as one JSON line."""
     from minipar.comm import world
 
     comm = world()
-    sizes = args.sizes
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((args.batch * comm.size, sizes[0]))
-    y = rng.standard_normal((args.batch * comm.size, sizes[-1]))
-    out: dict[str, float] = {}
-    configs = [("single", True)] if comm.size == 1 else CONFIGS
-    for algorithm, overlap in configs:
-        model = MLP(sizes, seed=0)
-        opt = SGD(model.parameters(), lr=1e-3)
-        if algorithm == "single":
-            def step(model: MLP = model, opt: SGD = opt) -> None:
-                opt.zero_grad()
-                loss_fn(model, x, y).backward()
-                opt.step()
-        else:
-            ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=args.cap, algorithm=algorithm,
-                                          overlap=overlap)
-
-            def step(ddp: DistributedDataParallel = ddp, opt: SGD = opt) -> None:
-                train_step(ddp, opt, loss_fn, x, y)
+    x = rng.standard_normal((args.batch * comm.size, args.sizes[0]))
+    y = rng.standard_normal((args.batch * comm.size, args.sizes[-1]))
+    configs = [("single", "local", False)] if comm.size == 1 else CONFIGS
+    steps = {name: make_step(comm, kind, overlap, args, x, y) for name, kind, overlap in configs}
+    for step in steps.values():
         step()  # warm-up (and the async worker thread's start)
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            comm.barrier()
+            t0 = time.perf_counter()
             step()
-        dt = (time.perf_counter() - t0) / args.steps
-        key = algorithm if algorithm == "single" else f"{algorithm}/{'overlap' if overlap else 'no overlap'}"
-        out[key] = max(comm.allgather_object(dt))
+            times[name].append(max(comm.allgather_object(time.perf_counter() - t0)))
     if comm.rank == 0:
-        print(json.dumps({"size": comm.size, "times": out}), flush=True)
+        print(json.dumps({"size": comm.size, "times": {k: statistics.median(v) for k, v in times.items()}}),
+              flush=True)
 
 
 def launch(n: int, args: argparse.Namespace) -> dict[str, float]:
@@ -122,21 +155,23 @@ def main() -> None:
 
     console = Console(width=110)
     table = Table(title=f"DDP weak scaling: MLP {args.sizes} ({params * 8 / 1e6:.1f} MB of float64 "
-                        "gradients), "
-                        f"{args.batch} samples per rank, buckets <= {args.cap / 2**20:.1f} MiB, "
-                        f"median of {args.repeats}")
+                        f"gradients), {args.batch} samples per rank, buckets <= {args.cap / 2**20:.1f} MiB, "
+                        f"median of {args.repeats} jobs x {args.steps} steps")
     for col in ("run", "step (ms)", "samples / s", "vs 1 rank"):
         table.add_column(col, justify="right")
     base = args.batch / t["single"]
     table.add_row("1 rank, no DDP", f"{t['single'] * 1e3:.0f}", f"{base:,.0f}", "1.00x")
-    for key in ("ring/overlap", "ring/no overlap", "native/overlap"):
-        thr = 2 * args.batch / t[key]
-        table.add_row(f"2 ranks, {key}", f"{t[key] * 1e3:.0f}", f"{thr:,.0f}", f"{thr / base:.2f}x")
+    for name, _, _ in CONFIGS:
+        thr = 2 * args.batch / t[name]
+        table.add_row(f"2 ranks, {name}", f"{t[name] * 1e3:.0f}", f"{thr:,.0f}", f"{thr / base:.2f}x")
     console.print(table)
-    ratio, saved = 2 * t["single"] / t["ring/overlap"], t["ring/no overlap"] - t["ring/overlap"]
-    console.print(f"weak-scaling throughput ratio (ring, overlap): {ratio:.2f}x (target >= 1.7x); overlap "
-                  f"saves {saved * 1e3:.0f} ms per step; ring / native step time "
-                  f"{t['ring/overlap'] / t['native/overlap']:.2f}")
+    ring, native, blocking = t["ring/overlap"], t["native/overlap"], t["blocking Allreduce"]
+    console.print(f"weak-scaling throughput ratio (ring, overlap): {2 * t['single'] / ring:.2f}x (target >= 1.7x); "
+                  f"overlap saves {(t['ring/no overlap'] - ring) * 1e3:.0f} ms per step with the ring, "
+                  f"{(t['native/no overlap'] - native) * 1e3:.0f} ms with native")
+    console.print(f"step time ring/overlap / native/overlap {ring / native:.2f}, ring/overlap / blocking "
+                  f"{ring / blocking:.2f}, native/overlap / blocking {native / blocking:.2f}; no sync / 1 rank "
+                  f"{t['no sync'] / t['single']:.2f} (two ranks sharing the machine, no communication)")
 
 
 if __name__ == "__main__":
