@@ -133,7 +133,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
     for (kind, chunk), spans in _compute_groups(trace, chunks).items():
         entry = f"{kind}, chunk {chunk}" if chunk else kind  # chunk 0 is the kind's full colour
         fig.add_trace(go.Bar(
-            orientation="h", name=entry, legendgroup=entry, showlegend=show_legend(entry),
+            orientation="h", name=entry, legendgroup=entry, showlegend=show_legend(entry), legendrank=100,
             y=np.array([lane.compute[e.rank] for e in spans]), base=np.array([e.t0 for e in spans]),
             x=np.array([e.duration for e in spans]), width=COMPUTE_WIDTH,
             marker={"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1}},
@@ -154,14 +154,15 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
 
 def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], name: str,
               show_legend: Callable[[str], bool]) -> None:
-    """Collective spans (one trace per op/algorithm), then the hidden messages and arrows."""
+    """Collective spans (one trace per op/algorithm), then the hidden messages and arrows; the
+    legend lists compute kinds, then collectives, then messages and arrows (``legendrank``)."""
     unit = A.time_unit(trace)
     spans = A.collective_spans(trace)
     keys = list(dict.fromkeys(s.key for s in spans))
     for key in keys:
         group = [s for s in spans if s.key == key]
         fig.add_trace(go.Bar(
-            orientation="h", name=group[0].title, legendgroup=f"comm {key}",
+            orientation="h", name=group[0].title, legendgroup=f"comm {key}", legendrank=200,
             showlegend=show_legend(f"comm {key}"),
             y=np.array([lane.comm[s.rank] for s in group]), base=np.array([s.t0 for s in group]),
             x=np.array([s.t1 - s.t0 for s in group]), width=COMM_WIDTH,
@@ -172,6 +173,7 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
     msgs = [e for e in trace.events if e.kind == "comm"]
     fig.add_trace(go.Bar(
         orientation="h", name="messages (steps)", legendgroup="messages", showlegend=show_legend("messages"),
+        legendrank=300,
         visible="legendonly", y=np.array([lane.comm[e.rank] + (COMM_WIDTH - STEP_WIDTH) / 2 for e in msgs]),
         base=np.array([e.t0 for e in msgs]), x=np.array([e.duration for e in msgs]), width=STEP_WIDTH,
         marker={"color": "#333333"},
@@ -184,7 +186,7 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
         xs = np.array([[s.t0, r.t1, np.nan] for s, r in pairs]).ravel()
         ys = np.array([[lane.comm[s.rank], lane.comm[r.rank], np.nan] for s, r in pairs]).ravel()
         fig.add_trace(go.Scatter(
-            x=xs, y=ys, mode="lines+markers", name="send -> recv arrows", legendgroup="arrows",
+            x=xs, y=ys, mode="lines+markers", name="send -> recv arrows", legendgroup="arrows", legendrank=300,
             showlegend=show_legend("arrows"), visible="legendonly", hoverinfo="skip",
             line={"color": "#555555", "width": 1},
             marker={"symbol": "arrow", "angleref": "previous", "size": 8, "color": "#555555"}, opacity=0.6,
