@@ -56,13 +56,27 @@ class _Linear(Function):
         return dx, dw
 
 
+class _AddBias(Function):
+    """``y + bias`` written into ``y``'s own array: only for the fresh product ``linear`` makes, which
+    nothing else holds (no second output-sized array, no extra pass)."""
+
+    @staticmethod
+    def forward(ctx: Context, y: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        y += bias
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return g, g.reshape(-1, g.shape[-1]).sum(axis=0)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight + bias`` with ``weight`` of shape ``(in, out)`` (``nn.Linear``'s layout).
 
-    The bias is added as its own node: its gradient is ready before the layer's two GEMMs run, so
+    The bias is added by its own node: its gradient is ready before the layer's two GEMMs run, so
     data parallelism can send a bucket that holds it that much earlier (``parallel/ddp.py``)."""
     y = _Linear.apply(x, weight)
-    return y + bias if bias is not None else y
+    return _AddBias.apply(y, bias) if bias is not None else y
 
 
 def _exp_minus_2u(a: np.ndarray) -> np.ndarray:
