@@ -308,3 +308,10 @@ def test_a_category_without_bytes_or_formula_is_left_out_of_the_bar_chart():
     assert [k for k, _, _ in A.traffic_rows(t)][-1] == "barrier/dissemination"
     fig = figures.traffic(t)
     assert {tuple(tr.x) for tr in fig.data if tr.type == "bar"} == {("allreduce/ring",)}
+
+
+def test_a_native_collective_says_why_there_is_no_traffic_panel():
+    native = Trace({"world_size": 2}, [Event(r, "comm", "native", 0.0, 1.0, nbytes=800, op="allreduce",
+                                             algorithm="native") for r in range(2)])
+    (_, fig, note), = [row for row in report.figures_for(native, "n") if row[0] == "traffic"]
+    assert fig is None and "inside the MPI library" in note

@@ -143,7 +143,11 @@ def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, s
     if moved:
         out.append(("traffic", figures.traffic(trace, f"traffic: {title}"), ""))
     elif A.sends(trace):
-        out.append(("traffic", None, "Its messages carry no bytes (a simulated schedule): no traffic panel."))
+        why = " (a simulated schedule)" if A.is_simulated(trace) else ""
+        out.append(("traffic", None, f"Its messages carry no bytes{why}: no traffic panel."))
+    elif any(e.kind == "comm" for e in trace.events):
+        out.append(("traffic", None, "Its collectives ran inside the MPI library (native): their messages "
+                                     "are not visible, so there is no traffic panel."))
     else:
         out.append(("traffic", None, "No messages in this trace."))
     if any(e.kind == "memory" for e in trace.events):

@@ -166,7 +166,7 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
             showlegend=show_legend(f"comm {key}"),
             y=np.array([lane.comm[s.rank] for s in group]), base=np.array([s.t0 for s in group]),
             x=np.array([s.t1 - s.t0 for s in group]), width=COMM_WIDTH,
-            marker={"color": comm_color(key), "line": {"color": "white", "width": 0.5}},
+            marker={"color": comm_color(key), "line": {"width": 0}},  # a white edge would pale thin spans
             text=[span_text(s) for s in group], textposition="inside", insidetextanchor="middle", textangle=0,
             hovertext=[span_hover(s, unit, name) for s in group], hovertemplate="%{hovertext}<extra></extra>",
         ), **where)
