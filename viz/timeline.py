@@ -69,7 +69,11 @@ def lanes(trace: Trace) -> Lanes:
 
 
 def span_text(span: A.CommSpan) -> str:
-    """Label on a collective's bar: op, algorithm and the bytes this rank sent (else received)."""
+    """Label on a collective's bar: op, algorithm and the bytes this rank sent (else received).
+    Point-to-point messages get none: a send and a receive overlap on the lane, and their labels
+    would print over each other (their hover says it all)."""
+    if span.op in ("send", "recv"):
+        return ""
     moved = span.sent or span.received or span.hidden
     return f"{span.title} {A.fmt_bytes(moved)}"
 
