@@ -18,6 +18,10 @@ Definitions
   communication counts as idle: the rank is not computing.
 - **Bubble fraction of a rank**: idle / window length; the trace's bubble fraction is the mean
   over ranks. ``None`` when the trace has no compute spans (a pure collectives trace).
+- **Collective call** (``collective_spans``): a rank's run of comm events of one op and algorithm
+  whose steps never go back; one span per call, with the bytes the rank sent and received in it.
+- **Formula placement** (``traffic_rows``): a formula sits on the measured category it predicts.
+- **Stash counts** (``memory_counts``): memory samples that count micro-batches, not bytes.
 
 Costs: every function is O(E log E) in the number of events E (one sort), except
 ``traffic_matrix`` which is O(E + P^2) for P ranks.
