@@ -23,11 +23,13 @@ def held_buffers(root: Tensor, since: int = 0) -> dict[int, tuple[int, int]]:
     """Memory the graph behind ``root`` keeps for backward, measured: ``{id(buffer): (seq, nbytes)}``.
 
     Counts the arrays of non-leaf tensors made at or after ``since`` (a ``seq_mark``) and what a
-    ``Function`` saved with ``ctx.save_for_backward``, each buffer once, ``seq`` = its first tensor
-    (a reshape or transpose is a view of its input, free; a view keeps its whole base alive).
-    Skips buffers of leaves (parameters, inputs, constants) and of tensors made before ``since``,
-    and arrays a backward closure captures without a tensor holding them (layer norm's normalised
-    input and 1/std, gelu's tanh, masks). Cost: one walk over the nodes made since ``since``.
+    ``Function`` keeps (``ctx.save_for_backward`` and arrays set as ``ctx`` attributes), each buffer
+    once, ``seq`` = its first tensor (a reshape or transpose is a view of its input, free; a view
+    keeps its whole base alive). Skips buffers of leaves (parameters, inputs, constants) and of
+    tensors made before ``since``, and arrays a primitive op's backward closure captures without a
+    tensor holding them (``relu``'s mask, ``embedding``'s indices): the ops whose memory the tests hold
+    against formulas (layer norm, GELU, attention, the parallel linears) are ``Function``s.
+    Cost: one walk over the nodes made since ``since``.
     """
     def owner(a: np.ndarray) -> np.ndarray:
         while isinstance(a.base, np.ndarray):
@@ -41,7 +43,8 @@ def held_buffers(root: Tensor, since: int = 0) -> dict[int, tuple[int, int]]:
         if node.is_leaf or node._seq < since:
             elsewhere.add(id(owner(node.data)))
             continue
-        saved = node._ctx.saved if node._ctx is not None else ()
+        ctx = node._ctx
+        saved = (*ctx.saved, *vars(ctx).values()) if ctx is not None else ()
         for buf in (owner(a) for a in (node.data, *saved) if isinstance(a, np.ndarray)):
             if id(buf) not in own or node._seq < own[id(buf)][0]:
                 own[id(buf)] = (node._seq, buf.nbytes)

@@ -14,7 +14,9 @@ ever has to draw the whole to take its part.
 
 A module's parameters are initialised once, when the outermost module constructor returns
 (``Module.__init_subclass__`` wraps every constructor), with ``self.seed``: a ``Block`` built inside
-a ``GPT`` is not initialised on its own first.
+a ``GPT`` is not initialised on its own first, and a module that wraps one built before keeps its
+values (only parameters made during the constructor are initialised). A constructor therefore
+declares parameters (shape, initialiser, shard) and never writes their values itself.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from minipar import functional as F
 from minipar.autograd import Tensor
 
 Init = tuple  # ("normal", std) | ("uniform", bound) | ("zeros",) | ("ones",)
+_building = threading.local()  # module constructors running on this thread (threads-backend ranks)
 
 
 class Parameter(Tensor):
@@ -43,6 +46,8 @@ class Parameter(Tensor):
         self.init = init
         self.full_shape = tuple(full_shape) if full_shape is not None else tuple(shape)
         self.shard = shard
+        if getattr(_building, "depth", 0):  # made by a module constructor: initialised when it returns
+            _building.fresh.add(id(self))
 
 
 TILE = 64  # edge of an initialisation tile: at most TILE * TILE numbers (32 KiB in float64)
@@ -102,21 +107,22 @@ def init_values(seed: int, name: str, full_shape: Sequence[int], init: Init,
     return out
 
 
-_building = threading.local()  # depth of nested module constructors, per thread (threads-backend ranks)
-
-
 def _init_when_built(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap a module constructor: when the outermost one returns, initialise every parameter once."""
+    """Wrap a module constructor: when the outermost one returns, initialise once every parameter
+    made while it ran (not those of modules handed in from outside: a wrapper keeps their values)."""
     @functools.wraps(init)
     def wrapper(self: Module, *args: Any, **kwargs: Any) -> None:
         depth = getattr(_building, "depth", 0)
+        if depth == 0:
+            _building.fresh = set()
         _building.depth = depth + 1
         try:
             init(self, *args, **kwargs)
         finally:
             _building.depth = depth
         if depth == 0:
-            self.init_parameters(self.seed)
+            fresh, _building.fresh = _building.fresh, set()
+            self.init_parameters(self.seed, only=fresh)
     return wrapper
 
 
@@ -161,11 +167,12 @@ class Module:
         for p in self.parameters():
             p.grad = None
 
-    def init_parameters(self, seed: int = 0, prefix: str = "") -> Module:
-        """(Re)initialise every parameter from ``(seed, prefix + name, full shape)``: each generates
-        only its own shard (``init_values``); returns self."""
+    def init_parameters(self, seed: int = 0, prefix: str = "", only: set[int] | None = None) -> Module:
+        """(Re)initialise every parameter (or those whose ``id`` is in ``only``) from ``(seed, prefix +
+        name, full shape)``: each generates only its own shard (``init_values``); returns self."""
         for name, p in self.named_parameters(prefix):
-            init_values(seed, name, p.full_shape, p.init, p.shard, out=p.data)
+            if only is None or id(p) in only:
+                init_values(seed, name, p.full_shape, p.init, p.shard, out=p.data)
         return self
 
     def state_dict(self) -> dict[str, np.ndarray]:

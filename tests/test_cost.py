@@ -58,6 +58,13 @@ def test_alpha_beta_gamma_by_hand() -> None:
     assert ag == pytest.approx(3 * alpha + 0.75 * n * beta)
     assert collective_time("allreduce", "recursive_doubling", n, 8, alpha, beta, gamma) == \
         pytest.approx(3 * (alpha + n * beta + n * gamma))
+    # p = 3 = 2 + 1: rank 2 folds into rank 0 (a message and a sum), one round, the result sent back
+    assert collective_time("allreduce", "recursive_doubling", n, 3, alpha, beta, gamma) == \
+        pytest.approx(3 * (alpha + n * beta) + 2 * n * gamma)
+    assert collective_time("allreduce", "recursive_doubling", n, 6, alpha, beta, gamma) == \
+        pytest.approx(4 * (alpha + n * beta) + 3 * n * gamma)
+    # ring reduce-scatter written out: p - 1 steps, each one chunk n/p sent and added
+    assert rs == pytest.approx(3 * (alpha + n / 4 * beta + n / 4 * gamma))
     assert collective_time("allreduce", "ring", n, 1, alpha, beta) == 0.0
     with pytest.raises(ValueError, match="no alpha-beta-gamma formula"):
         collective_time("all_to_all", "pairwise", n, 4, alpha, beta)

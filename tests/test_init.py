@@ -91,6 +91,7 @@ def test_a_tensor_parallel_shard_equals_the_slice_of_the_single_process_model() 
 
 
 def peak_while(build: object) -> tuple[object, int]:
+    build()  # once untraced: the first build in a process imports lazily (importlib, random)
     tracemalloc.start()
     tracemalloc.reset_peak()
     try:
@@ -120,3 +121,18 @@ def test_building_a_pipeline_stage_allocates_only_its_layers() -> None:
     whole = sum(p.data.nbytes for p in GPT(256, 32, 64, 4, 8).parameters())
     assert own <= peak <= own + SLACK, (peak, own)
     assert own < whole / 4
+
+
+def test_a_wrapper_keeps_the_values_of_a_model_built_before() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            self.inner = inner
+            self.extra = nn.Linear(4, 4)
+
+    inner = GPT(16, 8, 8, 2, 1, seed=1)
+    before = {n: p.data.copy() for n, p in inner.named_parameters()}
+    wrapped = Wrapper(inner)
+    for name, p in inner.named_parameters():
+        np.testing.assert_array_equal(p.data, before[name], err_msg=name)
+    np.testing.assert_array_equal(wrapped.extra.weight.data,
+                                  init_values(0, "extra.weight", (4, 4), wrapped.extra.weight.init))

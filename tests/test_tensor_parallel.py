@@ -320,7 +320,7 @@ def test_one_layer_keeps_what_korthikanti_et_al_count(t: int) -> None:
     parallelism alone. Without dropout four terms go: the softmax's dropout mask (as^2 b) and output
     (2 as^2 b), and the 1-byte masks after attention and after the MLP (sbh each, on the shard under
     SP). Measured here in float64 (8 bytes a number instead of 2), term by term."""
-    s, b, h, heads = 8, 2, 8, 4
+    s, b, h, heads = 12, 2, 8, 4  # softmax (a s^2 b) and GELU (4 s b h) terms of different sizes
     c = {"seq": s, "batch": b, "d": h, "heads": heads, "ff": 4 * h}  # the paper's 4h MLP
     w = 8
     for got in launch(block_memory_run, t, c=c):

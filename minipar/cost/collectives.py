@@ -7,12 +7,11 @@
   algorithms' definitions, not from ``minipar.comm``'s code.
 - ``collective_time(op, algorithm, nbytes, p, alpha, beta, gamma)``: the alpha-beta-gamma model of
   Thakur, Rabenseifner and Gropp 2005 (and Chan et al. 2007): a message of ``m`` bytes costs
-  ``alpha + m beta``, reducing ``m`` bytes ``m gamma``.
+  ``alpha + m beta``, reducing ``m`` bytes ``m gamma``; the ring all-reduce is Patarasuk and Yuan
+  2009's (a ring reduce-scatter, Thakur et al.'s pairwise exchange, then a ring all-gather).
 """
 
 from __future__ import annotations
-
-import math
 
 from minipar.comm.collectives import ALGORITHMS_BY_OP
 
@@ -57,12 +56,14 @@ def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str
 
 def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float, beta: float,
                     gamma: float = 0.0) -> float:
-    """Time of one collective of ``nbytes`` on ``p`` ranks (alpha: latency per message, beta: seconds
-    per byte, gamma: seconds per byte reduced). Thakur et al. 2005, Sec. 4:
+    """Time of one collective of ``nbytes`` on ``p`` ranks on its critical path (alpha: latency per
+    message, beta: seconds per byte, gamma: seconds per byte reduced):
 
-    - ring all-reduce ``2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma``; ring reduce-scatter
-      ``(p-1) alpha + (p-1)/p n (beta + gamma)``; ring all-gather ``(p-1) alpha + (p-1)/p n beta``;
-    - recursive-doubling all-reduce ``lg p (alpha + n beta + n gamma)`` (p a power of two);
+    - ring reduce-scatter ``(p-1) alpha + (p-1)/p n (beta + gamma)``, ring all-gather ``(p-1) alpha +
+      (p-1)/p n beta`` (Thakur et al. 2005, Sec. 4), ring all-reduce their sum (Patarasuk & Yuan 2009);
+    - recursive-doubling all-reduce ``lg p (alpha + n beta + n gamma)`` for p a power of two; otherwise
+      (p = p' + e, p' = 2^floor(lg p)) the ``e`` extra ranks first fold into partners and get the result
+      back: ``(lg p' + 2)(alpha + n beta) + (lg p' + 1) n gamma`` (Thakur et al. 2005, Sec. 4.1);
     - naive all-reduce (gather to one rank, reduce, send back; its links are sequential)
       ``2(p-1)(alpha + n beta) + (p-1) n gamma``.
     """
@@ -77,7 +78,10 @@ def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float
         if op == "allgather":
             return steps * alpha + steps / p * n * beta
     if op == "allreduce" and algorithm == "recursive_doubling":
-        return math.ceil(math.log2(p)) * (alpha + n * beta + n * gamma)
+        lg = p.bit_length() - 1
+        if p == 1 << lg:
+            return lg * (alpha + n * beta + n * gamma)
+        return (lg + 2) * (alpha + n * beta) + (lg + 1) * n * gamma
     if op == "allreduce" and algorithm == "naive":
         return 2 * steps * (alpha + n * beta) + steps * n * gamma
     raise ValueError(f"no alpha-beta-gamma formula for {op} with {algorithm!r}")

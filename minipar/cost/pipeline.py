@@ -9,7 +9,8 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
 - ``peak_stash``: micro-batches whose activations rank ``r`` holds at once: naive 1, GPipe ``m``,
   1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunk-micro-batches
   (Megatron-LM's warm-up count ``2 (p - r - 1) + (v - 1) p`` forwards, plus the one in flight; with
-  ``m = p`` every forward is warm-up: ``v m``).
+  ``m = p`` every forward is warm-up, ``v m``, as in Megatron-LM before its November 2024 change
+  4295be1a6c, which this schedule follows).
 - ``send_bytes``: each boundary between stages on different ranks carries ``m`` activations forward
   and ``m`` gradients of the same size backward.
 """

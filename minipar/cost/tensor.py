@@ -24,8 +24,9 @@ with sequence parallelism too. minipar has no dropout, so four terms drop: the a
 dropout mask (``as^2 b``) and its output (``2 as^2 b``), and the two 1-byte masks after attention
 and after the MLP (``sbh`` each). What stays is ``layer_terms``: in numbers, ``16 sbh / t + as^2 b
 / t`` per layer with sequence parallelism (``4 sbh + 12 sbh / t + as^2 b / t`` without), times
-``w`` bytes each. The paper's 2 bytes of the layer-norm inputs are the block's input (the previous
-block's output) and its second residual sum; minipar counts each block's output to that block.
+``w`` bytes each. The paper's ``4sbh`` of layer-norm inputs are the block's input (the previous
+block's output) and its first residual sum; minipar counts each block's output (the next block's
+layer-norm input) to the block that makes it, so the total per layer is the same.
 Around the blocks: ``ln`` + ``3 S`` (the embedding's reduced output and position sum, the final
 layer norm's output; ``S = A/t`` under sequence parallelism, ``A`` without), ``tp`` + ``2A`` (the
 embedding rows and their masked copy, every position); ``logits`` = logits and the loss's saved

@@ -66,8 +66,9 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
     micro-batches" k: micro-batches go through the chunks in groups of p, so forward k is chunk
     (k mod p v) // p on micro-batch (k // p v) p + k mod p, and backward k uses the chunks in reverse
     (v - 1 - that chunk). Warm-up: min(2 (p - r - 1) + (v - 1) p, v m) forwards, or all v m of them
-    when m == p (Megatron then runs all forwards, then all backwards); steady state: forward
-    k + warm-up then backward k; cool-down: the remaining backwards. Requires m % p == 0.
+    when m == p (Megatron-LM before its November 2024 change 4295be1a6c then runs all forwards, then
+    all backwards); steady state: forward k + warm-up then backward k; cool-down: the remaining
+    backwards. Requires m % p == 0.
     With v = 1 Megatron runs plain 1F1B, and so does this.
 
     Peak stash on rank r: min(2 (p - r - 1) + (v - 1) p + 1, v m) (chunk, micro-batch) pairs (v m

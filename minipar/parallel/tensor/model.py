@@ -310,11 +310,12 @@ class TensorParallelGPT(Module):
 
 
 def sync_sequence_parallel_grads(module: Module, comm: Any) -> None:
-    """All-reduce (one flat buffer, ring) the gradients of ``module.grad_sync_params()``: parameters
+    """All-reduce (one flat buffer, ring) the gradients of the ``grad_sync_params()`` of ``module`` or
+    of its sub-modules: parameters
     replicated on every rank but used on a sequence shard (layer norms, row-parallel biases, the
     position embedding), so each rank holds only its shard's part. Megatron does the same after
     backward. Nothing is sent when there are none (no sequence parallelism)."""
-    params = module.grad_sync_params()
+    params = _grad_sync_params(module)
     if not params:
         return
     grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
@@ -323,6 +324,13 @@ def sync_sequence_parallel_grads(module: Module, comm: Any) -> None:
     for p in params:
         p.grad = flat[offset:offset + p.size].reshape(p.shape).copy()
         offset += p.size
+
+
+def _grad_sync_params(module: Module) -> list[Parameter]:
+    """``module.grad_sync_params()`` where the module names them, else its children's, in order."""
+    if hasattr(module, "grad_sync_params"):
+        return module.grad_sync_params()
+    return [p for _, child in module.children() for p in _grad_sync_params(child)]
 
 
 class _Table(Module):
