@@ -1,0 +1,69 @@
+"""DDP overlaps the gradient all-reduce with backward under real mpiexec, read from the trace.
+
+With ``overlap=True`` the last layer's bucket is launched from its gradient hook while backward
+still has the wide layers to go, and the async worker thread (the rank's second thread) sends its
+first all-reduce message before the "B" span ends; with ``overlap=False`` no all-reduce message
+starts before the last gradient is ready. The threads-backend twin is
+``test_data_parallel.test_first_bucket_starts_before_backward_ends_only_with_overlap``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minipar import Tensor, datasets, trace
+from minipar import functional as F
+from minipar.nn import MLP
+from minipar.optim import SGD
+from minipar.parallel.ddp import DistributedDataParallel, train_step
+from minipar.testing import run
+
+pytestmark = pytest.mark.mpi
+
+SIZES = [128, 512, 512, 512, 512, 8]  # four 512-wide layers keep backward busy after the first bucket
+ROWS = 256  # samples per rank
+CAP = 512 * 512 * 8  # one 512 x 512 float64 weight per bucket
+STEPS = 2
+CASES = [("ring", True), ("ring", False), ("native", True), ("native", False)]
+
+
+def traced_steps(comm) -> list[tuple[str, bool, list[trace.Event]]]:
+    """Every case of ``CASES`` on this rank: ``STEPS`` traced DDP steps each."""
+    x, y = datasets.regression(ROWS * comm.size, SIZES[0], SIZES[-1], seed=1)
+    out = []
+    for algorithm, overlap in CASES:
+        model = MLP(SIZES, seed=0)
+        ddp = DistributedDataParallel(model, comm, bucket_cap_bytes=CAP, algorithm=algorithm, overlap=overlap)
+        opt = SGD(model.parameters(), lr=0.01)
+        with trace.recording(comm.rank) as rec:
+            for _ in range(STEPS):
+                train_step(ddp, opt, lambda m, a, b: F.mse_loss(m(Tensor(a)), Tensor(b)), x, y)
+        out.append((algorithm, overlap, rec.events))
+    return out
+
+
+def test_first_bucket_allreduce_starts_before_backward_ends_under_mpiexec():
+    per_rank = run(traced_steps, 2, backend="mpi", timeout=60, comm_timeout=30)
+    # buckets by hand (layer i: weight Wi, bias bi; reverse order, cap 2 MiB, a 512 x 512 weight is exactly
+    # 2 MiB): [b4 64 B, W4 32 KiB, b3 4 KiB], [W3], [b2], [W2], [b1], [W1], [b0 4 KiB, W0 512 KiB]
+    n_buckets = 7
+    for rank, cases in enumerate(per_rank):
+        for algorithm, overlap, events in cases:
+            where = f"rank {rank}, {algorithm}, overlap={overlap}"
+            forwards = [e for e in events if e.name == "F"]
+            backwards = [e for e in events if e.name == "B"]
+            marks = [e for e in events if e.kind == "mark" and e.name == "bucket"]
+            assert len(forwards) == len(backwards) == STEPS and len(marks) == STEPS * n_buckets, where
+            for step, (f, b) in enumerate(zip(forwards, backwards)):
+                first_launch = marks[step * n_buckets].t0
+                first_message = min(e.t0 for e in events if e.kind == "comm" and e.op == "allreduce"
+                                    and e.t0 > f.t0)
+                if overlap:  # launched early in backward, and the worker already talks while it runs
+                    assert first_launch < (b.t0 + b.t1) / 2, (where, step, first_launch - b.t0, b.duration)
+                    assert first_message < b.t1, (where, step, first_message - b.t1)
+                else:  # nothing starts before the last gradient is ready
+                    assert first_launch >= b.t1 and first_message >= b.t1, (where, step)
+            # every bucket is all-reduced once per step: 2(p-1) = 2 ring messages sent, or one native event
+            sent = [e for e in events if e.kind == "comm" and e.op == "allreduce" and
+                    (e.src == rank if algorithm == "ring" else e.name == "native")]
+            assert len(sent) == STEPS * n_buckets * (2 if algorithm == "ring" else 1), where
