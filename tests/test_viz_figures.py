@@ -249,6 +249,7 @@ def test_stash_counts_are_micro_batches_not_bytes():
     assert fig.layout.yaxis.title.text == "micro-batches"
     peaks = [a.text for a in fig.layout.annotations]
     assert peaks == [f"rank {r}: peak {4 - r} micro-batches" for r in range(4)]  # 1F1B stashes p - r
+    assert A.fmt_memory(sim, 1) == "1 micro-batch" and A.fmt_memory(one_f_one_b(), 1536) == "1.5 KiB"
     rows = report.summary_rows([sim], ["sim"])
     assert rows[0]["peak memory per rank"] == "4, 3, 2, 1 micro-batches stashed"
 

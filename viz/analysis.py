@@ -309,8 +309,11 @@ def memory_counts(trace: Trace) -> bool:
 
 
 def fmt_memory(trace: Trace, n: float) -> str:
-    """Bytes (``fmt_bytes``), or "4 micro-batches" when the trace counts a stash (``memory_counts``)."""
-    return f"{n:.0f} micro-batches" if memory_counts(trace) else fmt_bytes(n)
+    """Bytes (``fmt_bytes``), or "4 micro-batches" / "1 micro-batch" when the trace counts a stash
+    (``memory_counts``)."""
+    if memory_counts(trace):
+        return f"{n:.0f} micro-batch" + ("" if n == 1 else "es")
+    return fmt_bytes(n)
 
 
 @dataclass
