@@ -104,19 +104,23 @@ def compare(size: str, repeats: int, torch: Any) -> float:
     first_mp, first_pt = minipar_step(), torch_step()  # also the warm-up
     if abs(first_mp - first_pt) > 1e-4:
         raise AssertionError(f"first-step losses differ: minipar {first_mp:.6f}, torch {first_pt:.6f}")
-    t_mp, t_pt = [], []
+    t_mp, t_pt, cpu_mp, cpu_pt = [], [], [], []
     for i in range(repeats):  # alternate which side goes first, so neither always follows the other
-        for step, times in ((minipar_step, t_mp), (torch_step, t_pt))[:: 1 if i % 2 else -1]:
-            t0 = time.perf_counter()
+        for step, times, cpu in ((minipar_step, t_mp, cpu_mp), (torch_step, t_pt, cpu_pt))[:: 1 if i % 2 else -1]:
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     last_mp, last_pt = minipar_step(), torch_step()
     a, b = float(np.median(t_mp)), float(np.median(t_pt))
+    ca, cb = float(np.median(cpu_mp)), float(np.median(cpu_pt))
     print(f"GPT {size}: d_model {d}, {heads} heads, {LAYERS} layers, seq {seq}, batch {batch}, vocab {VOCAB}, "
           f"{model.num_parameters():,} parameters, float32, median of {repeats} steps")
     print(f"  minipar            : {a * 1e3:8.2f} ms/step (fastest {min(t_mp) * 1e3:.2f})")
     print(f"  PyTorch eager      : {b * 1e3:8.2f} ms/step (fastest {min(t_pt) * 1e3:.2f})")
     print(f"  ratio minipar/torch: {a / b:8.3f}x   (target <= 1.0x)")
+    print(f"  CPU time per step  : minipar {ca * 1e3:.2f} ms, torch {cb * 1e3:.2f} ms, ratio {ca / cb:.3f}x "
+          "(steadier than wall time on a busy machine)")
     print(f"  loss: first step {first_mp:.6f} vs {first_pt:.6f}; after {repeats + 2} steps "
           f"{last_mp:.6f} vs {last_pt:.6f}")
     return a / b
