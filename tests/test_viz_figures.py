@@ -318,3 +318,14 @@ def test_a_native_collective_says_why_there_is_no_traffic_panel():
                                              algorithm="native") for r in range(2)])
     (_, fig, note), = [row for row in report.figures_for(native, "n") if row[0] == "traffic"]
     assert fig is None and "inside the MPI library" in note
+
+
+def test_hover_names_only_the_fields_a_span_has_and_simulated_traces_are_recognised():
+    fig = figures.timeline(one_f_one_b())
+    forward = next(tr for tr in fig.data if tr.name == "forward")
+    first = sorted(zip(forward.base, forward.y, forward.hovertext, strict=True))[0][2]
+    assert first.endswith("<br>stage 0, micro-batch 0")  # no "chunk None"
+    opt = next(tr for tr in figures.timeline(ring_allreduce()).data if tr.name == "optimizer")
+    assert "stage" not in opt.hovertext[0] and "None" not in opt.hovertext[0]
+    assert A.is_simulated(simulated()) and A.is_simulated(Trace({"schedule": "gpipe (simulated)"}, []))
+    assert not A.is_simulated(one_f_one_b())

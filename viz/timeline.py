@@ -105,6 +105,13 @@ def _label(e: Event, microbatches: bool) -> str:
     return A.label(e) if microbatches else e.name
 
 
+def _where(e: Event) -> str:
+    """"<br>stage 1, micro-batch 3, chunk 0" for the fields a span has (pipeline work), else ""."""
+    parts = [f"{k} {v}" for k, v in (("stage", e.stage), ("micro-batch", e.microbatch), ("chunk", e.chunk))
+             if v is not None]
+    return "<br>" + ", ".join(parts) if parts else ""
+
+
 def _compute_groups(trace: Trace, chunks: bool) -> dict[tuple[str, int], list[Event]]:
     groups: dict[tuple[str, int], list[Event]] = {}
     for e in trace.events:
@@ -143,8 +150,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
             marker={"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1}},
             text=[_label(e, several) for e in spans], textposition="inside", insidetextanchor="middle", textangle=0,
             hovertext=[f"{name}rank {e.rank} {e.name}<br>start {e.t0:.6g} {unit}, duration "
-                       f"{A.fmt_time(e.duration, unit)}<br>stage {e.stage}, micro-batch {e.microbatch}, "
-                       f"chunk {e.chunk}" for e in spans],
+                       f"{A.fmt_time(e.duration, unit)}{_where(e)}" for e in spans],
             hovertemplate="%{hovertext}<extra></extra>",
         ), **where)
     if lane.comm:
@@ -181,8 +187,9 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
         visible="legendonly", y=np.array([lane.comm[e.rank] + (COMM_WIDTH - STEP_WIDTH) / 2 for e in msgs]),
         base=np.array([e.t0 for e in msgs]), x=np.array([e.duration for e in msgs]), width=STEP_WIDTH,
         marker={"color": "#333333"},
-        hovertext=[f"{name}{e.op} {e.algorithm or ''} step {e.step}: {e.name}<br>rank {e.src} -> rank {e.dst}, "
-                   f"{A.fmt_bytes(e.nbytes or 0)}, {A.fmt_time(e.duration, unit)}" for e in msgs],
+        hovertext=[f"{name}{e.op} {e.algorithm or ''}{'' if e.step is None else f' step {e.step}'}: {e.name}"
+                   f"<br>rank {e.src} -> rank {e.dst}, {A.fmt_bytes(e.nbytes or 0)}, {A.fmt_time(e.duration, unit)}"
+                   for e in msgs],
         hovertemplate="%{hovertext}<extra></extra>",
     ), **where)
     pairs = [(s, r) for s, r in A.pair_messages(trace) if r is not None]
