@@ -294,6 +294,7 @@ def test_unit_grid_equals_the_simulator_with_unit_times(kind, v):
 def test_report_of_a_simulated_schedule_has_no_empty_traffic_panel_and_folds_its_metadata():
     sim = simulated("interleaved", 4, 8, 2)
     sim.meta["latency"] = 1 / 3
+    sim.meta["expected_bytes"] = {"send": 12582912.0}
     kinds = [(kind, fig is not None) for kind, fig, _ in report.figures_for(sim, "sim")]
     assert kinds == [("schedule", True), ("traffic", False), ("memory", True)]
     measured = [(kind, fig is not None) for kind, fig, _ in report.figures_for(ring_allreduce(), "ring")]
@@ -301,6 +302,7 @@ def test_report_of_a_simulated_schedule_has_no_empty_traffic_panel_and_folds_its
     block = report.metadata(sim)
     assert block.startswith('<details class="meta">') and block.endswith("</details>")
     assert "0.3333" in block and "0.33333" not in block  # rounded to 4 significant digits
+    assert "send: 12582912<" in block  # a whole number of bytes stays exact
     assert "<b>rank 0</b>: <code>0F0 0SEND_F0-&gt;1" in block  # the actions, one line per rank
 
 

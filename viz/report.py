@@ -89,30 +89,31 @@ def _peaks(trace: Trace, peaks: list[int]) -> str:
     return ", ".join(A.fmt_bytes(b) for b in peaks)
 
 
-def _round(value: Any) -> Any:
-    """Floats to 4 significant digits, inside lists and dicts too."""
+def _plain(value: Any) -> str:
+    """A metadata value as text: whole floats as integers (byte counts stay exact), other floats
+    to 4 significant digits, inside lists and dicts too."""
     if isinstance(value, float):
-        return float(f"{value:.4g}")
+        return str(int(value)) if value.is_integer() else f"{value:.4g}"
     if isinstance(value, list | tuple):
-        return [_round(v) for v in value]
+        return "[" + ", ".join(_plain(v) for v in value) + "]"
     if isinstance(value, dict):
-        return {k: _round(v) for k, v in value.items()}
-    return value
+        return "{" + ", ".join(f"{k}: {_plain(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def _meta_value(key: str, value: Any) -> str:
-    """One metadata value as HTML: a schedule's ``actions`` one line per rank, the rest rounded."""
+    """One metadata value as HTML: a schedule's ``actions`` one line per rank, a dict one line per
+    key, the rest as ``_plain`` text."""
     if key == "actions" and isinstance(value, dict):
         return "".join(f"<div><b>rank {html.escape(str(r))}</b>: <code>{html.escape(' '.join(map(str, acts)))}"
                        "</code></div>" for r, acts in value.items())
-    value = _round(value)
     if isinstance(value, dict):
-        return "<br>".join(html.escape(f"{k}: {v}") for k, v in value.items())
-    return html.escape(str(value))
+        return "<br>".join(html.escape(f"{k}: {_plain(v)}") for k, v in value.items())
+    return html.escape(_plain(value))
 
 
 def metadata(trace: Trace) -> str:
-    """The trace's metadata folded into a ``<details>`` block (closed), numbers rounded."""
+    """The trace's metadata folded into a ``<details>`` block (closed), floats rounded."""
     rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_meta_value(str(k), v)}</td></tr>"
                    for k, v in trace.meta.items())
     return (f'<details class="meta"><summary>run metadata ({len(trace.meta)} entries)</summary>'
