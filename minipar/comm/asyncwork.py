@@ -5,15 +5,23 @@ communicator (a separate message space), with the calling rank's trace recorder 
 worker, so its messages appear in the trace like any others. Every rank must start its non-blocking
 collectives in the same order (they run one after another in that order). ``Request.wait()``
 re-raises an error the collective raised (``CommTimeout`` included) in the caller.
+
+``iallreduce_in_place(comm, buf)`` is the same for a buffer the caller hands over: no copy of the
+input for the ring, which reduces ``buf`` itself (DDP's buckets: fresh buffers every step would cost a
+page fault per 4 KiB page while backward runs, see ``minipar.parallel.ddp``).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from minipar import trace
+from minipar.comm import ring
 from minipar.comm.base import Request
 
 if TYPE_CHECKING:
@@ -49,21 +57,27 @@ class Worker:
         self.thread.start()
 
     def submit(self, owner: Communicator, name: str, arr: Any, kw: dict[str, Any]) -> Request:
+        """Queue ``name(arr, **kw)`` on the duplicate communicator."""
+        return self.submit_call(owner, f"i{name}({kw.get('algorithm')})",
+                                lambda c: getattr(c, name)(arr, **kw))
+
+    def submit_call(self, owner: Communicator, what: str, fn: Callable[[Communicator], Any]) -> Request:
+        """Queue ``fn(duplicate communicator)``; ``wait()`` returns its result."""
         fut = Future()
-        self.queue.put((fut, name, arr, kw, trace.current()))
+        self.queue.put((fut, fn, trace.current()))
         peers = [g for g in owner.group_ranks if g != owner.world_rank]
         # The worker's own watchdog ends a stuck collective; the caller waits a little longer.
-        return _AsyncRequest(owner, fut, f"i{name}({kw.get('algorithm')})", peers)
+        return _AsyncRequest(owner, fut, what, peers)
 
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            fut, name, arr, kw, rec = item
+            fut, fn, rec = item
             trace._local.recorder = rec
             try:
-                fut.value = getattr(self.comm, name)(arr, **kw)
+                fut.value = fn(self.comm)
             except BaseException as exc:  # handed to the caller's wait()
                 fut.error = exc
             finally:
@@ -82,3 +96,29 @@ class _AsyncRequest(Request):
             self._comm._wait(self._pending.done, self._what, self._peers, timeout=2 * self._comm.timeout + 5)
             self._finish()
         return self._value
+
+
+def iallreduce_in_place(comm: Communicator, buf: np.ndarray, op: str = "sum", algorithm: str = "ring") -> Request:
+    """``comm.iallreduce(buf, op, algorithm)`` for a 1-D buffer the caller hands over, not copied;
+    the caller must not touch ``buf`` before ``wait()``, which returns the reduction. The ring
+    reduces ``buf`` itself (reduce-scatter, then all-gather, in place) and returns it; the other
+    algorithms reduce a copy (the threads backend's native reads every rank's input array directly)
+    and return a new array."""
+    comm._check("allreduce", algorithm, buf, op)
+    if buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError(f"iallreduce_in_place: needs a contiguous 1-d buffer, got shape {buf.shape}")
+
+    def run(c: Communicator) -> np.ndarray:
+        if c.size == 1 or algorithm != "ring":
+            return c.allreduce(buf.copy(), op=op, algorithm=algorithm)
+        c._enter("allreduce", algorithm=algorithm, op=op, shape=buf.shape, dtype=str(buf.dtype))
+
+        def in_place() -> None:
+            ring.ring_reduce_scatter(c, buf, op, "allreduce", "ring", 0)
+            ring.ring_allgather_chunks(c, buf, "allreduce", "ring", c.size - 1)
+        c._run("allreduce", algorithm, in_place)
+        return buf
+
+    if comm._async is None:
+        comm._async = Worker(comm.dup())
+    return comm._async.submit_call(comm, f"iallreduce({algorithm}, in place)", run)

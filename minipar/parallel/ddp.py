@@ -13,8 +13,8 @@ ranks, in rank order, are exactly that batch). The paper's three ideas, as they 
    layer's gradients are ready first) and each bucket is all-reduced as one flat array.
 3. **Overlap with backward** (sec. 3.2.3, fig. 2(b)): a hook on every parameter fires when its
    gradient is complete; when the last gradient of a bucket arrives, that bucket's NON-BLOCKING
-   all-reduce starts at once (``comm.iallreduce``), while backward goes on with earlier layers.
-   Buckets start strictly in index order on every rank (the paper's rule: all ranks must launch the
+   all-reduce starts at once (on the communicator's worker thread), while backward goes on with
+   earlier layers. Buckets start strictly in index order on every rank (the paper's rule: all ranks must launch the
    same all-reduces in the same order). When the last bucket has started, the hook waits for all of
    them and writes the averaged gradients back into ``p.grad``: when ``loss.backward()`` returns, the
    gradients are averaged, exactly as with PyTorch.
@@ -33,6 +33,15 @@ chunk by chunk). Memory per rank: a full replica (ZeRO's baseline), ``n`` bytes 
 buffers of the buckets in flight (``n`` when the last bucket starts, 0 once written back: the
 all-reduced buffers then are the gradients).
 
+Buffers (PyTorch's ``gradient_as_bucket_view=True``): each bucket owns one flat buffer for the whole
+run; the hook copies the gradients into it, the ring all-reduces it in place
+(``asyncwork.iallreduce_in_place``; the other algorithms return a new array), and after backward
+every ``p.grad`` is a view of it, valid until the next synchronised backward overwrites it (copy a
+gradient to keep it). Fresh flat arrays
+every step, allocated while backward's temporaries are alive, made glibc map new pages for them:
+measured under mpiexec, 3,600 page faults (14 MB) per step with overlap against 1,200 without, about
+12 ms of the compute thread's CPU per step on the 2-core machine -- the main reason overlap cost time.
+
 Trace: compute spans "F", "B" (from the start of backward until the last gradient is ready), "opt";
 a mark per bucket launch; every message of the bucket all-reduces (op "allreduce", algorithm as
 chosen); memory samples "parameters", "gradients", "gradient buckets" (bytes in flight),
@@ -49,6 +58,7 @@ import numpy as np
 
 from minipar import trace
 from minipar.autograd import Tensor
+from minipar.comm.asyncwork import iallreduce_in_place
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.cost import data as cost
 from minipar.datasets import shard
@@ -92,9 +102,13 @@ class Bucket:
         self.nbytes = self.numel * self.dtype.itemsize
         self.ready: set[int] = set()
         self.request: Any = None
+        self.buffer = np.empty(self.numel, self.dtype)  # the flat gradients, reused every step
 
     def flat_grads(self) -> np.ndarray:
-        return np.concatenate([p.grad.reshape(-1) for p in self.params]).astype(self.dtype, copy=False)
+        """The parameters' gradients copied into ``buffer`` (no new array: see the module docstring)."""
+        for p, a, b in zip(self.params, self.offsets[:-1], self.offsets[1:]):
+            self.buffer[a:b] = p.grad.reshape(-1)
+        return self.buffer
 
     def unflatten(self, flat: np.ndarray, attr: str) -> None:
         """Write ``flat`` back as every parameter's ``grad`` (views of ``flat``) or ``data`` (copied)."""
@@ -197,7 +211,7 @@ class DistributedDataParallel:
                 self.buckets[self._next].params):
             b = self.buckets[self._next]
             trace.mark("bucket", index=b.index, nbytes=b.nbytes, params=len(b.params))
-            b.request = self.comm.iallreduce(b.flat_grads(), op="mean", algorithm=self.algorithm)
+            b.request = iallreduce_in_place(self.comm, b.flat_grads(), op="mean", algorithm=self.algorithm)
             self._next += 1
             self._inflight += b.nbytes
             trace.memory("gradient buckets", self._inflight)
