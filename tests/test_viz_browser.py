@@ -4,9 +4,10 @@ Checks: every figure drew its plot SVG (``main-svg``); a timeline has a compute 
 lane per rank (y tick labels "rank r compute" / "rank r comm"), its compute bars carry the
 micro-batch labels and its comm lane one labelled span per collective call ("allreduce ring 5.9
 KiB"), with the individual messages and arrows in the legend but hidden; a simulated schedule is a
-grid of micro-batch numbers with no traffic panel; each trace's metadata is a folded ``<details>``
-block; and no JavaScript error was raised (the page writes them into ``<html data-js-errors>``; a page with a deliberate
-error proves that check can fail). A screenshot is saved to ``runs/report.png`` as an artefact.
+grid of micro-batch numbers with its stash counts under it and no traffic panel; each trace's
+metadata is a folded ``<details>`` block; and no JavaScript error was raised (the page writes them
+into ``<html data-js-errors>``; a page with a deliberate error proves that check can fail). A
+screenshot is saved to ``runs/report.png`` as an artefact.
 Skipped only when /usr/bin/chromium is absent (``bash scripts/install-chromium.sh`` installs it).
 """
 
@@ -75,7 +76,7 @@ def test_report_renders_in_chromium(tmp_path):
     dom = _chromium(tmp_path, out.as_uri(), "--window-size=1280,4000", "--dump-dom")
     assert _errors(dom) == []
     figs = _figures(dom)
-    assert sorted(figs) == sorted(["fig-compare", "fig-2-schedule", "fig-2-memory"]
+    assert sorted(figs) == sorted(["fig-compare", "fig-2-schedule"]
                                   + [f"fig-{i}-{k}" for i in (0, 1) for k in ("timeline", "traffic", "memory")])
     for name, fig_dom in figs.items():
         assert 'class="main-svg"' in fig_dom, f"{name} drew no plot SVG"
@@ -97,7 +98,8 @@ def test_report_renders_in_chromium(tmp_path):
     cells = _bar_texts(figs["fig-2-schedule"])
     assert len(cells) == 2 * 2 * 4 * 8 and set(cells) == {str(mb) for mb in range(8)}  # F and B, v p m
     assert re.search(r'id="note-2-traffic">[^<]*carry no bytes', dom)  # a note instead of a heat map of zeros
-    assert re.search(r">rank 0: peak 11 micro-batches<", figs["fig-2-memory"])  # counts, not bytes
+    assert re.search(r">stashed micro-batches per rank[^<]*<", figs["fig-2-schedule"])  # counts, under the grid
+    assert 'id="note-2-memory"' in dom
     details = re.findall(r"<details[^>]*>\s*<summary>([^<]*)</summary>", dom)
     assert len(details) == 3 and all(d.startswith("run metadata") for d in details)
     assert "<details open" not in dom  # folded until asked for

@@ -20,6 +20,7 @@ from viz_traces import (
     simulated,
 )
 
+from minipar.parallel.pipeline import make_schedule, simulate
 from minipar.trace import Event, Trace
 from viz import analysis as A
 from viz import figures, pipeline_grid, report
@@ -282,13 +283,21 @@ def test_unit_grid_equals_the_simulator_with_unit_times(kind, v):
     makespan = int(unit.meta["makespan"])
     idle = makespan - 3 * v * m  # each rank runs v m forwards (1 cell) and v m backwards (2 cells)
     assert idle / makespan == pytest.approx((p - 1) / (v * m + p - 1))  # the paper's bubble share
-    assert [a.text.strip() for a in fig.layout.annotations] == [
+    assert [a.text.strip() for a in fig.layout.annotations if "idle" in a.text] == [
         f"idle {idle} of {makespan} ({100 * idle / makespan:.0f}%)"] * p
-    names = [tr.name for tr in fig.data]
-    assert names == (["forward", "backward"] if v == 1 else
-                     ["forward, chunk 0", "forward, chunk 1", "backward, chunk 0", "backward, chunk 1"])
-    texts = sorted(x for tr in fig.data for x in tr.text)
+    bars = [tr for tr in fig.data if tr.type == "bar"]
+    assert [tr.name for tr in bars] == (["forward", "backward"] if v == 1 else
+                                        ["forward, chunk 0", "forward, chunk 1", "backward, chunk 0",
+                                         "backward, chunk 1"])
+    texts = sorted(x for tr in bars for x in tr.text)
     assert texts == sorted(str(mb) for mb in range(m) for _ in range(2 * v * p))  # micro-batch numbers only
+    # under the grid, each rank's stash: its peak is the simulator's own count of stashed micro-batches
+    peaks = simulate(make_schedule(kind, p, m, v)).peak_stash
+    stash = [tr for tr in fig.data if tr.type == "scatter"]
+    assert [tr.name for tr in stash] == [f"rank {r} stash" for r in range(p)]
+    assert [max(tr.y) for tr in stash] == [peaks[r] for r in range(p)]
+    if kind != "interleaved":  # GPipe holds all m micro-batches, 1F1B p - r (Narayanan et al. 2.2.1)
+        assert [max(tr.y) for tr in stash] == ([m] * p if kind == "gpipe" else [p - r for r in range(p)])
 
 
 def test_report_of_a_simulated_schedule_has_no_empty_traffic_panel_and_folds_its_metadata():
@@ -296,7 +305,7 @@ def test_report_of_a_simulated_schedule_has_no_empty_traffic_panel_and_folds_its
     sim.meta["latency"] = 1 / 3
     sim.meta["expected_bytes"] = {"send": 12582912.0}
     kinds = [(kind, fig is not None) for kind, fig, _ in report.figures_for(sim, "sim")]
-    assert kinds == [("schedule", True), ("traffic", False), ("memory", True)]
+    assert kinds == [("schedule", True), ("traffic", False), ("memory", False)]  # the stash is under the grid
     measured = [(kind, fig is not None) for kind, fig, _ in report.figures_for(ring_allreduce(), "ring")]
     assert measured == [("timeline", True), ("traffic", True), ("memory", True)]
     block = report.metadata(sim)

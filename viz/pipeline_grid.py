@@ -12,6 +12,10 @@ stage times this is the simulator's timing (``minipar.parallel.pipeline.simulate
 backward 2, zero latency), whatever durations the trace was recorded with, so the grid shows the
 schedule's shape and its bubble, e.g. (p - 1) of (m + p - 1) forward-plus-backward slots for 1F1B.
 
+Under the grid, each rank's stash on the same cells (``unit_stash``): the micro-batches whose
+forward ended and backward has not, m for GPipe against p - r for 1F1B (Narayanan et al. 2021,
+section 2.2.1).
+
 Cost: O(A * p) for A actions on p ranks (one pass per placed action at worst; usually O(A)).
 """
 
@@ -21,11 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from minipar.trace import Trace
 from viz import analysis as A
 from viz import style
-from viz.style import COLORS, shade
+from viz.style import COLORS, rank_color, shade
 
 KIND = {"F": "forward", "B": "backward", "W": "backward"}
 
@@ -86,15 +91,32 @@ def unit_cells(trace: Trace) -> list[Cell] | None:
     return cells
 
 
+def unit_stash(cells: list[Cell], rank: int) -> tuple[list[int], list[int]]:
+    """Stashed micro-batches on ``rank`` over the grid: (times, counts), a step function that
+    rises when a forward ends and falls when its backward ends (as the simulator counts them)."""
+    change: dict[int, int] = {0: 0}
+    for c in cells:
+        if c.rank == rank and c.name in ("F", "B"):
+            change[c.t1] = change.get(c.t1, 0) + (1 if c.name == "F" else -1)
+    times = sorted(change)
+    counts, held = [], 0
+    for t in times:
+        held += change[t]
+        counts.append(held)
+    return times, counts
+
+
 def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
-    """The unit-time grid of ``unit_cells`` (None when the trace has no such schedule)."""
+    """The unit-time grid of ``unit_cells`` and, under it, each rank's stash (``unit_stash``) on
+    the same cells; None when the trace has no such schedule."""
     cells = unit_cells(trace)
     if cells is None:
         return None
     p = trace.world_size
     n_chunks = max(int(trace.meta.get("v", 1) or 1), 1 + max(c.chunk for c in cells))
     end = max(c.t1 for c in cells)
-    fig = go.Figure()
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.1,
+                        subplot_titles=("", "stashed micro-batches per rank (forward done, backward not yet)"))
     for kind in ("forward", "backward"):
         for chunk in range(n_chunks):
             group = [c for c in cells if KIND[c.name] == kind and c.chunk == chunk]
@@ -110,7 +132,16 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
                 hovertext=[f"rank {c.rank}: {c.name} of micro-batch {c.microbatch}, stage {c.stage} "
                            f"(chunk {c.chunk})<br>cells {c.t0}-{c.t1}" for c in group],
                 hovertemplate="%{hovertext}<extra></extra>",
-            ))
+            ), row=1, col=1)
+    peak = 1
+    for r in range(p):
+        times, counts = unit_stash(cells, r)
+        peak = max([peak, *counts])
+        fig.add_trace(go.Scatter(
+            x=np.array([*times, end]), y=np.array([*counts, counts[-1]]), mode="lines", name=f"rank {r} stash",
+            line={"shape": "hv", "color": rank_color(r), "width": 2},
+            hovertemplate=f"rank {r}: %{{y}} stashed after cell %{{x}}<extra></extra>",
+        ), row=2, col=1)
     for r in range(p):
         busy = sum(c.t1 - c.t0 for c in cells if c.rank == r)
         fig.add_annotation(x=1.0, xref="paper", y=r, yref="y", xanchor="left", showarrow=False,
@@ -118,19 +149,24 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
     meta = trace.meta
     what = ", ".join(f"{k}={meta[k]}" for k in ("p", "m", "v") if meta.get(k) is not None)
     split = "B and W 1 cell each" if any(c.name == "W" for c in cells) else "backward = 2 cells"
+    height = 360 + 42 * p
     fig.update_layout(
-        title=title or style.title(trace, "schedule"), barmode="overlay", bargap=0, height=200 + 42 * p,
-        margin={"r": 150, "l": 70, "t": 110, "b": 60}, plot_bgcolor="white",
-        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1, "xanchor": "right"},
-        uniformtext={"minsize": 7, "mode": "hide"},
+        title={"text": title or style.title(trace, "schedule"), "yref": "container", "y": 1 - 12 / height,
+               "yanchor": "top"},
+        barmode="overlay", bargap=0, height=height, margin={"r": 150, "l": 70, "t": 100, "b": 60},
+        plot_bgcolor="white", uniformtext={"minsize": 7, "mode": "hide"},
+        legend={"orientation": "h", "yref": "container", "y": 1 - 44 / height, "yanchor": "top", "x": 0,
+                "xanchor": "left"},
     )
     fig.update_yaxes(tickmode="array", tickvals=list(range(p)), ticktext=[f"rank {r}" for r in range(p)],
-                     range=[p - 0.5, -0.5], zeroline=False, showgrid=False)
-    fig.update_xaxes(title_text=f"time in unit cells (forward = 1 cell, {split}; number = micro-batch"
-                                f"{'; ' + what if what else ''})",
-                     tickmode="array", tickvals=list(range(end + 1)),
+                     range=[p - 0.5, -0.5], zeroline=False, showgrid=False, row=1, col=1)
+    fig.update_yaxes(range=[0, peak + 0.5], dtick=max(1, peak // 4), zeroline=False, gridcolor="#EEEEEE",
+                     row=2, col=1)
+    fig.update_xaxes(tickmode="array", tickvals=list(range(end + 1)),
                      ticktext=[str(t) if t % 5 == 0 else "" for t in range(end + 1)],
                      range=[0, end], showgrid=True, gridcolor="#DDDDDD", zeroline=False)
+    fig.update_xaxes(title_text=f"time in unit cells (forward = 1 cell, {split}; number = micro-batch"
+                                f"{'; ' + what if what else ''})", row=2, col=1)
     return fig
 
 

@@ -4,8 +4,8 @@ The page embeds plotly.js once (no CDN: it renders offline), then a summary tabl
 paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
 then, when there are several traces, their timelines on one shared time axis, then per trace: its
 metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
-schedule: the papers' unit grid instead), its traffic (left out when no message carries a byte)
-and its memory (or stash counts). The page records JavaScript errors into the ``data-js-errors`` attribute of
+schedule: the papers' unit grid, its stash counts under it), its traffic (left out when no
+message carries a byte) and its memory. The page records JavaScript errors into the ``data-js-errors`` attribute of
 ``<html>`` (a JSON list) so a headless browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
@@ -134,9 +134,11 @@ def _fig_html(fig: go.Figure, div_id: str) -> str:
 def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
     """(kind, figure or None, note) for the per-trace figures; None with a note when there is
     nothing to draw. A simulated pipeline schedule is drawn as the papers' unit grid
-    (``viz.pipeline_grid``) and has no traffic panel when its messages carry no bytes."""
+    (``viz.pipeline_grid``) with its stash counts under it, and has no traffic panel when its
+    messages carry no bytes."""
     out: list[tuple[str, go.Figure | None, str]] = []
-    if is_grid(trace):
+    grid = is_grid(trace)
+    if grid:
         out.append(("schedule", figures.schedule_grid(trace, f"schedule as the papers draw it: {title}"), ""))
     else:
         out.append(("timeline", figures.timeline(trace, f"timeline: {title}"), ""))
@@ -151,7 +153,9 @@ def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, s
                                      "are not visible, so there is no traffic panel."))
     else:
         out.append(("traffic", None, "No messages in this trace."))
-    if any(e.kind == "memory" for e in trace.events):
+    if grid and A.memory_counts(trace):
+        out.append(("memory", None, "Stashed micro-batches: under the schedule, on the same cells."))
+    elif any(e.kind == "memory" for e in trace.events):
         what = "stashed micro-batches" if A.memory_counts(trace) else "memory"
         out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
     else:
