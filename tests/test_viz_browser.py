@@ -99,7 +99,7 @@ def test_report_renders_in_chromium(tmp_path):
     assert len(cells) == 2 * 2 * 4 * 8 and set(cells) == {str(mb) for mb in range(8)}  # F and B, v p m
     assert re.search(r'id="note-2-traffic">[^<]*carry no bytes', dom)  # a note instead of a heat map of zeros
     assert re.search(r">stashed micro-batches per rank[^<]*<", figs["fig-2-schedule"])  # counts, under the grid
-    assert 'id="note-2-memory"' in dom
+    assert 'id="note-2-memory"' not in dom  # no second stash chart, in seconds
     details = re.findall(r"<details[^>]*>\s*<summary>([^<]*)</summary>", dom)
     assert len(details) == 3 and all(d.startswith("run metadata") for d in details)
     assert "<details open" not in dom  # folded until asked for

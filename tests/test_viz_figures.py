@@ -305,7 +305,7 @@ def test_report_of_a_simulated_schedule_has_no_empty_traffic_panel_and_folds_its
     sim.meta["latency"] = 1 / 3
     sim.meta["expected_bytes"] = {"send": 12582912.0}
     kinds = [(kind, fig is not None) for kind, fig, _ in report.figures_for(sim, "sim")]
-    assert kinds == [("schedule", True), ("traffic", False), ("memory", False)]  # the stash is under the grid
+    assert kinds == [("schedule", True), ("traffic", False)]  # its stash is drawn under the grid
     measured = [(kind, fig is not None) for kind, fig, _ in report.figures_for(ring_allreduce(), "ring")]
     assert measured == [("timeline", True), ("traffic", True), ("memory", True)]
     block = report.metadata(sim)

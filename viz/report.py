@@ -154,8 +154,8 @@ def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, s
     else:
         out.append(("traffic", None, "No messages in this trace."))
     if grid and A.memory_counts(trace):
-        out.append(("memory", None, "Stashed micro-batches: under the schedule, on the same cells."))
-    elif any(e.kind == "memory" for e in trace.events):
+        return out  # its stash counts are drawn under the grid, on the same cells
+    if any(e.kind == "memory" for e in trace.events):
         what = "stashed micro-batches" if A.memory_counts(trace) else "memory"
         out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
     else:
