@@ -49,6 +49,7 @@ class Cell:
 
 
 def _inputs(name: str, stage: int, microbatch: int, last: int) -> list[tuple[str, int, int]]:
+    """The (op, stage, micro-batch) actions whose end an action waits for (module docstring)."""
     if name == "F":
         return [("F", stage - 1, microbatch)] if stage > 0 else []
     if name == "B":
