@@ -78,6 +78,20 @@ def test_elementwise(data, shape, op):
     check_gradients(fns[op], x)
 
 
+def test_gelu_over_several_blocks():
+    """GELU runs in blocks of ``F._BLOCK`` numbers: values and slope at every position of an input
+    spanning three blocks, against the tanh form and its derivative written out here."""
+    x = np.random.default_rng(0).normal(scale=3.0, size=(2, F._BLOCK + 7))
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (x + 0.044715 * x**3))
+    xt = Tensor(x, requires_grad=True)
+    y = F.gelu(xt)
+    y.backward(np.ones_like(x))
+    np.testing.assert_allclose(y.data, 0.5 * x * (1 + t), rtol=1e-12, atol=1e-15)
+    slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+    np.testing.assert_allclose(xt.grad, slope, rtol=1e-10, atol=1e-14)
+
+
 @given(st.data(), shapes(min_dims=1, max_dims=3, min_side=2), st.sampled_from(["softmax", "log_softmax"]))
 def test_softmaxes(data, shape, op):
     axis = data.draw(st.integers(-len(shape), len(shape) - 1))
