@@ -51,7 +51,12 @@ def title(trace: Trace, what: str) -> str:
     parts = [str(meta.get("paradigm", "trace"))]
     if meta.get("schedule"):
         parts.append(str(meta["schedule"]))
-    parts.append(f"{trace.world_size} ranks")
+    parts.append(ranks(trace.world_size))
     if meta.get("backend"):
         parts.append(str(meta["backend"]))
     return f"{what}: {', '.join(parts)}" if what else ", ".join(parts)
+
+
+def ranks(n: int) -> str:
+    """'1 rank', '4 ranks'."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"

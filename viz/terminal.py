@@ -35,6 +35,7 @@ from rich.text import Text
 
 from minipar.trace import Event, Trace, load
 from viz import analysis as A
+from viz.style import ranks
 
 STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
           "optimizer": "bold white on green", "other": "bold white on grey50"}
@@ -354,8 +355,9 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     s = A.summary(trace)
     unit = A.time_unit(trace)
     head = title or ", ".join(str(x) for x in (meta.get("paradigm", "trace"), meta.get("schedule"),
-                                                f"{trace.world_size} ranks", meta.get("backend")) if x)
-    bubble = "" if s["bubble_fraction"] is None else f", bubble {100 * s['bubble_fraction']:.1f}%"
+                                                ranks(trace.world_size), meta.get("backend")) if x)
+    idle = "bubble" if meta.get("paradigm") == "pipeline" else "idle"  # a bubble is a pipeline's idle time
+    bubble = "" if s["bubble_fraction"] is None else f", {idle} {100 * s['bubble_fraction']:.1f}%"
     # Lines are laid out to ``width`` here; soft_wrap stops rich from cropping them to a narrower
     # console (e.g. 80 columns when stdout is not a terminal, as under mpiexec).
     for line in Text(head, "bold").wrap(Console(width=width), width):
