@@ -262,8 +262,18 @@ class _Attention(Function):
 
     @staticmethod
     def heads(x: np.ndarray, n_heads: int) -> np.ndarray:
+        """(b, t, h d_head) -> (b, h, t, d_head): a view when ``x`` is contiguous."""
         b, t, width = x.shape
         return x.reshape(b, t, n_heads, width // n_heads).transpose(0, 2, 1, 3)
+
+    @staticmethod
+    def matmul_merged(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``a @ b`` per head (b, h, t, d_head), written straight into a (b, t, h d_head) array
+        through its ``heads`` view: merging the heads back costs no copy."""
+        n, h, t, d_head = *a.shape[:-1], b.shape[-1]
+        out = np.empty((n, t, h * d_head), dtype=np.result_type(a, b))
+        np.matmul(a, b, out=_Attention.heads(out, h))
+        return out
 
     @staticmethod
     def forward(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
@@ -281,24 +291,21 @@ class _Attention(Function):
         p /= _rowsum(p)
         ctx.save_for_backward(q, k, v, p)
         ctx.n_heads, ctx.scale = n_heads, scale
-        return (p @ vh).transpose(0, 2, 1, 3).reshape(b, t_q, width)
+        return _Attention.matmul_merged(p, vh)
 
     @staticmethod
     def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
         q, k, v, p = ctx.saved
         n = ctx.n_heads
         qh, kh, vh, gh = (_Attention.heads(x, n) for x in (q, k, v, g))
-        dv = p.transpose(0, 1, 3, 2) @ gh
+        dv = _Attention.matmul_merged(p.transpose(0, 1, 3, 2), gh)
         dp = gh @ vh.transpose(0, 1, 3, 2)
         dp -= _rowdot(dp, p)  # softmax backward, in place: ds = p (dp - sum(dp p))
         dp *= p
         dp *= ctx.scale
-        dq, dk = dp @ kh, dp.transpose(0, 1, 3, 2) @ qh
-
-        def merge(x: np.ndarray, like: np.ndarray) -> np.ndarray:
-            return x.transpose(0, 2, 1, 3).reshape(like.shape)
-
-        return merge(dq, q), merge(dk, k), merge(dv, v), None, None
+        dq = _Attention.matmul_merged(dp, kh)
+        dk = _Attention.matmul_merged(dp.transpose(0, 1, 3, 2), qh)
+        return dq, dk, dv, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, causal: bool = True) -> Tensor:
