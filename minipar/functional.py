@@ -1,11 +1,13 @@
 """Differentiable functions of Tensors used by the models, each with its backward beside it.
 
-Fused ops (softmax, log_softmax, layer_norm, gelu, attention, cross_entropy) carry their analytic
-backward rather than a chain of primitive nodes: fewer nodes, fewer temporaries, and the formulas a
-reader finds in the papers. ``layer_norm``, ``gelu`` and ``attention`` are ``Function``s that keep
-for backward exactly what Korthikanti et al. 2022 (Sec. 4.1) count for a transformer layer: the
-layer norm's input, GELU's input, attention's q, k, v and softmax; everything else they need is
-recomputed in backward, and ``memory.held_buffers`` sees all they keep.
+Fused ops (linear, softmax, log_softmax, layer_norm, gelu, attention, cross_entropy) carry their
+analytic backward rather than a chain of primitive nodes: fewer nodes, fewer temporaries, and the
+formulas a reader finds in the papers. Their numpy passes work in place where the array is their
+own: at a small transformer's sizes every fresh temporary and every extra pass shows in the step.
+``layer_norm``, ``gelu`` and ``attention`` are ``Function``s that keep for backward exactly what
+Korthikanti et al. 2022 (Sec. 4.1) count for a transformer layer: the layer norm's input, GELU's
+input, attention's q, k, v and softmax; everything else they need is recomputed in backward, and
+``memory.held_buffers`` sees all they keep.
 """
 
 from __future__ import annotations
