@@ -31,7 +31,7 @@ from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
 from minipar.comm.errors import CommTimeout
 from minipar.comm.ring import chunk_bounds
-from minipar.comm.watchdog import SPIN, RankState, default_timeout, poll
+from minipar.comm.watchdog import PACE, SPIN, RankState, default_timeout, poll
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
                                 "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
@@ -98,9 +98,10 @@ class _HeaderRecv:
 
 
 class MpiCommunicator(Communicator):
-    """A communicator over an mpi4py ``MPI.Comm``. ``spin``: seconds a wait spins before it sleeps
-    (0 on the communicator of the non-blocking collectives' worker, which shares the cores with the
-    compute it overlaps)."""
+    """A communicator over an mpi4py ``MPI.Comm``. ``spin`` (seconds a wait spins before it sleeps)
+    and ``pace`` (each sleep over the time waited so far) tune ``watchdog.poll``; the non-blocking
+    collectives' worker sets 0 and 1/2 on its communicator: it shares the cores with the compute it
+    overlaps, and every wake-up of its thread preempts that compute."""
 
     backend = "mpi"
 
@@ -114,7 +115,7 @@ class MpiCommunicator(Communicator):
         ranks = MPI.Group.Translate_ranks(group, list(range(mpicomm.Get_size())), world_group)
         super().__init__(mpicomm.Get_rank(), mpicomm.Get_size(), [int(r) for r in ranks], state)
         self._fifo: dict[tuple[int, int], deque[_HeaderRecv]] = {}
-        self.spin = SPIN
+        self.spin, self.pace = SPIN, PACE
 
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
         MPI, c = self.MPI, self.mpicomm
@@ -138,7 +139,7 @@ class MpiCommunicator(Communicator):
 
     def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
               timeout: float | None = None) -> None:
-        poll(self.state, test, what, peers, timeout, self.spin)
+        poll(self.state, test, what, peers, timeout, self.spin, self.pace)
 
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
         return MpiCommunicator(self.mpicomm.Split(color, index), self.state)

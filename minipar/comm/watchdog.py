@@ -21,6 +21,7 @@ from minipar.comm.errors import Aborted, CommTimeout
 DEFAULT_TIMEOUT = 60.0
 HISTORY = 6
 SPIN = 1e-3  # seconds a wait spins before it sleeps (see ``poll``)
+PACE = 1 / 8  # each sleep of a wait, as a fraction of the time waited so far
 
 
 def default_timeout(timeout: float | None = None) -> float:
@@ -70,14 +71,16 @@ class RankState:
 
 
 def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int],
-         timeout: float | None = None, spin: float = SPIN) -> None:
+         timeout: float | None = None, spin: float = SPIN, pace: float = PACE) -> None:
     """Call ``test`` until it returns True; ``CommTimeout`` after the deadline.
 
     MPI moves data only inside MPI calls (MPICH has no progress thread), so a rank asleep between
     tests stalls its own transfers and collectives. The wait first spins for ``spin`` seconds (an
     operation done within it costs what MPI's blocking call costs), then sleeps between tests, each
-    sleep an eighth of the time waited so far, from 20 us to 1 ms: a wait ends at most ~1/8 later
-    than spinning would, and an idle rank's CPU use stays near zero.
+    sleep ``pace`` times the time waited so far, from 20 us to 1 ms: with the default 1/8 a wait
+    ends at most ~1/8 later than spinning would, and an idle rank's CPU use stays near zero. A
+    thread that overlaps communication with the rank's compute waits with ``spin=0, pace=1/2``:
+    every wake-up preempts the compute.
     """
     if test():
         return
@@ -92,4 +95,4 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
             raise state.timeout_error(what, peers, now - start)
         waited = now - start
         if waited >= spin:
-            time.sleep(min(1e-3, max(2e-5, waited / 8)))
+            time.sleep(min(1e-3, max(2e-5, waited * pace)))
