@@ -6,6 +6,12 @@ worker, so its messages appear in the trace like any others. Every rank must sta
 collectives in the same order (they run one after another in that order). ``Request.wait()``
 re-raises an error the collective raised (``CommTimeout`` included) in the caller.
 
+The worker shares the rank's cores with the compute it overlaps, and every wake-up of its thread
+preempts that compute. So on MPI its waits never spin and sleep half the time waited so far
+(``watchdog.poll`` with ``spin=0, pace=1/2``): measured with DDP on 2 busy cores, 30-77 preemptions
+of the compute thread per backward instead of 140-150 with the callers' 1/8, the GIL never blocking
+it (no voluntary switch of the compute thread during backward).
+
 ``iallreduce_in_place(comm, buf)`` is the same for a buffer the caller hands over: no copy of the
 input for the ring, which reduces ``buf`` itself (DDP's buckets: fresh buffers every step would cost a
 page fault per 4 KiB page while backward runs, see ``minipar.parallel.ddp``).

@@ -40,7 +40,8 @@ every ``p.grad`` is a view of it, valid until the next synchronised backward ove
 gradient to keep it). Fresh flat arrays
 every step, allocated while backward's temporaries are alive, made glibc map new pages for them:
 measured under mpiexec, 3,600 page faults (14 MB) per step with overlap against 1,200 without, about
-12 ms of the compute thread's CPU per step on the 2-core machine -- the main reason overlap cost time.
+12 ms of the compute thread's CPU per step on the 2-core machine: one of the two reasons overlap cost
+time (the other: the worker thread's wake-ups preempting backward, see ``minipar.comm.asyncwork``).
 
 Trace: compute spans "F", "B" (from the start of backward until the last gradient is ready), "opt";
 a mark per bucket launch; every message of the bucket all-reduces (op "allreduce", algorithm as
