@@ -120,6 +120,8 @@ def _in_blocks(fn: Callable[..., np.ndarray], *arrays: np.ndarray) -> np.ndarray
     """``fn(*arrays)`` for an elementwise ``fn`` of same-shaped arrays, computed block by block over
     their flattened numbers: the dozen passes of a chain like GELU's then mostly hit cache instead of
     streaming the whole arrays from memory each time."""
+    if arrays[0].size <= _BLOCK:
+        return fn(*arrays)
     flat = [a.reshape(-1) for a in arrays]
     out = np.empty_like(flat[0])
     for i in range(0, out.size, _BLOCK):
