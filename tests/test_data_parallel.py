@@ -171,9 +171,12 @@ def test_first_bucket_starts_before_backward_ends_only_with_overlap(overlap):
             first = min(e.t0 for e in events if e.kind == "comm" and e.op == "allreduce"
                         and e.t0 > [e for e in events if e.name == "F"][step].t0)
             assert (first < b.t1) == overlap, (first, b.t1)
-            # the last layer's bucket starts while most of backward (the 256-wide layers) is still to run
-            launch = [e.t0 for e in events if e.kind == "mark" and e.name == "bucket"][step * n_buckets]
-            assert (launch < (b.t0 + b.t1) / 2) == overlap, (launch, b.t0, b.t1)
+            # with overlap every bucket but the first layer's is launched while backward still runs
+            # (an order, not a duration: it holds however loaded the machine is); without, none
+            launches = [e.t0 for e in events if e.kind == "mark" and e.name == "bucket"]
+            launches = launches[step * n_buckets:(step + 1) * n_buckets]
+            inside = sum(t < b.t1 for t in launches)
+            assert (inside >= n_buckets - 1) if overlap else inside == 0, (inside, n_buckets)
 
 
 def allreduce_bytes_by_hand(algorithm: str, numel: int, p: int, rank: int, itemsize: int = 8) -> int:
