@@ -23,7 +23,7 @@ Measured on the shared 2-core machine (torch 2.14.1 from PyPI on the CPU, numpy 
 re-measure on a quiet one), ratio minipar/torch of the median CPU time per step:
 
     before (the engine at d0d7128)  small 1.16x   large 1.40x
-    after                           small 0.88x   large 0.96x   (wall-time medians 0.91x and 0.90x)
+    after (two runs)                small 0.88x   large 0.96-0.97x   (wall time 0.89-0.91x, 0.90-0.96x)
 
 Where the time went (cProfile of minipar's step before the changes): GELU's ``a**3`` (a third of
 the large step), the causal mask written by boolean indexing, 3-D @ 2-D products run as
