@@ -1,4 +1,5 @@
-"""Data parallelism (DDP) under mpiexec: weak scaling 1 -> 2 ranks, overlap on vs off, ring vs native.
+"""Data parallelism (DDP) under mpiexec: weak scaling 1 -> 2 ranks, overlap on vs off, the hand ring
+vs MPICH's all-reduce polled (native) and blocking.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/data_parallel.py [--batch 1024] [--repeats 3]
 
@@ -8,17 +9,33 @@ throughput ratio (global samples / s, 2 ranks over 1) would be 2.0 with free com
 model is a matmul-heavy float64 MLP; gradients go in buckets of ``--cap`` bytes.
 
 The script starts ``mpiexec -n 1`` and ``mpiexec -n 2`` of itself (``--inner``) ``--repeats`` times,
-alternating, and reports the median step time of each configuration: 1 rank; 2 ranks ring with
-overlap; 2 ranks ring without overlap (every bucket starts after backward); 2 ranks native (MPI's
-own all-reduce). Every timing is the slowest rank's.
+alternating. In a 2-rank job the configurations take turns step by step, so load from elsewhere hits
+them alike: the ring and native (MPICH's ``MPI_Iallreduce``, polled) each with and without overlap
+(without: every bucket starts after backward); "blocking Allreduce", the same buckets all-reduced
+after backward by MPICH's blocking ``MPI_Allreduce`` called through mpi4py (here only); "no sync",
+every rank trains on its shard with no communication (what sharing the machine costs). A step's
+time is the slowest rank's; the table gives medians, throughput against 1 rank, and step time over
+"no sync".
 
-Measured on the 2-core machine (quiet; MLP 512-1024-1024-1024-512, 25 MB of gradients, 8 buckets):
-per-rank batch 1024: 1 rank 429 ms/step; 2 ranks ring+overlap 461 ms (1.86x throughput), ring without
-overlap 456 ms (1.88x), native 489 ms (1.75x). Per-rank batch 512: 1.66x, 1.50x, 1.59x (overlap saved
-28 ms). Here communication is memory copies and additions done by the CPU (no NIC or DMA engine), so
-overlapping it with backward on 2 busy cores mostly moves work around rather than hiding it; the
-weak-scaling ratio rises with the per-rank batch (compute grows, gradient bytes do not). Other jobs
-on the machine skew these numbers: rerun when it is idle.
+Measured on the 2-core machine shared with other jobs (MLP 512-1024-1024-1024-512, 25 MB of
+gradients, 8 buckets, per-rank batch 1024), median of 5 jobs x 6 steps, load 2 (no sync / 1 rank
+1.02):
+
+    1 rank 527 ms   ring+overlap 631 ms 1.67x   ring, no overlap 589 ms 1.79x   native+overlap 619 ms 1.70x
+    native, no overlap 638 ms 1.65x   blocking Allreduce 551 ms 1.91x   no sync 537 ms 1.96x
+    ring+overlap / native+overlap 1.02, / blocking 1.14; native+overlap / blocking 1.12
+
+Two runs of 3 jobs at load 3-4 gave ring+overlap / native+overlap 0.96 and 1.11, / blocking 1.02
+and 1.14: differences under ~10% are noise here. Before the changes of issue 10 this benchmark
+(configurations not alternating) gave 1.63x ring+overlap, 1.69x ring without, 1.77x native.
+Communication here is memory copies and additions done by the CPU (no NIC or DMA engine), so with
+both cores busy overlap can only hide waiting, not work: it still costs ~40 ms over the ring
+without overlap, and MPICH's blocking call after backward (no thread, no Python) is cheapest.
+Overlap cost more before because (measured per step with rusage under mpiexec) fresh bucket
+arrays allocated while backward ran caused 3,600 page faults (12 ms of the compute thread's CPU;
+now one buffer per bucket for the run, reduced in place) and the worker thread's frequent
+wake-ups preempted backward 140-190 times (now 30-80: it sleeps half the time waited); the GIL
+never blocked the compute thread. The lead re-measures on a quiet machine.
 """
 
 from __future__ import annotations
