@@ -17,25 +17,25 @@ every rank trains on its shard with no communication (what sharing the machine c
 time is the slowest rank's; the table gives medians, throughput against 1 rank, and step time over
 "no sync".
 
-Measured on the 2-core machine shared with other jobs (MLP 512-1024-1024-1024-512, 25 MB of
-gradients, 8 buckets, per-rank batch 1024), median of 5 jobs x 6 steps, load 2 (no sync / 1 rank
-1.02):
+Measured on the 2-core machine, other jobs light (load 1.5-1.8; no sync / 1 rank 0.99-1.06), MLP
+512-1024-1024-1024-512 (25 MB of gradients, 8 buckets), per-rank batch 1024, two runs (3 and 5 jobs
+x 6 steps); step time and throughput against 1 rank (499-513 ms):
 
-    1 rank 527 ms   ring+overlap 631 ms 1.67x   ring, no overlap 589 ms 1.79x   native+overlap 619 ms 1.70x
-    native, no overlap 638 ms 1.65x   blocking Allreduce 551 ms 1.91x   no sync 537 ms 1.96x
-    ring+overlap / native+overlap 1.02, / blocking 1.14; native+overlap / blocking 1.12
+    ring + overlap        568-581 ms  1.72-1.81x     native + overlap     562-585 ms  1.71-1.82x
+    ring, no overlap      543-558 ms  1.79-1.89x     native, no overlap   577-618 ms  1.61-1.78x
+    blocking Allreduce    527-537 ms  1.89-1.91x     no sync              508-531 ms  1.88-2.02x
+    ring+overlap / native+overlap 0.99-1.01, / blocking 1.06-1.10; native+overlap / blocking 1.05-1.11
 
-Two runs of 3 jobs at load 3-4 gave ring+overlap / native+overlap 0.96 and 1.11, / blocking 1.02
-and 1.14: differences under ~10% are noise here. Before the changes of issue 10 this benchmark
-(configurations not alternating) gave 1.63x ring+overlap, 1.69x ring without, 1.77x native.
-Communication here is memory copies and additions done by the CPU (no NIC or DMA engine), so with
-both cores busy overlap can only hide waiting, not work: it still costs ~40 ms over the ring
-without overlap, and MPICH's blocking call after backward (no thread, no Python) is cheapest.
-Overlap cost more before because (measured per step with rusage under mpiexec) fresh bucket
-arrays allocated while backward ran caused 3,600 page faults (12 ms of the compute thread's CPU;
-now one buffer per bucket for the run, reduced in place) and the worker thread's frequent
-wake-ups preempted backward 140-190 times (now 30-80: it sleeps half the time waited); the GIL
-never blocked the compute thread. The lead re-measures on a quiet machine.
+At load 2-4 the same ratios moved by ~10% between runs. Before the changes of issue 10 this
+benchmark (configurations not alternating) gave 1.63x ring + overlap, 1.69x ring without, 1.77x
+native. Communication here is memory copies and additions done by the CPU (no NIC or DMA
+engine), so with both cores busy overlap can only hide waiting, not work: it still costs ~25 ms
+over the ring without overlap, and MPICH's blocking call after backward (no thread, no Python) is
+cheapest. Overlap cost more before because (measured per step with rusage under mpiexec) fresh
+bucket arrays allocated while backward ran caused 3,600 page faults (12 ms of the compute
+thread's CPU; now one buffer per bucket for the run, reduced in place) and the worker thread's
+frequent wake-ups preempted backward 140-190 times (now 45-80: it sleeps half the time waited);
+the GIL never blocked the compute thread. The lead re-measures on a quiet machine.
 """
 
 from __future__ import annotations
