@@ -11,21 +11,22 @@ non-blocking send/recv polled the same way. Each timing is the slowest rank's; t
 ``--reps`` runs is reported (more for the smaller sizes), with ratios to the blocking call. Then
 the tracing overhead: the ring all-reduce with a trace recorder on vs off.
 
-Measured on the 2-core machine, shared with other jobs (load 3), two runs, 2 ranks:
+Measured on the 2-core machine, other jobs light (load 1.4), two runs, 2 ranks:
 
-    elements     MB     blocking (ms)  native (ms)  ring (ms)     native/blocking  ring/blocking  ring/native
-    16,384       0.1    0.11           0.15         0.23-0.25     1.35-1.40x       2.1-2.3x       1.6x
-    1,048,576    8.4    9.1-12.0       15.2-21.6    9.8-16.7      1.7-1.8x         1.1-1.4x       0.65-0.77x
-    16,777,216   134.2  183-192        178-187      119-131       0.93-1.02x       0.65-0.68x     0.63-0.74x
-    tracing on vs off: 1M float64 0.83-1.04x; 200 x 16 float64 1.2-1.6x
+    elements     MB     blocking (ms)  native (ms)  ring (ms)   native/blocking  ring/blocking  ring/native
+    16,384       0.1    0.06-0.07      0.09-0.11    0.14-0.19   1.46-1.54x       2.3-2.5x       1.6x
+    1,048,576    8.4    5.9-6.8        9.9-10.9     6.3-6.7     1.6-1.7x         0.99-1.06x     0.62x
+    16,777,216   134.2  96-112         109-111      66-71       0.99-1.13x       0.63-0.68x     0.60-0.64x
+    tracing on vs off: 1M float64 1.07-1.11x; 200 x 16 float64 1.17-1.32x
 
-Before the polling fix (20 spins, then sleeps doubling to 1 ms) native was 4.5x the blocking call
-at 16K elements: MPI moves data only inside MPI calls, so a sleeping rank stalls its own
-collective. At 8 MB polling still costs ~1.7x (the transfer advances only while a test runs); at
-134 MB native equals blocking, and MPICH's own all-reduce is slower than the hand ring there.
-With 4 ranks on the 2 cores (they time-share, so these are not scaling numbers): 16K 2.4x / 4.4x /
-1.8x (native/blocking, ring/blocking, ring/native), 1M 1.5x / 2.0x / 1.35x, 16M 0.98x / 1.05x /
-1.07x. Timings on a busy machine vary by 20-50%; the lead re-measures on a quiet one.
+Before the polling fix (20 spins, then sleeps doubling to 1 ms; same machine, same load) native
+was 7.3-8.7x the blocking call at 16K elements: MPI moves data only inside MPI calls, so a rank
+asleep between tests stalls its own collective. At 8 MB polling still costs 1.4-1.7x, before and
+after (the transfer advances only while a test runs); at 134 MB native equals blocking, and
+MPICH's own all-reduce is slower than the hand ring there. With 4 ranks on the 2 cores (they
+time-share, so these are not scaling numbers): native/blocking, ring/blocking, ring/native 4.0x,
+5.4x, 1.4x at 16K; 1.7x, 1.7x, 1.0x at 1M; 0.96x, 0.76x, 0.79x at 16M. At load 3 the same ratios
+moved by 20-50%; the lead re-measures on a quiet machine.
 """
 
 from __future__ import annotations
