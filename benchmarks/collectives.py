@@ -6,7 +6,7 @@ Three variants on float64 buffers of 16K, 1M and 16M elements, alternating withi
 "blocking" is MPICH's ``MPI_Allreduce`` called straight through mpi4py (here only: library code
 goes through ``minipar.comm``), the fair baseline; "native" is ``comm.allreduce(x,
 algorithm="native")``, MPICH's non-blocking ``MPI_Iallreduce`` polled by the watchdog (spin 1 ms,
-then sleeps of an eighth of the time waited, at most 1 ms); "ring" is the hand-written ring on
+then sleeps of 1/32 of the time waited, at most 1 ms); "ring" is the hand-written ring on
 non-blocking send/recv polled the same way. Each timing is the slowest rank's; the median of
 ``--reps`` runs is reported (more for the smaller sizes), with ratios to the blocking call. Then
 the tracing overhead: the ring all-reduce with a trace recorder on vs off.

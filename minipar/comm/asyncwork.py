@@ -9,7 +9,7 @@ re-raises an error the collective raised (``CommTimeout`` included) in the calle
 The worker shares the rank's cores with the compute it overlaps, and every wake-up of its thread
 preempts that compute. So on MPI its waits never spin and sleep half the time waited so far
 (``watchdog.poll`` with ``spin=0, pace=1/2``): measured with DDP on 2 busy cores, 30-77 preemptions
-of the compute thread per backward instead of 140-150 with the callers' 1/8, the GIL never blocking
+of the compute thread per backward instead of 140-150 with a pace of 1/8, the GIL never blocking
 it (no voluntary switch of the compute thread during backward).
 
 ``iallreduce_in_place(comm, buf)`` is the same for a buffer the caller hands over: no copy of the
@@ -72,7 +72,6 @@ class Worker:
         fut = Future()
         self.queue.put((fut, fn, trace.current()))
         peers = [g for g in owner.group_ranks if g != owner.world_rank]
-        # The worker's own watchdog ends a stuck collective; the caller waits a little longer.
         return _AsyncRequest(owner, fut, what, peers)
 
     def _loop(self) -> None:
@@ -98,8 +97,14 @@ class Worker:
 
 class _AsyncRequest(Request):
     def wait(self) -> Any:
+        """Sleep on the future's event until the worker is done (no polling: a caller spinning on
+        the GIL would stall the worker it waits for), then re-raise the collective's error. The
+        worker's own watchdog ends a stuck collective; the caller waits a little longer."""
         if not self._finished:
-            self._comm._wait(self._pending.done, self._what, self._peers, timeout=2 * self._comm.timeout + 5)
+            limit = 2 * self._comm.timeout + 5
+            if not self._pending.event.wait(limit):
+                raise self._comm.state.timeout_error(self._what, self._peers, limit)
+            self._pending.done()
             self._finish()
         return self._value
 

@@ -21,7 +21,7 @@ from minipar.comm.errors import Aborted, CommTimeout
 DEFAULT_TIMEOUT = 60.0
 HISTORY = 6
 SPIN = 1e-3  # seconds a wait spins before it sleeps (see ``poll``)
-PACE = 1 / 8  # each sleep of a wait, as a fraction of the time waited so far
+PACE = 1 / 32  # each sleep of a wait, as a fraction of the time waited so far
 
 
 def default_timeout(timeout: float | None = None) -> float:
@@ -77,10 +77,11 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
     MPI moves data only inside MPI calls (MPICH has no progress thread), so a rank asleep between
     tests stalls its own transfers and collectives. The wait first spins for ``spin`` seconds (an
     operation done within it costs what MPI's blocking call costs), then sleeps between tests, each
-    sleep ``pace`` times the time waited so far, from 20 us to 1 ms: with the default 1/8 a wait
-    ends at most ~1/8 later than spinning would, and an idle rank's CPU use stays near zero. A
-    thread that overlaps communication with the rank's compute waits with ``spin=0, pace=1/2``:
-    every wake-up preempts the compute.
+    sleep ``pace`` times the time waited so far, from 20 us to 1 ms: with the default 1/32 a wait
+    ends at most ~3% later than spinning would (an 8 MB native all-reduce: 1.1x MPICH's blocking
+    call, 1.3x with 1/8), and a rank idle for more than 32 ms wakes 1000 times a second. A thread that
+    overlaps communication with the rank's compute waits with ``spin=0, pace=1/2``: every wake-up
+    preempts the compute.
     """
     if test():
         return
