@@ -11,22 +11,22 @@ non-blocking send/recv polled the same way. Each timing is the slowest rank's; t
 ``--reps`` runs is reported (more for the smaller sizes), with ratios to the blocking call. Then
 the tracing overhead: the ring all-reduce with a trace recorder on vs off.
 
-Measured on the 2-core machine, other jobs light (load 1.4), two runs, 2 ranks:
+Measured on the 2-core machine, other jobs light (load 1.2), two runs, 2 ranks:
 
     elements     MB     blocking (ms)  native (ms)  ring (ms)   native/blocking  ring/blocking  ring/native
-    16,384       0.1    0.06-0.07      0.09-0.11    0.14-0.19   1.46-1.54x       2.3-2.5x       1.6x
-    1,048,576    8.4    5.9-6.8        9.9-10.9     6.3-6.7     1.6-1.7x         0.99-1.06x     0.62x
-    16,777,216   134.2  96-112         109-111      66-71       0.99-1.13x       0.63-0.68x     0.60-0.64x
-    tracing on vs off: 1M float64 1.07-1.11x; 200 x 16 float64 1.17-1.32x
+    16,384       0.1    0.07-0.08      0.11-0.12    0.17-0.20   1.56-1.68x       2.5-2.6x       1.5-1.6x
+    1,048,576    8.4    6.9-7.8        9.3-10.4     6.9-7.4     1.34-1.36x       0.95-1.01x     0.71-0.74x
+    16,777,216   134.2  108-111        109-113      58-59       1.02x            0.53-0.54x     0.52-0.53x
+    tracing on vs off: 1M float64 0.92-0.99x; 200 x 16 float64 1.17-1.32x
 
 Before the polling fix (20 spins, then sleeps doubling to 1 ms; same machine, same load) native
-was 7.3-8.7x the blocking call at 16K elements: MPI moves data only inside MPI calls, so a rank
-asleep between tests stalls its own collective. At 8 MB polling still costs 1.4-1.7x, before and
-after (the transfer advances only while a test runs); at 134 MB native equals blocking, and
-MPICH's own all-reduce is slower than the hand ring there. With 4 ranks on the 2 cores (they
-time-share, so these are not scaling numbers): native/blocking, ring/blocking, ring/native 4.0x,
-5.4x, 1.4x at 16K; 1.7x, 1.7x, 1.0x at 1M; 0.96x, 0.76x, 0.79x at 16M. At load 3 the same ratios
-moved by 20-50%; the lead re-measures on a quiet machine.
+was 7.3-8.7x the blocking call at 16K elements and 1.4-1.55x at 1M: MPI moves data only inside MPI
+calls, so a rank asleep between tests stalls its own collective (with sleeps of 1/8 of the time
+waited instead of 1/32, 1M was still 1.3x). At 134 MB native equals blocking, and MPICH's own
+all-reduce is slower than the hand ring there. With 4 ranks on the 2 cores (they time-share, so
+these are not scaling numbers): native/blocking, ring/blocking, ring/native 2.1x, 5.2x, 2.5x at
+16K; 1.5x, 1.9x, 1.3x at 1M; 0.93x, 0.71x, 0.77x at 16M. At load 3 the same ratios moved by
+20-50%; the lead re-measures on a quiet machine.
 """
 
 from __future__ import annotations
