@@ -17,19 +17,19 @@ every rank trains on its shard with no communication (what sharing the machine c
 time is the slowest rank's; the table gives medians, throughput against 1 rank, and step time over
 "no sync".
 
-Measured on the 2-core machine, other jobs light (load 1.5-1.8; no sync / 1 rank 0.99-1.06), MLP
+Measured on the 2-core machine, other jobs light (load 1.6-2.0; no sync / 1 rank 0.95-0.97), MLP
 512-1024-1024-1024-512 (25 MB of gradients, 8 buckets), per-rank batch 1024, two runs (3 and 5 jobs
-x 6 steps); step time and throughput against 1 rank (499-513 ms):
+x 6 steps); step time and throughput against 1 rank (556-557 ms):
 
-    ring + overlap        568-581 ms  1.72-1.81x     native + overlap     562-585 ms  1.71-1.82x
-    ring, no overlap      543-558 ms  1.79-1.89x     native, no overlap   577-618 ms  1.61-1.78x
-    blocking Allreduce    527-537 ms  1.89-1.91x     no sync              508-531 ms  1.88-2.02x
-    ring+overlap / native+overlap 0.99-1.01, / blocking 1.06-1.10; native+overlap / blocking 1.05-1.11
+    ring + overlap        588-633 ms  1.76-1.89x     native + overlap     580-607 ms  1.84-1.92x
+    ring, no overlap      568-570 ms  1.95-1.96x     native, no overlap   600-622 ms  1.79-1.85x
+    blocking Allreduce    543-554 ms  2.01-2.05x     no sync              531-539 ms  2.07-2.10x
+    ring+overlap / native+overlap 1.01-1.04, / blocking 1.08-1.14; native+overlap / blocking 1.07-1.10
 
 At load 2-4 the same ratios moved by ~10% between runs. Before the changes of issue 10 this
 benchmark (configurations not alternating) gave 1.63x ring + overlap, 1.69x ring without, 1.77x
 native. Communication here is memory copies and additions done by the CPU (no NIC or DMA
-engine), so with both cores busy overlap can only hide waiting, not work: it still costs ~25 ms
+engine), so with both cores busy overlap can only hide waiting, not work: it still costs 20-60 ms
 over the ring without overlap, and MPICH's blocking call after backward (no thread, no Python) is
 cheapest. Overlap cost more before because (measured per step with rusage under mpiexec) fresh
 bucket arrays allocated while backward ran caused 3,600 page faults (12 ms of the compute
