@@ -55,11 +55,13 @@ def test_first_bucket_allreduce_starts_before_backward_ends_under_mpiexec():
             marks = [e for e in events if e.kind == "mark" and e.name == "bucket"]
             assert len(forwards) == len(backwards) == STEPS and len(marks) == STEPS * n_buckets, where
             for step, (f, b) in enumerate(zip(forwards, backwards)):
-                first_launch = marks[step * n_buckets].t0
+                launches = [m.t0 for m in marks[step * n_buckets:(step + 1) * n_buckets]]
+                first_launch = launches[0]
                 first_message = min(e.t0 for e in events if e.kind == "comm" and e.op == "allreduce"
                                     and e.t0 > f.t0)
-                if overlap:  # launched early in backward, and the worker already talks while it runs
-                    assert first_launch < (b.t0 + b.t1) / 2, (where, step, first_launch - b.t0, b.duration)
+                if overlap:  # launched as backward goes (an order: no duration a busy core could stretch),
+                    # and the worker already talks while backward runs
+                    assert sum(t < b.t1 for t in launches) >= n_buckets - 1, (where, step)
                     assert first_message < b.t1, (where, step, first_message - b.t1)
                 else:  # nothing starts before the last gradient is ready
                     assert first_launch >= b.t1 and first_message >= b.t1, (where, step)
