@@ -26,6 +26,10 @@ x 6 steps); step time and throughput against 1 rank (556-557 ms):
     blocking Allreduce    543-554 ms  2.01-2.05x     no sync              531-539 ms  2.07-2.10x
     ring+overlap / native+overlap 1.01-1.04, / blocking 1.08-1.14; native+overlap / blocking 1.07-1.10
 
+Re-measured with nothing else running (--repeats 3, 1 rank 512 ms): ring + overlap 568 ms 1.80x,
+ring without 553 ms 1.85x, native + overlap 568 ms 1.80x, native without 579 ms 1.77x, blocking
+522 ms 1.96x, no sync 504 ms 2.03x; ring+overlap / native+overlap 1.00, / blocking 1.09.
+
 At load 2-4 the same ratios moved by ~10% between runs. Before the changes of issue 10 this
 benchmark (configurations not alternating) gave 1.63x ring + overlap, 1.69x ring without, 1.77x
 native. Communication here is memory copies and additions done by the CPU (no NIC or DMA

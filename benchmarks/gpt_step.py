@@ -25,6 +25,9 @@ re-measure on a quiet one), ratio minipar/torch of the median CPU time per step:
     before (the engine at d0d7128)  small 1.16x   large 1.40x
     after (two runs)                small 0.88x   large 0.96-0.97x   (wall time 0.89-0.91x, 0.90-0.96x)
 
+Re-measured on the quiet machine (nothing else running, --repeats 20): small 14.7 vs 17.3 ms, 0.85x;
+large 747 vs 819 ms, 0.91x (wall and CPU time agree).
+
 Where the time went (cProfile of minipar's step before the changes): GELU's ``a**3`` (a third of
 the large step), the causal mask written by boolean indexing, 3-D @ 2-D products run as
 a batch of GEMMs plus a sum for the weight gradient, numpy's slow ``.sum(axis=-1)`` on short rows,
