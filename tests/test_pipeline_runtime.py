@@ -164,7 +164,10 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     got = results[0][index]
     assert sorted(got["state"]) == sorted(ref_state)
     for name, value in ref_state.items():
-        np.testing.assert_allclose(got["state"][name], value, rtol=1e-9, atol=1e-11, err_msg=f"{name} {cfg}")
+        # atol: the attention key bias has a gradient that is zero in exact arithmetic (softmax ignores a
+        # shift shared by all keys); micro-batching sums its rounding in another order, and AdamW turns
+        # a rounding-sized gradient into an update of up to lr * g / eps (seen: 2e-11 after 3 steps)
+        np.testing.assert_allclose(got["state"][name], value, rtol=1e-9, atol=1e-9, err_msg=f"{name} {cfg}")
         np.testing.assert_allclose(got["grads"][name], ref_grads[name], rtol=1e-9, atol=1e-12,
                                    err_msg=f"grad {name} {cfg}")
     sim = simulate(make_schedule(cfg["kind"], p, cfg["m"], cfg["v"]))
