@@ -261,8 +261,6 @@ class Tensor:
         a, b = self.data, o.data
         if a.ndim < 2 or b.ndim < 2:
             raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
-        if a.ndim > 2 and b.ndim == 2:  # activations (..., k) @ weight (k, n): one GEMM over the rows
-            return (self.reshape(-1, a.shape[-1]) @ o).reshape(*a.shape[:-1], b.shape[1])
 
         def backward(g: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
             # the two products are the expensive part of a training step: skip the unneeded one
