@@ -24,6 +24,7 @@ from minipar.parallel.pipeline import make_schedule, simulate
 from minipar.trace import Event, Trace
 from viz import analysis as A
 from viz import figures, pipeline_grid, report
+from viz import messages as M
 
 
 def test_idle_of_1f1b_equals_pipeline_bubble_formula():
@@ -104,7 +105,7 @@ def test_chunks_are_shades_with_a_legend_not_label_suffixes():
 
 def test_one_ring_allreduce_is_one_span_per_rank_with_its_bytes():
     p, n = 4, 4000
-    spans = A.collective_spans(ring_allreduce(p, n))
+    spans = M.collective_spans(ring_allreduce(p, n))
     assert [s.rank for s in spans] == [0, 1, 2, 3]
     steps = 2 * (p - 1)  # reduce-scatter then all-gather, one chunk of n/p bytes out and in per step
     for s in spans:
@@ -115,19 +116,19 @@ def test_one_ring_allreduce_is_one_span_per_rank_with_its_bytes():
 
 
 def test_a_step_going_back_or_another_algorithm_starts_a_new_span():
-    twice = A.collective_spans(ring_allreduce_twice(4, 4000))
+    twice = M.collective_spans(ring_allreduce_twice(4, 4000))
     assert [(s.rank, s.sent, round(s.t0, 6)) for s in twice] == [
         (r, 6000, t) for r in range(4) for t in (0.0, 0.006)]
     p, n = 3, 3000
-    spans = A.collective_spans(ring_and_naive(p, n))
+    spans = M.collective_spans(ring_and_naive(p, n))
     got = [(s.rank, s.algorithm, s.sent, s.received) for s in spans]
     assert got == [(0, "ring", 4000, 4000), (0, "naive", (p - 1) * n, (p - 1) * n),
                    (1, "ring", 4000, 4000), (1, "naive", n, n), (2, "ring", 4000, 4000), (2, "naive", n, n)]
-    messages = A.collective_spans(one_f_one_b())  # point-to-point: one span per message, named by side
+    messages = M.collective_spans(one_f_one_b())  # point-to-point: one span per message, named by side
     assert sorted((s.rank, s.title, s.sent, s.received) for s in messages) == sorted(
         [(0, "send", ACT_BYTES, 0)] * 4 + [(0, "recv", 0, GRAD_BYTES)] * 4
         + [(1, "send", GRAD_BYTES, 0)] * 4 + [(1, "recv", 0, ACT_BYTES)] * 4)
-    native = A.collective_spans(Trace({"world_size": 1}, [
+    native = M.collective_spans(Trace({"world_size": 1}, [
         Event(0, "comm", "native", 0.0, 1.0, nbytes=800, op="allreduce", algorithm="native"),
         Event(0, "comm", "native", 1.0, 2.0, nbytes=800, op="allreduce", algorithm="native")]))
     assert [(s.sent, s.received, s.hidden) for s in native] == [(0, 0, 800), (0, 0, 800)]

@@ -3,7 +3,7 @@
 Each rank gets a lane of character cells, each covering the same slice of the step window (see
 ``viz.analysis``). A cell shows the compute span that covers more than half of it; a span too short
 to win any cell still claims its best-overlapping idle cell, so short spans do not vanish. Cells
-left free show a collective call (``viz.analysis.collective_spans``: all of a rank's messages of
+left free show a collective call (``viz.messages.collective_spans``: all of a rank's messages of
 one call, one span from its first step to its last), a point-to-point message (``~``, sending or
 waiting in a receive) or nothing (``.``, idle).
 
@@ -35,6 +35,7 @@ from rich.text import Text
 
 from minipar.trace import Event, Trace, load
 from viz import analysis as A
+from viz import messages as M
 from viz.style import ranks
 
 STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
@@ -48,13 +49,13 @@ MAX_BANDS = 4
 POINT_TO_POINT = (None, "send", "recv")
 
 
-Call = A.CommSpan  # one collective call as one rank took part in it
+Call = M.CommSpan  # one collective call as one rank took part in it
 
 
 def collective_calls(trace: Trace) -> dict[int, list[Call]]:
-    """Each rank's collective calls: ``viz.analysis.collective_spans`` without point-to-point messages."""
+    """Each rank's collective calls: ``viz.messages.collective_spans`` without point-to-point messages."""
     calls: dict[int, list[Call]] = {r: [] for r in range(trace.world_size)}
-    for span in A.collective_spans(trace):
+    for span in M.collective_spans(trace):
         if span.op not in POINT_TO_POINT and span.rank in calls:
             calls[span.rank].append(span)
     return calls

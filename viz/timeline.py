@@ -5,7 +5,7 @@ profilers draw a GPU's compute and communication streams, so communication that 
 - Compute lane: horizontal bars (x = start, length = duration) coloured by kind (forward,
   backward, optimizer; chunks of an interleaved schedule in shades of the kind) and labelled
   ``F3`` / ``B3`` (micro-batch 3); the lane ends with the rank's idle total (``viz.analysis``).
-- Communication lane: one labelled bar per collective call (``analysis.collective_spans``), e.g.
+- Communication lane: one labelled bar per collective call (``messages.collective_spans``), e.g.
   "allreduce ring 12.0 MiB", one colour per op/algorithm; its steps are listed on hover. The
   individual messages ("messages (steps)") and the send -> receive arrows are legend entries,
   hidden until clicked.
@@ -26,6 +26,7 @@ from plotly.subplots import make_subplots
 
 from minipar.trace import Event, Trace
 from viz import analysis as A
+from viz import messages as M
 from viz import style
 from viz.style import COLORS, comm_color, shade
 
@@ -68,7 +69,7 @@ def lanes(trace: Trace) -> Lanes:
     return out
 
 
-def span_text(span: A.CommSpan) -> str:
+def span_text(span: M.CommSpan) -> str:
     """Label on a collective's bar: op, algorithm and the bytes this rank sent (else received).
     Point-to-point messages get none: a send and a receive overlap on the lane, and their labels
     would print over each other (their hover says it all)."""
@@ -78,7 +79,7 @@ def span_text(span: A.CommSpan) -> str:
     return f"{span.title} {A.fmt_bytes(moved)}"
 
 
-def span_hover(span: A.CommSpan, unit: str, name: str = "") -> str:
+def span_hover(span: M.CommSpan, unit: str, name: str = "") -> str:
     """Hover of a collective: totals, then one line per message (step, direction, peer, bytes)."""
     steps = span.steps
     head = [f"{name}rank {span.rank}: <b>{span.title}</b>",
@@ -167,7 +168,7 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
     """Collective spans (one trace per op/algorithm), then the hidden messages and arrows; the
     legend lists compute kinds, then collectives, then messages and arrows (``legendrank``)."""
     unit = A.time_unit(trace)
-    spans = A.collective_spans(trace)
+    spans = M.collective_spans(trace)
     keys = list(dict.fromkeys(s.key for s in spans))
     for key in keys:
         group = [s for s in spans if s.key == key]
@@ -192,7 +193,7 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
                    for e in msgs],
         hovertemplate="%{hovertext}<extra></extra>",
     ), **where)
-    pairs = [(s, r) for s, r in A.pair_messages(trace) if r is not None]
+    pairs = [(s, r) for s, r in M.pair_messages(trace) if r is not None]
     if pairs:  # one polyline: send start on the sender -> receive end on the receiver, NaN between
         xs = np.array([[s.t0, r.t1, np.nan] for s, r in pairs]).ravel()
         ys = np.array([[lane.comm[s.rank], lane.comm[r.rank], np.nan] for s, r in pairs]).ravel()

@@ -1,0 +1,113 @@
+"""Messages as a reader sees them, computed from a trace alone: each rank's comm events grouped
+into one span per collective call (``collective_spans``), and each send paired with its receive
+(``pair_messages``). The report's timeline and the terminal timeline both draw from here.
+
+- **Collective call** (``collective_spans``): a rank's run of comm events of one op and algorithm
+  whose steps never go back; one span per call, with the bytes the rank sent and received in it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from minipar.trace import Event, Trace
+from viz.analysis import sends
+
+
+@dataclass
+class CommSpan:
+    """One collective call (or one point-to-point message) as one rank saw it: the rank's comm
+    events from the call's first step to its last. ``sent`` / ``received``: bytes this rank sent /
+    received in it; ``hidden``: bytes of events without a peer (``native``: MPI's own messages)."""
+
+    rank: int
+    op: str
+    algorithm: str | None
+    events: list[Event]
+
+    @property
+    def t0(self) -> float:
+        return min(e.t0 for e in self.events)
+
+    @property
+    def t1(self) -> float:
+        return max(e.t1 for e in self.events)
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.algorithm}" if self.algorithm else self.op
+
+    @property
+    def title(self) -> str:
+        """``"allreduce ring"``, ``"send"``: op and algorithm as a reader says them."""
+        return f"{self.op} {self.algorithm}" if self.algorithm else self.op
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({e.step for e in self.events if e.step is not None})
+
+    @property
+    def sent(self) -> int:
+        return sum(e.nbytes or 0 for e in self.events if e.src is not None and e.src == self.rank)
+
+    @property
+    def received(self) -> int:
+        return sum(e.nbytes or 0 for e in self.events
+                   if e.dst is not None and e.dst == self.rank and e.src != self.rank)
+
+    @property
+    def hidden(self) -> int:
+        return sum(e.nbytes or 0 for e in self.events if e.src is None and e.dst is None)
+
+
+def collective_spans(trace: Trace) -> list[CommSpan]:
+    """Group each rank's comm events into one span per collective call.
+
+    A rank's comm events, in time order, belong to one call while they keep the same op and
+    algorithm and their ``step`` does not go back (a ring all-reduce: steps 0..2(p-1)-1, a send and
+    a receive each); a step lower than the last one, another op or algorithm, or an event without a
+    step (a point-to-point message: op "send" or "recv" as the rank saw it, a ``native``
+    collective) starts a new span. Limitation: one-step
+    collectives of the same op and algorithm called back to back merge into one span.
+    Cost: O(E log E).
+    """
+    spans: list[CommSpan] = []
+    by_rank: dict[int, list[Event]] = defaultdict(list)
+    for e in trace.events:
+        if e.kind == "comm":
+            by_rank[e.rank].append(e)
+    for rank in sorted(by_rank):
+        cur: CommSpan | None = None
+        for e in sorted(by_rank[rank], key=lambda e: e.t0):
+            op = e.name if e.op in ("send", "recv", None) else e.op  # a p2p receive is a "recv"
+            last = cur.events[-1].step if cur is not None else None
+            if (cur is None or e.step is None or last is None or e.step < last
+                    or (op, e.algorithm) != (cur.op, cur.algorithm)):
+                cur = CommSpan(rank, op, e.algorithm, [])
+                spans.append(cur)
+            cur.events.append(e)
+    return spans
+
+
+def _pair_op(event: Event) -> str | None:
+    """Point-to-point records say "send" on one side and "recv" on the other: pair them as one."""
+    return "p2p" if event.op in ("send", "recv", None) else event.op
+
+
+def pair_messages(trace: Trace) -> list[tuple[Event, Event | None]]:
+    """Match each send to its receive: the k-th message src->dst of an op pairs with the k-th
+    receive on dst from src of that op (MPI's non-overtaking order). Unmatched sends get None."""
+    queues: dict[tuple[Any, ...], list[Event]] = defaultdict(list)
+    for e in sorted(trace.events, key=lambda e: e.t0):
+        if e.kind == "comm" and e.dst is not None and e.rank == e.dst and e.src != e.dst:
+            queues[(e.src, e.dst, _pair_op(e))].append(e)
+    pos: dict[tuple[Any, ...], int] = defaultdict(int)
+    out: list[tuple[Event, Event | None]] = []
+    for s in sorted(sends(trace), key=lambda e: e.t0):
+        key = (s.src, s.dst, _pair_op(s))
+        q = queues.get(key, [])
+        out.append((s, q[pos[key]] if pos[key] < len(q) else None))
+        pos[key] += 1
+    return out
