@@ -9,6 +9,14 @@ import numpy as np
 
 from minipar.autograd import Tensor
 
+TOL = {"rtol": 1e-8, "atol": 1e-10}
+
+
+def batch(c: dict, step: int) -> np.ndarray:
+    """Tokens and targets ``(2, batch, seq)`` of configuration ``c`` at ``step``."""
+    rng = np.random.default_rng([c["seed"], step])
+    return rng.integers(0, c["vocab"], (2, c["batch"], c["seq"]))
+
 
 def rand(seed: int, *shape: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=shape)
