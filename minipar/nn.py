@@ -282,27 +282,29 @@ class FeedForward(Module):
 
 
 class CausalSelfAttention(Module):
-    """Multi-head causal self-attention (Vaswani et al. 2017) with separate q, k, v projections."""
+    """Multi-head causal self-attention (Vaswani et al. 2017) with separate q, k, v projections;
+    ``causal=False`` lets every position see the whole sequence (an encoder's attention)."""
 
-    def __init__(self, d_model: int, n_heads: int, dtype: Any = np.float64) -> None:
+    def __init__(self, d_model: int, n_heads: int, dtype: Any = np.float64, causal: bool = True) -> None:
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pick a multiple")
-        self.n_heads = n_heads
+        self.n_heads, self.causal = n_heads, causal
         self.q = Linear(d_model, d_model, dtype=dtype)
         self.k = Linear(d_model, d_model, dtype=dtype)
         self.v = Linear(d_model, d_model, dtype=dtype)
         self.proj = Linear(d_model, d_model, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.n_heads))
+        return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.causal))
 
 
 class Block(Module):
     """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (GPT-2)."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dtype: Any = np.float64) -> None:
+    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dtype: Any = np.float64,
+                 causal: bool = True) -> None:
         self.ln1 = LayerNorm(d_model, dtype=dtype)
-        self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype, causal=causal)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = FeedForward(d_model, d_ff or 4 * d_model, dtype=dtype)
 
@@ -318,11 +320,12 @@ class GPT(Module):
     """
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
-                 d_ff: int | None = None, seed: int = 0, dtype: Any = np.float64) -> None:
+                 d_ff: int | None = None, seed: int = 0, dtype: Any = np.float64, causal: bool = True) -> None:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.tok_emb = Embedding(vocab_size, d_model, dtype=dtype)
         self.pos_emb = Embedding(seq_len, d_model, dtype=dtype)
-        self.blocks = ModuleList([Block(d_model, n_heads, d_ff, dtype=dtype) for _ in range(n_layers)])
+        self.blocks = ModuleList([Block(d_model, n_heads, d_ff, dtype=dtype, causal=causal)
+                                  for _ in range(n_layers)])
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = Linear(d_model, vocab_size, bias=False, dtype=dtype)
 

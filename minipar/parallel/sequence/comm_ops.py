@@ -1,0 +1,90 @@
+"""The communication of sequence parallelism: DeepSpeed-Ulysses' two all-to-alls as autograd
+``Function``s, and Ring Attention's hand-off of a block to the next rank.
+
+Ulysses (Jacobs et al. 2023, Sec. 3.1, Fig. 2): "prior to attention computation, it employs
+all-to-all communication collective on the partitioned queries, keys and values such that each GPU
+receives the full sequence but only for a non-overlapping subset of the attention heads ... a second
+all-to-all to gather the results along the attention heads while re-partitioning along the sequence
+dimension." Each is the other's transpose, so each one's backward is the other's forward.
+
+Layout (as ``minipar.nn``): activations are (batch, positions, heads * d_head); heads are contiguous
+groups of d_head columns, so "heads H/P at a time" is "columns width/P at a time".
+
+Cost of one all-to-all on P ranks of an activation with n bytes per rank: (P-1)/P n sent per rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar.autograd import Context, Function
+from minipar.comm import Communicator, Request
+
+ALGORITHM = "pairwise"  # hand-written: every message is in the trace
+
+
+def _seq_to_heads(x: np.ndarray, comm: Communicator) -> np.ndarray:
+    b, n, w = x.shape
+    p = comm.size
+    send = np.ascontiguousarray(x.reshape(b, n, p, w // p).transpose(2, 0, 1, 3))  # (P dst heads, b, n, w/P)
+    got = comm.all_to_all(send, algorithm=ALGORITHM)  # (P src positions, b, n, w/P)
+    return got.transpose(1, 0, 2, 3).reshape(b, p * n, w // p)  # (b, P n, w/P)
+
+
+def _heads_to_seq(y: np.ndarray, comm: Communicator) -> np.ndarray:
+    b, big_n, w = y.shape
+    p = comm.size
+    n = big_n // p
+    send = np.ascontiguousarray(y.reshape(b, p, n, w).transpose(1, 0, 2, 3))  # (P dst positions, b, n, w)
+    got = comm.all_to_all(send, algorithm=ALGORITHM)  # (P src heads, b, n, w)
+    return got.transpose(1, 2, 0, 3).reshape(b, n, p * w)  # (b, n, P w)
+
+
+class seq_to_heads(Function):  # Ulysses' first all-to-all (one each for q, k and v)
+    """(b, S/P, H d) sequence shard, all heads -> (b, S, H/P d) whole sequence, this rank's heads.
+    Backward: the transposed all-to-all (``heads_to_seq``'s forward)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, comm: Communicator) -> np.ndarray:
+        ctx.comm = comm
+        return _seq_to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return _heads_to_seq(grad, ctx.comm), None
+
+
+class heads_to_seq(Function):  # Ulysses' second all-to-all (the attention output)
+    """(b, S, H/P d) this rank's heads -> (b, S/P, H d) sequence shard, all heads.
+    Backward: ``seq_to_heads``'s forward."""
+
+    @staticmethod
+    def forward(ctx: Context, y: np.ndarray, comm: Communicator) -> np.ndarray:
+        ctx.comm = comm
+        return _heads_to_seq(y, comm)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return _seq_to_heads(grad, ctx.comm), None
+
+
+def pass_on(comm: Communicator, array: np.ndarray, tag: int, op: str, step: int, block: int) -> Request:
+    """Ring Attention's hand-off: post the receive of the next block from rank r-1, then send
+    ``array`` (block ``block``, at ring step ``step``) to rank r+1; ``wait()`` gives the received one.
+    Both events carry ``step`` and ``chunk=block`` so the viewer can draw the ring."""
+    me, p = comm.rank, comm.size
+    incoming = comm.irecv((me - 1) % p, tag, op=op, step=step, chunk=(block - 1) % p)
+    outgoing = comm.isend(array, (me + 1) % p, tag, op=op, step=step, chunk=block)
+    return _Both(incoming, outgoing)
+
+
+class _Both:
+    """Wait for a send and a receive; ``wait()`` returns what was received."""
+
+    def __init__(self, incoming: Request, outgoing: Request) -> None:
+        self.incoming, self.outgoing = incoming, outgoing
+
+    def wait(self) -> np.ndarray:
+        got = self.incoming.wait()
+        self.outgoing.wait()
+        return got
