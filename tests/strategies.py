@@ -121,3 +121,37 @@ def ps_configs(draw: st.DrawFn, world: int) -> dict:
     steps, seed, server optimizer. The tests' global batch of 12 divides over 1-3 workers."""
     return {"n_servers": draw(st.integers(1, world - 1)), "steps": draw(st.integers(1, 4)),
             "seed": draw(st.integers(0, 1000)), "opt": draw(st.sampled_from(["sgd", "adamw"]))}
+
+
+SP_WORLDS = (1, 2, 4)
+
+
+def sp_grid(method: str, p: int, ulysses: int) -> tuple[int, int]:
+    """(P_u, P_r) of ``method`` on ``p`` ranks; ``ulysses`` (a divisor of ``p``) is used by "hybrid"."""
+    return {"ulysses": (p, 1), "ring": (1, p)}.get(method, (ulysses, p // ulysses))
+
+
+@st.composite
+def sp_configs(draw: st.DrawFn, p: int | None = None, method: str | None = None) -> dict:
+    """A sequence-parallel GPT and batch on ``p`` ranks (1, 2 or 4 when not given): ``method``
+    (Ulysses P_u = P, ring P_r = P, or a hybrid grid P_u x P_r: 1x4, 2x2, 4x1, 1x2, 2x1, 1x1), the
+    degrees the hybrid constructor is told (``given``: P_u, P_r or both), heads a multiple of P_u,
+    head size 1-4, a sequence (<= 16) that is a multiple of P and, zigzag, of 2 P_r; causal or not."""
+    p = draw(st.sampled_from(SP_WORLDS)) if p is None else p
+    method = draw(st.sampled_from(["ulysses", "ring", "hybrid"])) if method is None else method
+    pu, pr = sp_grid(method, p, draw(st.sampled_from([u for u in SP_WORLDS if p % u == 0])))
+    zigzag = draw(st.booleans())
+    unit = np.lcm(p, 2 * pr) if zigzag else p
+    heads = pu * draw(st.integers(1, 2))
+    d = heads * draw(st.integers(1, 4))
+    return {"p": p, "method": method, "pu": pu, "pr": pr, "given": draw(st.sampled_from(["ulysses", "ring", "both"])),
+            "zigzag": zigzag, "causal": draw(st.booleans()), "seq": int(unit) * draw(st.integers(1, 16 // unit)),
+            "heads": heads, "d": d, "ff": draw(st.sampled_from([None, d, 2 * d])), "vocab": draw(st.integers(2, 8)),
+            "batch": draw(st.integers(1, 2)), "layers": draw(st.integers(1, 2)), "seed": draw(st.integers(0, 2**16))}
+
+
+def sp_jobs(min_size: int = 2, max_size: int = 3) -> st.SearchStrategy:
+    """``mpi_jobs`` for sequence parallelism: 2 or 4 ranks, the world sizes ``sp_configs`` draws that need
+    more than one process."""
+    return st.sampled_from([2, 4]).flatmap(
+        lambda p: st.tuples(st.just(p), st.lists(sp_configs(p), min_size=min_size, max_size=max_size)))
