@@ -6,11 +6,14 @@
 - ``pipeline.py``: bubble, stashed micro-batches, bytes across stage boundaries.
 - ``tensor.py``: Megatron tensor (and sequence) parallelism: collectives per block, bytes per rank,
   activation bytes kept for backward (Korthikanti et al.'s terms).
+- ``sequence.py``: Ulysses, Ring Attention and their hybrid: bytes per rank per layer, the largest
+  score buffer, causal score blocks per ring rank, activation bytes of one block, gradient sync.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
 ``docs/formulas.md``.
 """
 
+from minipar.cost import sequence
 from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
 
-__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "ring_bytes"]
+__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "ring_bytes", "sequence"]

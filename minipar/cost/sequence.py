@@ -1,0 +1,182 @@
+"""Sequence parallelism (``minipar.parallel.sequence``): bytes per rank per layer, the largest score
+buffer, causal work per rank, activation bytes. Derivations in ``docs/formulas.md``, section 5.
+
+Symbols: batch ``b``, sequence length ``s`` (S), hidden ``h = H d`` (``n_heads`` = H), MLP width
+``d_ff``, ``e`` bytes per number (8: float64), ``p`` ranks (P) = ``P_u x P_r`` (Ulysses x ring
+degree, Fang & Zhao 2024). Every rank holds ``n = b s/P`` positions of every activation.
+
+Bytes one rank sends in one layer's attention (the rest of the block is local):
+
+- Ulysses (Jacobs et al. 2023, Sec. 3.2): 4 all-to-alls (q, k, v before attention, the output
+  after), each sending ``P-1`` of the ``P`` head-blocks of a ``(b, s/P, h)`` shard:
+  ``4 (P-1)/P b (s/P) h e`` forward, the same backward (each all-to-all's backward is the
+  transposed all-to-all). With ``s`` and ``P`` growing together it stays below ``4 b (s/P) h e``.
+- Ring Attention (Liu et al. 2023, Sec. 3): the K/V block ``(2, b, s/P, h)`` (K and V stacked as
+  one message) moves ``P-1`` times forward, ``(P-1) 2 b (s/P) h e``; backward moves K/V again and
+  the dK/dV accumulator ``P-1`` hops home: twice forward.
+- Hybrid (Fang & Zhao 2024, USP, Sec. 4): Ulysses' 4 all-to-alls among ``P_u`` ranks on the
+  ``(b, s/P, h)`` shard plus the ring among ``P_r`` ranks on blocks ``(b, s/P_r, h/P_u)``.
+- Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2), for comparison: 2 all-gathers and 2
+  reduce-scatters of the whole ``(b, s, h)`` activation forward, ``4 (t-1)/t b s h e``: it grows
+  with ``s`` however many ranks share it.
+
+Score memory (``score_bytes``): Ulysses' attention keeps the softmax of its ``H/P`` heads over the
+whole sequence, ``b (H/P) s^2 e``; Ring Attention computes one block of scores at a time, ``b H
+(s/P)^2 e`` (contiguous) or ``b H (s/(2P))^2 e`` (zigzag pieces), and keeps none.
+
+Causal work (``causal_blocks``): under a causal mask ring rank ``r`` of the contiguous split sees
+key blocks ``0..r``: ``r + 1`` score blocks; with the zigzag split each rank holds chunks ``r`` and
+``2P-1-r`` of ``2P``, and computes ``(r + 1) + (2P - r) = 2P + 1`` chunk pairs: balanced.
+"""
+
+from __future__ import annotations
+
+from minipar.cost.collectives import allreduce_bytes, ring_bytes
+from minipar.cost.tensor import collectives_per_block
+
+METHODS = ("ulysses", "ring", "hybrid")
+
+
+def _grid(method: str, p: int, ulysses: int | None) -> tuple[int, int]:
+    """(P_u, P_r) of ``method`` on ``p`` ranks (``ulysses`` = P_u, for "hybrid" only)."""
+    if method not in METHODS:
+        raise ValueError(f"no sequence-parallel formula for method {method!r}; choose one of {METHODS}")
+    if method == "hybrid":
+        if ulysses is None or ulysses < 1 or p % ulysses:
+            raise ValueError(f"hybrid needs a Ulysses degree P_u that divides p={p}, got ulysses={ulysses}")
+        return ulysses, p // ulysses
+    return (p, 1) if method == "ulysses" else (1, p)
+
+
+def _split(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by {parts}")
+    return total // parts
+
+
+def ulysses_bytes(b: int, s: int, h: int, p: int, itemsize: int = 8) -> int:
+    """Bytes one rank sends in one layer's Ulysses attention, forward (backward is the same):
+    4 all-to-alls of the ``(b, s/P, h)`` shard, each ``(P-1)/P`` of it."""
+    return 4 * (p - 1) * b * _split(s, p, "s") * _split(h, p, "h") * itemsize
+
+
+def ring_attention_bytes(b: int, s: int, h: int, p: int, itemsize: int = 8, backward: bool = False) -> int:
+    """Bytes one rank sends in one layer's Ring Attention: ``P-1`` K/V blocks of ``2 b (s/P) h e``
+    forward; backward ``P-1`` K/V blocks plus ``P-1`` dK/dV accumulators (twice forward)."""
+    forward = (p - 1) * 2 * b * _split(s, p, "s") * h * itemsize
+    return 2 * forward if backward else forward
+
+
+def hybrid_bytes(b: int, s: int, h: int, ulysses: int, ring: int, itemsize: int = 8,
+                 backward: bool = False) -> int:
+    """Bytes one rank sends in one layer's USP attention on a ``ulysses x ring`` grid: 4 all-to-alls
+    among P_u ranks of the ``(b, s/P, h)`` shard, plus Ring Attention among P_r ranks of
+    ``(b, s/P_r, h/P_u)`` blocks."""
+    n = _split(s, ulysses * ring, "s")
+    all_to_alls = 4 * (ulysses - 1) * b * n * _split(h, ulysses, "h") * itemsize
+    return all_to_alls + ring_attention_bytes(b, s, _split(h, ulysses, "h"), ring, itemsize, backward)
+
+
+def attention_bytes(method: str, b: int, s: int, h: int, p: int, ulysses: int | None = None, itemsize: int = 8,
+                    backward: bool = False) -> int:
+    """Bytes one rank sends in one layer's attention by ``method`` ("ulysses" | "ring" | "hybrid";
+    ``ulysses`` = P_u for "hybrid"), forward or backward."""
+    pu, pr = _grid(method, p, ulysses)
+    if method == "ulysses":
+        return ulysses_bytes(b, s, h, p, itemsize)
+    if method == "ring":
+        return ring_attention_bytes(b, s, h, p, itemsize, backward)
+    return hybrid_bytes(b, s, h, pu, pr, itemsize, backward)
+
+
+def megatron_sp_bytes(b: int, s: int, h: int, t: int, itemsize: int = 8, backward: bool = False) -> int:
+    """Bytes one rank sends in one layer with Megatron's sequence parallelism (Korthikanti et al.
+    2022, Sec. 4.2.2), ``(t-1)/t A`` per collective of ``A = b s h e``: forward 2 all-gathers and 2
+    reduce-scatters, backward 4 all-gathers (2 of them re-gathers) and 2 reduce-scatters
+    (``minipar.cost.tensor.collectives_per_block``)."""
+    a = s * b * h * itemsize
+    calls = collectives_per_block(True)["backward" if backward else "forward"]
+    return round(sum(n * ring_bytes(op, a, t) for op, n in calls.items()))
+
+
+def score_bytes(method: str, b: int, s: int, n_heads: int, p: int, ulysses: int | None = None,
+                zigzag: bool = False, itemsize: int = 8) -> int:
+    """The largest score buffer a rank holds at once: Ulysses the softmax of H/P heads over the
+    whole sequence (``b (H/P) s^2 e``, kept for backward); Ring Attention one block, ``b (H/P_u)
+    (s/P_r)^2 e`` (P_u = 1 for "ring"), with zigzag pieces ``(s/(2 P_r))^2``."""
+    pu, pr = _grid(method, p, ulysses)
+    heads = _split(n_heads, pu, "n_heads")
+    if method == "ulysses":
+        return b * heads * s * s * itemsize
+    piece = _split(s, 2 * pr if zigzag else pr, "s")
+    return b * heads * piece * piece * itemsize
+
+
+def causal_blocks(p: int, zigzag: bool) -> list[int]:
+    """Score blocks (query piece x key piece not fully masked) each of ``p`` ring ranks computes under
+    a causal mask: contiguous ``r + 1`` (blocks of s/P), zigzag ``2P + 1`` (pieces of s/(2P))."""
+    return [2 * p + 1 if zigzag else r + 1 for r in range(p)]
+
+
+def causal_score_elements(s: int, p: int, zigzag: bool) -> list[int]:
+    """Score elements each ring rank computes per head and batch element under a causal mask:
+    contiguous ``(r + 1)(s/P)^2``, zigzag ``(2P + 1)(s/(2P))^2`` (masked entries of the diagonal
+    blocks included: they are computed, then set to -inf)."""
+    piece = _split(s, 2 * p if zigzag else p, "s")
+    return [n * piece * piece for n in causal_blocks(p, zigzag)]
+
+
+def activation_terms(method: str, b: int, s: int, h: int, n_heads: int, d_ff: int, p: int,
+                     ulysses: int | None = None, itemsize: int = 8) -> dict[str, int]:
+    """Bytes one pre-norm transformer block's autograd graph keeps on one rank, term by term, in the
+    order the block makes them. Every non-leaf tensor of the graph holds its array, and the ops keep
+    (``ctx.save_for_backward``) only arrays of such tensors: ``_LayerNorm`` its input, ``F.linear``
+    its input, ``_Gelu`` its input, ``_Attention`` q, k, v and the softmax, ``RingAttention`` q, k,
+    v, its output and the log-sum-exp; the all-to-alls keep nothing. With ``n = b s/P`` positions:
+
+    - ln1 output (q k v input), ``n h e``; q, k, v (three linears), ``3 n h e``;
+    - Ulysses and hybrid: q, k, v after the all-to-all ((b, s/P_r, h/P_u): the same ``3 n h e``),
+      which the graph keeps beside the ones before it;
+    - Ulysses: the softmax ``b (H/P) s^2 e``; ring and hybrid: the log-sum-exp ``b (H/P_u)(s/P_r) e``
+      (``= b H s e / P``) instead of any score matrix;
+    - attention output ``n h e``; Ulysses and hybrid: the output after the all-to-all back, ``n h e``;
+    - attention's proj output ``n h e`` (the residual add's input), residual 1 (ln2 input) ``n h e``,
+      ln2 output (fc input) ``n h e``, fc output (GELU input) ``n d_ff e``, GELU output (MLP proj
+      input) ``n d_ff e``, MLP proj output ``n h e``, residual 2 (next ln1 input) ``n h e``.
+
+    Every term is ``1/P`` of the method's own one-process value (the softmax too: ``H/P`` heads).
+    Against ``nn.Block`` on one process (``10 b s h e + 2 b s d_ff e + b H s^2 e``) the ring keeps
+    ``1/P`` of everything but the score matrix, which it replaces by the log-sum-exp; Ulysses keeps
+    ``4 b s h e / P`` more (the all-to-alls' copies)."""
+    pu, pr = _grid(method, p, ulysses)
+    e = itemsize
+    n = b * _split(s, p, "s")
+    heads = _split(n_heads, pu, "n_heads")
+    act = n * h * e
+    terms = {"ln1 output (q k v input)": act, "q k v": 3 * act}
+    if method != "ring":
+        terms["q k v after the all-to-all"] = 3 * act
+    if method == "ulysses":
+        terms["softmax"] = b * heads * s * s * e
+    else:
+        terms["log-sum-exp"] = b * heads * _split(s, pr, "s") * e
+    terms["attention output"] = act
+    if method != "ring":
+        terms["attention output after the all-to-all (proj input)"] = act
+    terms.update({"proj output": act, "residual 1 (ln2 input)": act, "ln2 output (fc input)": act,
+                  "gelu input": n * d_ff * e, "gelu output (proj input)": n * d_ff * e, "mlp output": act,
+                  "residual 2 (next ln1 input)": act})
+    return terms
+
+
+def activation_bytes(method: str, b: int, s: int, h: int, n_heads: int, d_ff: int, p: int,
+                     ulysses: int | None = None, itemsize: int = 8) -> int:
+    """Bytes one transformer block's autograd graph keeps on one rank: the sum of
+    ``activation_terms``."""
+    return sum(activation_terms(method, b, s, h, n_heads, d_ff, p, ulysses, itemsize).values())
+
+
+def grad_sync_bytes(n_params: int, p: int, itemsize: int = 8, rank: int = 0) -> int:
+    """Bytes ``rank`` sends in ``SequenceParallelGPT.sync_grads``: one ring all-reduce of the
+    ``n_params`` gradient numbers, ``2 (P-1)/P n_params e`` when P divides n_params."""
+    return allreduce_bytes(n_params, itemsize, p, rank, "ring")
