@@ -9,6 +9,7 @@ while Megatron-SP's grow with S."""
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,15 +17,20 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from minipar import functional as F
 from minipar import trace
 from minipar.autograd import Tensor
 from minipar.comm import launch
 from minipar.cost import sequence as cost
+from minipar.memory import held_buffers, seq_mark
+from minipar.nn import Block
 from minipar.parallel.sequence import (
     SequenceGroup,
+    SequenceParallelAttention,
     SequenceParallelGPT,
     check_sequence_config,
 )
+from minipar.parallel.tensor import ParallelBlock
 from minipar.testing import run_each
 
 B, S, H, HEADS, FF = 2, 16, 8, 4, 12  # batch, sequence, hidden (4 heads of 2), MLP width
@@ -92,7 +98,8 @@ def attention_run(comm, method: str, s: int = S, ulysses: int | None = None, zig
     spans, the largest 4-D buffer its graph saved."""
     group = group_of(comm, method, s, heads, ulysses, zigzag)
     rng = np.random.default_rng(0)
-    q, k, v = (Tensor(rng.normal(size=(b, s, H))[:, group.positions], requires_grad=True) for _ in range(3))
+    q, k, v = (Tensor(group.layout.shard(rng.normal(size=(b, s, H)), comm.rank), requires_grad=True)
+               for _ in range(3))
     with recording(comm.world_rank) as fwd:
         out = group.attention(q, k, v, heads, causal)
     with recording(comm.world_rank) as bwd:
@@ -187,3 +194,158 @@ def test_traffic_under_mpiexec() -> None:
     configs = [{"method": c[0], "ulysses": c[1], "zigzag": c[2]} for c in GPT_STEPS]
     for case, results in zip(GPT_STEPS, run_each(gpt_step_run, 4, configs, timeout=120), strict=True):
         check_gpt_step(case, results)
+
+
+def megatron_sp_run(comm, s: int) -> dict[str, int]:
+    """Bytes sent in one Megatron-SP block's forward: input (S/t, b, h), this rank's sequence shard."""
+    block = ParallelBlock(H, HEADS, comm, FF, sequence_parallel=True)
+    n = s // comm.size
+    x = Tensor(np.random.default_rng(0).normal(size=(s, B, H))[comm.rank * n:(comm.rank + 1) * n], requires_grad=True)
+    with recording(comm.world_rank) as rec:
+        block(x)
+    return sent(rec.events, comm.world_rank)
+
+
+def test_ulysses_bytes_stay_flat_while_megatron_sp_grows_with_s() -> None:
+    """Jacobs et al. 2023, Sec. 3.2: with S and P doubling together Ulysses sends 4 (P-1)/P of a
+    fixed (b, S/P, h) shard (8 positions: 2 x 8 x 8 x 8 B = 1024 B), always below 4 x 1024 B;
+    Megatron-SP all-gathers and reduce-scatters the whole (b, S, h) activation: 4 (t-1)/t b S h e."""
+    measured = {p: launch(attention_run, p, method="ulysses", s=8 * p)[0]["forward"]["all_to_all"] for p in (2, 4)}
+    assert measured == {2: 4 * 512, 4: 4 * 768}  # 1/2 and 3/4 of the 1024 B shard, 4 times
+    megatron = {t: launch(megatron_sp_run, t, s=8 * t)[0] for t in (2, 4)}
+    assert megatron == {2: {"allgather": 2 * 1024, "reduce_scatter": 2 * 1024},  # 1/2 of 2 x 16 x 8 x 8 B
+                        4: {"allgather": 2 * 3072, "reduce_scatter": 2 * 3072}}  # 3/4 of 2 x 32 x 8 x 8 B
+    for p in (2, 4):
+        assert cost.ulysses_bytes(B, 8 * p, H, p) == measured[p]
+        assert cost.megatron_sp_bytes(B, 8 * p, H, p) == sum(megatron[p].values())
+    ps = [2, 4, 8, 16, 32, 64]
+    heads = 64 * 2  # whole heads for P = 64
+    ulysses = [cost.ulysses_bytes(1, 1024 * p, heads, p) for p in ps]
+    megatron = [cost.megatron_sp_bytes(1, 1024 * p, heads, p) for p in ps]
+    shard = 1024 * heads * 8
+    assert ulysses == [4 * shard * (p - 1) // p for p in ps]
+    assert all(a < b < 4 * shard for a, b in zip(ulysses, ulysses[1:]))  # rising towards 4 x shard
+    assert [b / a for a, b in zip(megatron, megatron[1:])] == [(2 * p - 1) / (p - 1) for p in ps[:-1]]  # >= 2
+    assert megatron[-1] / ulysses[-1] == 64  # Megatron-SP moves P times more per rank
+    assert cost.megatron_sp_bytes(B, 16, H, 4, backward=True) == 6 * 3 * 2 * 16 * H * 8 // 4  # 4 gathers + 2 scatters
+
+
+FULL = B * HEADS * S * S * 8  # one process's softmax: b H S^2 e = 16 KiB
+SCORES = [  # method, P, P_u, zigzag, largest score buffer per rank (b = 2, H = 4 heads, S = 16, 8 B), FULL / it
+    ("ulysses", 2, None, False, 2 * 2 * 16 * 16 * 8, 2),  # softmax of H/P = 2 heads over the whole sequence
+    ("ulysses", 4, None, False, 2 * 1 * 16 * 16 * 8, 4),
+    ("ring", 4, None, False, 2 * 4 * 4 * 4 * 8, 16),  # one (S/P)^2 block of every head
+    ("ring", 4, None, True, 2 * 4 * 2 * 2 * 8, 64),  # zigzag pieces of S/(2P)
+    ("hybrid", 4, 2, False, 2 * 2 * 8 * 8 * 8, 8),  # H/P_u heads, blocks of S/P_r
+    ("hybrid", 4, 2, True, 2 * 2 * 4 * 4 * 8, 32),
+]
+
+
+@pytest.mark.parametrize("case", SCORES, ids=lambda c: f"{c[0]}-P{c[1]}-u{c[2]}{'-zigzag' * c[3]}")
+def test_largest_score_buffer(case) -> None:
+    """Ulysses keeps the softmax in its graph (the 4-D array attention saves): P times smaller than
+    one process's. Ring Attention keeps no score matrix (only 3-D q, k, v, output, log-sum-exp); its
+    largest block, the largest ``score_bytes`` of its "attention F" spans, is P_u P_r^2 times smaller
+    (4 P_u P_r^2 zigzag)."""
+    method, p, pu, zigzag, want, ratio = case
+    for got in launch(attention_run, p, method=method, ulysses=pu, zigzag=zigzag):
+        blocks = [n for name, n in got["spans"] if name == "attention F"]
+        if method == "ulysses":
+            assert got["saved_4d"] == want and not blocks
+        else:
+            assert got["saved_4d"] == 0 and max(blocks) == want
+    assert cost.score_bytes(method, B, S, HEADS, p, pu, zigzag) == want == FULL // ratio
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_causal_blocks_per_ring_rank(zigzag: bool) -> None:
+    """Causal Ring Attention on P = 4: contiguous rank r computes r + 1 blocks of (S/P)^2 (1, 2, 3, 4:
+    rank 3 works 4 times as long as rank 0); zigzag every rank 2P + 1 = 9 pieces of (S/(2P))^2.
+    Backward computes the same blocks."""
+    results = launch(attention_run, 4, method="ring", zigzag=zigzag)
+    forward = [[n for name, n in got["spans"] if name == "attention F"] for got in results]
+    backward = [sum(name == "attention B" for name, _ in got["spans"]) for got in results]
+    want = [9, 9, 9, 9] if zigzag else [1, 2, 3, 4]
+    assert [len(f) for f in forward] == backward == want == cost.causal_blocks(4, zigzag)
+    piece = 2 if zigzag else 4  # S/(2P) or S/P positions
+    elements = [sum(f) // (B * HEADS * 8) for f in forward]
+    assert elements == [n * piece * piece for n in want] == cost.causal_score_elements(S, 4, zigzag)
+    assert sum(elements) == (9 * 4 * 4 if zigzag else 10 * 16)  # zigzag: 144 of 256; contiguous: 160
+    not_causal = launch(attention_run, 4, method="ring", zigzag=zigzag, causal=False)
+    assert [sum(name == "attention F" for name, _ in got["spans"]) for got in not_causal] == [16 if zigzag else 4] * 4
+
+
+def block_memory_run(comm, method: str | None, ulysses: int | None = None) -> list[int]:
+    """Sizes of the buffers one pre-norm block's graph keeps on this rank (``method`` None: the
+    one-process ``nn.Block``)."""
+    block = Block(H, HEADS, FF)
+    positions = np.arange(S)
+    if method is not None:
+        group = group_of(comm, method, S, HEADS, ulysses, False)
+        block.attn, positions = SequenceParallelAttention(block.attn, group), group.positions
+    x = Tensor(np.ascontiguousarray(np.random.default_rng(0).normal(size=(B, S, H))[:, positions]),
+               requires_grad=True)  # C order, as the embeddings make it (a linear copies other layouts)
+    since = seq_mark()
+    return sorted(n for _, n in held_buffers(block(x), since).values())
+
+
+# One process, b = 2, S = 16, h = 8, d_ff = 12, 4 heads, 8 B: an activation (b, S, h) is 2048 B, the
+# MLP's hidden (b, S, d_ff) 3072 B, the softmax (b, H, S, S) 16384 B, the log-sum-exp (b, H, S) 1024 B.
+# nn.Block keeps ln1 output, q, k, v, attention output, proj output, residual 1, ln2 output, MLP output,
+# residual 2 (10 activations), fc output and GELU output (2 hidden), the softmax. Ulysses keeps q, k, v
+# and the output twice more (after each all-to-all); ring keeps the log-sum-exp instead of the softmax.
+ONE_PROCESS = {None: [2048] * 10 + [3072] * 2 + [16384], "ulysses": [2048] * 14 + [3072] * 2 + [16384],
+               "ring": [2048] * 10 + [3072] * 2 + [1024], "hybrid": [2048] * 14 + [3072] * 2 + [1024]}
+GRIDS = [("ulysses", 1, None), ("ulysses", 2, None), ("ulysses", 4, None), ("ring", 1, None), ("ring", 2, None),
+         ("ring", 4, None), ("hybrid", 1, 1), ("hybrid", 2, 2), ("hybrid", 2, 1), ("hybrid", 4, 2)]
+
+
+def test_block_activation_bytes_fall_by_p() -> None:
+    """Measured from the graph (``memory.held_buffers``, each buffer once) on every rank: every
+    buffer of one block is 1/P of the method's one-process size (the softmax too: H/P heads), and the
+    total equals ``activation_bytes``. Against ``nn.Block`` on one process: the ring keeps 1/P of
+    everything but the softmax, which the log-sum-exp replaces; Ulysses 4 activations more."""
+    (plain,) = launch(block_memory_run, 1, method=None)
+    assert plain == sorted(ONE_PROCESS[None])
+    for method, p, pu in GRIDS:
+        want = sorted(n // p for n in ONE_PROCESS[method])
+        for got in launch(block_memory_run, p, method=method, ulysses=pu):
+            assert got == want, (method, p, pu)
+        assert sum(want) == cost.activation_bytes(method, B, S, H, HEADS, FF, p, pu)
+        assert sum(want) * p == cost.activation_bytes(method, B, S, H, HEADS, FF, 1, 1 if pu else None)
+    ring, ulysses = (cost.activation_bytes(m, B, S, H, HEADS, FF, 4) for m in ("ring", "ulysses"))
+    assert 4 * ring - 1024 == sum(plain) - 16384  # all but the score term falls by P
+    assert 4 * ulysses == sum(plain) + 4 * 2048
+
+
+def ring_peak_run(comm, s: int, heads: int, zigzag: bool) -> None:
+    group = group_of(comm, "ring", s, heads, None, zigzag)
+    rng = np.random.default_rng(comm.rank)
+    q, k, v = (Tensor(rng.normal(size=(1, s // comm.size, H)), requires_grad=True) for _ in range(3))
+    group.attention(q, k, v, heads, True).backward(np.ones((1, s // comm.size, H)))
+
+
+def traced_peak(fn, *args, **kwargs) -> int:
+    """Peak bytes numpy and Python allocated in this process (every rank's thread) while ``fn`` ran."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        fn(*args, **kwargs)
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_ring_attention_never_allocates_the_full_score_matrix(zigzag: bool) -> None:
+    """S = 512, 4 heads, b = 1: the full score matrix is b H S^2 e = 8 MiB, and one process's
+    attention (softmax plus its gradient) allocates twice that. Ring Attention on P = 4 threads
+    allocates less than the full matrix in total over the four ranks, forward and backward: each
+    rank holds at most a block of scores and its gradient, 2 b H (S/P)^2 e."""
+    s, heads = 512, 4
+    full = 1 * heads * s * s * 8
+    launch(ring_peak_run, 4, s=16, heads=heads, zigzag=zigzag)  # warm up the launcher outside the count
+    ring = traced_peak(launch, ring_peak_run, 4, s=s, heads=heads, zigzag=zigzag)
+    q = Tensor(np.random.default_rng(0).normal(size=(1, s, H)), requires_grad=True)
+    one = traced_peak(lambda: F.attention(q, q, q, heads).backward(np.ones((1, s, H))))
+    assert ring < full <= one / 2
