@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from hypothesis import given
+from strategies import budget, sp_configs
 
 from minipar import functional as F
 from minipar import trace
@@ -87,18 +89,18 @@ def largest_saved_4d(root: Tensor) -> int:
     return best
 
 
-def group_of(comm, method: str, s: int, heads: int, ulysses: int | None, zigzag: bool) -> SequenceGroup:
-    layout = check_sequence_config(comm, s, heads, H, method, ulysses, None, zigzag)
+def group_of(comm, method: str, s: int, heads: int, ulysses: int | None, zigzag: bool, h: int = H) -> SequenceGroup:
+    layout = check_sequence_config(comm, s, heads, h, method, ulysses, None, zigzag)
     return SequenceGroup(comm, layout, method)
 
 
 def attention_run(comm, method: str, s: int = S, ulysses: int | None = None, zigzag: bool = False,
-                  causal: bool = True, b: int = B, heads: int = HEADS) -> dict:
+                  causal: bool = True, b: int = B, heads: int = HEADS, h: int = H) -> dict:
     """One layer's attention on this rank's positions: bytes sent forward and backward by op, the
     spans, the largest 4-D buffer its graph saved."""
-    group = group_of(comm, method, s, heads, ulysses, zigzag)
+    group = group_of(comm, method, s, heads, ulysses, zigzag, h)
     rng = np.random.default_rng(0)
-    q, k, v = (Tensor(group.layout.shard(rng.normal(size=(b, s, H)), comm.rank), requires_grad=True)
+    q, k, v = (Tensor(group.layout.shard(rng.normal(size=(b, s, h)), comm.rank), requires_grad=True)
                for _ in range(3))
     with recording(comm.world_rank) as fwd:
         out = group.attention(q, k, v, heads, causal)
@@ -275,15 +277,16 @@ def test_causal_blocks_per_ring_rank(zigzag: bool) -> None:
     assert [sum(name == "attention F" for name, _ in got["spans"]) for got in not_causal] == [16 if zigzag else 4] * 4
 
 
-def block_memory_run(comm, method: str | None, ulysses: int | None = None) -> list[int]:
+def block_memory_run(comm, method: str | None, ulysses: int | None = None, b: int = B, s: int = S, h: int = H,
+                     heads: int = HEADS, ff: int = FF, zigzag: bool = False) -> list[int]:
     """Sizes of the buffers one pre-norm block's graph keeps on this rank (``method`` None: the
     one-process ``nn.Block``)."""
-    block = Block(H, HEADS, FF)
-    positions = np.arange(S)
+    block = Block(h, heads, ff)
+    positions = np.arange(s)
     if method is not None:
-        group = group_of(comm, method, S, HEADS, ulysses, False)
+        group = group_of(comm, method, s, heads, ulysses, zigzag, h)
         block.attn, positions = SequenceParallelAttention(block.attn, group), group.positions
-    x = Tensor(np.ascontiguousarray(np.random.default_rng(0).normal(size=(B, S, H))[:, positions]),
+    x = Tensor(np.ascontiguousarray(np.random.default_rng(0).normal(size=(b, s, h))[:, positions]),
                requires_grad=True)  # C order, as the embeddings make it (a linear copies other layouts)
     since = seq_mark()
     return sorted(n for _, n in held_buffers(block(x), since).values())
@@ -349,3 +352,31 @@ def test_ring_attention_never_allocates_the_full_score_matrix(zigzag: bool) -> N
     q = Tensor(np.random.default_rng(0).normal(size=(1, s, H)), requires_grad=True)
     one = traced_peak(lambda: F.attention(q, q, q, heads).backward(np.ones((1, s, H))))
     assert ring < full <= one / 2
+
+
+@budget(10)
+@given(c=sp_configs())
+def test_drawn_configurations_cost_what_the_formulas_say(c: dict) -> None:
+    """Any grid, heads, head size, sequence, zigzag or not, causal or not: bytes per rank per layer
+    forward and backward, the largest score buffer, one block's activation bytes and, causal, the
+    score blocks and elements of every ring rank, all equal to the formulas."""
+    p, method, pu, pr = c["p"], c["method"], c["pu"], c["pr"]
+    u = pu if method == "hybrid" else None
+    dims = {"b": c["batch"], "s": c["seq"], "h": c["d"], "heads": c["heads"]}
+    results = launch(attention_run, p, method=method, ulysses=u, zigzag=c["zigzag"], causal=c["causal"], **dims)
+    score = cost.score_bytes(method, c["batch"], c["seq"], c["heads"], p, u, c["zigzag"])
+    for r, got in enumerate(results):
+        for backward, phase in ((False, "forward"), (True, "backward")):
+            want = cost.attention_bytes(method, c["batch"], c["seq"], c["d"], p, u, backward=backward)
+            assert sum(got[phase].values()) == want
+        blocks = [n for name, n in got["spans"] if name == "attention F"]
+        assert (got["saved_4d"] if method == "ulysses" else max(blocks)) == score
+        if c["causal"] and method != "ulysses":
+            ring_rank = r // pu
+            assert len(blocks) == cost.causal_blocks(pr, c["zigzag"])[ring_rank]
+            per_element = c["batch"] * c["heads"] // pu * 8
+            assert sum(blocks) // per_element == cost.causal_score_elements(c["seq"], pr, c["zigzag"])[ring_rank]
+    ff = c["ff"] or 4 * c["d"]
+    held = launch(block_memory_run, p, method=method, ulysses=u, ff=ff, zigzag=c["zigzag"], **dims)
+    want = cost.activation_bytes(method, c["batch"], c["seq"], c["d"], c["heads"], ff, p, u)
+    assert [sum(sizes) for sizes in held] == [want] * p
