@@ -8,11 +8,8 @@ while Megatron-SP's grow with S."""
 
 from __future__ import annotations
 
-import dataclasses
 import tracemalloc
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -36,31 +33,6 @@ from minipar.parallel.tensor import ParallelBlock
 from minipar.testing import run_each
 
 B, S, H, HEADS, FF = 2, 16, 8, 4, 12  # batch, sequence, hidden (4 heads of 2), MLP width
-KNOWN = {f.name for f in dataclasses.fields(trace.Event)}
-
-
-class _Lenient(trace.Recorder):
-    """ring.py's spans pass ``block``, ``q_piece``, ``k_piece``, ``score_bytes`` as fields that
-    ``trace.Event`` does not have (TypeError under any recording): kept in ``args`` here."""
-
-    def add(self, kind: str, name: str, t0: float, t1: float, **fields) -> trace.Event:
-        extra = {k: fields.pop(k) for k in list(fields) if k not in KNOWN}
-        event = super().add(kind, name, t0, t1, **fields)
-        event.args.update(extra)
-        return event
-
-
-@contextmanager
-def recording(rank: int) -> Iterator[trace.Recorder]:
-    """``trace.recording`` with the lenient recorder (this thread's only)."""
-    prev, rec = trace.current(), _Lenient(rank)
-    trace._local.recorder = rec
-    try:
-        yield rec
-    finally:
-        trace._local.recorder = prev
-
-
 def sent(events: list, rank: int) -> dict[str, int]:
     """Bytes ``rank`` sent, by op (each message from its sender's record)."""
     out: Counter = Counter()
@@ -68,10 +40,6 @@ def sent(events: list, rank: int) -> dict[str, int]:
         if e.kind == "comm" and e.name == "send" and e.src == rank:
             out[e.op] += e.nbytes
     return dict(out)
-
-
-def field(e, name: str):
-    return e.args[name] if name in e.args else getattr(e, name)
 
 
 def largest_saved_4d(root: Tensor) -> int:
@@ -102,11 +70,11 @@ def attention_run(comm, method: str, s: int = S, ulysses: int | None = None, zig
     rng = np.random.default_rng(0)
     q, k, v = (Tensor(group.layout.shard(rng.normal(size=(b, s, h)), comm.rank), requires_grad=True)
                for _ in range(3))
-    with recording(comm.world_rank) as fwd:
+    with trace.recording(comm.world_rank) as fwd:
         out = group.attention(q, k, v, heads, causal)
-    with recording(comm.world_rank) as bwd:
+    with trace.recording(comm.world_rank) as bwd:
         out.backward(np.ones_like(out.data))
-    spans = [(e.name, field(e, "score_bytes") if e.name == "attention F" else 0)
+    spans = [(e.name, e.args["score_bytes"] if e.name == "attention F" else 0)
              for e in fwd.events + bwd.events if e.kind == "compute"]
     return {"forward": sent(fwd.events, comm.world_rank), "backward": sent(bwd.events, comm.world_rank),
             "spans": spans, "saved_4d": largest_saved_4d(out)}
@@ -159,7 +127,7 @@ N_PARAMS, ALLREDUCE_4 = 88 + 128 + 2 * 532 + 16 + 88, 2 * 3 * 346 * 8
 def gpt_step_run(comm, method: str, ulysses: int | None = None, zigzag: bool = False) -> dict:
     model = SequenceParallelGPT(11, S, H, HEADS, 2, comm, method, zigzag, ulysses, d_ff=FF, seed=1)
     tokens = np.random.default_rng(2).integers(0, 11, (2, B, S))
-    with recording(comm.world_rank) as rec:
+    with trace.recording(comm.world_rank) as rec:
         model.loss(model.shard(tokens[0]), model.shard(tokens[1])).backward()
         model.sync_grads()
     return {"sent": sent(rec.events, comm.world_rank), "n_params": sum(p.data.size for p in model.parameters())}
@@ -203,7 +171,7 @@ def megatron_sp_run(comm, s: int) -> dict[str, int]:
     block = ParallelBlock(H, HEADS, comm, FF, sequence_parallel=True)
     n = s // comm.size
     x = Tensor(np.random.default_rng(0).normal(size=(s, B, H))[comm.rank * n:(comm.rank + 1) * n], requires_grad=True)
-    with recording(comm.world_rank) as rec:
+    with trace.recording(comm.world_rank) as rec:
         block(x)
     return sent(rec.events, comm.world_rank)
 

@@ -61,6 +61,13 @@ def block_pairs(q_pieces: Sequence[Piece], k_pieces: Sequence[Piece], causal: bo
         q0 += qp[1] - qp[0]
 
 
+def _labels(q_piece: int, k_piece: int, score_bytes: int | None = None) -> dict[str, int]:
+    """A score block's trace labels beside ``step`` and ``chunk`` (the K/V block): which query and
+    key pieces, and (forward) the bytes of its score buffer."""
+    labels = {"q_piece": q_piece, "k_piece": k_piece}
+    return labels if score_bytes is None else {**labels, "score_bytes": score_bytes}
+
+
 class RingAttention(Function):
     """softmax(q k^T / sqrt(d)) v for this rank's query block against every rank's keys and values,
     which travel around ``comm``'s ring. ``blocks[j]``: the pieces of positions ring rank j holds."""
@@ -79,9 +86,9 @@ class RingAttention(Function):
             nxt = pass_on(comm, kv, TAG_KV, "ring_kv", step, j) if step < p - 1 else None
             kh, vh = heads(kv[0], n_heads), heads(kv[1], n_heads)
             for qi, rows, qp, ki, cols, kp in block_pairs(blocks[me], blocks[j], causal):
-                with trace.span("attention F", step=step, block=j, q_piece=qi, k_piece=ki,
-                                score_bytes=b * n_heads * (rows.stop - rows.start) * (cols.stop - cols.start)
-                                * q.itemsize):
+                with trace.span("attention F", step=step, chunk=j,
+                                args=_labels(qi, ki, b * n_heads * (rows.stop - rows.start) * (cols.stop - cols.start)
+                                             * q.itemsize)):
                     soft.update(rows, scores(qh[:, :, rows], kh[:, :, cols], scale, qp, kp, causal),
                                 vh[:, :, cols])
             if nxt is not None:
@@ -111,7 +118,7 @@ class RingAttention(Function):
             acc = home if step == 0 else np.zeros_like(kv)
             kh, vh, dkh, dvh = (heads(a, h) for a in (kv[0], kv[1], acc[0], acc[1]))
             for qi, rows, qp, ki, cols, kp in block_pairs(blocks[me], blocks[j], causal):
-                with trace.span("attention B", step=step, block=j, q_piece=qi, k_piece=ki):
+                with trace.span("attention B", step=step, chunk=j, args=_labels(qi, ki)):
                     block_backward(qh[:, :, rows], kh[:, :, cols], vh[:, :, cols], gh[:, :, rows],
                                    lse[:, :, rows], delta[:, :, rows], scale, qp, kp, causal,
                                    dqh[:, :, rows], dkh[:, :, cols], dvh[:, :, cols])
