@@ -33,6 +33,8 @@ from minipar.parallel.tensor import ParallelBlock
 from minipar.testing import run_each
 
 B, S, H, HEADS, FF = 2, 16, 8, 4, 12  # batch, sequence, hidden (4 heads of 2), MLP width
+
+
 def sent(events: list, rank: int) -> dict[str, int]:
     """Bytes ``rank`` sent, by op (each message from its sender's record)."""
     out: Counter = Counter()
