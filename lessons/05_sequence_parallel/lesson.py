@@ -1,0 +1,387 @@
+"""Lesson 5: sequence parallelism. Megatron-SP, DeepSpeed-Ulysses, Ring Attention (contiguous and
+zigzag) and their 2 x 2 hybrid on one tiny GPT and one sequence, side by side.
+
+    mpiexec -n 4 python lessons/05_sequence_parallel/lesson.py [--steps 2]
+    python lessons/05_sequence_parallel/lesson.py [--ranks 4]      # same, ranks as threads in one process
+
+Every rank holds S/P of the sequence's positions; the methods differ in how attention, the one
+layer that mixes positions, gets the rest (``minipar/parallel/sequence``, formulas in
+``minipar/cost/sequence.py``):
+
+- Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): tensor parallelism with the layer norms on a
+  sequence shard; all-gather before the tensor-parallel region, reduce-scatter after it.
+- Ulysses (Jacobs et al. 2023, Sec. 3.1): an all-to-all turns "S/P positions, all heads" into "all
+  positions, H/P heads", ordinary attention, an all-to-all back: 4 (P-1)/P x (b S/P h) per layer.
+- Ring Attention (Liu et al. 2023, Sec. 3): queries stay; K/V blocks travel around the ring, one hop
+  per step, while the rank computes on the block it holds; scores one (S/P) x (S/P) block at a time.
+  Zigzag (Brandon et al. 2023): rank i holds chunks i and 2P-1-i, so the causal mask leaves every
+  rank the same work.
+- Hybrid (Fang & Zhao 2024, USP): Ulysses inside pairs of ranks, the ring across the pairs.
+
+Printed: 1. every method's loss next to the single-process loss (they are equal); 2. bytes sent per
+rank per layer, forward and backward, measured from the trace next to the formula; 3. activation
+bytes one layer keeps and the largest score buffer, measured (the autograd graph; the ring's
+``score_bytes`` span fields) next to the formula; 4. the longest sequence each method fits into a
+fixed per-rank budget, from the formulas; 5. score blocks per rank under the causal mask, counted
+from the trace's spans, contiguous vs zigzag; 6. the terminal timeline and an HTML report with the
+ring drawn step by step (``viz.ring``). Writes runs/05_sequence_parallel/*.json and report.html.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from lessons.common import console as make_console
+from lessons.common import finish, run_ranks, time_sharing
+from minipar import datasets
+from minipar import trace as mtrace
+from minipar.autograd import Tensor
+from minipar.cost import sequence as formulas
+from minipar.cost import tensor as tensor_cost
+from minipar.memory import held_buffers, seq_mark
+from minipar.nn import GPT, Module
+from minipar.optim import AdamW
+from minipar.parallel.sequence import SequenceParallelGPT
+from minipar.parallel.tensor import TensorParallelGPT
+from minipar.parallel.tensor.comm_ops import on_backward
+
+VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 64, 32, 4, 2, 64, 2
+ITEM = 8  # float64
+HYBRID_U = 2  # the hybrid's Ulysses degree P_u (P_r = P / P_u)
+BUDGET = 64 * 2**20  # bytes of activations per rank, for section 4
+OUT = Path("runs/05_sequence_parallel")
+# run name -> (method, zigzag, title)
+RUNS = {
+    "megatron_sp": ("megatron", False, "Megatron-SP"),
+    "ulysses": ("ulysses", False, "Ulysses"),
+    "ring": ("ring", False, "Ring, contiguous"),
+    "ring_zigzag": ("ring", True, "Ring, zigzag"),
+    "hybrid": ("hybrid", True, "Hybrid 2 x 2 (zigzag)"),
+}
+ATTENTION_OPS = ("all_to_all", "ring_kv", "ring_dkv", "allgather", "reduce_scatter")
+
+
+# ---- the lesson's measurement, wrapped around each block once ---------------------------------------
+class Measured(Module):
+    """One transformer block, unchanged, with the lesson's measurement around it: the activation
+    bytes its autograd graph keeps (``memory.held_buffers``: every buffer made inside the block that
+    backward needs, views free) and the largest such buffer; with ``spans``, one ``F`` and one ``B``
+    span per call (Megatron-SP's blocks record their own)."""
+
+    def __init__(self, block: Module, layer: int, spans: bool) -> None:
+        self.block, self.layer, self.spans = block, layer, spans
+        self.held, self.largest = 0, 0
+
+    def grad_sync_params(self) -> list[Any]:  # Megatron-SP's replicated layer norms and biases
+        return self.block.grad_sync_params()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if mtrace.current() is None:
+            return self.block(x)
+        start, began = seq_mark(), [0.0]
+        if self.spans:
+            def done() -> None:
+                mtrace.current().add("compute", "B", began[0], mtrace.now(), args={"layer": self.layer})
+
+            def starts() -> None:
+                began[0] = mtrace.now()
+
+            with mtrace.span("F", args={"layer": self.layer}):
+                out = on_backward.apply(self.block(on_backward.apply(x, done)), starts)
+        else:
+            out = self.block(x)
+        buffers = [n for _, n in held_buffers(out, start).values()]
+        self.held, self.largest = sum(buffers), max(buffers)
+        return out
+
+
+def build(comm: Any, name: str) -> Module:
+    """The GPT of run ``name`` on ``comm``, every block wrapped in ``Measured``."""
+    method, zigzag, _ = RUNS[name]
+    if method == "megatron":
+        model = TensorParallelGPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, comm, D_FF, sequence_parallel=True, seed=0)
+    else:
+        model = SequenceParallelGPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, comm, method=method, zigzag=zigzag,
+                                    ulysses=HYBRID_U if method == "hybrid" else None, d_ff=D_FF, seed=0)
+    blocks = model.blocks._modules
+    for i, block in enumerate(blocks):
+        blocks[i] = Measured(block, i, spans=method != "megatron")
+    return model
+
+
+# ---- 1. training ------------------------------------------------------------------------------------
+def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    stream = datasets.token_stream(20_000, VOCAB, seed=0)
+    return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
+
+
+def train(comm: Any, name: str, steps: int = 2, trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Train run ``name`` ``steps`` steps (AdamW) from the single-process initialisation; the last
+    step is traced into ``trace_path``. Returns the losses (mean over ranks) and this rank's
+    activation bytes per layer and largest buffer."""
+    method, zigzag, title = RUNS[name]
+    model = build(comm, name)
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    p = comm.size
+    meta = {"paradigm": f"sequence: {title}", "time_unit": "s", "expected_bytes": step_bytes(method, p),
+            "config": {"method": method, "zigzag": zigzag, "P": p, "ulysses": HYBRID_U if method == "hybrid" else None,
+                       "vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS,
+                       "d_ff": D_FF, "batch": BATCH}}
+    losses = []
+    for step, (x, y) in enumerate(batches(steps)):
+        if method != "megatron":
+            x, y = model.shard(x), model.shard(y)
+        with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
+            loss = model.loss(x, y)
+            opt.zero_grad()
+            loss.backward()
+            with mtrace.span("opt"):
+                model.sync_grads()
+                opt.step()
+        mine = loss.item() if method == "megatron" else comm.allreduce(np.array([loss.item()]))[0] / p
+        losses.append(float(mine))  # Megatron's loss is already global; the others' is this rank's mean
+    layers = list(model.blocks)
+    return {"losses": losses, "held": [m.held for m in layers], "largest": [m.largest for m in layers]}
+
+
+def single_process_losses(steps: int) -> list[float]:
+    model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for x, y in batches(steps):
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# ---- formulas -----------------------------------------------------------------------------------------
+def layer_bytes(method: str, p: int, backward: bool) -> float:
+    """Bytes one rank sends for one layer's attention (Megatron-SP: the whole block), by the formulas."""
+    if method == "megatron":
+        return formulas.megatron_sp_bytes(BATCH, SEQ, D_MODEL, p, ITEM, backward=backward)
+    return formulas.attention_bytes(method, BATCH, SEQ, D_MODEL, p, ulysses=HYBRID_U if method == "hybrid" else None,
+                                    itemsize=ITEM, backward=backward)
+
+
+def step_bytes(method: str, p: int) -> dict[str, float]:
+    """The formulas' bytes per rank for the traced step (``meta["expected_bytes"]``), by op: the
+    attention's messages in every layer, forward and backward, and ``sync_grads``' all-reduce."""
+    if method == "megatron":
+        return tensor_cost.expected_bytes(p, BATCH, SEQ, D_MODEL, LAYERS, ITEM, True, SEQ)
+    n_params = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
+    out = {"allreduce": float(formulas.grad_sync_bytes(n_params, p, ITEM))}
+    ring, heads_width = (p // HYBRID_U, D_MODEL // HYBRID_U) if method == "hybrid" else (p, D_MODEL)
+    if method in ("ring", "hybrid"):
+        kv = formulas.ring_attention_bytes(BATCH, SEQ, heads_width, ring, ITEM)  # K/V, one pass
+        out["ring_kv"], out["ring_dkv"] = 2 * LAYERS * kv, LAYERS * kv  # forward + backward; dK/dV home
+    if method != "ring":
+        total = layer_bytes(method, p, False) + layer_bytes(method, p, True)
+        out["all_to_all"] = LAYERS * total - out.get("ring_kv", 0) - out.get("ring_dkv", 0)
+    return out
+
+
+def held_formula(method: str, p: int, s: int = SEQ) -> int:
+    """Bytes one block's graph keeps on one rank (Megatron-SP: Korthikanti et al.'s terms)."""
+    if method == "megatron":
+        return sum(tensor_cost.layer_terms(p, BATCH, s, D_MODEL, HEADS, D_FF, ITEM, sequence_parallel=True).values())
+    return formulas.activation_bytes(method, BATCH, s, D_MODEL, HEADS, D_FF, p, ulysses_degree(method, p), ITEM)
+
+
+def score_formula(method: str, zigzag: bool, p: int, s: int = SEQ) -> int:
+    """The largest score buffer a rank holds at once (Megatron-SP: its softmax, b H/t s^2 e)."""
+    if method == "megatron":
+        return tensor_cost.layer_terms(p, BATCH, s, D_MODEL, HEADS, D_FF, ITEM, sequence_parallel=True)["softmax"]
+    return formulas.score_bytes(method, BATCH, s, HEADS, p, ulysses_degree(method, p), zigzag, ITEM)
+
+def ulysses_degree(method: str, p: int) -> int | None:
+    return HYBRID_U if method == "hybrid" else p if method == "ulysses" else None
+
+
+# ---- 2. bytes per layer -----------------------------------------------------------------------------
+def layer_traffic(trace: mtrace.Trace, rank: int) -> dict[tuple[int, str], int]:
+    """Bytes ``rank`` sent inside each layer's ``F`` and ``B`` span: {(layer, "F"/"B"): bytes}."""
+    sent = [e for e in trace.events if e.kind == "comm" and e.rank == rank and e.src == rank and e.op in ATTENTION_OPS]
+    out: dict[tuple[int, str], int] = {}
+    for span in trace.events:
+        layer = span.args.get("layer")
+        if span.kind == "compute" and span.rank == rank and span.name in ("F", "B") and isinstance(layer, int):
+            out[(layer, span.name)] = sum(e.nbytes or 0 for e in sent if span.t0 <= e.t0 <= span.t1)
+    return out
+
+
+def per_rank(values: list[float]) -> str:
+    """One number when every rank has it, else one per rank."""
+    return f"{values[0]:,.0f}" if len(set(values)) == 1 else " / ".join(f"{v:,.0f}" for v in values)
+
+
+def traffic_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
+    a = BATCH * SEQ // p * D_MODEL * ITEM
+    table = Table(title=f"bytes sent per rank per layer (P = {p}; one shard b (S/P) h x 8 B = {a:,} B); measured: "
+                        "the messages inside each layer's F / B span, every layer alike", title_justify="left")
+    for col in ("method", "ops", "forward measured", "forward formula", "backward measured", "backward formula"):
+        table.add_column(col, justify="right")
+    for name, trace in traces.items():
+        method = RUNS[name][0]
+        per = [layer_traffic(trace, r) for r in range(p)]
+        cells = []
+        for phase in ("F", "B"):
+            layers = {per[r][(i, phase)] for r in range(p) for i in range(LAYERS)}
+            got = [per[r][(0, phase)] for r in range(p)]
+            cells += [per_rank(got) + ("" if len(layers) == 1 else " (layers differ!)"),
+                      f"{layer_bytes(method, p, phase == 'B'):,.0f}"]
+        ops = sorted({e.op for e in trace.events if e.kind == "comm" and e.op in ATTENTION_OPS})
+        table.add_row(RUNS[name][2], ", ".join(ops), *cells)
+    return table
+
+
+# ---- 3. memory --------------------------------------------------------------------------------------
+def score_spans(trace: mtrace.Trace, rank: int | None = None) -> list[mtrace.Event]:
+    return [e for e in trace.events if e.kind == "compute" and e.name == "attention F"
+            and (rank is None or e.rank == rank)]
+
+
+def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtrace.Trace], p: int) -> Table:
+    table = Table(title="activation bytes one layer keeps for backward, and the largest score buffer, per rank",
+                  title_justify="left",
+                  caption="held: every buffer the layer's autograd graph keeps (memory.held_buffers), measured on "
+                          "each rank. Largest score buffer: Megatron-SP and Ulysses keep their softmax "
+                          "(b x H/P x S x S), the largest buffer the layer holds; Ring Attention keeps none and "
+                          "computes one block at a time: the largest score_bytes of its 'attention F' spans.",
+                  caption_justify="left")
+    for col in ("method", "held measured", "held formula", "largest score measured", "score formula"):
+        table.add_column(col, justify="right")
+    for name, ranks in results.items():
+        method, zigzag, title = RUNS[name]
+        held = [r["held"][0] for r in ranks]
+        if method in ("ring", "hybrid"):
+            score = max(e.args["score_bytes"] for e in score_spans(traces[name]))
+        else:
+            score = max(r["largest"][0] for r in ranks)
+        table.add_row(title, per_rank(held), f"{held_formula(method, p):,}", f"{score:,}",
+                      f"{score_formula(method, zigzag, p):,}")
+    return table
+
+
+# ---- 4. the longest sequence in a budget ---------------------------------------------------------------
+def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
+    """The longest S (a multiple of 2P) whose LAYERS layers' activations (plus, for the ring, the one
+    score block it computes at a time) fit ``budget`` bytes per rank, by the formulas."""
+    def need(s: int) -> int:  # the ring's score block is transient: one at a time, on top
+        transient = score_formula(method, zigzag, p, s) if method in ("ring", "hybrid") else 0
+        return LAYERS * held_formula(method, p, s) + transient
+
+    step = 2 * p
+    lo, hi = step, 2 * step
+    while need(hi) <= budget and hi < 2**30:
+        lo, hi = hi, 2 * hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid)
+    return lo
+
+
+def budget_table(p: int) -> Table:
+    table = Table(title=f"the longest sequence that fits {BUDGET / 2**20:.0f} MiB of activations per rank "
+                        f"(this model: b={BATCH}, h={D_MODEL}, H={HEADS}, d_ff={D_FF}, {LAYERS} layers; "
+                        "from the formulas, not measured)", title_justify="left")
+    for col in ("method", "longest S", "vs Megatron-SP"):
+        table.add_column(col, justify="right")
+    base = longest("megatron", False, p)
+    for method, zigzag, title in RUNS.values():
+        s = longest(method, zigzag, p)
+        table.add_row(title, f"{s:,}", f"{s / base:.1f}x")
+    return table
+
+
+# ---- 5. causal load ---------------------------------------------------------------------------------
+def causal_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
+    table = Table(title="causal mask: score blocks each rank computes in one layer's forward (counted from the "
+                        "'attention F' spans) vs causal_blocks; hidden blocks are skipped", title_justify="left")
+    for col in ("method", "ring ranks", "blocks per rank (measured)", "formula", "score elements per rank",
+                "formula", "max / mean"):
+        table.add_column(col, justify="right")
+    for name in ("ring", "ring_zigzag", "hybrid"):
+        method, zigzag, title = RUNS[name]
+        ring = p // (HYBRID_U if method == "hybrid" else 1)
+        blocks, elements = [], []
+        for r in range(p):
+            spans = score_spans(traces[name], r)
+            blocks.append(len(spans) // LAYERS)
+            per_head = BATCH * HEADS // (HYBRID_U if method == "hybrid" else 1) * ITEM
+            elements.append(sum(e.args["score_bytes"] for e in spans) // per_head // LAYERS)
+        ranks = [r // (HYBRID_U if method == "hybrid" else 1) for r in range(p)]  # ring index of each rank
+        want_b = [formulas.causal_blocks(ring, zigzag)[i] for i in ranks]
+        want_e = formulas.causal_score_elements(SEQ, ring, zigzag)
+        want_e = [want_e[i] for i in ranks] if isinstance(want_e, list) else want_e
+        table.add_row(title, str(ring), str(blocks), str(want_b), str(elements), str(want_e),
+                      f"{max(elements) / np.mean(elements):.2f}")
+    return table
+
+
+# ---- the lesson -------------------------------------------------------------------------------------
+def check_ranks(p: int) -> str | None:
+    """What is wrong with ``p`` ranks, or None: Ulysses needs P | heads, the hybrid P_u = 2 | P."""
+    if p not in (2, 4):
+        return (f"lesson 5 splits {HEADS} heads (Ulysses) and a {HYBRID_U} x P/{HYBRID_U} hybrid grid over the "
+                f"ranks: run it on 4 ranks, or 2 (got {p})")
+    return None
+
+
+def run(comm: Any, steps: int) -> None:
+    """Every method on ``comm``; rank 0 prints."""
+    console = make_console()
+    p, lead = comm.size, comm.rank == 0
+    if lead:
+        OUT.mkdir(parents=True, exist_ok=True)
+    results = {name: comm.gather_object(train(comm, name, steps, OUT / f"{name}.json")) for name in RUNS}
+    if not lead:
+        return
+    console.rule(f"[bold]1. one tiny GPT, S = {SEQ} positions over P = {p} ranks, {steps} AdamW steps")
+    ref = single_process_losses(steps)
+    table = Table(title="loss per step (the mean over ranks of each rank's mean over its positions)",
+                  title_justify="left")
+    for col in ("step", "single process", *(RUNS[n][2] for n in RUNS)):
+        table.add_column(col, justify="right")
+    for s in range(steps):
+        table.add_row(str(s), f"{ref[s]:.12f}", *(f"{results[n][0]['losses'][s]:.12f}" for n in RUNS))
+    console.print(table)
+    diff = max(abs(a - b) for n in RUNS for a, b in zip(results[n][0]["losses"], ref, strict=True))
+    console.print(f"Every method gives the single-process loss: largest difference {diff:.1e} (float64 "
+                  "rounding: the methods add the same numbers in other orders).", highlight=False)
+    traces = {name: mtrace.load(OUT / f"{name}.json") for name in RUNS}
+    console.rule("[bold]2. communication per layer")
+    console.print(traffic_table(traces, p))
+    console.rule("[bold]3. memory per layer")
+    console.print(memory_table(results, traces, p))
+    console.rule("[bold]4. how long a sequence fits")
+    console.print(budget_table(p))
+    console.rule("[bold]5. causal load balance")
+    console.print(causal_table(traces, p))
+    console.rule("[bold]6. timeline of the zigzag ring's last step (F/B per layer, attention blocks, opt)")
+    note = time_sharing(p)
+    if note:
+        console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes, "
+                      "memory or blocks above.", highlight=False)
+    finish([OUT / f"{name}.json" for name in RUNS], OUT / "report.html", console, timeline=traces["ring_zigzag"],
+           titles=[RUNS[n][2] for n in RUNS])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    args = parser.parse_args()
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
+
+
+if __name__ == "__main__":
+    main()
