@@ -7,6 +7,8 @@ Reads trace files through ``minipar.trace.load`` only; imports nothing else of m
 - ``viz.figures.timeline / compare / schedule_grid / traffic / memory``: the Plotly figures (for
   notebooks); they live in ``viz.timeline`` (compute and comm lanes), ``viz.pipeline_grid`` (a
   schedule as the papers draw it) and ``viz.figures``, with colours in ``viz.style``.
+- ``viz.ring.ring_figure``: Ring Attention step by step (who holds which K/V block, and the compute
+  overlapping the next block's transfer); the report adds it to every trace with ``ring_kv`` messages.
 - ``viz.analysis``: the numbers behind them (bubble/idle definition, traffic, memory);
   ``viz.messages``: comm events grouped into collective calls, sends paired with receives.
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_MODULES = ("analysis", "figures", "messages", "pipeline_grid", "report", "style", "terminal", "timeline")
+_MODULES = ("analysis", "figures", "messages", "pipeline_grid", "report", "ring", "style", "terminal", "timeline")
 __all__ = [*_MODULES, "print_timeline", "write_report"]
 
 

@@ -44,8 +44,10 @@ def kind_of(event: Event) -> str:
 
 
 def shows_chunks(trace: Trace) -> bool:
-    """True when compute spans carry more than one model chunk (interleaved schedules)."""
-    chunks = {e.chunk for e in trace.events if e.kind == "compute" and e.chunk is not None}
+    """True when forward / backward spans carry more than one model chunk (interleaved schedules);
+    other spans' ``chunk`` (Ring Attention's K/V block) is no model chunk."""
+    chunks = {e.chunk for e in trace.events if e.kind == "compute" and e.chunk is not None
+              and kind_of(e) in ("forward", "backward")}
     return len(chunks) > 1 or int(trace.meta.get("v", 1) or 1) > 1
 
 

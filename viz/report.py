@@ -24,6 +24,7 @@ from minipar.trace import Trace, load
 from viz import analysis as A
 from viz import figures, style
 from viz.pipeline_grid import is_grid
+from viz.ring import is_ring, ring_figure
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -142,6 +143,8 @@ def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, s
         out.append(("schedule", figures.schedule_grid(trace, f"schedule as the papers draw it: {title}"), ""))
     else:
         out.append(("timeline", figures.timeline(trace, f"timeline: {title}"), ""))
+    if is_ring(trace):  # Ring Attention: the K/V blocks step by step
+        out.append(("ring", ring_figure(trace, title), ""))
     moved = sum(e.nbytes or 0 for e in A.sends(trace))
     if moved:
         out.append(("traffic", figures.traffic(trace, f"traffic: {title}"), ""))
