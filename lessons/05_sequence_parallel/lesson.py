@@ -51,7 +51,7 @@ from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.tensor import TensorParallelGPT
 from minipar.parallel.tensor.comm_ops import on_backward
 
-VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 64, 32, 4, 2, 64, 2
+VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 256, 32, 4, 2, 64, 2
 ITEM = 8  # float64
 HYBRID_U = 2  # the hybrid's Ulysses degree P_u (P_r = P / P_u)
 BUDGET = 64 * 2**20  # bytes of activations per rank, for section 4
@@ -72,14 +72,20 @@ class Measured(Module):
     """One transformer block, unchanged, with the lesson's measurement around it: the activation
     bytes its autograd graph keeps (``memory.held_buffers``: every buffer made inside the block that
     backward needs, views free) and the largest such buffer; with ``spans``, one ``F`` and one ``B``
-    span per call (Megatron-SP's blocks record their own)."""
+    span per call and a memory sample of the blocks' bytes held (``meter``, shared by the model's
+    blocks) when the block's forward ends and when its backward ends (Megatron-SP's blocks record
+    their own spans and samples)."""
 
-    def __init__(self, block: Module, layer: int, spans: bool) -> None:
-        self.block, self.layer, self.spans = block, layer, spans
+    def __init__(self, block: Module, layer: int, spans: bool, meter: dict[str, int]) -> None:
+        self.block, self.layer, self.spans, self.meter = block, layer, spans, meter
         self.held, self.largest = 0, 0
 
     def grad_sync_params(self) -> list[Any]:  # Megatron-SP's replicated layer norms and biases
         return self.block.grad_sync_params()
+
+    def sample(self, change: int) -> None:
+        self.meter["held"] += change
+        mtrace.memory("activations/blocks", self.meter["held"])
 
     def forward(self, x: Tensor) -> Tensor:
         if mtrace.current() is None:
@@ -88,6 +94,7 @@ class Measured(Module):
         if self.spans:
             def done() -> None:
                 mtrace.current().add("compute", "B", began[0], mtrace.now(), args={"layer": self.layer})
+                self.sample(-self.held)
 
             def starts() -> None:
                 began[0] = mtrace.now()
@@ -98,6 +105,8 @@ class Measured(Module):
             out = self.block(x)
         buffers = [n for _, n in held_buffers(out, start).values()]
         self.held, self.largest = sum(buffers), max(buffers)
+        if self.spans:
+            self.sample(self.held)
         return out
 
 
@@ -109,9 +118,9 @@ def build(comm: Any, name: str) -> Module:
     else:
         model = SequenceParallelGPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, comm, method=method, zigzag=zigzag,
                                     ulysses=HYBRID_U if method == "hybrid" else None, d_ff=D_FF, seed=0)
-    blocks = model.blocks._modules
+    blocks, meter = model.blocks._modules, {"held": 0}
     for i, block in enumerate(blocks):
-        blocks[i] = Measured(block, i, spans=method != "megatron")
+        blocks[i] = Measured(block, i, method != "megatron", meter)
     return model
 
 
@@ -202,7 +211,7 @@ def score_formula(method: str, zigzag: bool, p: int, s: int = SEQ) -> int:
         return tensor_cost.layer_terms(p, BATCH, s, D_MODEL, HEADS, D_FF, ITEM, sequence_parallel=True)["softmax"]
     return formulas.score_bytes(method, BATCH, s, HEADS, p, ulysses_degree(method, p), zigzag, ITEM)
 
-def ulysses_degree(method: str, p: int) -> int | None:
+def ulysses_degree(method: str, p: int) -> int | None:  # P_u, for the formulas
     return HYBRID_U if method == "hybrid" else p if method == "ulysses" else None
 
 
@@ -244,7 +253,7 @@ def traffic_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
 
 
 # ---- 3. memory --------------------------------------------------------------------------------------
-def score_spans(trace: mtrace.Trace, rank: int | None = None) -> list[mtrace.Event]:
+def score_spans(trace: mtrace.Trace, rank: int | None = None) -> list[mtrace.Event]:  # Ring Attention's
     return [e for e in trace.events if e.kind == "compute" and e.name == "attention F"
             and (rank is None or e.rank == rank)]
 
@@ -275,6 +284,7 @@ def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtr
 def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
     """The longest S (a multiple of 2P) whose LAYERS layers' activations (plus, for the ring, the one
     score block it computes at a time) fit ``budget`` bytes per rank, by the formulas."""
+
     def need(s: int) -> int:  # the ring's score block is transient: one at a time, on top
         transient = score_formula(method, zigzag, p, s) if method in ("ring", "hybrid") else 0
         return LAYERS * held_formula(method, p, s) + transient
@@ -360,10 +370,15 @@ def run(comm: Any, steps: int) -> None:
     traces = {name: mtrace.load(OUT / f"{name}.json") for name in RUNS}
     console.rule("[bold]2. communication per layer")
     console.print(traffic_table(traces, p))
+    console.print("Megatron-SP gathers and scatters the whole (b, S, h) activation; Ulysses moves 4 (P-1)/P of a "
+                  "shard, fixed while S and P grow together; the ring passes P-1 K/V blocks, and in backward the "
+                  "K/V again plus the dK/dV accumulators travelling home.", highlight=False)
     console.rule("[bold]3. memory per layer")
     console.print(memory_table(results, traces, p))
     console.rule("[bold]4. how long a sequence fits")
     console.print(budget_table(p))
+    console.print("Megatron-SP and Ulysses keep an S x S softmax of H/P heads: their memory grows as S^2/P. The "
+                  "ring keeps no scores, only one block at a time while computing: it grows as S/P.", highlight=False)
     console.rule("[bold]5. causal load balance")
     console.print(causal_table(traces, p))
     console.rule("[bold]6. timeline of the zigzag ring's last step (F/B per layer, attention blocks, opt)")
