@@ -1,6 +1,7 @@
 """Helpers for tests/test_sequence_parallel.py: hand-picked configurations in ``strategies.sp_configs``'
 shape, the degrees a configuration hands the constructor, drawn q/k/v arrays, the training loop
-both models run, and the numpy references (softmax, log-sum-exp, per-token cross-entropy) written out by hand."""
+both models run, the online softmax folded block by block, and the numpy references (softmax,
+log-sum-exp, per-token cross-entropy) written out by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from tp_helpers import batch
 
 from minipar.nn import GPT
 from minipar.optim import AdamW
-from minipar.parallel.sequence import SequenceParallelGPT
+from minipar.parallel.sequence import OnlineSoftmax, SequenceParallelGPT
 
 # Attention alone: a handful of float64 sums of O(1) terms per output, in another order than the
 # single-process softmax (block by block, rescaled): differences are a few ulps, ~1e-15.
@@ -78,6 +79,30 @@ def softmax(s: np.ndarray) -> np.ndarray:
     """Row softmax, every exponent <= 0."""
     e = np.exp(s - s.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def fold(s: np.ndarray, v: np.ndarray, widths: list[int], order: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Fold the key blocks (``widths`` columns each) of scores ``s`` (b, H, n, k) and values ``v``
+    (b, H, k, d) in ``order``, with numpy raising on any overflow or invalid operation."""
+    edges = np.cumsum([0, *widths])
+    b, h, n, _ = s.shape
+    soft = OnlineSoftmax(b, h, n, v.shape[-1], s.dtype)
+    out = np.empty((b, h, n, v.shape[-1]))
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # e^(very negative) may underflow to 0
+        for j in order:
+            cols = slice(edges[j], edges[j + 1])
+            soft.update(slice(0, n), s[..., cols].copy(), v[:, :, cols])
+        lse = soft.result(out)
+    return out, lse
+
+
+def softmax_reference(s: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(s) v and log-sum-exp over the whole row at once; 0 and -inf for a row of -inf."""
+    seen = np.isfinite(s).any(axis=-1)
+    with np.errstate(invalid="ignore"):
+        out = softmax(s) @ v
+    out[~seen] = 0.0
+    return out, log_sum_exp(s)
 
 
 def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

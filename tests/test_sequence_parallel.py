@@ -20,7 +20,18 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from sp_helpers import ATTN_TOL, Watched, config, degrees, log_sum_exp, qkv_grad, softmax, token_losses, train
+from sp_helpers import (
+    ATTN_TOL,
+    Watched,
+    config,
+    degrees,
+    fold,
+    log_sum_exp,
+    qkv_grad,
+    softmax_reference,
+    token_losses,
+    train,
+)
 from strategies import budget, sp_configs, sp_jobs
 from tp_helpers import batch
 
@@ -29,7 +40,6 @@ from minipar import launch, trace
 from minipar.autograd import Tensor
 from minipar.nn import GPT
 from minipar.parallel.sequence import (
-    OnlineSoftmax,
     SequenceGroup,
     SequenceLayout,
     SequenceParallelGPT,
@@ -212,30 +222,6 @@ def test_hybrid_groups_by_hand() -> None:
 
 
 # ---- the online softmax and the blockwise backward, alone ---------------------------------------
-def fold(s: np.ndarray, v: np.ndarray, widths: list[int], order: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Fold the key blocks (``widths`` columns each) of scores ``s`` (b, H, n, k) and values ``v``
-    (b, H, k, d) in ``order``, with numpy raising on any overflow or invalid operation."""
-    edges = np.cumsum([0, *widths])
-    b, h, n, _ = s.shape
-    soft = OnlineSoftmax(b, h, n, v.shape[-1], s.dtype)
-    out = np.empty((b, h, n, v.shape[-1]))
-    with np.errstate(over="raise", invalid="raise", divide="raise"):  # e^(very negative) may underflow to 0
-        for j in order:
-            cols = slice(edges[j], edges[j + 1])
-            soft.update(slice(0, n), s[..., cols].copy(), v[:, :, cols])
-        lse = soft.result(out)
-    return out, lse
-
-
-def softmax_reference(s: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """softmax(s) v and log-sum-exp over the whole row at once; 0 and -inf for a row of -inf."""
-    seen = np.isfinite(s).any(axis=-1)
-    with np.errstate(invalid="ignore"):
-        out = softmax(s) @ v
-    out[~seen] = 0.0
-    return out, log_sum_exp(s)
-
-
 @st.composite
 def score_blocks(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
     """Scores around 1e4 apart (spread), at +1e4 or at -1e4, some key blocks masked wholly, some
