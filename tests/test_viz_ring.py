@@ -1,0 +1,66 @@
+"""``viz.ring`` reads Ring Attention's pass from a real trace: at ring step s, ring rank i holds K/V
+block (i - s) mod P_r, sends it to the next rank of its ring, and computes the score blocks the causal
+mask leaves, counted by hand below (contiguous: the whole block when (i - s) mod P_r <= i, else
+nothing; zigzag: 3 pieces at step 0 (chunk i with itself, chunk 2P-1-i with chunks i and itself),
+2 at every other step). The figure draws one cell per (rank, step) and one arrow per message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipar import trace
+from minipar.comm import Communicator, launch
+from minipar.parallel.sequence import SequenceParallelGPT
+from viz.report import figures_for
+from viz.ring import is_ring, ring_figure, ring_size, ring_steps
+
+VOCAB, SEQ, D, HEADS = 16, 24, 8, 2
+
+
+def traced_step(comm: Communicator, method: str, zigzag: bool, path: str) -> None:
+    model = SequenceParallelGPT(VOCAB, SEQ, D, HEADS, 2, comm, method=method, zigzag=zigzag,
+                                ulysses=2 if method == "hybrid" else None)
+    tokens = np.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    with trace.record(path, comm):
+        model.loss(model.shard(tokens), model.shard(np.roll(tokens, -1, axis=1))).backward()
+
+
+def expected_spans(i: int, s: int, p: int, zigzag: bool) -> int:
+    if zigzag:
+        return 3 if s == 0 else 2
+    return 1 if (i - s) % p <= i else 0
+
+
+@pytest.mark.parametrize("method,p,zigzag", [("ring", 2, False), ("ring", 3, False), ("ring", 4, True),
+                                             ("ring", 3, True), ("hybrid", 4, True)])
+def test_ring_steps_follow_the_ring(tmp_path, method: str, p: int, zigzag: bool) -> None:
+    path = str(tmp_path / "t.json")
+    launch(traced_step, p, "threads", method=method, zigzag=zigzag, path=path)
+    t = trace.load(path)
+    u = 2 if method == "hybrid" else 1  # Ulysses degree: ring index of rank r is r // u
+    pr = p // u
+    assert is_ring(t) and ring_size(t) == pr
+    for index in (0, 1):  # both layers' forward passes
+        steps = ring_steps(t, index)
+        assert sorted(steps) == list(range(p))
+        for r, row in steps.items():
+            i = r // u
+            assert [st.block for st in row] == [(i - s) % pr for s in range(pr)]
+            assert [st.outgoing.dst for st in row[:-1]] == [((i + 1) % pr) * u + r % u] * (pr - 1)
+            assert [st.incoming.src for st in row[:-1]] == [((i - 1) % pr) * u + r % u] * (pr - 1)
+            assert row[-1].incoming is None and row[-1].outgoing is None
+            assert [len(st.spans) for st in row] == [expected_spans(i, s, pr, zigzag) for s in range(pr)]
+    with pytest.raises(ValueError, match="no pass 4"):
+        ring_steps(t, 4)  # 2 forward + 2 backward passes
+    fig = ring_figure(t)
+    assert len(fig.layout.shapes) == p * pr  # one cell per (rank, step)
+    assert len([a for a in fig.layout.annotations if a.showarrow]) == p * (pr - 1)  # one arrow per message
+    assert "ring" in [kind for kind, _, _ in figures_for(t, "t")]
+
+
+def test_no_ring_no_ring_figure(tmp_path) -> None:
+    path = str(tmp_path / "u.json")
+    launch(traced_step, 2, "threads", method="ulysses", zigzag=False, path=path)
+    t = trace.load(path)
+    assert not is_ring(t) and "ring" not in [kind for kind, _, _ in figures_for(t, "u")]
