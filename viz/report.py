@@ -2,8 +2,9 @@
 
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size,
 paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
-then, when there are several traces, their timelines on one shared time axis, then per trace: its
-metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
+then the first Ring Attention trace's ring step by step (``viz.ring``; the others' in their
+sections), then, when there are several traces, their timelines on one shared time axis, then per
+trace: its metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
 schedule: the papers' unit grid, its stash counts under it), its traffic (left out when no
 message carries a byte) and its memory. The page records JavaScript errors into the ``data-js-errors`` attribute of
 ``<html>`` (a JSON list) so a headless browser can check that it rendered cleanly.
@@ -132,18 +133,19 @@ def _fig_html(fig: go.Figure, div_id: str) -> str:
                        config={"displaylogo": False, "responsive": True})
 
 
-def figures_for(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
+def figures_for(trace: Trace, title: str, ring: bool = True) -> list[tuple[str, go.Figure | None, str]]:
     """(kind, figure or None, note) for the per-trace figures; None with a note when there is
     nothing to draw. A simulated pipeline schedule is drawn as the papers' unit grid
     (``viz.pipeline_grid``) with its stash counts under it, and has no traffic panel when its
-    messages carry no bytes."""
+    messages carry no bytes. A Ring Attention trace gets ``viz.ring``'s figure (unless ``ring`` is
+    False: the page already shows it at the top)."""
     out: list[tuple[str, go.Figure | None, str]] = []
     grid = is_grid(trace)
     if grid:
         out.append(("schedule", figures.schedule_grid(trace, f"schedule as the papers draw it: {title}"), ""))
     else:
         out.append(("timeline", figures.timeline(trace, f"timeline: {title}"), ""))
-    if is_ring(trace):  # Ring Attention: the K/V blocks step by step
+    if ring and is_ring(trace):  # Ring Attention: the K/V blocks step by step
         out.append(("ring", ring_figure(trace, title), ""))
     moved = sum(e.nbytes or 0 for e in A.sends(trace))
     if moved:
@@ -172,13 +174,17 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
              "<title>minipar report</title>", _ERROR_HOOK, _STYLE,
              f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head><body>",
              "<h1>minipar report</h1>", _table(summary_rows(traces, titles))]
+    first_ring = next((i for i, t in enumerate(traces) if is_ring(t)), None)
+    if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
+        parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
+        parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
     if len(traces) > 1:
         parts.append("<h2>side by side</h2>")
         parts.append(_fig_html(figures.compare(traces, titles), "fig-compare"))
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(metadata(t))
-        for kind, fig, note in figures_for(t, title):
+        for kind, fig, note in figures_for(t, title, ring=i != first_ring):
             if fig is None:
                 parts.append(f'<p class="note" id="note-{i}-{kind}">{html.escape(note)}</p>')
             else:
