@@ -45,6 +45,7 @@ from minipar.parallel.sequence import (
     SequenceParallelGPT,
     block_backward,
     check_sequence_config,
+    scores,
 )
 from minipar.testing import run, run_each
 
@@ -290,6 +291,17 @@ def attention_pieces(draw: st.DrawFn) -> dict:
             "seed": draw(st.integers(0, 2**16))}
 
 
+@pytest.mark.parametrize(("q_piece", "k_piece", "visible"),
+                         [((0, 2), (2, 4), 0), ((2, 4), (0, 2), 4), ((1, 3), (1, 3), 3)])
+def test_scores_mask_what_the_causal_mask_hides(q_piece: tuple, k_piece: tuple, visible: int) -> None:
+    """A score block is -inf exactly where a key comes after its query: all of a hidden block (keys
+    2-3 after queries 0-1), none of a visible one, the upper triangle of a diagonal one."""
+    ones = np.ones((1, 1, 2, 1))
+    s = scores(ones, ones, 1.0, q_piece, k_piece, causal=True)
+    assert int(np.isfinite(s).sum()) == visible
+    assert np.all(s[np.isfinite(s)] == 1.0)
+
+
 @budget(20)
 @given(c=attention_pieces())
 def test_block_backward_sums_to_attention_backward(c: dict) -> None:
@@ -339,7 +351,8 @@ BAD = {  # name: (constructor overrides on 4 ranks, phrases the message must con
              ["the grid P_u x P_r = 2 x 3 = 6 ranks but the communicator has 4"]),
     "grid ulysses": ({"method": "hybrid", "ulysses": 3}, ["a Ulysses degree P_u that divides the 4 ranks",
                                                           "pick one of [1, 2, 4]"]),
-    "grid ring": ({"method": "hybrid", "ring": 3}, ["a Ulysses degree P_u that divides the 4 ranks"]),
+    "grid ring": ({"method": "hybrid", "ring": 3}, ["a ring degree P_r that divides the 4 ranks", "ring=3",
+                                                    "[1, 2, 4]"]),
     "grid missing": ({"method": "hybrid"}, ["a Ulysses degree P_u that divides the 4 ranks"]),
     "degree for ring": ({"ulysses": 2}, ["ulysses=2, ring=None do not fit method='ring' on 4 ranks"]),
     "method": ({"method": "tree"}, ["method='tree'; choose one of ulysses, ring, hybrid"]),

@@ -38,10 +38,11 @@ def visibility(q_piece: tuple[int, int], k_piece: tuple[int, int], causal: bool)
 def scores(q: np.ndarray, k: np.ndarray, scale: float, q_piece: tuple[int, int], k_piece: tuple[int, int],
            causal: bool) -> np.ndarray:
     """``q k^T * scale`` with -inf where a key comes after its query (causal): a new (b, H, n_q, n_k)
-    array, the only score buffer a block allocates."""
+    array, the only score buffer a block allocates. A hidden block comes back all -inf (callers
+    that can, skip it)."""
     s = q @ k.transpose(0, 1, 3, 2)
     s *= scale
-    if visibility(q_piece, k_piece, causal) == PARTIAL:
+    if visibility(q_piece, k_piece, causal) != VISIBLE:  # Ring Attention skips HIDDEN blocks; masked anyway
         qpos, kpos = np.arange(*q_piece), np.arange(*k_piece)
         s[..., kpos[None, :] > qpos[:, None]] = -np.inf
     return s

@@ -114,7 +114,10 @@ def check_sequence_config(comm: Any, seq_len: int, n_heads: int, d_model: int, m
             raise ValueError(f"sequence parallelism: the grid P_u x P_r = {ulysses} x {ring} = {ulysses * ring} "
                              f"ranks but the communicator has {p}; launch {ulysses * ring} ranks or pick "
                              f"degrees whose product is {p}")
-        ulysses = p // ring if ring >= 1 and p % ring == 0 else None
+        if ring < 1 or p % ring:
+            raise ValueError(f"sequence parallelism: the hybrid grid needs a ring degree P_r that divides the {p} "
+                             f"ranks (got ring={ring}); pick one of {_divisors(p)}")
+        ulysses = p // ring
     if method == "hybrid":
         if ulysses is None or ulysses < 1 or p % ulysses:
             problems.append(f"the hybrid grid needs a Ulysses degree P_u that divides the {p} ranks "
