@@ -12,7 +12,7 @@ import pytest
 from minipar import trace
 from minipar.comm import Communicator, launch
 from minipar.parallel.sequence import SequenceParallelGPT
-from viz.report import figures_for
+from viz.report import figures_for, render
 from viz.ring import is_ring, ring_figure, ring_size, ring_steps
 
 VOCAB, SEQ, D, HEADS = 16, 24, 8, 2
@@ -64,3 +64,14 @@ def test_no_ring_no_ring_figure(tmp_path) -> None:
     launch(traced_step, 2, "threads", method="ulysses", zigzag=False, path=path)
     t = trace.load(path)
     assert not is_ring(t) and "ring" not in [kind for kind, _, _ in figures_for(t, "u")]
+
+
+def test_the_report_draws_the_first_ring_on_top(tmp_path) -> None:
+    paths = []
+    for name, method in (("u", "ulysses"), ("r", "ring"), ("z", "ring")):
+        paths.append(str(tmp_path / f"{name}.json"))
+        launch(traced_step, 2, "threads", method=method, zigzag=name == "z", path=paths[-1])
+    page = render([trace.load(p) for p in paths], ["U", "R", "Z"])
+    assert page.count('id="fig-ring"') == 1 and page.count('id="fig-2-ring"') == 1  # Z's in its section
+    assert "fig-1-ring" not in page  # R's is the one on top
+    assert page.index('id="fig-ring"') < page.index('id="fig-compare"') < page.index('id="fig-2-ring"')
