@@ -13,7 +13,7 @@ from minipar import trace
 from minipar.comm import Communicator, launch
 from minipar.parallel.sequence import SequenceParallelGPT
 from viz.report import figures_for, render
-from viz.ring import is_ring, ring_figure, ring_size, ring_steps
+from viz.ring import compute_time, exposed_wait, is_ring, ring_figure, ring_size, ring_steps, step_table
 
 VOCAB, SEQ, D, HEADS = 16, 24, 8, 2
 
@@ -51,8 +51,12 @@ def test_ring_steps_follow_the_ring(tmp_path, method: str, p: int, zigzag: bool)
             assert [st.incoming.src for st in row[:-1]] == [((i - 1) % pr) * u + r % u] * (pr - 1)
             assert row[-1].incoming is None and row[-1].outgoing is None
             assert [len(st.spans) for st in row] == [expected_spans(i, s, pr, zigzag) for s in range(pr)]
+            assert exposed_wait(row[-1]) is None and all(exposed_wait(st) >= 0 for st in row[:-1])
+            assert [compute_time(st) for st in row] == [sum(e.t1 - e.t0 for e in st.spans) for st in row]
     with pytest.raises(ValueError, match="no pass 4"):
         ring_steps(t, 4)  # 2 forward + 2 backward passes
+    table = step_table(t)
+    assert len(table.columns) == 1 + pr and table.row_count == p
     fig = ring_figure(t)
     assert len(fig.layout.shapes) == p * pr  # one cell per (rank, step)
     assert len([a for a in fig.layout.annotations if a.showarrow]) == p * (pr - 1)  # one arrow per message

@@ -11,6 +11,9 @@ layer runs Ring Attention once, forward pass i is layer i's forward (the backwar
 - ``ring_steps(trace, index)``: per rank, per step of forward pass ``index``: the block held, the
   score blocks computed on it (with their times) and the receive of the next block (with its time,
   from posting the receive to the wait that ends it).
+- ``compute_time(step)``, ``exposed_wait(step)``: the step's score-block time, and how long the rank
+  still waited for the next block after that compute (the transfer the compute did not hide).
+- ``step_table(trace, index)``: the same numbers as a rich table, for the terminal.
 - ``ring_figure(trace, title)``: two panels. Top, the ring as a step x rank grid: each cell names the
   K/V block the rank computes on at that step (one colour per block; pale when the causal mask hides
   the whole block and no score is computed) and an arrow to the rank that holds it at the next step.
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from rich.table import Table
 
 from minipar.trace import Event, Trace
 from viz import analysis as A
@@ -83,6 +87,42 @@ def ring_steps(trace: Trace, index: int = 0) -> dict[int, list[Step]]:
                           got[s] if s < hops else None, mine[s] if s < hops else None)
                      for s in range(hops + 1)]
     return out
+
+
+def compute_time(st: Step) -> float:
+    """Time the rank spent on this step's score blocks."""
+    return sum(e.t1 - e.t0 for e in st.spans)
+
+
+def exposed_wait(st: Step) -> float | None:
+    """Time the rank still waited for the next block after this step's compute ended: the part of
+    the transfer the compute did not hide (0 when the block had arrived); None at the last step."""
+    if st.incoming is None:
+        return None
+    done = max((e.t1 for e in st.spans), default=st.incoming.t0)
+    return max(0.0, st.incoming.t1 - done)
+
+
+def step_table(trace: Trace, index: int = 0) -> Table:
+    """Forward pass ``index`` as a rich table: per rank and ring step, the K/V block, the compute on
+    it and the wait for the next block left after that compute (times in ms, or the trace's unit)."""
+    steps = ring_steps(trace, index)
+    scale, unit = (1e3, "ms") if A.time_unit(trace) == "s" else (1.0, A.time_unit(trace))
+    table = Table(title=f"ring pass {index} (forward): K/V block, compute on it / wait for the next block after "
+                        f"that compute, {unit}", title_justify="left",
+                  caption="a wait near 0: the next block arrived while the rank computed (the transfer was hidden)",
+                  caption_justify="left")
+    table.add_column("rank", justify="right")
+    for s in range(ring_size(trace)):
+        table.add_column(f"step {s}", justify="right")
+    for r, row in sorted(steps.items()):
+        cells = []
+        for st in row:
+            wait = exposed_wait(st)
+            cells.append(f"K/V {st.block}: {compute_time(st) * scale:.2f}"
+                         + ("" if wait is None else f" / {wait * scale:.2f}"))
+        table.add_row(str(r), *cells)
+    return table
 
 
 def _grid(fig: go.Figure, steps: dict[int, list[Step]], ranks: list[int]) -> None:

@@ -50,6 +50,7 @@ from minipar.optim import AdamW
 from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.tensor import TensorParallelGPT
 from minipar.parallel.tensor.comm_ops import on_backward
+from viz.ring import step_table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 256, 32, 4, 2, 64, 2
 ITEM = 8  # float64
@@ -381,11 +382,12 @@ def run(comm: Any, steps: int) -> None:
                   "ring keeps no scores, only one block at a time while computing: it grows as S/P.", highlight=False)
     console.rule("[bold]5. causal load balance")
     console.print(causal_table(traces, p))
-    console.rule("[bold]6. timeline of the zigzag ring's last step (F/B per layer, attention blocks, opt)")
+    console.rule("[bold]6. the zigzag ring's last step: layer 0's ring, then the timeline (F/B per layer, opt)")
     note = time_sharing(p)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes, "
                       "memory or blocks above.", highlight=False)
+    console.print(step_table(traces["ring_zigzag"]))
     order = ["megatron_sp", "ulysses", "ring_zigzag", "ring", "hybrid"]  # the report draws the first ring on top
     finish([OUT / f"{name}.json" for name in order], OUT / "report.html", console, timeline=traces["ring_zigzag"],
            titles=[RUNS[n][2] for n in order])
