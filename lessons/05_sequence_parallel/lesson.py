@@ -63,7 +63,7 @@ RUNS = {
     "ulysses": ("ulysses", False, "Ulysses"),
     "ring": ("ring", False, "Ring, contiguous"),
     "ring_zigzag": ("ring", True, "Ring, zigzag"),
-    "hybrid": ("hybrid", True, "Hybrid 2 x 2 (zigzag)"),
+    "hybrid": ("hybrid", True, "Hybrid 2 x P/2 (zigzag)"),
 }
 ATTENTION_OPS = ("all_to_all", "ring_kv", "ring_dkv", "allgather", "reduce_scatter")
 
