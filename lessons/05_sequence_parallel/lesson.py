@@ -23,8 +23,10 @@ rank per layer, forward and backward, measured from the trace next to the formul
 bytes one layer keeps and the largest score buffer, measured (the autograd graph; the ring's
 ``score_bytes`` span fields) next to the formula; 4. the longest sequence each method fits into a
 fixed per-rank budget, from the formulas; 5. score blocks per rank under the causal mask, counted
-from the trace's spans, contiguous vs zigzag; 6. the terminal timeline and an HTML report with the
-ring drawn step by step (``viz.ring``). Writes runs/05_sequence_parallel/*.json and report.html.
+from the trace's spans, contiguous vs zigzag; 6. the zigzag ring's layer 0, step by step: compute on
+each K/V block and the wait for the next block left after it (near 0: the transfer was hidden), then
+the terminal timeline; the HTML report draws the ring on top (``viz.ring``: who holds which block at
+which step, and the compute beside the transfer). Writes runs/05_sequence_parallel/*.json, report.html.
 """
 
 from __future__ import annotations
