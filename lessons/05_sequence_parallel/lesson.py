@@ -381,7 +381,8 @@ def run(comm: Any, steps: int) -> None:
     console.rule("[bold]4. how long a sequence fits")
     console.print(budget_table(p))
     console.print("Megatron-SP and Ulysses keep an S x S softmax of H/P heads: their memory grows as S^2/P. The "
-                  "ring keeps no scores, only one block at a time while computing: it grows as S/P.", highlight=False)
+                  "ring keeps no scores; its one transient block, (S/P)^2 (zigzag: (S/2P)^2), is what caps it here "
+                  "(FlashAttention-style tiles inside a block would shrink that too).", highlight=False)
     console.rule("[bold]5. causal load balance")
     console.print(causal_table(traces, p))
     console.rule("[bold]6. the zigzag ring's last step: layer 0's ring, then the timeline (F/B per layer, opt)")
