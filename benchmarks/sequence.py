@@ -17,15 +17,15 @@ over one process (2.0 would be perfect strong scaling; one rank per core, no tim
 causal mask the contiguous split gives rank 1 three times rank 0's score blocks, so it runs at the
 speed of its slowest rank; the zigzag split evens them out.
 
-Measured on the 2-core machine (S = 2048, H = 4, d_head = 32, 3 rounds; other jobs were running, so
-times moved by ~10% between runs, the memory did not):
+Measured on the 2-core machine (S = 2048, H = 4, d_head = 32, float64), two runs (3 rounds with
+other jobs running, 5 rounds quieter); times moved by up to 10% between runs, memory not at all:
 
-    configuration        peak MiB/rank  vs 1 process  step ms  speed-up  vs blockwise
-    one process                  270.0         1.00x      516     1.00x         0.47x
-    1 proc. blockwise             34.8         0.13x      240     2.15x         1.00x
-    Ulysses                      138.0         0.51x      227     2.27x         1.06x
-    Ring, contiguous              76.2         0.28x      243     2.12x         0.99x
-    Ring, zigzag                  27.7         0.10x      140     3.68x         1.71x
+    configuration        peak MiB/rank  vs 1 process  step ms   speed-up    vs blockwise
+    one process                  270.0         1.00x  473-516   1.00x       0.47-0.52x
+    1 proc. blockwise             34.8         0.13x  240-244   1.94-2.15x  1.00x
+    Ulysses                      138.0         0.51x  227-230   2.06-2.27x  1.06x
+    Ring, contiguous              76.2         0.28x  243-249   1.90-2.12x  0.98-0.99x
+    Ring, zigzag                  27.7         0.10x  140-147   3.23-3.68x  1.67-1.71x
 
 Against the fair baseline (blockwise, one process) only the zigzag ring gains from the second core
 (1.71x of an ideal 2x): Ulysses computes every masked score of its H/P heads, and the contiguous
