@@ -359,14 +359,29 @@ class Tensor:
 
 
 class Context:
-    """What a ``Function``'s forward leaves for its backward."""
+    """What a ``Function``'s forward leaves for its backward.
+
+    ``saved``: what forward passed to ``save_for_backward``, except that an array that was a leaf
+    argument's ``data`` (a parameter) is read from the leaf again when backward asks for it, as a
+    PyTorch saved tensor shares its parameter's storage. ZeRO-3 / FSDP rely on it: they free a
+    unit's gathered parameters after forward and gather them again before its backward."""
 
     def __init__(self, needs_input_grad: tuple[bool, ...] = ()) -> None:
-        self.saved: tuple[Any, ...] = ()
+        self._saved: tuple[Any, ...] = ()
         self.needs_input_grad = needs_input_grad  # per forward argument: a Tensor that requires grad
 
     def save_for_backward(self, *values: Any) -> None:
-        self.saved = values
+        self._saved = values
+
+    @property
+    def saved(self) -> tuple[Any, ...]:
+        return tuple(v.data if isinstance(v, Tensor) else v for v in self._saved)
+
+    def _refer_to_leaves(self, args: Sequence[Any]) -> None:
+        """Replace saved arrays that are a leaf argument's current ``data`` by the leaf itself."""
+        leaves = {id(a.data): a for a in args if isinstance(a, Tensor) and a.is_leaf and a.requires_grad}
+        if leaves:
+            self._saved = tuple(leaves.get(id(v), v) for v in self._saved)
 
 
 class Function:
@@ -391,6 +406,7 @@ class Function:
         raw = [a.data if isinstance(a, Tensor) else a for a in args]
         with no_grad():
             out = np.asarray(cls.forward(ctx, *raw))
+        ctx._refer_to_leaves(args)
         slots = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
         parents = tuple(args[i] for i in slots)
 

@@ -183,14 +183,15 @@ def _normalise(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _LayerNorm(Function):
-    """Keeps its input only: the mean and 1/std (two numbers per row, which Megatron's fused kernel
-    also keeps) are recomputed in backward, so what stays alive is exactly the input."""
+    """Keeps its input (and the weight, a parameter): the mean and 1/std (two numbers per row, which
+    Megatron's fused kernel also keeps) are recomputed in backward, so the activation kept is exactly
+    the input."""
 
     @staticmethod
     def forward(ctx: Context, x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None,
                 eps: float) -> np.ndarray:
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.has_bias, ctx.eps = weight, bias is not None, eps
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.eps = bias is not None, eps
         out, _ = _normalise(x, eps)
         if weight is not None:
             out *= weight
@@ -200,14 +201,14 @@ class _LayerNorm(Function):
 
     @staticmethod
     def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
-        (x,) = ctx.saved
+        x, weight = ctx.saved
         n = x.shape[-1]
         xhat, rstd = _normalise(x, ctx.eps)
         rows_g, rows_xhat = g.reshape(-1, n), xhat.reshape(-1, n)
-        dw = np.einsum("ri,ri->i", rows_g, rows_xhat) if ctx.weight is not None else None  # sum of g xhat
+        dw = np.einsum("ri,ri->i", rows_g, rows_xhat) if weight is not None else None  # sum of g xhat
         db = rows_g.sum(axis=0) if ctx.has_bias else None
         # dx = rstd (gh - mean(gh) - xhat mean(gh xhat)) with gh = g weight, built in place in gh
-        gh = g * ctx.weight if ctx.weight is not None else g.copy()
+        gh = g * weight if weight is not None else g.copy()
         xhat *= _rowdot(gh, xhat) / n
         gh -= _rowsum(gh) / n
         gh -= xhat
