@@ -21,6 +21,7 @@ declares parameters (shape, initialiser, shard) and never writes their values it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
@@ -42,12 +43,35 @@ class Parameter(Tensor):
 
     def __init__(self, shape: Sequence[int], init: Init = ("zeros",), dtype: Any = np.float64,
                  full_shape: Sequence[int] | None = None, shard: tuple[slice, ...] | None = None) -> None:
-        super().__init__(np.zeros(tuple(shape), dtype=dtype), requires_grad=True)
+        shape = tuple(shape)
+        if getattr(_building, "deferred", False):  # no storage: a placeholder of the right shape
+            super().__init__(unallocated(shape, dtype), requires_grad=True)
+        else:
+            super().__init__(np.zeros(shape, dtype=dtype), requires_grad=True)
         self.init = init
-        self.full_shape = tuple(full_shape) if full_shape is not None else tuple(shape)
+        self.full_shape = tuple(full_shape) if full_shape is not None else shape
         self.shard = shard
-        if getattr(_building, "depth", 0):  # made by a module constructor: initialised when it returns
-            _building.fresh.add(id(self))
+        if getattr(_building, "depth", 0) and not getattr(_building, "deferred", False):
+            _building.fresh.add(id(self))  # made by a module constructor: initialised when it returns
+
+
+def unallocated(shape: Sequence[int], dtype: Any = np.float64) -> np.ndarray:
+    """A read-only array of ``shape`` that holds no memory (every element is one shared zero): the
+    data of a parameter whose values live elsewhere (a ZeRO-3 / FSDP shard)."""
+    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Build modules without storage (PyTorch's meta device): parameters get ``unallocated`` data
+    and are not initialised. For ZeRO-3 / FSDP, which then give each rank only its shard's values
+    (``init_values`` of the shard's positions), so no rank ever holds a whole model."""
+    before = getattr(_building, "deferred", False)
+    _building.deferred = True
+    try:
+        yield
+    finally:
+        _building.deferred = before
 
 
 TILE = 64  # edge of an initialisation tile: at most TILE * TILE numbers (32 KiB in float64)

@@ -1,0 +1,101 @@
+"""Flat, padded shards: the layout ZeRO and FSDP share (DeepSpeed's contiguous partitions, FSDP's
+``FlatParameter``, Zhao et al. 2023, Sec. 3.2.1).
+
+A group of parameters (a ZeRO bucket, an FSDP unit) is flattened in order and concatenated into one
+1-D buffer of ``numel`` elements, zero-padded at the end to ``L``, a multiple of N; rank r owns
+elements ``[r L/N, (r+1) L/N)``. Gradients and optimizer state use the same layout, so a rank's
+shard of each is one contiguous array and one collective moves a whole group::
+
+    params  |---- w0 ----|-- b0 --|------ w1 ------|pad|
+    rank    |    0     |    1     |    2     |    3     |     N = 4, L = 4 x L/N
+
+Padding costs at most N - 1 elements per group and makes every all-gather and reduce-scatter one
+of N equal blocks. A shard may cut a parameter anywhere, even mid-row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar.nn import Parameter, init_values
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each of ``names`` (of ``shapes``) sits in a flat buffer padded for ``world`` ranks."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    world: int  # N
+
+    @property
+    def sizes(self) -> list[int]:
+        return [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [int(o) for o in np.cumsum([0, *self.sizes])[:-1]]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameters, unpadded."""
+        return sum(self.sizes)
+
+    @property
+    def padded(self) -> int:
+        """L: ``numel`` rounded up to a multiple of N."""
+        return -(-self.numel // self.world) * self.world
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.world
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s elements ``[lo, hi)`` of the padded buffer."""
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def pieces(self, rank: int) -> Iterator[tuple[int, int, int]]:
+        """The parameters inside rank ``rank``'s shard: ``(index, start, stop)`` of each one's flat
+        elements, in order (the padding after the last is not a parameter)."""
+        lo, hi = self.shard_range(rank)
+        for i, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            a, b = max(lo, offset), min(hi, offset + size)
+            if a < b:
+                yield i, a - offset, b - offset
+
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Each parameter's shape as a view of the padded (or unpadded) ``flat`` buffer."""
+        return [flat[o:o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes, strict=True)]
+
+    def flatten(self, arrays: Sequence[np.ndarray | None], dtype: np.dtype | type = np.float64) -> np.ndarray:
+        """One padded buffer of ``arrays`` in order (None: zeros, a parameter without gradient)."""
+        flat = np.zeros(self.padded, dtype=dtype)
+        for view, a in zip(self.views(flat), arrays, strict=True):
+            if a is not None:
+                view[...] = a
+        return flat
+
+
+def layout_of(named: Sequence[tuple[str, Parameter]], world: int) -> FlatLayout:
+    """The layout of ``named`` parameters (full names, in order) over ``world`` ranks."""
+    return FlatLayout(tuple(n for n, _ in named), tuple(p.full_shape for _, p in named), world)
+
+
+def init_shard(layout: FlatLayout, params: Sequence[Parameter], rank: int, seed: int,
+               dtype: np.dtype | type = np.float64) -> np.ndarray:
+    """Rank ``rank``'s shard of the initial values, generated from ``(seed, name, full shape)``
+    alone (``nn.init_values``): for each parameter piece, only the rows it touches (at most two
+    rows more than the piece), so no rank ever holds more of the model than its shard."""
+    shard = np.zeros(layout.shard_size, dtype=dtype)
+    lo = layout.shard_range(rank)[0]
+    for i, a, b in layout.pieces(rank):
+        shape, p = layout.shapes[i], params[i]
+        row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        r0, r1 = a // row, (b - 1) // row + 1
+        rows = init_values(seed, layout.names[i], shape, p.init, (slice(r0, r1),))
+        start = layout.offsets[i] + a - lo
+        shard[start:start + b - a] = rows.reshape(-1)[a - r0 * row:b - r0 * row]
+    return shard
