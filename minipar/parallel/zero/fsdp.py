@@ -1,0 +1,257 @@
+"""ZeRO stage 3 as PyTorch's Fully Sharded Data Parallel (Zhao et al. 2023, "PyTorch FSDP:
+Experiences on Scaling Fully Sharded Data Parallel", Sec. 3; Rajbhandari et al. 2020, Sec. 5.3).
+
+A rank holds only its shard of every parameter, of its gradient and of AdamW's moments. A wrapping
+policy cuts the model into **units** (one per transformer block, plus the embeddings, the final
+layer norm and the head); each unit's parameters are one flat padded buffer (``flat.FlatLayout``)
+cut into N shards. Around each unit (Zhao et al., Fig. 2 and Sec. 3.3)::
+
+    forward    unshard (all-gather; the next unit's all-gather is already on its way: prefetch)
+               compute
+               reshard (``reshard_after_forward``: free the gathered parameters)
+    backward   unshard again (prefetching the unit before it), compute the gradients,
+               reduce-scatter them (this rank keeps the average of its shard), reshard
+
+The autograd graph keeps each op's saved parameter as a reference to the parameter, not to its
+array (``autograd.Context``), so freeing a unit's gathered buffer after forward really frees it and
+backward reads the re-gathered values. Prefetching runs the all-gathers on the communicator's
+background thread (``comm.iallgather``) while this thread computes: forward in registration order
+(the next unit), backward in the reverse of the order the units ran forward.
+
+Bytes per rank per step, padded parameter bytes Psi' (ring): all-gather forward (N-1)/N Psi',
+again in backward (N-1)/N Psi', reduce-scatter (N-1)/N Psi': 3 (N-1)/N Psi' (Sec. 7.2.1 of the
+ZeRO paper: "1.5x" data parallelism's 2 (N-1)/N). Without ``reshard_after_forward`` backward reuses
+the forward's gather: 2 (N-1)/N Psi', the memory of every unit gathered at once. Memory per rank:
+(8 + 8 + 16) Psi' / N in float64, plus the gathered units in flight: the current one and the
+prefetched one (``minipar.cost.zero``).
+
+The gradients' average over ranks is the gradient of the global batch, so every step equals one
+process's AdamW step on the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from minipar import trace
+from minipar.autograd import Context, Function, Tensor
+from minipar.comm import Communicator, Request
+from minipar.nn import Block, Module, Parameter, unallocated
+from minipar.optim import AdamW
+from minipar.parallel.zero.flat import FlatLayout, init_shard, layout_of
+
+ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
+Policy = Callable[[str, Module], bool]
+
+
+def transformer_units(name: str, module: Module) -> bool:
+    """The default wrapping policy: a unit per transformer ``Block`` and per top-level module that
+    holds parameters itself (``tok_emb``, ``pos_emb``, ``ln_f``, ``head`` of ``nn.GPT``; not a
+    container such as ``blocks``, whose own forward never runs)."""
+    owns = any(isinstance(v, Parameter) for v in vars(module).values())
+    return isinstance(module, Block) or (name.count(".") == 0 and owns)
+
+
+class Unit:
+    """One FSDP unit: the flat shard of its parameters, gathered while it computes."""
+
+    def __init__(self, index: int, name: str, named: list[tuple[str, Parameter]], comm: Communicator,
+                 seed: int) -> None:
+        self.index, self.name, self.comm = index, name, comm
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.layout: FlatLayout = layout_of(named, comm.size)
+        if all(_unallocated(p.data) for p in self.params):  # built under nn.deferred(): draw the shard
+            values = init_shard(self.layout, self.params, comm.rank, seed)
+        else:  # a model built whole: take this rank's part and let the rest go
+            lo, hi = self.layout.shard_range(comm.rank)
+            values = self.layout.flatten([p.data for p in self.params])[lo:hi].copy()
+        self.shard = Tensor(values)  # the only copy of these parameters on this rank
+        self.full: np.ndarray | None = None  # the gathered flat buffer while unsharded
+        self.pending: Request | None = None  # a prefetch under way
+        self.ready: set[int] = set()
+        self.reduced = False
+        self.reshard()
+
+    @property
+    def gathered_bytes(self) -> int:
+        return (self.full.nbytes if self.full is not None else 0) + \
+            (self.layout.padded * self.shard.data.itemsize if self.pending is not None else 0)
+
+    def prefetch(self) -> None:
+        """Start the all-gather of this unit's parameters on the background thread."""
+        if self.full is None and self.pending is None:
+            self.pending = self.comm.iallgather(self.shard.data, algorithm=ALGORITHM)
+
+    def unshard(self) -> None:
+        """Every parameter's data a view of the gathered flat buffer (waiting for a prefetch)."""
+        if self.full is not None:
+            return
+        self.prefetch()
+        self.full, self.pending = self.pending.wait(), None
+        for p, view in zip(self.params, self.layout.views(self.full), strict=True):
+            p.data = view
+
+    def reshard(self) -> None:
+        """Free the gathered buffer: the parameters hold no memory until the next ``unshard``."""
+        for p in self.params:
+            p.data = unallocated(p.full_shape, p.dtype)
+        self.full = None
+
+    def reduce_scatter(self) -> None:
+        """This rank's shard of the gradients averaged over the ranks; drop the full gradients."""
+        grads = self.layout.flatten([p.grad for p in self.params])
+        shard = self.comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
+        shard /= self.comm.size
+        self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
+        for p in self.params:
+            p.grad = None
+        self.ready.clear()
+        self.reduced = True
+
+
+def _unallocated(a: np.ndarray) -> bool:
+    return a.size > 0 and not any(a.strides)
+
+
+class _PreBackward(Function):
+    """Identity; when the gradient reaches a unit's output, ``callback()`` unshards the unit (and
+    prefetches the one before it) before the unit's own backward runs."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, callback: Callable[[], None]) -> np.ndarray:
+        ctx.callback = callback
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        ctx.callback()
+        return grad, None
+
+
+def check_fsdp_config(comm: Communicator, module: Module, policy: Policy) -> list[tuple[str, Module]]:
+    """The modules ``policy`` makes units of, outermost first, or ``ValueError`` (same on every
+    rank, before any message): a policy that wraps nothing, or parameters no unit owns."""
+    wrapped: list[tuple[str, Module]] = []
+
+    def walk(prefix: str, m: Module) -> None:
+        for name, child in m.children():
+            full = prefix + name
+            if policy(full, child):
+                wrapped.append((full, child))
+            else:
+                walk(full + ".", child)
+
+    walk("", module)
+    owned = {id(p) for _, m in wrapped for p in m.parameters()}
+    orphans = [n for n, p in module.named_parameters() if id(p) not in owned]
+    if not wrapped or orphans:
+        raise ValueError("FSDP: the wrapping policy " + ("wraps no module" if not wrapped else
+                         f"leaves {orphans} in no unit") + "; wrap the modules that hold them "
+                         "(e.g. policy=transformer_units)")
+    return wrapped
+
+
+class FullyShardedDataParallel:
+    """ZeRO-3 / FSDP of ``module`` over ``comm`` with AdamW (every rank calls this).
+
+    Build the model under ``nn.deferred()`` so that no rank ever holds it whole (each rank then
+    draws only its shards' initial values); a model built whole is cut and its full arrays freed.
+    Per step: ``loss = fsdp(x, y)`` or ``module.loss(...)`` on this rank's part of the batch,
+    ``fsdp.backward(loss)``, ``fsdp.step()``.
+    """
+
+    def __init__(self, module: Module, comm: Communicator, policy: Policy = transformer_units,
+                 reshard_after_forward: bool = True, prefetch: bool = True, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        wrapped = check_fsdp_config(comm, module, policy)
+        self.module, self.comm = module, comm
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.units = [Unit(i, name, list(m.named_parameters(name + ".")), comm, module.seed)
+                      for i, (name, m) in enumerate(wrapped)]
+        for unit, (_, m) in zip(self.units, wrapped, strict=True):
+            m.forward = self._wrap(unit, m.forward)  # an instance attribute: the class's forward stays
+            for j, p in enumerate(unit.params):
+                p.register_hook(lambda _p, u=unit, j=j: self._on_grad_ready(u, j))
+        self.optimizer = AdamW([u.shard for u in self.units], lr, betas, eps, weight_decay)
+        self.order: list[Unit] = []  # the units in the order the last forward ran them
+        self._sample()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ---- around each unit ---------------------------------------------------------------------
+    def _wrap(self, unit: Unit, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def wrapped(*args: Any, **kwargs: Any) -> Tensor:
+            if unit in self.order:  # a new forward pass began
+                self.order = []
+            self.order.append(unit)
+            with trace.span("F", args={"unit": unit.name}):
+                unit.unshard()
+                if self.prefetch and unit.index + 1 < len(self.units):
+                    self.units[unit.index + 1].prefetch()
+                self._sample()
+                out = forward(*args, **kwargs)
+                if self.reshard_after_forward:
+                    unit.reshard()
+                    self._sample()
+            return _PreBackward.apply(out, lambda: self._pre_backward(unit))
+        return wrapped
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.reduced = False
+        unit.unshard()
+        at = self.order.index(unit)
+        if self.prefetch and at > 0:
+            self.order[at - 1].prefetch()
+        self._sample()
+
+    def _on_grad_ready(self, unit: Unit, j: int) -> None:
+        unit.ready.add(j)
+        if len(unit.ready) == len(unit.params):
+            unit.reduce_scatter()
+            unit.reshard()
+            self._sample()
+
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()`` in a "B" span; each unit reduce-scatters its gradients as soon as they
+        are complete. A unit some parameter of which got no gradient is reduced at the end."""
+        with trace.span("B"):
+            loss.backward()
+            for unit in reversed(self.order):
+                if not unit.reduced:
+                    unit.reduce_scatter()
+                    unit.reshard()
+        self._sample()
+
+    def step(self) -> None:
+        """AdamW on this rank's shards (the parameters stay sharded until the next forward)."""
+        with trace.span("opt"):
+            self.optimizer.step()
+            for unit in self.units:
+                unit.shard.grad = None
+        self._sample()
+
+    # ---- whole values, for tests and checkpoints ---------------------------------------------
+    def full_state_dict(self) -> dict[str, np.ndarray]:
+        """Every parameter, whole (all-gathers every unit: for tests and single-process use)."""
+        out = {}
+        for unit in self.units:
+            flat = self.comm.allgather(unit.shard.data, algorithm=ALGORITHM)
+            out.update(zip(unit.names, (v.copy() for v in unit.layout.views(flat)), strict=True))
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: parameter, gradient and optimizer-state shards, and the
+        gathered units (unsharded or on their way)."""
+        return {"parameters": sum(u.shard.data.nbytes for u in self.units),
+                "gradients": sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None),
+                "optimizer state": self.optimizer.state_bytes(),
+                "gathered units": sum(u.gathered_bytes for u in self.units)}
+
+    def _sample(self) -> None:
+        if trace.current() is not None:
+            for label, nbytes in self.state_bytes().items():
+                trace.memory(label, nbytes)
