@@ -40,8 +40,9 @@ from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.comm import Communicator, Request
 from minipar.nn import Block, Module, Parameter, unallocated
-from minipar.optim import AdamW
 from minipar.parallel.zero.flat import FlatLayout, init_shard, layout_of
+from minipar.parallel.zero.precision import ShardedAdamW
+from minipar.parallel.zero.stages import check_precision
 
 ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
 Policy = Callable[[str, Module], bool]
@@ -64,10 +65,10 @@ class Unit:
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.layout: FlatLayout = layout_of(named, comm.size)
         if all(_unallocated(p.data) for p in self.params):  # built under nn.deferred(): draw the shard
-            values = init_shard(self.layout, self.params, comm.rank, seed)
+            values = init_shard(self.layout, self.params, comm.rank, seed, self.params[0].dtype)
         else:  # a model built whole: take this rank's part and let the rest go
             lo, hi = self.layout.shard_range(comm.rank)
-            values = self.layout.flatten([p.data for p in self.params])[lo:hi].copy()
+            values = self.layout.flatten([p.data for p in self.params], self.params[0].dtype)[lo:hi].copy()
         self.shard = Tensor(values)  # the only copy of these parameters on this rank
         self.full: np.ndarray | None = None  # the gathered flat buffer while unsharded
         self.pending: Request | None = None  # a prefetch under way
@@ -102,7 +103,7 @@ class Unit:
 
     def reduce_scatter(self) -> None:
         """This rank's shard of the gradients averaged over the ranks; drop the full gradients."""
-        grads = self.layout.flatten([p.grad for p in self.params])
+        grads = self.layout.flatten([p.grad for p in self.params], self.shard.dtype)
         shard = self.comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
         shard /= self.comm.size
         self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
@@ -131,9 +132,11 @@ class _PreBackward(Function):
         return grad, None
 
 
-def check_fsdp_config(comm: Communicator, module: Module, policy: Policy) -> list[tuple[str, Module]]:
+def check_fsdp_config(comm: Communicator, module: Module, policy: Policy,
+                      precision: str = "fp64") -> list[tuple[str, Module]]:
     """The modules ``policy`` makes units of, outermost first, or ``ValueError`` (same on every
-    rank, before any message): a policy that wraps nothing, or parameters no unit owns."""
+    rank, before any message): a policy that wraps nothing, parameters no unit owns, a precision
+    the model's dtype does not match."""
     wrapped: list[tuple[str, Module]] = []
 
     def walk(prefix: str, m: Module) -> None:
@@ -147,10 +150,12 @@ def check_fsdp_config(comm: Communicator, module: Module, policy: Policy) -> lis
     walk("", module)
     owned = {id(p) for _, m in wrapped for p in m.parameters()}
     orphans = [n for n, p in module.named_parameters() if id(p) not in owned]
+    problems = check_precision(module, precision)
     if not wrapped or orphans:
-        raise ValueError("FSDP: the wrapping policy " + ("wraps no module" if not wrapped else
-                         f"leaves {orphans} in no unit") + "; wrap the modules that hold them "
-                         "(e.g. policy=transformer_units)")
+        problems.append("the wrapping policy " + ("wraps no module" if not wrapped else f"leaves {orphans} in no "
+                        "unit") + "; wrap the modules that hold them (e.g. policy=transformer_units)")
+    if problems:
+        raise ValueError("FSDP: " + "; ".join(problems))
     return wrapped
 
 
@@ -165,8 +170,10 @@ class FullyShardedDataParallel:
 
     def __init__(self, module: Module, comm: Communicator, policy: Policy = transformer_units,
                  reshard_after_forward: bool = True, prefetch: bool = True, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
-        wrapped = check_fsdp_config(comm, module, policy)
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 precision: str = "fp64", max_grad_norm: float | None = None, loss_scale: float = 2.0**16,
+                 growth_interval: int = 2000) -> None:
+        wrapped = check_fsdp_config(comm, module, policy, precision)
         self.module, self.comm = module, comm
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.units = [Unit(i, name, list(m.named_parameters(name + ".")), comm, module.seed)
@@ -175,7 +182,8 @@ class FullyShardedDataParallel:
             m.forward = self._wrap(unit, m.forward)  # an instance attribute: the class's forward stays
             for j, p in enumerate(unit.params):
                 p.register_hook(lambda _p, u=unit, j=j: self._on_grad_ready(u, j))
-        self.optimizer = AdamW([u.shard for u in self.units], lr, betas, eps, weight_decay)
+        self.optimizer = ShardedAdamW([u.shard for u in self.units], comm, precision, lr, betas, eps, weight_decay,
+                                      max_grad_norm, loss_scale, growth_interval)
         self.order: list[Unit] = []  # the units in the order the last forward ran them
         self._sample()
 
@@ -219,20 +227,20 @@ class FullyShardedDataParallel:
         """``loss.backward()`` in a "B" span; each unit reduce-scatters its gradients as soon as they
         are complete. A unit some parameter of which got no gradient is reduced at the end."""
         with trace.span("B"):
-            loss.backward()
+            self.optimizer.scale(loss).backward()
             for unit in reversed(self.order):
                 if not unit.reduced:
                     unit.reduce_scatter()
                     unit.reshard()
         self._sample()
 
-    def step(self) -> None:
-        """AdamW on this rank's shards (the parameters stay sharded until the next forward)."""
+    def step(self) -> bool:
+        """AdamW on this rank's shards (the parameters stay sharded until the next forward); False
+        when mixed precision skipped the step (an overflow on some rank)."""
         with trace.span("opt"):
-            self.optimizer.step()
-            for unit in self.units:
-                unit.shard.grad = None
+            applied = self.optimizer.step()
         self._sample()
+        return applied
 
     # ---- whole values, for tests and checkpoints ---------------------------------------------
     def full_state_dict(self) -> dict[str, np.ndarray]:

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from minipar import trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.nn import Module, Parameter
-from minipar.optim import AdamW
 from minipar.parallel.ddp import DEFAULT_BUCKET_CAP, bucket_assignment
 from minipar.parallel.zero.flat import FlatLayout, layout_of
+from minipar.parallel.zero.precision import PRECISIONS, WORKING, ShardedAdamW
 
 ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
 STAGES = (1, 2)
@@ -46,7 +48,7 @@ class ZeroBucket:
         self.index, self.names = index, [n for n, _ in named]
         self.params = [p for _, p in named]
         self.layout: FlatLayout = layout_of(named, comm.size)
-        self.flat = self.layout.flatten([p.data for p in self.params])
+        self.flat = self.layout.flatten([p.data for p in self.params], self.params[0].dtype)
         for p, view in zip(self.params, self.layout.views(self.flat), strict=True):
             p.data = view  # all-gathers write straight into the parameters
         lo, hi = self.layout.shard_range(comm.rank)
@@ -55,7 +57,7 @@ class ZeroBucket:
 
     def reduce_scatter(self, comm: Communicator) -> None:
         """This rank's shard of the gradients averaged over the ranks; drop the full gradients."""
-        grads = self.layout.flatten([p.grad for p in self.params])
+        grads = self.layout.flatten([p.grad for p in self.params], self.flat.dtype)
         shard = comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
         shard /= comm.size
         self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
@@ -67,9 +69,20 @@ class ZeroBucket:
         self.flat[...] = comm.allgather(self.shard.data, algorithm=ALGORITHM)
 
 
-def check_zero_config(comm: Communicator, stage: int, bucket_cap_bytes: int) -> None:
+def check_precision(module: Module, precision: str) -> list[str]:
+    """What is wrong with training ``module`` in ``precision`` (shared by every stage)."""
+    if precision not in PRECISIONS:
+        return [f"precision={precision!r}; choose one of {PRECISIONS}"]
+    want = np.dtype(WORKING[precision])
+    wrong = sorted({str(p.dtype) for p in module.parameters() if p.dtype != want})
+    return [f"precision={precision!r} computes in {want} but the model's parameters are {wrong}; build it "
+            f"with dtype=np.{want}"] if wrong else []
+
+
+def check_zero_config(comm: Communicator, module: Module, stage: int, bucket_cap_bytes: int,
+                      precision: str) -> None:
     """Raise ``ValueError`` (same on every rank, before any message) naming what to change."""
-    problems = []
+    problems = check_precision(module, precision)
     if stage not in STAGES:
         problems.append(f"stage={stage!r} is not a ZeRO stage this class runs; use 1 (optimizer state) or 2 "
                         "(+ gradients), or FullyShardedDataParallel for stage 3 (+ parameters)")
@@ -88,14 +101,16 @@ class ZeroDataParallel:
 
     def __init__(self, module: Module, comm: Communicator, stage: int = 2, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP) -> None:
-        check_zero_config(comm, stage, bucket_cap_bytes)
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP, precision: str = "fp64",
+                 max_grad_norm: float | None = None, loss_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        check_zero_config(comm, module, stage, bucket_cap_bytes, precision)
         self.module, self.comm, self.stage = module, comm, stage
         named = list(module.named_parameters())
         groups = bucket_assignment([p.data.nbytes for _, p in named], [p.data.dtype for _, p in named],
                                    bucket_cap_bytes)
         self.buckets = [ZeroBucket(i, [named[j] for j in g], comm) for i, g in enumerate(groups)]
-        self.optimizer = AdamW([b.shard for b in self.buckets], lr, betas, eps, weight_decay)
+        self.optimizer = ShardedAdamW([b.shard for b in self.buckets], comm, precision, lr, betas, eps, weight_decay,
+                                      max_grad_norm, loss_scale, growth_interval)
         self._where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         self._next = 0
         if stage == 2:
@@ -121,24 +136,26 @@ class ZeroDataParallel:
         """``loss.backward()`` in a "B" span; stage 2 reduce-scatters the buckets as they fill (a
         bucket left incomplete, a parameter without gradient, is reduced at the end)."""
         with trace.span("B"):
-            loss.backward()
+            self.optimizer.scale(loss).backward()
             if self.stage == 2:
                 for b in self.buckets[self._next:]:
                     b.reduce_scatter(self.comm)
                 self._next = 0
         self._sample()
 
-    def step(self) -> None:
-        """Stage 1 reduce-scatters every bucket; AdamW on this rank's shards; all-gather them."""
+    def step(self) -> bool:
+        """Stage 1 reduce-scatters every bucket; AdamW on this rank's shards; all-gather them.
+        False when mixed precision skipped the step (an overflow on some rank)."""
         with trace.span("opt"):
             if self.stage == 1:
                 for b in self.buckets:
                     b.reduce_scatter(self.comm)
-            self.optimizer.step()
-            for b in self.buckets:
-                b.shard.grad = None
-                b.all_gather(self.comm)
+            applied = self.optimizer.step()
+            if applied:
+                for b in self.buckets:
+                    b.all_gather(self.comm)
         self._sample()
+        return applied
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: parameters (the padded flat buckets), gradients (full ones

@@ -1,0 +1,93 @@
+"""AdamW on this rank's shards, in float64 or in mixed precision as ZeRO trains (Rajbhandari et al.
+2020, Sec. 3.1: "fp16 parameters and gradients ... an fp32 copy of the parameters, momentum and
+variance", K = 12 bytes of optimizer state per parameter; Micikevicius et al. 2018, "Mixed
+Precision Training", Sec. 3: the fp32 master copy and loss scaling).
+
+``precision="fp64"``: the optimizer updates the working shard itself (no second copy).
+
+``precision="mixed"``: the model computes in float16; the loss is multiplied by the loss scale S
+before backward, so small gradients survive float16; the float16 gradient shards are reduce-scattered
+as float16. Then, per step::
+
+    g = fp32(grad shard) / S                         unscale into the fp32 master's precision
+    overflow = any rank saw inf or nan in g          one all-reduce: every rank takes the same decision
+    if overflow: skip the step, S /= 2                (dynamic loss scaling)
+    else:        clip by the global norm (one all-reduce of the shards' squared norms)
+                 AdamW on the fp32 master shard; working shard = fp16(master)
+                 every ``growth_interval`` clean steps S *= 2
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar import trace
+from minipar.autograd import Tensor
+from minipar.comm import Communicator
+from minipar.optim import AdamW
+
+PRECISIONS = ("fp64", "mixed")
+WORKING = {"fp64": np.float64, "mixed": np.float16}
+
+
+class ShardedAdamW:
+    """AdamW over this rank's ``shards`` (working-precision tensors whose ``grad`` the stage sets)."""
+
+    def __init__(self, shards: list[Tensor], comm: Communicator, precision: str = "fp64", lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 max_grad_norm: float | None = None, loss_scale: float = 2.0**16,
+                 growth_interval: int = 2000) -> None:
+        self.shards, self.comm, self.precision = shards, comm, precision
+        self.max_grad_norm, self.growth_interval = max_grad_norm, growth_interval
+        self.loss_scale = loss_scale if precision == "mixed" else 1.0
+        self.master = [Tensor(s.data.astype(np.float32)) for s in shards] if precision == "mixed" else shards
+        self.adam = AdamW(self.master, lr, betas, eps, weight_decay)
+        self.clean_steps = 0
+        self.skipped = 0
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """What backward starts from: ``loss * S`` in mixed precision, ``loss`` otherwise."""
+        return loss * self.loss_scale if self.precision == "mixed" else loss
+
+    def step(self) -> bool:
+        """One optimizer step on the shards' gradients (then cleared); False when skipped (overflow)."""
+        grads = [s.grad if s.grad is not None else np.zeros_like(s.data) for s in self.shards]
+        if self.precision == "mixed":
+            grads = [g.astype(np.float32) / np.float32(self.loss_scale) for g in grads]
+            bad = float(sum(int(not np.isfinite(g).all()) for g in grads))
+            if self.comm.allreduce(np.array([bad]), op="sum", algorithm="ring")[0] > 0:
+                self.loss_scale /= 2
+                self.clean_steps = 0
+                self.skipped += 1
+                trace.mark("overflow: step skipped", loss_scale=self.loss_scale)
+                self._clear()
+                return False
+        if self.max_grad_norm is not None:
+            local = sum(float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64))) for g in grads)
+            norm = math.sqrt(self.comm.allreduce(np.array([local]), op="sum", algorithm="ring")[0])
+            if norm > self.max_grad_norm:  # torch.nn.utils.clip_grad_norm_'s rule
+                grads = [g * (self.max_grad_norm / (norm + 1e-6)) for g in grads]
+        for m, g in zip(self.master, grads, strict=True):
+            m.grad = g
+        self.adam.step()
+        if self.precision == "mixed":
+            for s, m in zip(self.shards, self.master, strict=True):
+                s.data[...] = m.data  # fp16 working copy of the fp32 master
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.loss_scale *= 2
+        self._clear()
+        return True
+
+    def _clear(self) -> None:
+        for s in self.shards:
+            s.grad = None
+        for m in self.master:
+            m.grad = None
+
+    def state_bytes(self) -> int:
+        """Optimizer state on this rank: AdamW's moments, plus the fp32 master in mixed precision."""
+        master = sum(m.data.nbytes for m in self.master) if self.precision == "mixed" else 0
+        return self.adam.state_bytes() + master
