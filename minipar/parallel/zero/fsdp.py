@@ -60,8 +60,8 @@ class Unit:
     """One FSDP unit: the flat shard of its parameters, gathered while it computes."""
 
     def __init__(self, index: int, name: str, named: list[tuple[str, Parameter]], comm: Communicator,
-                 seed: int) -> None:
-        self.index, self.name, self.comm = index, name, comm
+                 seed: int, replicas: Communicator | None = None) -> None:
+        self.index, self.name, self.comm, self.replicas = index, name, comm, replicas
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.layout: FlatLayout = layout_of(named, comm.size)
         if all(_unallocated(p.data) for p in self.params):  # built under nn.deferred(): draw the shard
@@ -102,10 +102,13 @@ class Unit:
         self.full = None
 
     def reduce_scatter(self) -> None:
-        """This rank's shard of the gradients averaged over the ranks; drop the full gradients."""
+        """This rank's shard of the gradients averaged over the ranks (hybrid sharding: over its
+        shard group, then all-reduced across the replicas); drop the full gradients."""
         grads = self.layout.flatten([p.grad for p in self.params], self.shard.dtype)
         shard = self.comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
-        shard /= self.comm.size
+        if self.replicas is not None and self.replicas.size > 1:
+            shard = self.replicas.allreduce(shard, op="sum", algorithm=ALGORITHM)
+        shard /= self.comm.size * (self.replicas.size if self.replicas is not None else 1)
         self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
         for p in self.params:
             p.grad = None
@@ -132,11 +135,11 @@ class _PreBackward(Function):
         return grad, None
 
 
-def check_fsdp_config(comm: Communicator, module: Module, policy: Policy,
-                      precision: str = "fp64") -> list[tuple[str, Module]]:
+def check_fsdp_config(comm: Communicator, module: Module, policy: Policy, precision: str = "fp64",
+                      shard_group: int | None = None) -> list[tuple[str, Module]]:
     """The modules ``policy`` makes units of, outermost first, or ``ValueError`` (same on every
     rank, before any message): a policy that wraps nothing, parameters no unit owns, a precision
-    the model's dtype does not match."""
+    the model's dtype does not match, a hybrid shard group that does not divide the ranks."""
     wrapped: list[tuple[str, Module]] = []
 
     def walk(prefix: str, m: Module) -> None:
@@ -151,6 +154,10 @@ def check_fsdp_config(comm: Communicator, module: Module, policy: Policy,
     owned = {id(p) for _, m in wrapped for p in m.parameters()}
     orphans = [n for n, p in module.named_parameters() if id(p) not in owned]
     problems = check_precision(module, precision)
+    if shard_group is not None and (shard_group < 1 or comm.size % shard_group):
+        divisors = [d for d in range(1, comm.size + 1) if comm.size % d == 0]
+        problems.append(f"hybrid sharding needs shard groups of equal size: shard_group={shard_group} does not "
+                        f"divide the {comm.size} ranks; pick one of {divisors}")
     if not wrapped or orphans:
         problems.append("the wrapping policy " + ("wraps no module" if not wrapped else f"leaves {orphans} in no "
                         "unit") + "; wrap the modules that hold them (e.g. policy=transformer_units)")
@@ -162,6 +169,11 @@ def check_fsdp_config(comm: Communicator, module: Module, policy: Policy,
 class FullyShardedDataParallel:
     """ZeRO-3 / FSDP of ``module`` over ``comm`` with AdamW (every rank calls this).
 
+    ``shard_group``: hybrid sharding (PyTorch's HYBRID_SHARD, ZeRO++'s hpZ): parameters are sharded
+    inside groups of that many consecutive ranks and replicated across the groups; gradients are
+    reduce-scattered in the group, then all-reduced across the replicas (a 2-D grid of
+    sub-communicators from ``comm.split``).
+
     Build the model under ``nn.deferred()`` so that no rank ever holds it whole (each rank then
     draws only its shards' initial values); a model built whole is cut and its full arrays freed.
     Per step: ``loss = fsdp(x, y)`` or ``module.loss(...)`` on this rank's part of the batch,
@@ -172,18 +184,23 @@ class FullyShardedDataParallel:
                  reshard_after_forward: bool = True, prefetch: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  precision: str = "fp64", max_grad_norm: float | None = None, loss_scale: float = 2.0**16,
-                 growth_interval: int = 2000) -> None:
-        wrapped = check_fsdp_config(comm, module, policy, precision)
+                 growth_interval: int = 2000, shard_group: int | None = None) -> None:
+        wrapped = check_fsdp_config(comm, module, policy, precision, shard_group)
         self.module, self.comm = module, comm
+        if shard_group is None or shard_group == comm.size:  # fully sharded
+            self.shards, self.replicas = comm, None
+        else:  # hybrid (HSDP, ZeRO++'s hpZ): shard inside consecutive groups, replicate across them
+            self.shards = comm.split(comm.rank // shard_group)
+            self.replicas = comm.split(comm.rank % shard_group)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.units = [Unit(i, name, list(m.named_parameters(name + ".")), comm, module.seed)
+        self.units = [Unit(i, name, list(m.named_parameters(name + ".")), self.shards, module.seed, self.replicas)
                       for i, (name, m) in enumerate(wrapped)]
         for unit, (_, m) in zip(self.units, wrapped, strict=True):
             m.forward = self._wrap(unit, m.forward)  # an instance attribute: the class's forward stays
             for j, p in enumerate(unit.params):
                 p.register_hook(lambda _p, u=unit, j=j: self._on_grad_ready(u, j))
-        self.optimizer = ShardedAdamW([u.shard for u in self.units], comm, precision, lr, betas, eps, weight_decay,
-                                      max_grad_norm, loss_scale, growth_interval)
+        self.optimizer = ShardedAdamW([u.shard for u in self.units], self.shards, precision, lr, betas, eps,
+                                      weight_decay, max_grad_norm, loss_scale, growth_interval)
         self.order: list[Unit] = []  # the units in the order the last forward ran them
         self._sample()
 
@@ -247,7 +264,7 @@ class FullyShardedDataParallel:
         """Every parameter, whole (all-gathers every unit: for tests and single-process use)."""
         out = {}
         for unit in self.units:
-            flat = self.comm.allgather(unit.shard.data, algorithm=ALGORITHM)
+            flat = self.shards.allgather(unit.shard.data, algorithm=ALGORITHM)
             out.update(zip(unit.names, (v.copy() for v in unit.layout.views(flat)), strict=True))
         return out
 
