@@ -8,12 +8,16 @@
   activation bytes kept for backward (Korthikanti et al.'s terms).
 - ``sequence.py``: Ulysses, Ring Attention and their hybrid: bytes per rank per layer, the largest
   score buffer, causal score blocks per ring rank, activation bytes of one block, gradient sync.
+- ``zero.py``: ZeRO stages 0-3 and FSDP: model states per rank (the paper's Table 1, and exactly for
+  the flat padded shards), bytes sent per step, gathered units alive at once.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
 ``docs/formulas.md``.
 """
 
-from minipar.cost import sequence
+from minipar.cost import sequence, zero
 from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
+from minipar.cost.zero import fsdp_gathered_peak, paper_table, zero_model_states, zero_state_bytes, zero_traffic_bytes
 
-__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "ring_bytes", "sequence"]
+__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "fsdp_gathered_peak", "paper_table",
+           "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_bytes"]

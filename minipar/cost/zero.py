@@ -1,0 +1,180 @@
+"""ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models") and FSDP (Zhao et al. 2023, "PyTorch FSDP"): bytes of model states per rank, bytes sent per
+step, gathered units alive at once. Derivations in ``docs/formulas.md``, section 6.
+
+Symbols (the paper's, Sec. 3.1 and 5): ``Psi`` parameters, ``N`` the data-parallel degree, ``K``
+bytes of optimizer state per parameter. Mixed-precision Adam (Sec. 3.1) keeps fp16 parameters and
+gradients (2 + 2 bytes) and an fp32 copy of the parameters, the momentum and the variance
+(K = 4 + 4 + 4 = 12). Each stage partitions one more of the three over the N ranks (Sec. 5, Fig. 1):
+
+    stage 0  plain data parallelism   (2 + 2 + K) Psi
+    stage 1  P_os      (Sec. 5.1)     2 Psi + 2 Psi + K Psi / N
+    stage 2  P_os+g    (Sec. 5.2)     2 Psi + (2 + K) Psi / N
+    stage 3  P_os+g+p  (Sec. 5.3)     (2 + 2 + K) Psi / N
+
+``zero_model_states`` is that table (``paper_table`` prints the paper's Table 1 from it).
+``zero_state_bytes`` is the same table for ``minipar.parallel.zero``'s exact layout: every bucket
+(stages 1, 2) or unit (stage 3) of ``n`` elements is one flat buffer zero-padded to ``L``, the next
+multiple of N, and rank r owns elements ``[r L/N, (r+1) L/N)``; a partitioned component costs the
+padded shard ``sum L/N`` per rank, a replicated one the unpadded ``sum n``.
+
+Traffic per rank per step (Sec. 7.2.1, ring collectives, exact because N divides every L), with
+``(N-1)/N L`` elements per reduce-scatter or all-gather of one group (``zero_traffic_bytes``):
+
+    stages 1, 2   reduce-scatter the gradients + all-gather the updated parameters
+                  2 (N-1)/N sum L          (a DDP all-reduce of the padded buckets)
+    stage 3       all-gather (forward) + all-gather (backward) + reduce-scatter the gradients
+                  3 (N-1)/N sum L          (2 (N-1)/N for a unit kept gathered from its forward
+                                            to its backward: the root unit, or every unit without
+                                            ``reshard_after_forward``)
+
+FSDP's gathered units (Zhao et al. 2023, Sec. 3.3-3.4, ``fsdp_gathered_peak``): a unit is gathered
+only while it computes, plus the next one's all-gather already under way with prefetching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+from numbers import Integral
+
+from minipar.cost.data import ddp_bytes
+
+STAGES = (0, 1, 2, 3)
+STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}  # the paper's Table 1 columns
+PARTITIONED_FROM = {"optimizer state": 1, "master parameters": 1, "gradients": 2, "parameters": 3}
+BYTES_PER_ELEMENT = {  # bytes of each component per parameter
+    "fp64": {"parameters": 8, "gradients": 8, "optimizer state": 16},  # AdamW updates the parameters: no copy
+    "mixed": {"parameters": 2, "gradients": 2, "optimizer state": 8, "master parameters": 4},  # K = 8 + 4
+}
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in STAGES:
+        names = ", ".join(f"{s} ({STAGE_NAMES[s]})" for s in STAGES)
+        raise ValueError(f"unknown ZeRO stage {stage!r}; choose one of {names}")
+
+
+def _check_dp(dp: int) -> None:
+    if not isinstance(dp, Integral) or dp < 1:
+        raise ValueError(f"the data-parallel degree N must be a positive int, got dp={dp!r}")
+
+
+def _check_groups(numels: Sequence[int], dp: int, rank: int = 0, root: int | None = None) -> None:
+    _check_dp(dp)
+    if any(not isinstance(n, Integral) or n < 0 for n in numels):
+        raise ValueError(f"numels must be element counts (non-negative ints), one per bucket or unit; got {numels!r}")
+    if not 0 <= rank < dp:
+        raise ValueError(f"rank={rank} is not one of the N={dp} ranks")
+    if root is not None and not 0 <= root < len(numels):
+        raise ValueError(f"root={root} is not the index of a unit in numels (0..{len(numels) - 1})")
+
+
+def padded(numel: int, dp: int) -> int:
+    """``L``: ``numel`` rounded up to a multiple of ``dp`` (at most ``dp - 1`` elements of padding)."""
+    return -(-numel // dp) * dp
+
+
+def zero_model_states(params: int, stage: int, dp: int, optimizer_bytes: int = 12, param_bytes: int = 2,
+                      grad_bytes: int = 2) -> float:
+    """Bytes of model states per rank at ZeRO ``stage`` (Rajbhandari et al. 2020, Sec. 5, Fig. 1).
+
+    Psi = ``params``, N = ``dp``, K = ``optimizer_bytes``. Plain data parallelism (stage 0) replicates
+    all three: ``(2 + 2 + K) Psi``. Stage 1 partitions the optimizer states, each rank updating only
+    its ``1/N`` (Sec. 5.1): ``K Psi / N``. Stage 2 also keeps only the gradients of that ``1/N``
+    (Sec. 5.2): ``2 Psi / N``. Stage 3 also stores only that ``1/N`` of the parameters and gathers
+    the rest when needed (Sec. 5.3): ``2 Psi / N``.
+    """
+    _check_stage(stage)
+    _check_dp(dp)
+    own = {"parameters": param_bytes, "gradients": grad_bytes, "optimizer state": optimizer_bytes}
+    return sum(b * params / (dp if stage >= PARTITIONED_FROM[c] else 1) for c, b in own.items())
+
+
+def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, precision: str = "fp64") -> dict[str, int]:
+    """Exact bytes of model states on ``rank`` for buckets (stages 1, 2) or units (stage 3) of
+    ``numels`` elements (unpadded) on N = ``dp`` ranks, by component.
+
+    A component is partitioned from the stage that partitions it (``PARTITIONED_FROM``: the
+    optimizer state and fp32 master parameters from stage 1, the gradients from 2, the parameters
+    from 3) and then costs this rank's padded shard, ``sum L/N`` elements, the same on every rank;
+    before that it is replicated and costs ``sum n`` elements. Bytes per element
+    (``BYTES_PER_ELEMENT``): ``"fp64"`` parameters 8, gradients 8, AdamW's m and v 16 (the optimizer
+    updates the parameters in place: no master copy); ``"mixed"`` fp16 parameters 2, fp16 gradients
+    2, fp32 m and v 8, fp32 master parameters 4 (the paper's K = 12 is the last two).
+    """
+    _check_stage(stage)
+    _check_groups(numels, dp, rank)
+    if precision not in BYTES_PER_ELEMENT:
+        raise ValueError(f"precision={precision!r}; choose one of {tuple(BYTES_PER_ELEMENT)}")
+    full, shard = sum(numels), sum(padded(n, dp) // dp for n in numels)
+    return {c: b * (shard if stage >= PARTITIONED_FROM[c] else full) for c, b in BYTES_PER_ELEMENT[precision].items()}
+
+
+def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8, rank: int = 0,
+                       reshard_after_forward: bool = True, root: int | None = None) -> int:
+    """Exact bytes ``rank`` sends in one step (ring collectives) for buckets or units of ``numels``
+    elements (unpadded) of ``itemsize`` bytes, on N = ``dp`` ranks (Sec. 7.2.1).
+
+    Each group is padded to ``L`` (a multiple of N), so every ring reduce-scatter or all-gather of it
+    sends N - 1 of its N equal chunks: ``(N-1) L/N`` elements, on every rank.
+
+    - stage 0: DDP, one all-reduce per unpadded bucket (``data.ddp_bytes``; rank-dependent when N
+      does not divide a bucket);
+    - stages 1, 2: per bucket a reduce-scatter of the gradients and an all-gather of the updated
+      parameters, 2 collectives: the all-reduce's volume on the padded buckets;
+    - stage 3: per unit two all-gathers (before its forward and again before its backward) and one
+      reduce-scatter, 3 collectives; 2 for a unit kept gathered from forward to backward (the
+      ``root`` unit, an index into ``numels``, or every unit when ``reshard_after_forward`` is off).
+
+    ``reshard_after_forward`` and ``root`` describe stage 3 only. Not counted: the scalar all-reduces
+    a step may add (mixed precision's overflow flag, the global gradient norm for clipping), each
+    ``collectives.allreduce_bytes(1, 8, N, rank, "ring")``.
+    """
+    _check_stage(stage)
+    _check_groups(numels, dp, rank, root)
+    if stage == 0:
+        return ddp_bytes([(n, itemsize) for n in numels], dp, rank, "ring")
+    total = 0
+    for i, n in enumerate(numels):
+        if stage < 3:
+            collectives = 2  # reduce-scatter + all-gather
+        else:
+            collectives = 3 if reshard_after_forward and i != root else 2  # gathers + reduce-scatter
+        total += collectives * (dp - 1) * (padded(n, dp) // dp) * itemsize
+    return total
+
+
+def fsdp_gathered_peak(numels: list[int], dp: int, itemsize: int = 8, prefetch: bool = True, *,
+                       reshard_after_forward: bool = True, root: int | None = None) -> int:
+    """The most bytes of gathered (unsharded) FSDP units alive at once on a rank, for units of
+    ``numels`` elements (unpadded) listed in the order they run (Zhao et al. 2023, Sec. 3.3-3.4).
+
+    A gathered unit is the whole padded flat buffer, ``L`` elements. With ``reshard_after_forward``
+    a unit is gathered only while it computes, forward or backward; with ``prefetch`` the all-gather
+    of the unit that runs next (forward: the next one; backward: the one before) is already under
+    way, so the peak is the largest sum of two neighbours, ``max (L_i + L_{i+1})``; without, the
+    largest unit, ``max L_i``. The ``root`` unit (an index into ``numels``) stays gathered through
+    forward and backward: ``L_root`` on top of that peak taken over the other units. Without
+    ``reshard_after_forward`` every unit is still gathered when forward ends: ``sum L``.
+    """
+    _check_groups(numels, dp, root=root)
+    sizes = [padded(n, dp) for n in numels]
+    if not reshard_after_forward:
+        return sum(sizes) * itemsize
+    kept = sizes[root] if root is not None else 0
+    rest = [s for i, s in enumerate(sizes) if i != root]
+    if prefetch and len(rest) > 1:
+        peak = max(a + b for a, b in pairwise(rest))
+    else:
+        peak = max(rest, default=0)
+    return (kept + peak) * itemsize
+
+
+def paper_table(params: int, dp_sizes: list[int], k: int = 12) -> list[dict]:
+    """Rajbhandari et al. 2020's Table 1 for ``params`` parameters: one row per N in ``dp_sizes``,
+    ``{"dp": N, "baseline": GB, "P_os": GB, "P_os+g": GB, "P_os+g+p": GB}`` in GB = 1e9 bytes,
+    unrounded (the paper prints about three significant figures, at most two decimals, rounding
+    half up: 41.25 is printed 41.3). E.g. 7.5e9 parameters on N = 64: 120, 31.4, 16.6, 1.88."""
+    return [{"dp": n, **{STAGE_NAMES[s]: zero_model_states(params, s, n, k) / 1e9 for s in STAGES}}
+            for n in dp_sizes]
