@@ -35,7 +35,6 @@ only while it computes, plus the next one's all-gather already under way with pr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from numbers import Integral
 
 from minipar.cost.data import ddp_bytes
@@ -150,25 +149,22 @@ def fsdp_gathered_peak(numels: list[int], dp: int, itemsize: int = 8, prefetch: 
     """The most bytes of gathered (unsharded) FSDP units alive at once on a rank, for units of
     ``numels`` elements (unpadded) listed in the order they run (Zhao et al. 2023, Sec. 3.3-3.4).
 
-    A gathered unit is the whole padded flat buffer, ``L`` elements. With ``reshard_after_forward``
+    A gathered unit is its whole padded flat buffer, ``L`` elements. With ``reshard_after_forward``
     a unit is gathered only while it computes, forward or backward; with ``prefetch`` the all-gather
-    of the unit that runs next (forward: the next one; backward: the one before) is already under
-    way, so the peak is the largest sum of two neighbours, ``max (L_i + L_{i+1})``; without, the
-    largest unit, ``max L_i``. The ``root`` unit (an index into ``numels``) stays gathered through
-    forward and backward: ``L_root`` on top of that peak taken over the other units. Without
-    ``reshard_after_forward`` every unit is still gathered when forward ends: ``sum L``.
+    of its neighbour (forward: the next unit; backward: the one before) is already under way, so the
+    peak is the largest pair of neighbours, ``max (L_i + L_{i+1})``; without, the largest unit,
+    ``max L_i``. The ``root`` unit (an index into ``numels``; PyTorch's outermost unit, whose forward
+    encloses every other unit's) is gathered when forward starts and freed when backward ends, so
+    it adds ``L_root`` to every step's units (once). Without ``reshard_after_forward`` every unit is
+    still gathered when forward ends: ``sum L``.
     """
     _check_groups(numels, dp, root=root)
     sizes = [padded(n, dp) for n in numels]
     if not reshard_after_forward:
         return sum(sizes) * itemsize
-    kept = sizes[root] if root is not None else 0
-    rest = [s for i, s in enumerate(sizes) if i != root]
-    if prefetch and len(rest) > 1:
-        peak = max(a + b for a, b in pairwise(rest))
-    else:
-        peak = max(rest, default=0)
-    return (kept + peak) * itemsize
+    kept = set() if root is None else {root}
+    steps = [{i, i + 1} if prefetch and i + 1 < len(sizes) else {i} for i in range(len(sizes))]
+    return max((sum(sizes[j] for j in step | kept) for step in steps), default=0) * itemsize
 
 
 def paper_table(params: int, dp_sizes: list[int], k: int = 12) -> list[dict]:
