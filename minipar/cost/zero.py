@@ -128,7 +128,8 @@ def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8
 
     ``reshard_after_forward`` and ``root`` describe stage 3 only. Not counted: the scalar all-reduces
     a step may add (mixed precision's overflow flag, the global gradient norm for clipping), each
-    ``collectives.allreduce_bytes(1, 8, N, rank, "ring")``.
+    ``collectives.allreduce_bytes(1, 8, N, rank, "ring")``. A step mixed precision skips (overflow)
+    sends no all-gather in stages 1 and 2: half their bytes.
     """
     _check_stage(stage)
     _check_groups(numels, dp, rank, root)
