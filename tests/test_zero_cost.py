@@ -63,14 +63,15 @@ def test_paper_table_1() -> None:
 
 def test_state_bytes_with_padding_by_hand() -> None:
     # two groups of 10 and 7 elements on N = 4: padded to 12 and 8, a shard is 3 + 2 = 5 elements;
-    # replicated components count the 17 real elements, partitioned ones the 5 of the shard
+    # replicated components count the 17 real elements, partitioned ones the 5 of the shard; the
+    # full parameters of stages 1 and 2 live in the padded flat buckets: 12 + 8 = 20 elements
     fp64 = [zero_state_bytes([10, 7], s, 4) for s in range(4)]
     assert fp64 == [{"parameters": 17 * 8, "gradients": 17 * 8, "optimizer state": 17 * 16},
-                    {"parameters": 17 * 8, "gradients": 17 * 8, "optimizer state": 5 * 16},
-                    {"parameters": 17 * 8, "gradients": 5 * 8, "optimizer state": 5 * 16},
+                    {"parameters": 20 * 8, "gradients": 17 * 8, "optimizer state": 5 * 16},
+                    {"parameters": 20 * 8, "gradients": 5 * 8, "optimizer state": 5 * 16},
                     {"parameters": 5 * 8, "gradients": 5 * 8, "optimizer state": 5 * 16}]
     assert zero_state_bytes([10, 7], 1, 4, precision="mixed") == \
-        {"parameters": 17 * 2, "gradients": 17 * 2, "optimizer state": 5 * 8, "master parameters": 5 * 4}
+        {"parameters": 20 * 2, "gradients": 17 * 2, "optimizer state": 5 * 8, "master parameters": 5 * 4}
     assert zero_state_bytes([10, 7], 3, 4, precision="mixed") == \
         {"parameters": 5 * 2, "gradients": 5 * 2, "optimizer state": 5 * 8, "master parameters": 5 * 4}
     # every rank's shard has the same length (the padding sits in the last rank's slices)

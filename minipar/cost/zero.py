@@ -97,7 +97,8 @@ def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, prec
     A component is partitioned from the stage that partitions it (``PARTITIONED_FROM``: the
     optimizer state and fp32 master parameters from stage 1, the gradients from 2, the parameters
     from 3) and then costs this rank's padded shard, ``sum L/N`` elements, the same on every rank;
-    before that it is replicated and costs ``sum n`` elements. Bytes per element
+    before that it is replicated and costs ``sum n`` elements, except the parameters of stages 1
+    and 2, which live in the padded flat buckets the all-gathers write into: ``sum L``. Bytes per element
     (``BYTES_PER_ELEMENT``): ``"fp64"`` parameters 8, gradients 8, AdamW's m and v 16 (the optimizer
     updates the parameters in place: no master copy); ``"mixed"`` fp16 parameters 2, fp16 gradients
     2, fp32 m and v 8, fp32 master parameters 4 (the paper's K = 12 is the last two).
@@ -107,7 +108,10 @@ def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, prec
     if precision not in BYTES_PER_ELEMENT:
         raise ValueError(f"precision={precision!r}; choose one of {tuple(BYTES_PER_ELEMENT)}")
     full, shard = sum(numels), sum(padded(n, dp) // dp for n in numels)
-    return {c: b * (shard if stage >= PARTITIONED_FROM[c] else full) for c, b in BYTES_PER_ELEMENT[precision].items()}
+    out = {c: b * (shard if stage >= PARTITIONED_FROM[c] else full) for c, b in BYTES_PER_ELEMENT[precision].items()}
+    if stage in (1, 2):  # the full parameters are views of the padded flat buckets
+        out["parameters"] = BYTES_PER_ELEMENT[precision]["parameters"] * shard * dp
+    return out
 
 
 def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8, rank: int = 0,

@@ -269,11 +269,11 @@ class FullyShardedDataParallel:
         return out
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: parameter, gradient and optimizer-state shards, and the
-        gathered units (unsharded or on their way)."""
+        """Bytes this rank holds now: parameter, gradient and optimizer-state shards (with the fp32
+        master in mixed precision), and the gathered units (unsharded or on their way)."""
         return {"parameters": sum(u.shard.data.nbytes for u in self.units),
                 "gradients": sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None),
-                "optimizer state": self.optimizer.state_bytes(),
+                **self.optimizer.state_bytes(),
                 "gathered units": sum(u.gathered_bytes for u in self.units)}
 
     def _sample(self) -> None:

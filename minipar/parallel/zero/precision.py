@@ -87,7 +87,10 @@ class ShardedAdamW:
         for m in self.master:
             m.grad = None
 
-    def state_bytes(self) -> int:
-        """Optimizer state on this rank: AdamW's moments, plus the fp32 master in mixed precision."""
-        master = sum(m.data.nbytes for m in self.master) if self.precision == "mixed" else 0
-        return self.adam.state_bytes() + master
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes on this rank: ``optimizer state`` (AdamW's moments) and, in mixed precision, the fp32
+        ``master parameters`` (together the paper's K = 12 per parameter)."""
+        out = {"optimizer state": self.adam.state_bytes()}
+        if self.precision == "mixed":
+            out["master parameters"] = sum(m.data.nbytes for m in self.master)
+        return out

@@ -159,11 +159,12 @@ class ZeroDataParallel:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: parameters (the padded flat buckets), gradients (full ones
-        alive plus the shards) and optimizer state (the moments of its shards)."""
+        alive plus the shards), optimizer state (the moments of its shards) and, in mixed precision,
+        the fp32 master parameters."""
         full = sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
         shards = sum(b.shard.grad.nbytes for b in self.buckets if b.shard.grad is not None)
         return {"parameters": sum(b.flat.nbytes for b in self.buckets), "gradients": full + shards,
-                "optimizer state": self.optimizer.state_bytes()}
+                **self.optimizer.state_bytes()}
 
     def _sample(self) -> None:
         if trace.current() is not None:
