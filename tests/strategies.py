@@ -157,3 +157,25 @@ def sp_jobs(min_size: int = 2, max_size: int = 3) -> st.SearchStrategy:
     more than one process."""
     return st.sampled_from([2, 4]).flatmap(
         lambda p: st.tuples(st.just(p), st.lists(sp_configs(p), min_size=min_size, max_size=max_size)))
+
+
+ZERO_MODES = ("stage1", "stage2", "fsdp")
+
+
+@st.composite
+def zero_configs(draw: st.DrawFn, world: int | None = None) -> dict:
+    """A ZeRO / FSDP run on ``world`` ranks (1-4 when not given): stage 1, 2 or FSDP (reshard after
+    forward, prefetch, built under ``nn.deferred()`` or whole, each on or off), a bucket cap for the
+    stages (one or a few parameters per bucket up to one bucket), a tiny GPT whose d_model (2-9, odd
+    ones too) rarely makes a group a multiple of N, so padding is the rule; global batch a multiple of
+    N; 2-3 AdamW steps. d_model >= 2: see ``sp_configs``."""
+    world = draw(st.integers(1, 4)) if world is None else world
+    mode = draw(st.sampled_from(ZERO_MODES))
+    fsdp = mode == "fsdp"
+    heads = draw(st.integers(1, 3))
+    return {"mode": mode, "world": world, "cap": draw(st.sampled_from([200, 700, 2000, 1 << 20])) if not fsdp else 0,
+            "reshard": draw(st.booleans()) if fsdp else True, "prefetch": draw(st.booleans()) if fsdp else True,
+            "deferred": draw(st.booleans()) if fsdp else False, "vocab": draw(st.integers(2, 7)),
+            "seq": draw(st.integers(1, 4)), "d": heads * draw(st.integers(2 if heads == 1 else 1, 3)), "heads": heads,
+            "layers": draw(st.integers(1, 2)), "batch": world * draw(st.integers(1, 2)),
+            "steps": draw(st.integers(2, 3)), "seed": draw(st.integers(0, 2**16))}

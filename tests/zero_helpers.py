@@ -1,0 +1,71 @@
+"""Helpers for tests/test_zero.py: hand-picked configurations in ``strategies.zero_configs``' shape, the
+model, batches and optimizer both sides use, a rank's rows of the global batch, and the sizes ZeRO and
+FSDP work with, written out by hand from the GPT's definition (``minipar.nn``), not read from a layout."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import nn
+
+LR, WEIGHT_DECAY = 1e-2, 0.1
+SMALL_CAP, LARGE_CAP = 200, 1 << 20
+
+
+def config(mode: str, world: int, cap: int = SMALL_CAP, reshard: bool = True, prefetch: bool = True,
+           deferred: bool = True, d: int = 3, heads: int = 1, layers: int = 2, steps: int = 3, seed: int = 7) -> dict:
+    """A hand-picked configuration (for ``@example``); d = 3 with N = 2, 3, 4 pads most groups."""
+    return {"mode": mode, "world": world, "cap": cap, "reshard": reshard, "prefetch": prefetch, "deferred": deferred,
+            "vocab": 5, "seq": 3, "d": d, "heads": heads, "layers": layers, "batch": 2 * world, "steps": steps,
+            "seed": seed}
+
+
+def build(c: dict) -> nn.GPT:
+    return nn.GPT(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], seed=c["seed"])
+
+
+def batch(c: dict, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and targets ``(batch, seq)`` of the global batch at ``step``."""
+    x, y = np.random.default_rng([c["seed"], step]).integers(0, c["vocab"], (2, c["batch"], c["seq"]))
+    return x, y
+
+
+def rows(c: dict, rank: int) -> slice:
+    """Rank ``rank``'s contiguous 1/N of the batch rows."""
+    k = c["batch"] // c["world"]
+    return slice(rank * k, (rank + 1) * k)
+
+
+def param_sizes(c: dict) -> dict[str, int]:
+    """Every parameter's number of elements, by name, from the definitions in ``minipar.nn``: embeddings
+    V x d and S x d; per block two layer norms (weight, bias: d each), q, k, v, proj (d x d + d), the
+    feed-forward d -> 4d -> d; the final layer norm; the head d x V without bias."""
+    d, f, v = c["d"], 4 * c["d"], c["vocab"]
+    out = {"tok_emb.weight": v * d, "pos_emb.weight": c["seq"] * d}
+    for i in range(c["layers"]):
+        block = {"ln1.weight": d, "ln1.bias": d, **{f"attn.{w}.{kind}": d * d if kind == "weight" else d
+                                                     for w in "qkv" for kind in ("weight", "bias")},
+                 "attn.proj.weight": d * d, "attn.proj.bias": d, "ln2.weight": d, "ln2.bias": d,
+                 "mlp.fc.weight": d * f, "mlp.fc.bias": f, "mlp.proj.weight": f * d, "mlp.proj.bias": d}
+        out.update({f"blocks.{i}.{k}": n for k, n in block.items()})
+    out.update({"ln_f.weight": d, "ln_f.bias": d, "head.weight": d * v})
+    return out
+
+
+def unit_sizes(c: dict) -> list[int]:
+    """Elements of each FSDP unit of ``transformer_units``, in order: tok_emb, pos_emb, the blocks,
+    ln_f, head."""
+    sizes = param_sizes(c)
+    prefixes = ["tok_emb.", "pos_emb.", *(f"blocks.{i}." for i in range(c["layers"])), "ln_f.", "head."]
+    return [sum(n for k, n in sizes.items() if k.startswith(p)) for p in prefixes]
+
+
+def padded(numel: int, world: int) -> int:
+    """``numel`` rounded up to a multiple of ``world``: L of a flat group."""
+    return -(-numel // world) * world
+
+
+def ring_bytes(numel: int, world: int) -> int:
+    """Bytes a rank sends in one ring reduce-scatter, or one ring all-gather, of a padded float64
+    buffer of ``numel`` elements: N - 1 blocks of ``padded / N`` elements."""
+    return (world - 1) * padded(numel, world) // world * 8
