@@ -19,7 +19,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import budget
 
-from minipar.cost import fsdp_gathered_peak, paper_table, zero_model_states, zero_state_bytes, zero_traffic_bytes
+from minipar.cost import (
+    fsdp_gathered_peak,
+    hsdp_traffic_bytes,
+    paper_table,
+    zero_model_states,
+    zero_state_bytes,
+    zero_traffic_bytes,
+)
 from minipar.cost.data import ddp_bytes
 
 FP64 = {"param_bytes": 8, "grad_bytes": 8, "optimizer_bytes": 16}  # AdamW's m and v, no master copy
@@ -171,3 +178,15 @@ def test_gathered_peak_equals_a_walk_through_fsdp(dp: int, numels: list[int], pr
     sizes = [-(-n // dp) * dp for n in numels]
     assert fsdp_gathered_peak(numels, dp, 8, prefetch, reshard_after_forward=reshard, root=root) == \
         8 * walk_fsdp(sizes, prefetch, reshard, root)
+
+
+def test_hsdp_traffic_by_hand() -> None:
+    # units of 12 and 8 elements, N = 4 ranks in shard groups of G = 2 (R = 2 replicas): inside a
+    # group stage 3 sends 3 x (1/2) x 20 elements; the gradient shards (6 + 4) are all-reduced
+    # across 2 replicas: 2 x (1/2) x 10 elements; 8 bytes each
+    assert hsdp_traffic_bytes([12, 8], 2, 4) == (30 + 10) * 8
+    # G = N is plain stage 3; G = 1 replicates everything: one all-reduce of the whole, DDP's
+    assert hsdp_traffic_bytes([12, 8], 4, 4) == 3 * 3 * 5 * 8
+    assert hsdp_traffic_bytes([12, 8], 1, 4) == 2 * 3 * 5 * 8
+    with pytest.raises(ValueError, match="does not divide"):
+        hsdp_traffic_bytes([12, 8], 3, 4)

@@ -17,7 +17,15 @@ Traces, tests and lessons import from here; the derivations are in each module's
 
 from minipar.cost import sequence, zero
 from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
-from minipar.cost.zero import fsdp_gathered_peak, paper_table, zero_model_states, zero_state_bytes, zero_traffic_bytes
+from minipar.cost.zero import (
+    fsdp_gathered_peak,
+    hsdp_traffic_bytes,
+    paper_table,
+    zero_model_states,
+    zero_state_bytes,
+    zero_traffic_bytes,
+)
 
-__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "fsdp_gathered_peak", "paper_table",
+__all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "fsdp_gathered_peak", "hsdp_traffic_bytes",
+           "paper_table",
            "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_bytes"]

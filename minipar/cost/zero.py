@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Integral
 
+from minipar.cost.collectives import allreduce_bytes
 from minipar.cost.data import ddp_bytes
 
 STAGES = (0, 1, 2, 3)
@@ -179,3 +180,16 @@ def paper_table(params: int, dp_sizes: list[int], k: int = 12) -> list[dict]:
     half up: 41.25 is printed 41.3). E.g. 7.5e9 parameters on N = 64: 120, 31.4, 16.6, 1.88."""
     return [{"dp": n, **{STAGE_NAMES[s]: zero_model_states(params, s, n, k) / 1e9 for s in STAGES}}
             for n in dp_sizes]
+
+
+def hsdp_traffic_bytes(numels: list[int], shard_group: int, dp: int, itemsize: int = 8, rank: int = 0) -> int:
+    """Bytes ``rank`` sends per step under hybrid sharding (FSDP ``shard_group=G`` of ``dp`` ranks):
+    stage 3 inside its group of G (``3 (G-1)/G`` of each unit padded to a multiple of G) plus the
+    all-reduce of its gradient shard across the ``dp / G`` replicas (ring, exact per rank)."""
+    if shard_group < 1 or dp % shard_group:
+        raise ValueError(f"shard_group={shard_group} does not divide dp={dp}")
+    replicas = dp // shard_group
+    inside = zero_traffic_bytes(numels, 3, shard_group, itemsize, rank % shard_group)
+    across = sum(allreduce_bytes(padded(n, shard_group) // shard_group, itemsize, replicas, rank // shard_group,
+                                 "ring") for n in numels)
+    return inside + across
