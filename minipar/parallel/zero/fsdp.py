@@ -40,6 +40,7 @@ from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.comm import Communicator, Request
 from minipar.nn import Block, Module, Parameter, unallocated
+from minipar.parallel.zero import checkpoint
 from minipar.parallel.zero.flat import FlatLayout, init_shard, layout_of
 from minipar.parallel.zero.precision import ShardedAdamW
 from minipar.parallel.zero.stages import check_precision
@@ -267,6 +268,25 @@ class FullyShardedDataParallel:
             flat = self.shards.allgather(unit.shard.data, algorithm=ALGORITHM)
             out.update(zip(unit.names, (v.copy() for v in unit.layout.views(flat)), strict=True))
         return out
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its shards (parameters, AdamW's moments, the fp32 master) into
+        ``directory``, atomically (``checkpoint.save``)."""
+        arrays, meta = self.optimizer.shards_to_save([u.name for u in self.units])
+        if self.replicas is None or self.replicas.rank == 0:  # hybrid: one replica group writes
+            checkpoint.save(directory, self.shards, arrays, self._numels(arrays), meta)
+        if self.replicas is not None:
+            self.comm.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Resume from ``directory``, saved at this or another world size (the shards are re-cut)."""
+        names = [u.name for u in self.units]
+        arrays, meta = checkpoint.load(directory, self.shards, self._numels(self.optimizer.shards_to_save(names)[0]))
+        self.optimizer.load_shards(names, arrays, meta)
+
+    def _numels(self, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+        by_unit = {u.name: u.layout.numel for u in self.units}
+        return {key: by_unit[key.rsplit("/", 1)[0]] for key in arrays}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: parameter, gradient and optimizer-state shards (with the fp32

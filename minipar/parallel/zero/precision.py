@@ -20,6 +20,7 @@ as float16. Then, per step::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -86,6 +87,37 @@ class ShardedAdamW:
             s.grad = None
         for m in self.master:
             m.grad = None
+
+    # ---- checkpoints: this rank's shards by name (``checkpoint.save`` / ``load``) -------------------
+    def shards_to_save(self, names: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """``{name/param, name/exp_avg, name/exp_avg_sq[, name/master]: shard}`` and the replicated
+        scalars (AdamW's step, the loss scale), for groups named ``names`` in shard order."""
+        arrays: dict[str, np.ndarray] = {}
+        for i, name in enumerate(names):
+            state = self.adam.state[i]
+            zeros = np.zeros_like(self.master[i].data)
+            arrays[f"{name}/param"] = self.shards[i].data
+            arrays[f"{name}/exp_avg"] = state.get("exp_avg", zeros)
+            arrays[f"{name}/exp_avg_sq"] = state.get("exp_avg_sq", zeros)
+            if self.precision == "mixed":
+                arrays[f"{name}/master"] = self.master[i].data
+        step = self.adam.state[0].get("step", 0) if names else 0
+        return arrays, {"step": step, "loss_scale": self.loss_scale, "clean_steps": self.clean_steps,
+                        "skipped": self.skipped, "precision": self.precision}
+
+    def load_shards(self, names: list[str], arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Put back what ``shards_to_save`` gave (re-cut for this world size by ``checkpoint.load``)."""
+        if meta["precision"] != self.precision:
+            raise ValueError(f"the checkpoint was saved in precision={meta['precision']!r}, this run uses "
+                             f"{self.precision!r}")
+        for i, name in enumerate(names):
+            self.shards[i].data[...] = arrays[f"{name}/param"]
+            if self.precision == "mixed":
+                self.master[i].data[...] = arrays[f"{name}/master"]
+            self.adam.state[i] = {} if not meta["step"] else {
+                "step": meta["step"], "exp_avg": arrays[f"{name}/exp_avg"].copy(),
+                "exp_avg_sq": arrays[f"{name}/exp_avg_sq"].copy()}
+        self.loss_scale, self.clean_steps, self.skipped = meta["loss_scale"], meta["clean_steps"], meta["skipped"]
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes on this rank: ``optimizer state`` (AdamW's moments) and, in mixed precision, the fp32

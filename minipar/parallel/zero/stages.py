@@ -33,6 +33,7 @@ from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.nn import Module, Parameter
 from minipar.parallel.ddp import DEFAULT_BUCKET_CAP, bucket_assignment
+from minipar.parallel.zero import checkpoint
 from minipar.parallel.zero.flat import FlatLayout, layout_of
 from minipar.parallel.zero.precision import PRECISIONS, WORKING, ShardedAdamW
 
@@ -156,6 +157,28 @@ class ZeroDataParallel:
                     b.all_gather(self.comm)
         self._sample()
         return applied
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its shards (parameters, AdamW's moments, the fp32 master) into
+        ``directory``, atomically (``checkpoint.save``)."""
+        arrays, meta = self.optimizer.shards_to_save(self._names())
+        checkpoint.save(directory, self.comm, arrays, self._numels(arrays), meta)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Resume from ``directory``, saved at this or another world size (the shards are re-cut),
+        then all-gather the parameters."""
+        names = self._names()
+        arrays, meta = checkpoint.load(directory, self.comm, self._numels(self.optimizer.shards_to_save(names)[0]))
+        self.optimizer.load_shards(names, arrays, meta)
+        for b in self.buckets:
+            b.all_gather(self.comm)
+
+    def _names(self) -> list[str]:
+        return [f"bucket{b.index}" for b in self.buckets]
+
+    def _numels(self, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+        by_bucket = {f"bucket{b.index}": b.layout.numel for b in self.buckets}
+        return {key: by_bucket[key.rsplit("/", 1)[0]] for key in arrays}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: parameters (the padded flat buckets), gradients (full ones
