@@ -17,20 +17,22 @@ message on every rank before the communicator is touched.
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import example, given
-from sp_helpers import token_losses
+from sp_helpers import Watched, token_losses
 from strategies import budget, mpi_jobs, zero_configs
 from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, padded, param_sizes, ring_bytes, rows, unit_sizes
 
 from minipar import launch, nn, trace
 from minipar.optim import AdamW
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
-from minipar.testing import run_each
+from minipar.testing import run, run_each
 
-EXAMPLES = [config("stage2", 4, cap=200), config("fsdp", 3, prefetch=True), config("fsdp", 2, reshard=False),
-            config("stage1", 3, cap=700, d=2, layers=1, steps=2)]
+EXAMPLES = [config("stage2", 4, cap=200, d=3, heads=1), config("fsdp", 3, prefetch=True),
+            config("fsdp", 2, reshard=False, d=3, heads=3), config("stage1", 3, cap=700, layers=1, steps=2)]
 
 
 # ---- the triple -----------------------------------------------------------------------------------
@@ -211,3 +213,135 @@ def test_zero_equals_single_process_mpiexec(job: tuple[int, list[dict]]) -> None
     n, cs = job
     for c, results in zip(cs, run_each(zero_run, n, [{"c": c} for c in cs], timeout=90, comm_timeout=30)):
         check_zero(c, results)
+
+
+# ---- one model by hand ----------------------------------------------------------------------------
+# GPT(vocab 5, seq 3, d 4, 2 heads, 2 layers) on N = 3, one step. Units: tok_emb 5 x 4 = 20, pos_emb
+# 3 x 4 = 12, each block 2 x 8 (layer norms) + 4 x 20 (q, k, v, proj) + (4 x 16 + 16) + (16 x 4 + 4)
+# = 244, ln_f 8, head 4 x 5 = 20: 548 elements. Padded to multiples of 3: 21, 12, 246, 246, 9, 21 =
+# 555, shards of 7, 4, 82, 82, 3, 7 = 185 elements. One bucket (stages): 548 -> 549, shard 183.
+HAND_UNITS, HAND_SHARDS = [20, 12, 244, 244, 8, 20], [7, 4, 82, 82, 3, 7]
+BY_HAND = {  # name: (config, bytes sent, parameters, optimizer state, gradients after backward, gathered peak)
+    # FSDP: 3 rings x (N-1) = 2 blocks x 185 x 8 B; the largest adjacent pair, two blocks: 2 x 246 x 8
+    "fsdp": (config("fsdp", 3, steps=1), 3 * 2 * 185 * 8, 185 * 8, 185 * 16, 185 * 8, 2 * 246 * 8),
+    "fsdp no prefetch": (config("fsdp", 3, prefetch=False, steps=1), 3 * 2 * 185 * 8, 1480, 2960, 1480, 246 * 8),
+    "fsdp no reshard": (config("fsdp", 3, reshard=False, steps=1), 2 * 2 * 185 * 8, 1480, 2960, 1480, 555 * 8),
+    # stages: 2 rings x 2 blocks x 183 x 8 B; every rank holds the padded 549; stage 1 the 548 gradients
+    "stage1": (config("stage1", 3, cap=1 << 20, steps=1), 2 * 2 * 183 * 8, 549 * 8, 183 * 16, 548 * 8, None),
+    "stage2": (config("stage2", 3, cap=1 << 20, steps=1), 2 * 2 * 183 * 8, 549 * 8, 183 * 16, 183 * 8, None),
+}
+
+
+@pytest.mark.parametrize("name", BY_HAND)
+def test_sizes_bytes_and_memory_by_hand(name: str) -> None:
+    c, sent, params, state, grads, gathered = BY_HAND[name]
+    assert unit_sizes(c) == HAND_UNITS and sum(HAND_UNITS) == 548
+    for got in launch(zero_run, 3, c=c):
+        assert got["shard_sizes"] == (HAND_SHARDS if c["mode"] == "fsdp" else [183])
+        assert got["sent"] == sent
+        mem = got["memory"]
+        assert set(mem["all"]["parameters"]) == {params}
+        assert mem["after_step"][0]["optimizer state"] == state and mem["after_backward"][0]["gradients"] == grads
+        assert max(mem["all"].get("gathered units", [None])) == gathered
+
+
+# ---- FSDP never holds the model whole -------------------------------------------------------------
+BIG = {"vocab": 16, "seq": 8, "d": 64, "heads": 2, "layers": 2, "seed": 1}
+PYTHON_TRANSIENT = 32 << 10  # lists, generators and frames alive only during construction (seen: <= 20 KiB)
+
+
+def construction_memory(comm) -> dict:
+    """tracemalloc during this rank's ``nn.deferred()`` GPT + FSDP construction, the ranks one after
+    another (tracemalloc sees every thread; the others wait in the barrier): peak, the array bytes and
+    the Python-object bytes still alive at the end, the shard elements."""
+    np.random.default_rng(0).normal(size=1)  # numpy.random's lazy imports, before measuring
+    out: dict = {}
+    for r in range(comm.size):
+        if r == comm.rank:
+            tracemalloc.start()
+            with nn.deferred():
+                model = build(BIG)
+            fsdp = FullyShardedDataParallel(model, comm)
+            peak = tracemalloc.get_traced_memory()[1]
+            snap = tracemalloc.take_snapshot()
+            tracemalloc.stop()
+            alive = [sum(t.size for t in snap.filter_traces([
+                tracemalloc.DomainFilter(inside, np.lib.tracemalloc_domain)]).traces) for inside in (True, False)]
+            out = {"peak": peak, "arrays": alive[0], "python": alive[1], "n_params": len(model.parameters()),
+                   "shards": [u.shard.data.size for u in fsdp.units],
+                   "unallocated": all(not any(p.data.strides) for p in model.parameters())}
+        comm.barrier()
+    return out
+
+
+def test_fsdp_construction_never_holds_the_model() -> None:
+    """Per rank: arrays = the shards (+ 8 B per placeholder's shared zero); peak <= those + the largest
+    unit shard again (``init_shard`` draws a piece's rows, <= the piece + 2 rows, before copying them
+    in) + 2 rows of the widest parameter (4d) + one initialisation tile + the Python objects. Building
+    the GPT whole holds every parameter: more than that bound."""
+    whole = 8 * sum(param_sizes(BIG).values())
+    for got in launch(construction_memory, 4):
+        units = [padded(m, 4) // 4 for m in unit_sizes(BIG)]
+        assert got["shards"] == units and got["unallocated"]
+        shards = 8 * sum(units)
+        assert shards <= got["arrays"] <= shards + 16 * got["n_params"]
+        bound = got["arrays"] + 8 * (max(units) + 2 * 4 * BIG["d"] + nn.TILE**2) + got["python"] + PYTHON_TRANSIENT
+        assert got["peak"] <= bound < whole, (got, bound, whole)
+    tracemalloc.start()
+    build(BIG)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak > whole > bound
+
+
+# ---- bad configurations ---------------------------------------------------------------------------
+BAD = {  # name: (wrapper, keyword arguments, phrases the message must contain)
+    "stage 3": ("zero", {"stage": 3}, ["stage=3 is not a ZeRO stage", "FullyShardedDataParallel for stage 3"]),
+    "stage 0": ("zero", {"stage": 0}, ["stage=0 is not a ZeRO stage", "use 1 (optimizer state) or 2"]),
+    "cap 0": ("zero", {"bucket_cap_bytes": 0}, ["bucket_cap_bytes=0 must be > 0"]),
+    "cap < 0": ("zero", {"bucket_cap_bytes": -8}, ["bucket_cap_bytes=-8 must be > 0"]),
+    "both": ("zero", {"stage": 3, "bucket_cap_bytes": 0}, ["stage=3", "bucket_cap_bytes=0"]),
+    "policy wraps nothing": ("fsdp", {"policy": lambda name, m: False}, ["the wrapping policy wraps no module"]),
+    "policy leaves parameters": ("fsdp", {"policy": lambda name, m: name == "head"},
+                                 ["'tok_emb.weight', 'pos_emb.weight', 'blocks.0.ln1.weight'", "in no unit",
+                                  "policy=transformer_units"]),
+}
+
+
+def bad_run(comm) -> dict:
+    """Every bad configuration on every rank: (message, comm events before it, the communicator's
+    attributes used besides rank and size)."""
+    out = {}
+    for name, (kind, kwargs, _) in BAD.items():
+        watched = Watched(comm)
+        with trace.recording(comm.rank) as rec:
+            try:
+                if kind == "zero":
+                    ZeroDataParallel(build(EXAMPLES[0]), watched, **kwargs)
+                else:
+                    with nn.deferred():
+                        FullyShardedDataParallel(build(EXAMPLES[0]), watched, **kwargs)
+                msg = "accepted"
+            except ValueError as exc:
+                msg = str(exc)
+        out[name] = (msg, sum(e.kind == "comm" for e in rec.events), watched.used)
+    return out
+
+
+def check_bad(results: list[dict]) -> None:
+    assert len(results) == 3
+    for got in results:
+        assert got == results[0]  # the same message on every rank
+        for name, (_, _, phrases) in BAD.items():
+            msg, events, used = got[name]
+            assert all(p in msg for p in phrases), (name, msg)
+            assert (events, used) == (0, []), name  # nothing sent, the communicator untouched
+
+
+def test_bad_configurations_rejected_on_every_rank_threads() -> None:
+    check_bad(launch(bad_run, 3))
+
+
+@pytest.mark.mpi
+def test_bad_configurations_rejected_on_every_rank_mpiexec() -> None:
+    check_bad(run(bad_run, 3, backend="mpi", timeout=60, comm_timeout=20))
