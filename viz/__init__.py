@@ -9,6 +9,8 @@ Reads trace files through ``minipar.trace.load`` only; imports nothing else of m
   schedule as the papers draw it) and ``viz.figures``, with colours in ``viz.style``.
 - ``viz.ring.ring_figure``: Ring Attention step by step (who holds which K/V block, and the compute
   overlapping the next block's transfer); the report adds it to every trace with ``ring_kv`` messages.
+- ``viz.memory_stack``: model states per rank stacked as ZeRO's Fig. 1 (parameters, gradients, optimizer
+  state, gathered units) and FSDP's gathered units over time; the report adds them when sampled.
 - ``viz.analysis``: the numbers behind them (bubble/idle definition, traffic, memory);
   ``viz.messages``: comm events grouped into collective calls, sends paired with receives.
 
@@ -20,7 +22,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_MODULES = ("analysis", "figures", "messages", "pipeline_grid", "report", "ring", "style", "terminal", "timeline")
+_MODULES = ("analysis", "figures", "memory_stack", "messages", "pipeline_grid", "report", "ring", "style", "terminal",
+            "timeline")
 __all__ = [*_MODULES, "print_timeline", "write_report"]
 
 

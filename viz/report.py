@@ -3,11 +3,13 @@
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size,
 paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
 then the first Ring Attention trace's ring step by step (``viz.ring``; the others' in their
-sections), then, when there are several traces, their timelines on one shared time axis, then per
-trace: its metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
-schedule: the papers' unit grid, its stash counts under it), its traffic (left out when no
-message carries a byte) and its memory. The page records JavaScript errors into the ``data-js-errors`` attribute of
-``<html>`` (a JSON list) so a headless browser can check that it rendered cleanly.
+sections), then the model states per rank of every trace that samples them, stacked as in ZeRO's
+Fig. 1 (``viz.memory_stack``), then, when there are several traces, their timelines on one shared
+time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
+timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its
+traffic (left out when no message carries a byte), its memory and, for FSDP, its gathered units
+over time. The page records JavaScript errors into the ``data-js-errors`` attribute of ``<html>``
+(a JSON list) so a headless browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -24,6 +26,7 @@ from plotly.offline import get_plotlyjs
 from minipar.trace import Trace, load
 from viz import analysis as A
 from viz import figures, style
+from viz.memory_stack import GATHERED, gathered_figure, has_model_states, stacks_figure
 from viz.pipeline_grid import is_grid
 from viz.ring import is_ring, ring_figure
 
@@ -165,6 +168,8 @@ def figures_for(trace: Trace, title: str, ring: bool = True) -> list[tuple[str, 
         out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
     else:
         out.append(("memory", None, "No memory samples in this trace."))
+    if any(e.kind == "memory" and e.name == GATHERED for e in trace.events):  # FSDP: units gathered per layer
+        out.append(("gathered", gathered_figure(trace, title), ""))
     return out
 
 
@@ -178,6 +183,11 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
     if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
         parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
         parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
+    states = [i for i, t in enumerate(traces) if has_model_states(t)]
+    if states:  # ZeRO / DDP: the paper's picture of model states per rank
+        parts.append("<h2>model states per rank</h2>")
+        parts.append(_fig_html(stacks_figure([traces[i] for i in states], [titles[i] for i in states]),
+                               "fig-model-states"))
     if len(traces) > 1:
         parts.append("<h2>side by side</h2>")
         parts.append(_fig_html(figures.compare(traces, titles), "fig-compare"))

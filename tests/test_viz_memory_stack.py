@@ -1,0 +1,71 @@
+"""``viz.memory_stack`` reads model states from memory samples: a label holds its latest sample until
+the next one; "before the step" is the instant the last "opt" span starts; "at the peak" the first
+instant of the largest total. Checked on a hand-written trace whose numbers are chosen below, and on
+a real FSDP step (gathered units drawn per rank; the report adds the stacked figure)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import nn, trace
+from minipar.comm import Communicator, launch
+from minipar.parallel.zero import FullyShardedDataParallel
+from minipar.trace import Event, Trace
+from viz.memory_stack import at_peak, before_step, gathered_figure, has_model_states, labels_of, stacks_figure
+from viz.report import figures_for, render
+
+
+def sample(rank: int, t: float, name: str, nbytes: int) -> Event:
+    return Event(rank, "memory", name, t, t, nbytes=nbytes)
+
+
+def hand_trace() -> Trace:
+    """Rank 0: parameters 100 throughout; gradients 40 at t=2, 10 at t=4 (reduced); optimizer state 30;
+    "gradient buckets" 50 at t=3 only (its peak: 100 + 40 + 30 + 50 = 220); opt span from t=5."""
+    events = [sample(0, 1.0, "parameters", 100), sample(0, 1.0, "optimizer state", 30),
+              sample(0, 2.0, "gradients", 40), sample(0, 3.0, "gradient buckets", 50),
+              sample(0, 3.5, "gradient buckets", 0), sample(0, 4.0, "gradients", 10),
+              Event(0, "compute", "opt", 5.0, 6.0), sample(0, 6.0, "gradients", 0)]
+    return Trace({"world_size": 1}, events)
+
+
+def test_states_before_the_step_and_at_the_peak() -> None:
+    t = hand_trace()
+    assert has_model_states(t)
+    assert labels_of([t]) == ["parameters", "gradients", "optimizer state", "gradient buckets"]
+    assert before_step(t, 0) == {"parameters": 100, "optimizer state": 30, "gradients": 10, "gradient buckets": 0}
+    assert at_peak(t, 0) == {"parameters": 100, "optimizer state": 30, "gradients": 40, "gradient buckets": 50}
+    fig = stacks_figure([t], ["hand"])
+    bars = {(b.name, b.yaxis): list(b.y) for b in fig.data if b.type == "bar"}
+    assert bars[("gradients", "y")] == [10] and bars[("gradients", "y2")] == [40]
+    assert bars[("gradient buckets", "y")] == [0] and bars[("gradient buckets", "y2")] == [50]
+    totals = [list(s.y) for s in fig.data if s.type == "scatter"]
+    assert totals == [[140], [220]]
+
+
+def fsdp_step(comm: Communicator, path: str) -> None:
+    with nn.deferred():
+        model = nn.GPT(16, 8, 8, 2, 2, seed=0)
+    fsdp = FullyShardedDataParallel(model, comm)
+    tokens = np.arange(16).reshape(2, 8) % 16
+    with trace.record(path, comm):
+        fsdp.backward(model.loss(tokens[comm.rank:comm.rank + 1], np.roll(tokens, -1, 1)[comm.rank:comm.rank + 1]))
+        fsdp.step()
+
+
+def test_fsdp_trace_gets_the_gathered_figure_and_the_stack(tmp_path) -> None:
+    path = str(tmp_path / "fsdp.json")
+    launch(fsdp_step, 2, "threads", path=path)
+    t = trace.load(path)
+    # 2 ranks; units: tok_emb 16x8, pos_emb 8x8, 2 blocks, ln_f 2x8, head 8x16, each padded to even: no padding
+    block = 2 * 8 + 8 * 24 + 24 + 8 * 8 + 8 + 2 * 8 + 8 * 32 + 32 + 32 * 8 + 8
+    sizes = [128, 64, block, block, 16, 128]
+    gathered = [e.nbytes for e in t.select("memory", rank=0, name="gathered units")]
+    assert max(gathered) == 8 * max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
+    assert before_step(t, 0)["gathered units"] == 0
+    assert before_step(t, 0)["parameters"] == 8 * sum(sizes) // 2
+    fig = gathered_figure(t)
+    assert [max(s.y) for s in fig.data] == [max(gathered), max(e.nbytes for e in t.select(
+        "memory", rank=1, name="gathered units"))]
+    assert [k for k, _, _ in figures_for(t, "fsdp")][-1] == "gathered"
+    assert 'id="fig-model-states"' in render([t], ["fsdp"])

@@ -1,0 +1,147 @@
+"""Model states per rank, stacked, as the ZeRO paper draws them (Rajbhandari et al. 2020, Fig. 1:
+one bar per device, parameters / gradients / optimizer states, shrinking from the baseline to
+P_os, P_os+g and P_os+g+p), and FSDP's gathered units rising and falling unit by unit (Zhao et
+al. 2023, Sec. 3.3-3.4).
+
+Read from the trace's memory samples alone (``minipar.parallel.zero`` and the lesson's DDP driver
+sample "parameters", "gradients", "optimizer state", in mixed precision "master parameters" (fp32)
+and, for FSDP, "gathered units"; any other label,
+such as DDP's "gradient buckets", is stacked on top). A label holds its latest sample's bytes until
+its next sample (``analysis.memory_series``).
+
+- ``states_at(trace, rank, t)``: bytes per label held at time ``t``.
+- ``before_step(trace, rank)``: at the start of the rank's last "opt" span: every gradient has been
+  computed (and, from stage 2, reduced to its shard), nothing is gathered: the model states the
+  paper's Table 1 counts.
+- ``at_peak(trace, rank)``: at the instant the rank held the most (transients included: a stage-2
+  bucket not yet reduced, FSDP's current and prefetched units).
+- ``stacks_figure(traces, titles)``: both, one stacked bar per (trace, rank), side by side.
+- ``gathered_figure(trace, title)``: per rank, the bytes of gathered units over time, with each
+  unit's forward span named above it.
+
+Cost: O(E log E) for E events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from minipar.trace import Trace
+from viz import analysis as A
+from viz.style import MEMORY_COLORS, SPARE_COLORS
+
+MODEL_STATES = ("parameters", "gradients", "optimizer state", "master parameters", "gathered units")
+GATHERED = "gathered units"
+STATE_COLORS = dict(zip(MODEL_STATES, MEMORY_COLORS[:5], strict=True))
+
+
+def has_model_states(trace: Trace) -> bool:
+    """True when the trace samples parameters and optimizer state (a data-parallel / ZeRO run)."""
+    labels = {e.name for e in trace.events if e.kind == "memory"}
+    return {"parameters", "optimizer state"} <= labels
+
+
+def labels_of(traces: Sequence[Trace]) -> list[str]:
+    """The model-state labels in the paper's order, then any other label in the order first seen."""
+    seen = list(dict.fromkeys(e.name for t in traces for e in t.events if e.kind == "memory"))
+    return [lab for lab in MODEL_STATES if lab in seen] + [lab for lab in seen if lab not in MODEL_STATES]
+
+
+def states_at(trace: Trace, rank: int, t: float) -> dict[str, int]:
+    """Bytes per label that ``rank`` held at time ``t`` (the samples up to and including ``t``)."""
+    s = A.memory_series(trace, rank)
+    held = dict.fromkeys(s.by_label, 0)
+    for i, when in enumerate(s.times):
+        if when > t:
+            break
+        held = {lab: vals[i] for lab, vals in s.by_label.items()}
+    return held
+
+
+def before_step(trace: Trace, rank: int) -> dict[str, int]:
+    """Bytes per label at the start of ``rank``'s last "opt" span (the latest sample when there is none)."""
+    opts = [e.t0 for e in trace.events if e.kind == "compute" and e.rank == rank and e.name == "opt"]
+    return states_at(trace, rank, max(opts) if opts else float("inf"))
+
+
+def at_peak(trace: Trace, rank: int) -> dict[str, int]:
+    """Bytes per label at the first instant ``rank``'s total was largest."""
+    s = A.memory_series(trace, rank)
+    if not s.times:
+        return {}
+    total = s.total
+    i = total.index(max(total))
+    return {lab: vals[i] for lab, vals in s.by_label.items()}
+
+
+def _color(label: str) -> str:
+    return STATE_COLORS.get(label) or SPARE_COLORS[sum(map(ord, label)) % len(SPARE_COLORS)]
+
+
+def stacks_figure(traces: Sequence[Trace], titles: Sequence[str]) -> go.Figure:
+    """Top: model states per rank when the optimizer step begins (the paper's Fig. 1); bottom: at
+    the rank's peak. One stacked bar per (trace, rank), grouped by trace, the total over each group."""
+    labels = labels_of(traces)
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.2, subplot_titles=(
+        "model states when the optimizer step begins (every gradient computed, nothing gathered)",
+        "at the rank's peak (gradients not yet reduced, units gathered, buckets in flight)"))
+    xs = [[title for title, t in zip(titles, traces, strict=True) for _ in range(t.world_size)],
+          [f"rank {r}" for t in traces for r in range(t.world_size)]]
+    for row, pick in ((1, before_step), (2, at_peak)):
+        states = [pick(t, r) for t in traces for r in range(t.world_size)]
+        for lab in labels:
+            ys = [s.get(lab, 0) for s in states]
+            fig.add_trace(go.Bar(
+                x=xs, y=ys, name=lab, legendgroup=lab, showlegend=row == 1, marker={"color": _color(lab)},
+                customdata=[A.fmt_bytes(y) for y in ys],
+                hovertemplate=f"%{{x}}: {lab} %{{customdata}}<extra></extra>"), row=row, col=1)
+        totals = [sum(s.values()) for s in states]
+        first = [i for i, r in enumerate(xs[1]) if r == "rank 0"]  # one total per trace: its rank 0
+        fig.add_trace(go.Scatter(x=[[xs[0][i] for i in first], [xs[1][i] for i in first]],
+                                 y=[totals[i] for i in first], mode="text", textposition="top right",
+                                 text=[f"rank 0: {A.fmt_bytes(totals[i])}" for i in first], textfont={"size": 11},
+                                 showlegend=False, hoverinfo="skip"), row=row, col=1)
+        fig.update_yaxes(title_text="bytes per rank", range=[0, 1.15 * max(totals, default=1)], row=row, col=1)
+    fig.update_xaxes(tickangle=0)
+    fig.update_layout(title="model states per rank, stacked (ZeRO, Rajbhandari et al. 2020, Fig. 1)",
+                      barmode="stack", bargap=0.15, height=780, margin={"t": 110}, legend={"orientation": "h",
+                                                                                          "y": 1.1, "x": 0})
+    return fig
+
+
+def gathered_figure(trace: Trace, title: str = "FSDP") -> go.Figure:
+    """Per rank, the bytes of gathered units over time (a step line) with each unit's forward "F"
+    span shaded and named above it: the curve rises when a unit (and the prefetched next one) is
+    gathered and falls when it is resharded."""
+    p = trace.world_size
+    unit = A.time_unit(trace)
+    scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
+    lo = A.window(trace)[0]
+    fig = make_subplots(rows=p, cols=1, shared_xaxes=True, vertical_spacing=0.25 / max(p, 1),
+                        subplot_titles=[f"rank {r}" for r in range(p)])
+    for r in range(p):
+        s = A.memory_series(trace, r)
+        vals = s.by_label.get(GATHERED)
+        if vals is None:
+            continue
+        xs = [(t - lo) * scale for t in s.times]
+        fig.add_trace(go.Scatter(x=xs, y=vals, mode="lines", line={"shape": "hv", "color": _color(GATHERED)},
+                                 fill="tozeroy", name=GATHERED, showlegend=r == 0,
+                                 hovertemplate=f"rank {r}: %{{y}} B gathered at %{{x:.3g}} {shown}<extra></extra>"),
+                      row=r + 1, col=1)
+        top = max(vals, default=0)
+        for i, e in enumerate(sorted((e for e in trace.events if e.kind == "compute" and e.rank == r
+                                      and e.name in ("F", "B")), key=lambda e: e.t0)):
+            name = str(e.args.get("unit", "backward" if e.name == "B" else "F"))
+            fig.add_vrect(x0=(e.t0 - lo) * scale, x1=(e.t1 - lo) * scale, fillcolor="#4C78A8" if e.name == "F"
+                          else "#F58518", opacity=0.08 + 0.06 * (i % 2), line_width=0, row=r + 1, col=1)
+            fig.add_annotation(x=((e.t0 + e.t1) / 2 - lo) * scale, y=top * 1.08, text=name, showarrow=False,
+                               font={"size": 9}, textangle=-60 if e.name == "F" else 0, row=r + 1, col=1)
+        fig.update_yaxes(title_text="bytes", range=[0, top * 1.35 or 1], row=r + 1, col=1)
+    fig.update_xaxes(title_text=f"time ({shown})", row=p, col=1)
+    fig.update_layout(title=f"gathered units over the step: {title} (shaded: each unit's forward, then backward)",
+                      height=160 + 170 * p, margin={"t": 80}, plot_bgcolor="#FAFAFA")
+    return fig
