@@ -68,21 +68,25 @@ class heads_to_seq(Function):  # Ulysses' second all-to-all (the attention outpu
         return _seq_to_heads(grad, ctx.comm), None
 
 
-def pass_on(comm: Communicator, array: np.ndarray, tag: int, op: str, step: int, block: int) -> Request:
+def pass_on(comm: Communicator, array: np.ndarray, tag: int, op: str, step: int, block: int) -> Both:
     """Ring Attention's hand-off: post the receive of the next block from rank r-1, then send
     ``array`` (block ``block``, at ring step ``step``) to rank r+1; ``wait()`` gives the received one.
     Both events carry ``step`` and ``chunk=block`` so the viewer can draw the ring."""
     me, p = comm.rank, comm.size
     incoming = comm.irecv((me - 1) % p, tag, op=op, step=step, chunk=(block - 1) % p)
     outgoing = comm.isend(array, (me + 1) % p, tag, op=op, step=step, chunk=block)
-    return _Both(incoming, outgoing)
+    return Both(incoming, outgoing)
 
 
-class _Both:
+class Both:
     """Wait for a send and a receive; ``wait()`` returns what was received."""
 
     def __init__(self, incoming: Request, outgoing: Request) -> None:
         self.incoming, self.outgoing = incoming, outgoing
+
+    def test(self) -> bool:
+        """Make progress on both; True when both have finished."""
+        return self.incoming.test() & self.outgoing.test()
 
     def wait(self) -> np.ndarray:
         got = self.incoming.wait()

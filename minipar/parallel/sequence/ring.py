@@ -37,10 +37,10 @@ import numpy as np
 
 from minipar import trace
 from minipar.autograd import Context, Function, Tensor
-from minipar.comm import Communicator
+from minipar.comm import Communicator, Request
 from minipar.functional import _Attention
 from minipar.parallel.sequence.blockwise import HIDDEN, OnlineSoftmax, block_backward, scores, visibility
-from minipar.parallel.sequence.comm_ops import pass_on
+from minipar.parallel.sequence.comm_ops import Both, pass_on
 from minipar.parallel.sequence.layout import Piece
 
 TAG_KV, TAG_KV_BACK, TAG_DKV = 11, 12, 13
@@ -59,6 +59,15 @@ def block_pairs(q_pieces: Sequence[Piece], k_pieces: Sequence[Piece], causal: bo
                 yield qi, slice(q0, q0 + qp[1] - qp[0]), qp, ki, slice(k0, k0 + kp[1] - kp[0]), kp
             k0 += kp[1] - kp[0]
         q0 += qp[1] - qp[0]
+
+
+def _progress(*requests: Request | Both | None) -> None:
+    """Poll the transfers in flight between score blocks: an MPI library moves a large message only
+    inside its calls, so without these polls the transfer would wait for the ``wait()`` after the
+    compute instead of overlapping it."""
+    for r in requests:
+        if r is not None:
+            r.test()
 
 
 def _labels(q_piece: int, k_piece: int, score_bytes: int | None = None) -> dict[str, int]:
@@ -91,6 +100,7 @@ class RingAttention(Function):
                                              * q.itemsize)):
                     soft.update(rows, scores(qh[:, :, rows], kh[:, :, cols], scale, qp, kp, causal),
                                 vh[:, :, cols])
+                _progress(nxt)
             if nxt is not None:
                 kv = nxt.wait()
         out = np.empty_like(q)
@@ -110,7 +120,7 @@ class RingAttention(Function):
         dqh = heads(dq, h)
         kv = np.stack([k, v])
         home = np.zeros_like(kv)  # dK, dV of this rank's own block
-        sent = []
+        sent = None  # the accumulator last sent on (one at a time: never the whole sequence's dK, dV)
         for step in range(p):
             j = (me - step) % p
             nxt = pass_on(comm, kv, TAG_KV_BACK, "ring_kv", step, j) if step < p - 1 else None
@@ -122,16 +132,19 @@ class RingAttention(Function):
                     block_backward(qh[:, :, rows], kh[:, :, cols], vh[:, :, cols], gh[:, :, rows],
                                    lse[:, :, rows], delta[:, :, rows], scale, qp, kp, causal,
                                    dqh[:, :, rows], dkh[:, :, cols], dvh[:, :, cols])
+                _progress(nxt, arriving, sent)
             if arriving is not None:
                 acc += arriving.wait()
+            if sent is not None:  # posted a step ago; rank r+1 has posted its receive since
+                sent.wait()
             if step >= 1:
-                sent.append((comm.isend(acc, (me + 1) % p, TAG_DKV, op="ring_dkv", step=step, chunk=j), acc))
+                sent = comm.isend(acc, (me + 1) % p, TAG_DKV, op="ring_dkv", step=step, chunk=j)
             if nxt is not None:
                 kv = nxt.wait()
         if p > 1:
             home += comm.recv((me - 1) % p, TAG_DKV, op="ring_dkv", step=p, chunk=me)
-        for request, _ in sent:
-            request.wait()
+        if sent is not None:
+            sent.wait()
         return dq, home[0], home[1], None, None, None, None
 
 
