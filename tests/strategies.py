@@ -123,7 +123,7 @@ def ps_configs(draw: st.DrawFn, world: int) -> dict:
             "seed": draw(st.integers(0, 1000)), "opt": draw(st.sampled_from(["sgd", "adamw"]))}
 
 
-SP_WORLDS = (1, 2, 4)
+SP_WORLDS = (1, 2, 3, 4)  # 3: an odd ring (a block passes through every other rank)
 
 
 def sp_grid(method: str, p: int, ulysses: int) -> tuple[int, int]:
@@ -133,8 +133,8 @@ def sp_grid(method: str, p: int, ulysses: int) -> tuple[int, int]:
 
 @st.composite
 def sp_configs(draw: st.DrawFn, p: int | None = None, method: str | None = None) -> dict:
-    """A sequence-parallel GPT and batch on ``p`` ranks (1, 2 or 4 when not given): ``method``
-    (Ulysses P_u = P, ring P_r = P, or a hybrid grid P_u x P_r: 1x4, 2x2, 4x1, 1x2, 2x1, 1x1), the
+    """A sequence-parallel GPT and batch on ``p`` ranks (1-4 when not given): ``method``
+    (Ulysses P_u = P, ring P_r = P, or a hybrid grid P_u x P_r: 1x4, 2x2, 4x1, 1x3, 3x1, 1x2, 2x1, 1x1), the
     degrees the hybrid constructor is told (``given``: P_u, P_r or both), heads a multiple of P_u,
     head size 1-4, a sequence (<= 16) that is a multiple of P and, zigzag, of 2 P_r; causal or not.
     Not d_model = 1: a 1-wide layer norm outputs its bias, so the model is a constant whose exactly-zero
