@@ -24,6 +24,7 @@ and skips pairs the causal mask hides completely.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,8 @@ def _divisors(n: int) -> list[int]:
 
 def sequence_problems(seq_len: int, ulysses: int, ring: int, zigzag: bool) -> list[str]:
     """What is wrong with splitting ``seq_len`` positions over a ``ulysses`` x ``ring`` grid."""
+    if not all(isinstance(n, int | np.integer) for n in (seq_len, ulysses, ring)):
+        return [f"sequence length {seq_len!r} and degrees {ulysses!r} x {ring!r} must be whole numbers"]
     p = ulysses * ring
     if ulysses < 1 or ring < 1:
         return [f"the grid {ulysses} x {ring} needs at least one rank on each axis"]
@@ -91,8 +94,10 @@ def sequence_problems(seq_len: int, ulysses: int, ring: int, zigzag: bool) -> li
         problems.append(f"sequence length {seq_len} is not divisible by P={p} ranks; use a multiple of {p} "
                         f"(e.g. {seq_len + (-seq_len) % p})")
     if zigzag and seq_len % (2 * ring):
+        unit = math.lcm(p, 2 * ring)
         problems.append(f"the zigzag split cuts the sequence into 2 x {ring} chunks, and {seq_len} is not "
-                        f"divisible by {2 * ring}; use a multiple of {2 * ring} or the contiguous split")
+                        f"divisible by {2 * ring}; use a multiple of {unit} (e.g. {seq_len + (-seq_len) % unit}) "
+                        "or the contiguous split")
     return problems
 
 
@@ -108,6 +113,9 @@ def check_sequence_config(comm: Any, seq_len: int, n_heads: int, d_model: int, m
     p = comm.size
     if method not in METHODS:
         raise ValueError(f"sequence parallelism: method={method!r}; choose one of {', '.join(METHODS)}")
+    for what, n in (("ulysses", ulysses), ("ring", ring)):
+        if n is not None and not isinstance(n, int | np.integer):
+            raise ValueError(f"sequence parallelism: {what}={n!r} must be a whole number of ranks")
     problems = []
     if method == "hybrid" and ring is not None:
         if ulysses is not None and ulysses * ring != p:
