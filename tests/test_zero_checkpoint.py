@@ -4,6 +4,7 @@ of the save; corrupted, missing and mismatched checkpoints refused alike on ever
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -248,3 +249,28 @@ def test_save_and_recut_under_mpiexec(tmp_path: Path) -> None:
                               backend="mpi", timeout=60)
     assert_shards(three, 5, {"step": 5})
     assert refusal(refused).startswith(f"load {broken}: rank00000.npz: corrupted")
+
+
+def test_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("keep me")
+    lookalike = tmp_path / "home.old-best"  # a sibling whose name only resembles a leftover
+    lookalike.mkdir()
+    assert refusal(run(lambda comm: try_(save_rank, comm, str(home), 1), 2)) == \
+        f"save {home}: {home} holds ['notes.txt'], so it is not a checkpoint; refusing to replace it"
+    assert (home / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "home.old-best"]
+    run(save_rank, 2, directory=str(tmp_path / "home.old"), seed=1)  # "home.old" + "-best" is not a leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "home.old", "home.old-best"]
+
+
+def test_a_meta_json_that_disagrees_with_the_files_is_refused(saved: Path) -> None:
+    doc = json.loads((saved / "meta.json").read_text())
+    doc["arrays"][[a["name"] for a in doc["arrays"]].index("unit0/param")]["numel"] = 17  # 5 a rank, not 4
+    (saved / "meta.json").write_text(json.dumps(doc))
+    assert refusal(run(load_rank, 4, directory=str(saved))) == (
+        f"load {saved}: " + "; ".join(f"rank0000{r}.npz: 'unit0/param' is (4,) float64, meta.json says 17 elements "
+                                      "over 4 ranks, <f8" for r in range(4)))
+    (saved / "meta.json").write_text("{not json")
+    assert refusal(run(load_rank, 2, directory=str(saved))).startswith(f"load {saved}: meta.json: unreadable (")

@@ -16,8 +16,9 @@ the classic write-then-rename of POSIX ``rename(2)``):
 
 1. every rank checks its arguments and ``allgather_object`` compares names, numels, dtypes, the
    directory and ``meta`` on all ranks: any problem is the same ``ValueError`` on every rank;
-2. rank 0 finishes an earlier interrupted commit (below), deletes leftovers of earlier failed
-   saves and makes ``ckpt.tmp-X`` (X a fresh nonce); every rank writes its file there (fsynced);
+2. rank 0 finishes an earlier interrupted commit (below), deletes leftovers of earlier crashed
+   saves, refuses to replace a ``ckpt`` holding anything but checkpoint files, and makes
+   ``ckpt.tmp-X`` (X: 12 fresh hex digits); every rank writes its file there (fsynced);
 3. the ranks ``allgather_object`` their files' checksums, so every file is complete before
 4. rank 0 writes ``meta.json`` (as ``meta.json.part``, fsync, rename: a ``meta.json`` present is
    a complete one), then commits: rename ``ckpt`` -> ``ckpt.old-X``, rename ``ckpt.tmp-X`` ->
@@ -33,6 +34,10 @@ Crash windows (a rank dies; nothing is cleaned up):
   into place first. (Were ``meta.json`` missing, which the order above rules out, they would read
   ``ckpt.old-X``, the old one: roll back);
 - after the second rename: ``ckpt`` is the new checkpoint; ``ckpt.old-X`` is a leftover.
+
+A step that fails without a crash (an ``OSError``: disk full, permissions) is undone (``ckpt``
+renamed back if it had been moved, ``ckpt.tmp-X`` deleted) and is the same ``ValueError`` on
+every rank.
 
 So ``ckpt`` is, as ``load`` sees it, always the old complete checkpoint or the new complete one.
 Not supported: two jobs saving to one directory at once, or a save concurrent with a load.
@@ -52,8 +57,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +69,7 @@ import numpy as np
 FORMAT, VERSION = "minipar.zero.checkpoint", 1
 META = "meta.json"
 KINDS = "biufc"  # bool, signed, unsigned, float, complex: what a shard may hold
+OURS = re.compile(r"meta\.json(\.part)?|rank\d{5,}\.npz")  # the files a checkpoint directory may hold
 
 
 def file_name(rank: int) -> str:
@@ -98,24 +106,32 @@ def _remove_tree(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
     try:
         fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError:  # a platform without directory file descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def _siblings(directory: Path, kind: str) -> list[Path]:
-    """``directory``'s ``.tmp-X`` or ``.old-X`` siblings, sorted."""
-    prefix = f"{directory.name}.{kind}-"
+    """``directory``'s ``.tmp-X`` or ``.old-X`` siblings (X: 12 hex digits, as ``save`` makes them)."""
+    pattern = re.compile(re.escape(f"{directory.name}.{kind}-") + "[0-9a-f]{12}")
     if not directory.parent.is_dir():
         return []
-    return sorted(p for p in directory.parent.iterdir() if p.name.startswith(prefix))
+    return sorted(p for p in directory.parent.iterdir() if pattern.fullmatch(p.name))
+
+
+def _check_replaceable(directory: Path) -> None:
+    """Refuse to replace (and so delete) a ``directory`` that holds anything but checkpoint files."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file, not a checkpoint; refusing to replace it")
+    other = sorted(p.name for p in directory.iterdir() if not OURS.fullmatch(p.name)) if directory.exists() else []
+    if other:
+        raise ValueError(f"{directory} holds {other[:3]}, so it is not a checkpoint; refusing to replace it")
 
 
 def _resolve(directory: Path) -> Path:
@@ -190,9 +206,11 @@ def _check_save(shards: Any, numels: Any, meta: Any, world: int) -> tuple[list[s
             errors.append(f"{name!r}: shard has {a.size} elements, but numel {n} over {world} ranks "
                           f"needs {-(-int(n) // world)}")
     try:
-        json.dumps(meta, allow_nan=True)
+        json.dumps(meta)
+        if not isinstance(meta, dict):
+            raise TypeError(f"got {type(meta).__name__}")
     except (TypeError, ValueError) as exc:
-        errors.append(f"meta must be JSON-serializable: {exc}")
+        errors.append(f"meta must be a JSON-serializable dict: {exc}")
     return names, errors
 
 
@@ -222,6 +240,7 @@ def save(directory: str | os.PathLike[str], comm: Any, shards: dict[str, np.ndar
     if comm.rank == 0:
         def prepare() -> Path:
             _recover(directory)
+            _check_replaceable(directory)
             path = directory.parent / f"{directory.name}.tmp-{secrets.token_hex(6)}"
             path.mkdir(parents=True)
             return path
@@ -301,19 +320,18 @@ def _read_shard(where: Path, fname: str, sha256: str, arrays: list[dict[str, Any
     got = hashlib.sha256(data).hexdigest()
     if got != sha256:
         raise ValueError(f"{fname}: corrupted (sha256 {got[:16]}..., {META} says {sha256[:16]}...)")
-    out = {}
-    try:
+    try:  # a file whose checksum matches is well-formed unless meta.json lies; np.load's errors, named
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            if len(npz.files) != len(arrays):
-                raise ValueError(f"{fname}: holds {len(npz.files)} arrays, {META} names {len(arrays)}")
-            for i in sorted(keep):
-                a, spec = npz[f"arr_{i}"], arrays[i]
-                if a.shape != (-(-spec["numel"] // world),) or a.dtype != np.dtype(spec["dtype"]):
-                    raise ValueError(f"{fname}: {spec['name']!r} is {a.shape} {a.dtype}, {META} says "
-                                     f"{spec['numel']} elements over {world} ranks, {spec['dtype']}")
-                out[i] = a
-    except (KeyError, OSError, EOFError) as exc:  # np.load's complaints about a malformed file
+            count, out = len(npz.files), {i: npz[f"arr_{i}"] for i in sorted(keep)}
+    except (KeyError, OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{fname}: unreadable ({exc})") from None
+    if count != len(arrays):
+        raise ValueError(f"{fname}: holds {count} arrays, {META} names {len(arrays)}")
+    for i, a in out.items():
+        spec = arrays[i]
+        if a.shape != (-(-spec["numel"] // world),) or a.dtype != np.dtype(spec["dtype"]):
+            raise ValueError(f"{fname}: {spec['name']!r} is {a.shape} {a.dtype}, {META} says "
+                             f"{spec['numel']} elements over {world} ranks, {spec['dtype']}")
     return out
 
 
@@ -398,6 +416,5 @@ def consolidate(directory: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray
         errors += errs
         parts.append(got or {})
     _raise_if(what, errors)
-    full = {a["name"]: np.concatenate([np.zeros(0, np.dtype(a["dtype"]))] + [p[i] for p in parts])[:a["numel"]]
-            for i, a in enumerate(arrays)}
+    full = {a["name"]: np.concatenate([p[i] for p in parts])[:a["numel"]] for i, a in enumerate(arrays)}
     return full, doc["meta"]
