@@ -22,9 +22,21 @@ import tracemalloc
 import numpy as np
 import pytest
 from hypothesis import example, given
-from sp_helpers import Watched, token_losses
+from sp_helpers import token_losses
 from strategies import budget, mpi_jobs, zero_configs
-from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, padded, param_sizes, ring_bytes, rows, unit_sizes
+from zero_helpers import (
+    LR,
+    WEIGHT_DECAY,
+    attempt,
+    batch,
+    build,
+    config,
+    padded,
+    param_sizes,
+    ring_bytes,
+    rows,
+    unit_sizes,
+)
 
 from minipar import launch, nn, trace
 from minipar.optim import AdamW
@@ -197,7 +209,7 @@ def always(prop):
     return prop
 
 
-@budget(8)
+@budget(20)
 @given(c=zero_configs())
 @always
 def test_zero_equals_single_process_threads(c: dict) -> None:
@@ -208,6 +220,7 @@ def test_zero_equals_single_process_threads(c: dict) -> None:
 @budget(2)
 @given(job=mpi_jobs(zero_configs))
 @example(job=(3, [config("fsdp", 3, deferred=False), config("stage2", 3, cap=700, layers=1)]))
+@example(job=(4, [EXAMPLES[0], config("fsdp", 4, reshard=False, prefetch=False, d=3, heads=1, steps=2)]))
 def test_zero_equals_single_process_mpiexec(job: tuple[int, list[dict]]) -> None:
     """One mpiexec job per drawn N runs a drawn list of configurations."""
     n, cs = job
@@ -308,34 +321,26 @@ BAD = {  # name: (wrapper, keyword arguments, phrases the message must contain)
 }
 
 
+def construct(comm, kind: str, kwargs: dict) -> None:
+    if kind == "zero":
+        ZeroDataParallel(build(EXAMPLES[0]), comm, **kwargs)
+    else:
+        with nn.deferred():
+            FullyShardedDataParallel(build(EXAMPLES[0]), comm, **kwargs)
+
+
 def bad_run(comm) -> dict:
-    """Every bad configuration on every rank: (message, comm events before it, the communicator's
-    attributes used besides rank and size)."""
-    out = {}
-    for name, (kind, kwargs, _) in BAD.items():
-        watched = Watched(comm)
-        with trace.recording(comm.rank) as rec:
-            try:
-                if kind == "zero":
-                    ZeroDataParallel(build(EXAMPLES[0]), watched, **kwargs)
-                else:
-                    with nn.deferred():
-                        FullyShardedDataParallel(build(EXAMPLES[0]), watched, **kwargs)
-                msg = "accepted"
-            except ValueError as exc:
-                msg = str(exc)
-        out[name] = (msg, sum(e.kind == "comm" for e in rec.events), watched.used)
-    return out
+    """Every bad configuration on every rank: ``attempt``'s (message, comm events, attributes used)."""
+    return {name: attempt(comm, lambda c, k=kind, kw=kwargs: construct(c, k, kw))
+            for name, (kind, kwargs, _) in BAD.items()}
 
 
 def check_bad(results: list[dict]) -> None:
-    assert len(results) == 3
-    for got in results:
-        assert got == results[0]  # the same message on every rank
-        for name, (_, _, phrases) in BAD.items():
-            msg, events, used = got[name]
-            assert all(p in msg for p in phrases), (name, msg)
-            assert (events, used) == (0, []), name  # nothing sent, the communicator untouched
+    assert len(results) == 3 and all(got == results[0] for got in results)  # the same message on every rank
+    for name, (_, _, phrases) in BAD.items():
+        msg, events, used = results[0][name]
+        assert all(p in msg for p in phrases), (name, msg)
+        assert (events, used) == (0, []), name  # nothing sent, the communicator untouched
 
 
 def test_bad_configurations_rejected_on_every_rank_threads() -> None:

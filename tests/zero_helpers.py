@@ -4,9 +4,12 @@ FSDP work with, written out by hand from the GPT's definition (``minipar.nn``), 
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
 
-from minipar import nn
+import numpy as np
+from sp_helpers import Watched
+
+from minipar import nn, trace
 
 LR, WEIGHT_DECAY = 1e-2, 0.1
 SMALL_CAP, LARGE_CAP = 200, 1 << 20
@@ -70,3 +73,17 @@ def ring_bytes(numel: int, world: int) -> int:
     """Bytes a rank sends in one ring reduce-scatter, or one ring all-gather, of a padded float64
     buffer of ``numel`` elements: N - 1 blocks of ``padded / N`` elements."""
     return (world - 1) * padded(numel, world) // world * 8
+
+
+def attempt(comm, make: Callable) -> tuple[str, int, list[str]]:
+    """``make(comm)`` on a watched communicator: the ``ValueError``'s message ("accepted" when none),
+    the comm events recorded meanwhile, and the communicator's attributes used besides rank and size
+    (a check that touched none sent nothing, not even on the untraced control plane)."""
+    watched = Watched(comm)
+    with trace.recording(comm.rank) as rec:
+        try:
+            make(watched)
+            msg = "accepted"
+        except ValueError as exc:
+            msg = str(exc)
+    return msg, sum(e.kind == "comm" for e in rec.events), watched.used
