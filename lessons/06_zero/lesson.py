@@ -1,0 +1,376 @@
+"""Lesson 6: ZeRO stages 1, 2, 3 and FSDP: the optimizer state, the gradients and the parameters
+partitioned over the data-parallel ranks, byte by byte.
+
+    mpiexec -n 4 python lessons/06_zero/lesson.py [--steps 3]
+    python lessons/06_zero/lesson.py [--ranks 4]      # same, ranks as threads in one process
+
+Plain data parallelism (DDP, "stage 0") keeps the whole model on every rank: parameters, gradients
+and AdamW's two moments. ZeRO (Rajbhandari et al. 2020, Sec. 5, Fig. 1) partitions them over the N
+ranks, one more at each stage: stage 1 (P_os) the optimizer state, stage 2 (P_os+g) also the
+gradients, stage 3 (P_os+g+p) also the parameters, which PyTorch's FSDP (Zhao et al. 2023) gathers
+unit by unit (here one unit per transformer block plus the embeddings, the final layer norm and the
+head) just before the unit computes and frees right after, prefetching the next unit's all-gather.
+Code: ``minipar/parallel/zero`` and ``minipar/parallel/ddp.py``; formulas: ``minipar/cost/zero.py``.
+
+Printed: 1. the tiny GPT under DDP, ZeRO-1, ZeRO-2 and FSDP: every step's loss equals one
+process's on the global batch. 2. The paper's memory table MEASURED: bytes of parameters, gradients
+and optimizer state per rank when the optimizer step begins, at N = 1, 2 and 4 (sub-communicators
+of the first N ranks: ``comm.split``), next to ``zero_state_bytes`` (this layout, exact) and the
+paper's ``zero_model_states`` (here 8 + 8 + 16 bytes per parameter: float64 and AdamW's m and v),
+plus each run's peak with transients; then the paper's Table 1 for its 7.5B model from the formula
+(K = 12, mixed precision), at N = 64 the numbers of its Fig. 1. 3. Bytes each rank sent in one
+step, measured from the trace, vs ``zero_traffic_bytes`` and DDP's all-reduce: stages 1 and 2 move
+DDP's 2 (N-1)/N Psi, stage 3 1.5 times that (Sec. 7.2.1). 4. FSDP's step on rank 0 unit by unit:
+gathered bytes rising (this unit + the prefetched next) and falling (resharded), the next unit's
+all-gather in flight while this one computes. 5. Mixed precision (fp16 working parameters, fp32
+master and moments): K = 12 bytes of optimizer state per parameter, measured. Then the terminal
+timeline of the FSDP step; the HTML report stacks the model states per rank (the paper's Fig. 1)
+and draws the gathered units over time. Writes runs/06_zero/*.json and report.html.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from contextlib import nullcontext
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from lessons.common import console as make_console
+from lessons.common import finish, run_ranks, time_sharing
+from minipar import datasets, nn
+from minipar import trace as mtrace
+from minipar.autograd import Tensor
+from minipar.cost import zero as formulas
+from minipar.nn import GPT
+from minipar.optim import AdamW
+from minipar.parallel.ddp import DistributedDataParallel, local_batch
+from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
+from viz.memory_stack import at_peak, before_step
+
+VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, LR = 32, 16, 32, 4, 2, 64, 8, 3e-3
+CAP = 32 * 1024  # bytes per ZeRO bucket: the GPT's 158 KB of gradients make several (stage 2 drops each early)
+ITEM = 8  # float64
+DEGREES = (1, 2, 4)  # N for the memory table
+MIXED_SCALE = 2.0**10  # fp16 loss x S must stay under fp16's 65,504: 2^16 would overflow (and skip) twice
+PAPER_PSI, PAPER_N, PAPER_FIG1 = 7.5e9, 64, (120, 31.4, 16.6, 1.88)  # Rajbhandari et al. Fig. 1 / Table 1, GB
+OUT = Path("runs/06_zero")
+TITLES = {0: "DDP (stage 0)", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "FSDP (ZeRO-3, P_os+g+p)"}
+
+
+# ---- the four ways to train, one surface ------------------------------------------------------------
+class DDPStage0:
+    """Stage 0 with ZeRO's surface: DDP's all-reduce (ring) and a whole AdamW on every rank."""
+
+    def __init__(self, model: GPT, comm: Any) -> None:
+        self.module, self.ddp = model, DistributedDataParallel(model, comm, algorithm="ring")
+        self.optimizer = AdamW(model.parameters(), lr=LR)
+
+    def backward(self, loss: Tensor) -> None:
+        self.ddp.backward(loss)
+
+    def step(self) -> bool:
+        with mtrace.span("opt"):
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        return True
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"parameters": self.ddp.param_bytes,
+                "gradients": sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None),
+                "optimizer state": self.optimizer.state_bytes()}
+
+
+def build(comm: Any, stage: int, precision: str = "fp64") -> Any:
+    """The tiny GPT at ``stage`` on ``comm`` (FSDP's built under ``nn.deferred()``: no rank holds it
+    whole). Mixed precision starts from loss scale ``MIXED_SCALE``."""
+    dtype = np.float16 if precision == "mixed" else np.float64
+    if stage == 3:
+        with nn.deferred():
+            model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0, dtype=dtype)
+        return FullyShardedDataParallel(model, comm, lr=LR, precision=precision, loss_scale=MIXED_SCALE)
+    model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0, dtype=dtype)
+    if stage == 0:
+        return DDPStage0(model, comm)
+    return ZeroDataParallel(model, comm, stage=stage, lr=LR, bucket_cap_bytes=CAP, precision=precision,
+                            loss_scale=MIXED_SCALE)
+
+
+def groups(wrapper: Any) -> list[int]:
+    """Elements of each bucket (DDP, stages 1-2) or unit (stage 3), unpadded: the formulas' ``numels``."""
+    if isinstance(wrapper, DDPStage0):
+        return [b.numel for b in wrapper.ddp.buckets]
+    return [g.layout.numel for g in getattr(wrapper, "units", None) or wrapper.buckets]
+
+
+def expected_bytes(stage: int, numels: list[int], n: int, itemsize: int = ITEM) -> dict[str, float]:
+    """``zero_traffic_bytes`` by op, for the trace's meta (the report draws it over the measured bars): a
+    ring reduce-scatter and a ring all-gather of one group send the same bytes, so stages 1-2 split it
+    half and half and stage 3 (two all-gathers, one reduce-scatter per unit) two thirds and one third."""
+    total = float(formulas.zero_traffic_bytes(numels, stage, n, itemsize))
+    if stage == 0:
+        return {"allreduce": total}
+    gathers = 2 if stage == 3 else 1
+    return {"allgather": total * gathers / (gathers + 1), "reduce_scatter": total / (gathers + 1)}
+
+
+# ---- 1. training ------------------------------------------------------------------------------------
+def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    stream = datasets.token_stream(20_000, VOCAB, seed=0)
+    return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
+
+
+def sample(wrapper: Any) -> None:
+    for label, nbytes in wrapper.state_bytes().items():
+        mtrace.memory(label, nbytes)
+
+
+def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[str] | None = None,
+          precision: str = "fp64") -> dict[str, Any]:
+    """Train the tiny GPT ``steps`` AdamW steps at ``stage`` on ``comm``, each rank on its part of
+    the global batch; the last step is traced into ``trace_path``. Returns the global-batch losses
+    (the mean over ranks of each rank's mean), the groups' sizes and the steps skipped (mixed)."""
+    wrapper = build(comm, stage, precision)
+    n, numels = comm.size, groups(wrapper)
+    if stage in (1, 2):  # the lesson's sample as each gradient arrives (after ZeRO's own hook): stage 2's transient
+        for p in wrapper.module.parameters():
+            p.register_hook(lambda _p: sample(wrapper))
+    meta = {"paradigm": f"ZeRO stage {stage}" + (" (FSDP)" if stage == 3 else " (DDP)" if stage == 0 else ""),
+            "time_unit": "s", "expected_bytes": expected_bytes(stage, numels, n, 2 if precision == "mixed" else ITEM),
+            "config": {"stage": stage, "N": n, "precision": precision, "groups": numels, "vocab": VOCAB, "seq": SEQ,
+                       "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS, "d_ff": D_FF, "batch": BATCH}}
+    losses, skipped = [], 0
+    for step, (x, y) in enumerate(batches(steps)):
+        xs, ys = local_batch(comm, x, y)
+        with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
+            sample(wrapper)
+            with mtrace.span("F") if stage != 3 else nullcontext():  # FSDP records one "F" span per unit
+                loss = wrapper.module.loss(xs, ys)
+            wrapper.backward(loss)
+            skipped += not wrapper.step()
+            sample(wrapper)
+        losses.append(float(comm.allreduce(np.array([loss.item()]))[0]) / n)
+    return {"losses": losses, "numels": numels, "skipped": skipped, "trace": trace_path,
+            "loss_scale": getattr(wrapper.optimizer, "loss_scale", 1.0)}
+
+
+def single_process_losses(steps: int) -> list[float]:
+    model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
+    opt = AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in batches(steps):
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[tuple[int, int], dict[str, Any]]:
+    """Every stage at every N of ``DEGREES`` that fits: the first N ranks (a sub-communicator) train,
+    the others wait; traces ``out/stage{s}_n{N}.json``. Returns rank 0's results by (stage, N)."""
+    results = {}
+    for n in (d for d in DEGREES if d <= comm.size):
+        sub = comm if n == comm.size else comm.split(0 if comm.rank < n else 1)
+        for stage in TITLES:
+            if comm.rank < n:
+                results[(stage, n)] = train(sub, stage, steps, out / f"stage{stage}_n{n}.json")
+        comm.barrier()
+    return results
+
+
+# ---- 2. memory ----------------------------------------------------------------------------------------
+def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Table:
+    table = Table(title=f"model states per rank (bytes) when the optimizer step begins, float64, Psi = {psi:,}; "
+                        "measured: the trace's memory samples on rank 0", title_justify="left",
+                  caption="exact: zero_state_bytes (this layout, padded shards); paper: zero_model_states, "
+                          "(2+2+K) Psi with 8-byte parameters and gradients and K = 16 (AdamW's m, v). Peak: the "
+                          "most at any sample of the step (stage 2: gradients of a bucket not yet reduced; FSDP: "
+                          "the unit computing plus the prefetched one, next to fsdp_gathered_peak).",
+                  caption_justify="left")
+    for col in ("stage", "N", "params", "grads", "opt state", "total", "exact", "paper", "peak",
+                "FSDP gathered peak (formula)"):
+        table.add_column(col, justify="right")
+    for (stage, n), res in sorted(results.items()):
+        trace = mtrace.load(res["trace"])
+        got = before_step(trace, 0)
+        exact = formulas.zero_state_bytes(res["numels"], stage, n)
+        paper = formulas.zero_model_states(psi, stage, n, optimizer_bytes=16, param_bytes=8, grad_bytes=8)
+        gathered = "-"
+        if stage == 3:
+            most = max(e.nbytes for e in trace.select("memory", rank=0, name="gathered units"))
+            gathered = f"{most:,} ({formulas.fsdp_gathered_peak(res['numels'], n):,})"
+        table.add_row(f"{stage} {formulas.STAGE_NAMES[stage]}", str(n), *(f"{got.get(k, 0):,}" for k in exact),
+                      f"{sum(got.get(k, 0) for k in exact):,}", f"{sum(exact.values()):,}", f"{paper:,.0f}",
+                      f"{sum(at_peak(trace, 0).values()):,}", gathered)
+    return table
+
+
+def gb(value: float) -> str:
+    """GB as the paper prints them: 3 significant figures, at most 2 decimals, half up (41.25 -> 41.3)."""
+    decimals = min(2, max(0, 2 - math.floor(math.log10(value))))
+    rounded = Decimal(repr(value)).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)
+    return f"{rounded:f}".rstrip("0").rstrip(".") if decimals else f"{rounded:f}"
+
+
+def paper_rows() -> Table:
+    table = Table(title=f"the paper's Table 1 from zero_model_states: Psi = {PAPER_PSI / 1e9:g}B parameters, K = 12 "
+                        "(fp16 parameters and gradients, fp32 master + m + v), GB per rank", title_justify="left")
+    for col in ("N", *formulas.STAGE_NAMES.values()):
+        table.add_column(col, justify="right")
+    for row in formulas.paper_table(int(PAPER_PSI), [1, 4, 16, PAPER_N, 256, 1024]):
+        table.add_row(str(row["dp"]), *(gb(row[s]) for s in formulas.STAGE_NAMES.values()))
+    table.add_row(f"paper's Fig. 1, N = {PAPER_N}", *(f"{v:g}" for v in PAPER_FIG1), style="bold")
+    return table
+
+
+# ---- 3. traffic ---------------------------------------------------------------------------------------
+def traffic_table(results: dict[tuple[int, int], dict[str, Any]], n: int) -> Table:
+    table = Table(title=f"bytes each rank sent in one step, N = {n} (ring collectives; measured: the trace)",
+                  title_justify="left")
+    for col in ("stage", "ops measured (rank 0)", "measured per rank", "zero_traffic_bytes", "DDP all-reduce",
+                "vs DDP"):
+        table.add_column(col, justify="right")
+    ddp = formulas.zero_traffic_bytes(results[(0, n)]["numels"], 0, n)
+    for stage in TITLES:
+        trace = mtrace.load(results[(stage, n)]["trace"])
+        per_op: dict[str, int] = {}
+        for e in trace.events:
+            if e.kind == "comm" and e.rank == 0 and e.src == 0:
+                per_op[e.op] = per_op.get(e.op, 0) + (e.nbytes or 0)
+        sent = [trace.bytes_sent(r) for r in range(n)]
+        want = formulas.zero_traffic_bytes(results[(stage, n)]["numels"], stage, n)
+        table.add_row(f"{stage} {formulas.STAGE_NAMES[stage]}", ", ".join(f"{op} {b:,}" for op, b in per_op.items()),
+                      f"{sent[0]:,}" if len(set(sent)) == 1 else " / ".join(f"{b:,}" for b in sent),
+                      f"{want:,}", f"{ddp:,}", f"{sent[0] / ddp:.2f}x")
+    return table
+
+
+# ---- 4. FSDP unit by unit -------------------------------------------------------------------------------
+def allgather_calls(trace: mtrace.Trace, rank: int = 0) -> list[tuple[float, float]]:
+    """(start, end) of each all-gather call on ``rank``, in order: a call begins at its step-0 message."""
+    events = sorted((e for e in trace.events if e.kind == "comm" and e.rank == rank and e.op == "allgather"),
+                    key=lambda e: e.t0)
+    calls: list[list[float]] = []
+    for e in events:
+        if e.step == 0 and e.src == rank:
+            calls.append([e.t0, e.t1])
+        elif calls:
+            calls[-1][1] = max(calls[-1][1], e.t1)
+    return [(a, b) for a, b in calls]
+
+
+def fsdp_table(trace: mtrace.Trace, numels: list[int], n: int) -> Table:
+    """Rank 0's forward, unit by unit: gathered bytes while it computes and after, and the next unit's
+    all-gather (call k + 1) inside its span."""
+    spans = sorted((e for e in trace.events if e.kind == "compute" and e.rank == 0 and e.name == "F"),
+                   key=lambda e: e.t0)
+    samples = sorted((e for e in trace.events if e.kind == "memory" and e.rank == 0 and e.name == "gathered units"),
+                     key=lambda e: e.t0)
+    calls, t0 = allgather_calls(trace), spans[0].t0
+    table = Table(title=f"FSDP forward on rank 0, unit by unit (N = {n}; times in ms from the first unit)",
+                  title_justify="left",
+                  caption="gathered while computing: this unit + the next one already on its way (prefetch); "
+                          "formula: padded sizes L_i + L_i+1 in bytes. After: this unit resharded, only the next one "
+                          "left. The next unit's all-gather runs on the communicator's background thread: it overlaps "
+                          "this unit's compute once that thread gets a core and the GIL (tiny units finish first).",
+                  caption_justify="left")
+    for col in ("unit", "compute span", "gathered while computing", "formula", "after reshard",
+                "next unit's all-gather"):
+        table.add_column(col, justify="right")
+    sizes = [-(-k // n) * n * ITEM for k in numels]
+    for i, span in enumerate(spans):
+        inside = [s.nbytes for s in samples if span.t0 <= s.t0 <= span.t1]
+        nxt = calls[i + 1] if i + 1 < len(spans) else None
+        table.add_row(str(span.args.get("unit")), f"{(span.t0 - t0) * 1e3:.2f}-{(span.t1 - t0) * 1e3:.2f}",
+                      f"{max(inside):,}", f"{sizes[i] + (sizes[i + 1] if i + 1 < len(sizes) else 0):,}",
+                      f"{inside[-1]:,}",
+                      "-" if nxt is None else f"{(nxt[0] - t0) * 1e3:.2f}-{(nxt[1] - t0) * 1e3:.2f}")
+    return table
+
+
+# ---- the lesson -------------------------------------------------------------------------------------
+def check_ranks(p: int) -> str | None:
+    if p not in (2, 4):
+        return f"lesson 6 measures ZeRO at N = 1, 2 and 4 ranks: run it on 4 ranks, or 2 (got {p})"
+    return None
+
+
+def run(comm: Any, steps: int) -> None:
+    """Every stage at every N, then mixed precision; rank 0 prints."""
+    console = make_console()
+    p, lead = comm.size, comm.rank == 0
+    if lead:
+        OUT.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    results = run_all(comm, steps)
+    mixed = train(comm, 3, steps, OUT / "fsdp_mixed.json", precision="mixed")
+    if not lead:
+        return
+    console.rule(f"[bold]1. one tiny GPT, global batch {BATCH} over N = {p} ranks, {steps} AdamW steps")
+    ref = single_process_losses(steps)
+    table = Table(title="loss per step (global batch: the mean over ranks of each rank's mean)", title_justify="left")
+    for col in ("step", "one process", *TITLES.values()):
+        table.add_column(col, justify="right")
+    for s in range(steps):
+        table.add_row(str(s), f"{ref[s]:.12f}", *(f"{results[(k, p)]['losses'][s]:.12f}" for k in TITLES))
+    console.print(table)
+    diff = max(abs(a - b) for k in TITLES for a, b in zip(results[(k, p)]["losses"], ref, strict=True))
+    console.print(f"Every stage gives one process's losses: largest difference {diff:.1e} (float64 rounding: the "
+                  "ranks add the same gradients in another order).", highlight=False)
+    psi = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
+    console.rule("[bold]2. memory per rank: the paper's table, measured")
+    console.print(f"N = {', '.join(str(n) for n in DEGREES if n <= p)}: the first N of the {p} ranks train on a "
+                  "sub-communicator (comm.split; N = 4 is the run above), the others wait.", highlight=False)
+    console.print(memory_table(results, psi))
+    console.print(paper_rows())
+    console.rule("[bold]3. communication per step")
+    console.print(traffic_table(results, p))
+    console.print("A reduce-scatter plus an all-gather move what one all-reduce moves (Sec. 7.2.1): stages 1 and 2 "
+                  "cost DDP's bytes. FSDP gathers every unit twice (forward, and again for backward after "
+                  "resharding) and reduce-scatters once: 1.5x.", highlight=False)
+    fsdp = mtrace.load(results[(3, p)]["trace"])
+    console.rule("[bold]4. FSDP unit by unit")
+    note = time_sharing(p)
+    if note:
+        console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes.",
+                      highlight=False)
+    console.print(fsdp_table(fsdp, results[(3, p)]["numels"], p))
+    console.rule("[bold]5. mixed precision (FSDP, fp16 working copy, fp32 master and moments)")
+    console.print(mixed_summary(mixed, results[(3, p)]["losses"], p), highlight=False)
+    console.rule("[bold]the FSDP step's timeline (F per unit, B, opt; all-gathers and reduce-scatters)")
+    order = [results[(k, p)]["trace"] for k in TITLES] + [mixed["trace"]]
+    finish(order, OUT / "report.html", console, timeline=fsdp, titles=[*TITLES.values(), "FSDP, mixed precision"])
+
+
+def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
+    """Bytes per parameter of rank 0's shard when the step begins (mixed precision), the losses."""
+    shard = sum(-(-k // n) for k in mixed["numels"])  # elements of this rank's shards
+    got = before_step(mtrace.load(mixed["trace"]), 0)
+    exact = formulas.zero_state_bytes(mixed["numels"], 3, n, precision="mixed")
+    return (f"bytes per parameter of rank 0's shards ({shard:,} elements) when the step begins, measured: "
+            + ", ".join(f"{k} {v / shard:g}" for k, v in got.items() if k != "gathered units")
+            + f"; K = {(got['optimizer state'] + got['master parameters']) / shard:g} = fp32 m 4 + v 4 + master 4 "
+            "(zero_state_bytes: "
+            + ", ".join(f"{k} {v / shard:g}" for k, v in exact.items()) + ").\n"
+            + "losses " + ", ".join(f"{v:.4f}" for v in mixed["losses"]) + " vs float64 "
+            + ", ".join(f"{v:.4f}" for v in fp64) + f" (fp16 rounding); loss scale {mixed['loss_scale']:g}, "
+            f"steps skipped on overflow: {mixed['skipped']}.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    args = parser.parse_args()
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
+
+
+if __name__ == "__main__":
+    main()
