@@ -146,6 +146,7 @@ def raise_when(name: str, what, exc: BaseException):
 # where the crash happens -> (patched step, when it crashes, which checkpoint load sees after it)
 CRASHES = {
     "writing rank 2's file": ("_write_file", lambda p, data: p.name == "rank00002.npz", 1),
+    "writing meta.json": ("_write_file", lambda p, data: p.name == "meta.json.part", 1),
     "before the first rename": ("_rename", lambda src, dst: src.name == "ck", 1),
     "between the renames": ("_rename", lambda src, dst: ".tmp-" in src.name, 2),
     "before deleting the old one": ("_remove_tree", lambda p: ".old-" in p.name, 2),
@@ -160,6 +161,7 @@ def test_a_crash_leaves_the_old_or_the_new_checkpoint(saved: Path, where: str, m
         with pytest.raises(Crash):
             run(save_rank, 4, directory=str(saved), seed=2, meta={"step": 8, "loss_scale": 1024.0})
     assert len(list(saved.parent.iterdir())) > 1  # leftovers: the crash cleaned nothing up
+    assert saved.exists() == (where != "between the renames")
     meta = {"step": 7 if seed == 1 else 8, "loss_scale": 1024.0}
     assert_shards(run(load_rank, 2, directory=str(saved)), seed, meta)
     full, got_meta = ck.consolidate(saved)
