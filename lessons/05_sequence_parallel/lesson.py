@@ -285,11 +285,17 @@ def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtr
 
 # ---- 4. the longest sequence in a budget ---------------------------------------------------------------
 def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
-    """The longest S (a multiple of 2P) whose LAYERS layers' activations (plus, for the ring, the one
-    score block it computes at a time) fit ``budget`` bytes per rank, by the formulas."""
+    """The longest S (a multiple of 2P) whose LAYERS layers' activations plus one layer's backward
+    buffers fit ``budget`` bytes per rank, by the formulas. Backward of a softmax kept whole makes a
+    score gradient as large (Megatron-SP, Ulysses); Ring Attention's backward holds a block of
+    probabilities and one of their gradients, and 12 blocks of (b, S/P, h): the K/V pair held and
+    the one arriving, its own dK/dV and three accumulators."""
 
-    def need(s: int) -> int:  # the ring's score block is transient: one at a time, on top
-        transient = score_formula(method, zigzag, p, s) if method in ("ring", "hybrid") else 0
+    def need(s: int) -> int:
+        if method in ("ring", "hybrid"):
+            transient = 2 * score_formula(method, zigzag, p, s) + 12 * BATCH * (s // p) * D_MODEL * ITEM
+        else:
+            transient = score_formula(method, zigzag, p, s)
         return LAYERS * held_formula(method, p, s) + transient
 
     step = 2 * p
@@ -303,7 +309,8 @@ def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
 
 
 def budget_table(p: int) -> Table:
-    table = Table(title=f"the longest sequence that fits {BUDGET / 2**20:.0f} MiB of activations per rank "
+    table = Table(title=f"the longest sequence whose activations and backward buffers fit "
+                        f"{BUDGET / 2**20:.0f} MiB per rank "
                         f"(this model: b={BATCH}, h={D_MODEL}, H={HEADS}, d_ff={D_FF}, {LAYERS} layers; "
                         "from the formulas, not measured)", title_justify="left")
     for col in ("method", "longest S", "vs Megatron-SP"):
@@ -381,8 +388,8 @@ def run(comm: Any, steps: int) -> None:
     console.rule("[bold]4. how long a sequence fits")
     console.print(budget_table(p))
     console.print("Megatron-SP and Ulysses keep an S x S softmax of H/P heads: their memory grows as S^2/P. The "
-                  "ring keeps no scores; its one transient block, (S/P)^2 (zigzag: (S/2P)^2), is what caps it here "
-                  "(FlashAttention-style tiles inside a block would shrink that too).", highlight=False)
+                  "ring keeps no scores; the two score blocks its backward holds, (S/P)^2 (zigzag: (S/2P)^2), are what "
+                  "cap it here (FlashAttention-style tiles inside a block would shrink them too).", highlight=False)
     console.rule("[bold]5. causal load balance")
     console.print(causal_table(traces, p))
     console.rule("[bold]6. the zigzag ring's last step: layer 0's ring, then the timeline (F/B per layer, opt)")

@@ -13,9 +13,10 @@ Forward, P ranks, rank r, ring step s = 0 .. P-1, key/value block j = (r - s) mo
 q, k, v, the output and the log-sum-exp for backward, never a score matrix wider than one block.
 
 Backward is a second ring. K, V travel as in forward; each block's gradient accumulator dK_j, dV_j
-travels one step behind them: rank r adds its share of block j's gradient and passes the sum on,
-so after visiting every rank it arrives home. The owner adds its own share (step 0) without sending
-it, so the accumulator makes P-1 hops and ends at its owner::
+travels one step behind them (as ring-flash-attention does; Liu et al.'s Alg. 1 rotates dK, dV
+with K, V for P hops): rank r adds its share of block j's gradient and passes the sum on, so after
+visiting every rank it arrives home. The owner adds its own share (step 0) without sending it, so
+the accumulator makes P-1 hops and ends at its owner; a rank keeps only the one it last sent::
 
     step 0:      dK_r, dV_r += share of (q_r, block r)            kept at home
     step s >= 1: acc = share of (q_r, block j) [+ acc received from r-1 for block j, s >= 2]; send to r+1
