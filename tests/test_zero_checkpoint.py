@@ -276,3 +276,14 @@ def test_a_meta_json_that_disagrees_with_the_files_is_refused(saved: Path) -> No
                                       "over 4 ranks, <f8" for r in range(4)))
     (saved / "meta.json").write_text("{not json")
     assert refusal(run(load_rank, 2, directory=str(saved))).startswith(f"load {saved}: meta.json: unreadable (")
+
+
+def test_meta_goes_through_json_numpy_scalars_included(tmp_path: Path) -> None:
+    directory = tmp_path / "ck"
+    meta = {"step": np.int64(5), "loss_scale": np.float32(0.1), "betas": (0.9, 0.999), "precision": "mixed"}
+    run(lambda comm: ck.save(directory, comm, {"x": np.arange(2.0) + 2 * comm.rank}, {"x": 3}, meta), 2)
+    got = run(lambda comm: ck.load(directory, comm)[1], 2)
+    assert got == [{"step": 5, "loss_scale": float(np.float32(0.1)), "betas": [0.9, 0.999], "precision": "mixed"}] * 2
+    assert type(got[0]["step"]) is int and got[0]["loss_scale"] == 0.10000000149011612
+    assert refusal(run(lambda comm: try_(ck.save, directory, comm, {"x": np.zeros(2)}, {"x": 3}, {"f": object}), 2)) \
+        == f"save {directory}: meta must be a JSON-serializable dict: type <class 'object'> is not JSON-serializable"

@@ -185,11 +185,19 @@ def _local_problem(fn: Any, *args: Any) -> tuple[Any, list[str]]:
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def _check_save(shards: Any, numels: Any, meta: Any, world: int) -> tuple[list[str], list[str]]:
-    """The sorted names and this rank's problems with the arguments of ``save``."""
+def _plain(x: Any) -> Any:
+    """A numpy scalar as the Python number JSON can hold (the ``default`` of ``json.dumps``)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} {x!r} is not JSON-serializable")
+
+
+def _check_save(shards: Any, numels: Any, meta: Any, world: int) -> tuple[list[str], Any, list[str]]:
+    """The sorted names, ``meta`` as ``load`` will return it (through JSON), and this rank's problems
+    with the arguments of ``save``."""
     errors: list[str] = []
     if not isinstance(shards, dict) or not isinstance(numels, dict):
-        return [], ["shards and numels must be dicts keyed by array name"]
+        return [], None, ["shards and numels must be dicts keyed by array name"]
     if set(shards) != set(numels):
         errors.append(f"shards and numels name different arrays: {sorted(set(shards) ^ set(numels), key=str)}")
     names = sorted(n for n in shards if n in numels and isinstance(n, str) and n)
@@ -206,12 +214,12 @@ def _check_save(shards: Any, numels: Any, meta: Any, world: int) -> tuple[list[s
             errors.append(f"{name!r}: shard has {a.size} elements, but numel {n} over {world} ranks "
                           f"needs {-(-int(n) // world)}")
     try:
-        json.dumps(meta)
         if not isinstance(meta, dict):
             raise TypeError(f"got {type(meta).__name__}")
+        meta = json.loads(json.dumps(meta, default=_plain))
     except (TypeError, ValueError) as exc:
         errors.append(f"meta must be a JSON-serializable dict: {exc}")
-    return names, errors
+    return names, meta, errors
 
 
 def save(directory: str | os.PathLike[str], comm: Any, shards: dict[str, np.ndarray], numels: dict[str, int],
@@ -220,13 +228,15 @@ def save(directory: str | os.PathLike[str], comm: Any, shards: dict[str, np.ndar
     checkpoint ``directory``, replacing the previous one atomically (see the module docstring).
 
     Call on every rank of ``comm`` with the same names, ``numels``, dtypes and ``meta`` (small,
-    JSON-serializable, replicated). Raises the same ``ValueError`` on every rank if the arguments
-    disagree or a file cannot be written; ``directory`` is then unchanged.
+    replicated, JSON-serializable; numpy scalars are stored as Python numbers, exactly, and ``load``
+    returns ``meta`` as JSON gives it back: tuples as lists, keys as strings). Raises the same
+    ``ValueError`` on every rank if the arguments disagree or a file cannot be written; ``directory``
+    is then unchanged.
     """
     directory = Path(directory).absolute()
     meta = {} if meta is None else meta
     what = f"save {directory}"
-    names, errors = _check_save(shards, numels, meta, comm.size)
+    names, meta, errors = _check_save(shards, numels, meta, comm.size)
     signature = None if errors else (str(directory), [(n, int(numels[n]), shards[n].dtype.str) for n in names],
                                      json.dumps(meta, sort_keys=True))
     table = _agree(comm, errors, what, signature)
