@@ -17,7 +17,7 @@ from strategies import budget
 from minipar import nn, trace
 from minipar.autograd import Tensor
 from minipar.optim import AdamW
-from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
+from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel, checkpoint
 from minipar.testing import run
 
 V, S, D, H, L, B = 16, 8, 6, 2, 2, 12  # d_model 6: units of 78 + ... elements, padding on 4 ranks
@@ -189,3 +189,19 @@ def test_resume_and_hybrid_sharding_under_mpiexec(tmp_path) -> None:
     for state, _, _ in run(hsdp, 4, "mpi", group=2):
         for name, value in reference_state.items():
             assert np.allclose(state[name], value, rtol=0, atol=1e-12), name
+
+
+def saved_after_two_steps(comm, mode, path):
+    model, zero = make(comm, mode)
+    train(comm, model, zero, 2)
+    zero.save_checkpoint(path)
+
+
+@pytest.mark.parametrize("mode", [2, "fsdp"])
+def test_a_checkpoint_consolidates_into_the_single_process_model(tmp_path, mode) -> None:
+    path = str(tmp_path / "ckpt")
+    run(saved_after_two_steps, 3, mode=mode, path=path)
+    model = nn.GPT(V, S, D, H, L, seed=0)  # other initial values: all replaced by the load
+    model.load_state_dict(checkpoint.state_dict(path))
+    for name, value in reference(2).items():
+        assert np.allclose(model.state_dict()[name], value, rtol=0, atol=1e-12), name

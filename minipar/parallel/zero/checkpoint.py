@@ -428,3 +428,18 @@ def consolidate(directory: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray
     _raise_if(what, errors)
     full = {a["name"]: np.concatenate([p[i] for p in parts])[:a["numel"]] for i, a in enumerate(arrays)}
     return full, doc["meta"]
+
+
+def state_dict(directory: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Every parameter whole, by name, from a ZeRO or FSDP checkpoint, for single-process use
+    (``nn.Module.load_state_dict``): the ``<group>/param`` arrays cut by the parameter names and
+    shapes the trainer saved in ``meta["params"]``."""
+    full, meta = consolidate(directory)
+    out = {}
+    for group, params in meta["params"].items():
+        flat, offset = full[f"{group}/param"], 0
+        for name, shape in params:
+            n = int(np.prod(shape, dtype=np.int64))
+            out[name] = flat[offset:offset + n].reshape(shape).copy()
+            offset += n
+    return out

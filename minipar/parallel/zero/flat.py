@@ -70,6 +70,10 @@ class FlatLayout:
         """Each parameter's shape as a view of the padded (or unpadded) ``flat`` buffer."""
         return [flat[o:o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes, strict=True)]
 
+    def described(self) -> list[list]:
+        """``[[name, shape], ...]``: what a checkpoint needs to cut the flat buffer back into parameters."""
+        return [[n, list(s)] for n, s in zip(self.names, self.shapes, strict=True)]
+
     def flatten(self, arrays: Sequence[np.ndarray | None], dtype: np.dtype | type = np.float64) -> np.ndarray:
         """One padded buffer of ``arrays`` in order (None: zeros, a parameter without gradient)."""
         flat = np.zeros(self.padded, dtype=dtype)

@@ -273,6 +273,7 @@ class FullyShardedDataParallel:
         """Every rank writes its shards (parameters, AdamW's moments, the fp32 master) into
         ``directory``, atomically (``checkpoint.save``)."""
         arrays, meta = self.optimizer.shards_to_save([u.name for u in self.units])
+        meta["params"] = {u.name: u.layout.described() for u in self.units}
         if self.replicas is None or self.replicas.rank == 0:  # hybrid: one replica group writes
             checkpoint.save(directory, self.shards, arrays, self._numels(arrays), meta)
         if self.replicas is not None:

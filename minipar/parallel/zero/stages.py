@@ -162,6 +162,7 @@ class ZeroDataParallel:
         """Every rank writes its shards (parameters, AdamW's moments, the fp32 master) into
         ``directory``, atomically (``checkpoint.save``)."""
         arrays, meta = self.optimizer.shards_to_save(self._names())
+        meta["params"] = {f"bucket{b.index}": b.layout.described() for b in self.buckets}
         checkpoint.save(directory, self.comm, arrays, self._numels(arrays), meta)
 
     def load_checkpoint(self, directory: str) -> None:
