@@ -91,15 +91,27 @@ def layout_of(named: Sequence[tuple[str, Parameter]], world: int) -> FlatLayout:
 def init_shard(layout: FlatLayout, params: Sequence[Parameter], rank: int, seed: int,
                dtype: np.dtype | type = np.float64) -> np.ndarray:
     """Rank ``rank``'s shard of the initial values, generated from ``(seed, name, full shape)``
-    alone (``nn.init_values``): for each parameter piece, only the rows it touches (at most two
-    rows more than the piece), so no rank ever holds more of the model than its shard."""
+    alone (``nn.init_values``) straight into the shard: the whole rows of each parameter piece are
+    drawn in place, the partial rows at its two ends one row at a time, so no rank ever holds more
+    of the model than its shard and two rows."""
     shard = np.zeros(layout.shard_size, dtype=dtype)
     lo = layout.shard_range(rank)[0]
     for i, a, b in layout.pieces(rank):
-        shape, p = layout.shapes[i], params[i]
-        row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        r0, r1 = a // row, (b - 1) // row + 1
-        rows = init_values(seed, layout.names[i], shape, p.init, (slice(r0, r1),))
-        start = layout.offsets[i] + a - lo
-        shard[start:start + b - a] = rows.reshape(-1)[a - r0 * row:b - r0 * row]
+        shape, name, init = layout.shapes[i], layout.names[i], params[i].init
+        at = layout.offsets[i] - lo  # where the parameter's element 0 would sit in the shard
+        if len(shape) <= 1:  # a vector: its piece is one slice
+            shard[at + a:at + b] = init_values(seed, name, shape, init, (slice(a, b),))
+            continue
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        first, last = -(-a // row), b // row  # the whole rows inside [a, b)
+        for r in {a // row, (b - 1) // row} - set(range(first, last)):  # partial rows at the ends
+            lo_r, hi_r = max(a, r * row), min(b, (r + 1) * row)
+            values = init_values(seed, name, shape, init, (slice(r, r + 1),)).reshape(-1)
+            shard[at + lo_r:at + hi_r] = values[lo_r - r * row:hi_r - r * row]
+        if first < last:
+            whole = shard[at + first * row:at + last * row].reshape(last - first, *shape[1:])
+            if whole.dtype == np.float64:  # drawn in place
+                init_values(seed, name, shape, init, (slice(first, last),), whole)
+            else:
+                whole[...] = init_values(seed, name, shape, init, (slice(first, last),))
     return shard

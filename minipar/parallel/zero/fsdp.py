@@ -237,6 +237,7 @@ class FullyShardedDataParallel:
     def _on_grad_ready(self, unit: Unit, j: int) -> None:
         unit.ready.add(j)
         if len(unit.ready) == len(unit.params):
+            self._sample()  # the unit's full gradients, at their peak
             unit.reduce_scatter()
             unit.reshard()
             self._sample()
@@ -291,9 +292,11 @@ class FullyShardedDataParallel:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: parameter, gradient and optimizer-state shards (with the fp32
-        master in mixed precision), and the gathered units (unsharded or on their way)."""
+        master in mixed precision), the full gradients of the unit in backward until they are
+        reduce-scattered, and the gathered units (unsharded or on their way)."""
         return {"parameters": sum(u.shard.data.nbytes for u in self.units),
-                "gradients": sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None),
+                "gradients": sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
+                + sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None),
                 **self.optimizer.state_bytes(),
                 "gathered units": sum(u.gathered_bytes for u in self.units)}
 
