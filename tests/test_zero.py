@@ -189,7 +189,12 @@ def check_traffic_and_memory(c: dict, got: dict, numels: list[int], pads: list[i
     # after backward: stage 1 holds every full gradient, stage 2 and FSDP only the reduced shards
     assert [s["gradients"] for s in mem["after_backward"]] == [full if mode == "stage1" else shard] * steps
     assert [s["gradients"] for s in mem["after_step"]] == [0] * steps
-    assert max(mem["all"]["gradients"]) == (full if mode == "stage1" else shard)
+    if mode == "fsdp":  # unit i's full gradients just before its reduce-scatter, beside the shards of
+        # the units after it (reduced before it: backward runs the units in reverse)
+        grad_peak = max(8 * (numels[i] + sum(shards[i + 1:])) for i in range(len(numels)))
+    else:
+        grad_peak = full if mode == "stage1" else shard
+    assert max(mem["all"]["gradients"]) == grad_peak
     if mode == "stage2":  # the k-th bucket reduced: at most the full gradients of the buckets after it
         bound = [8 * (sum(numels[k + 1:]) + sum(shards[:k + 1])) for k in range(len(numels))]
         for inside in mem["in_backward"]:
