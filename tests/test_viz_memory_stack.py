@@ -11,7 +11,7 @@ from minipar import nn, trace
 from minipar.comm import Communicator, launch
 from minipar.parallel.zero import FullyShardedDataParallel
 from minipar.trace import Event, Trace
-from viz.memory_stack import at_peak, before_step, gathered_figure, has_model_states, labels_of, stacks_figure
+from viz import memory_stack as ms
 from viz.report import figures_for, render
 
 
@@ -31,11 +31,11 @@ def hand_trace() -> Trace:
 
 def test_states_before_the_step_and_at_the_peak() -> None:
     t = hand_trace()
-    assert has_model_states(t)
-    assert labels_of([t]) == ["parameters", "gradients", "optimizer state", "gradient buckets"]
-    assert before_step(t, 0) == {"parameters": 100, "optimizer state": 30, "gradients": 10, "gradient buckets": 0}
-    assert at_peak(t, 0) == {"parameters": 100, "optimizer state": 30, "gradients": 40, "gradient buckets": 50}
-    fig = stacks_figure([t], ["hand"])
+    assert ms.has_model_states(t)
+    assert ms.labels_of([t]) == ["parameters", "gradients", "optimizer state", "gradient buckets"]
+    assert ms.before_step(t, 0) == {"parameters": 100, "optimizer state": 30, "gradients": 10, "gradient buckets": 0}
+    assert ms.at_peak(t, 0) == {"parameters": 100, "optimizer state": 30, "gradients": 40, "gradient buckets": 50}
+    fig = ms.stacks_figure([t], ["hand"])
     bars = {(b.name, b.yaxis): list(b.y) for b in fig.data if b.type == "bar"}
     assert bars[("gradients", "y")] == [10] and bars[("gradients", "y2")] == [40]
     assert bars[("gradient buckets", "y")] == [0] and bars[("gradient buckets", "y2")] == [50]
@@ -62,10 +62,14 @@ def test_fsdp_trace_gets_the_gathered_figure_and_the_stack(tmp_path) -> None:
     sizes = [128, 64, block, block, 16, 128]
     gathered = [e.nbytes for e in t.select("memory", rank=0, name="gathered units")]
     assert max(gathered) == 8 * max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
-    assert before_step(t, 0)["gathered units"] == 0
-    assert before_step(t, 0)["parameters"] == 8 * sum(sizes) // 2
-    fig = gathered_figure(t)
+    assert ms.before_step(t, 0)["gathered units"] == 0
+    assert ms.before_step(t, 0)["parameters"] == 8 * sum(sizes) // 2
+    fig = ms.gathered_figure(t)
     assert [max(s.y) for s in fig.data] == [max(gathered), max(e.nbytes for e in t.select(
         "memory", rank=1, name="gathered units"))]
     assert [k for k, _, _ in figures_for(t, "fsdp")][-1] == "gathered"
-    assert 'id="fig-model-states"' in render([t], ["fsdp"])
+    page = render([t], ["fsdp"])
+    assert 'id="fig-model-states"' in page and 'id="fig-fsdp-step"' in page
+    step = ms.fsdp_step_figure(t)
+    curves = [s for s in step.data if s.type == "scatter" and s.name and s.name.endswith("gathered")]
+    assert [max(s.y) for s in curves] == [max(s.y) for s in fig.data]

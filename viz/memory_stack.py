@@ -18,6 +18,9 @@ its next sample (``analysis.memory_series``).
 - ``stacks_figure(traces, titles)``: both, one stacked bar per (trace, rank), side by side.
 - ``gathered_figure(trace, title)``: per rank, the bytes of gathered units over time, with each
   unit's forward span named above it.
+- ``fsdp_step_figure(trace, title)``: the step's timeline (a forward span per unit, the all-gathers
+  and reduce-scatters on the communication lanes) over the gathered bytes of every rank, on one time
+  axis: the prefetched all-gather of the next unit runs while this one computes.
 
 Cost: O(E log E) for E events.
 """
@@ -31,7 +34,8 @@ from plotly.subplots import make_subplots
 
 from minipar.trace import Trace
 from viz import analysis as A
-from viz.style import MEMORY_COLORS, SPARE_COLORS
+from viz.style import MEMORY_COLORS, SPARE_COLORS, rank_color
+from viz.timeline import add_timeline, lanes
 
 MODEL_STATES = ("parameters", "gradients", "optimizer state", "master parameters", "gathered units")
 GATHERED = "gathered units"
@@ -107,7 +111,7 @@ def stacks_figure(traces: Sequence[Trace], titles: Sequence[str]) -> go.Figure:
         fig.update_yaxes(title_text="bytes per rank", range=[0, 1.15 * max(totals, default=1)], row=row, col=1)
     fig.update_xaxes(tickangle=0)
     fig.update_layout(title="model states per rank, stacked (ZeRO, Rajbhandari et al. 2020, Fig. 1)",
-                      barmode="stack", bargap=0.15, height=780, margin={"t": 110}, legend={"orientation": "h",
+                      barmode="stack", bargap=0.15, height=700, margin={"t": 110}, legend={"orientation": "h",
                                                                                           "y": 1.1, "x": 0})
     return fig
 
@@ -144,4 +148,38 @@ def gathered_figure(trace: Trace, title: str = "FSDP") -> go.Figure:
     fig.update_xaxes(title_text=f"time ({shown})", row=p, col=1)
     fig.update_layout(title=f"gathered units over the step: {title} (shaded: each unit's forward, then backward)",
                       height=160 + 170 * p, margin={"t": 80}, plot_bgcolor="#FAFAFA")
+    return fig
+
+
+def has_gathered(trace: Trace) -> bool:
+    """True when the trace samples FSDP's gathered units."""
+    return any(e.kind == "memory" and e.name == GATHERED for e in trace.events)
+
+
+def fsdp_step_figure(trace: Trace, title: str = "FSDP") -> go.Figure:
+    """Top: the timeline (``viz.timeline``: per rank a compute lane, one "F" per unit, and a comm lane,
+    one bar per all-gather or reduce-scatter call); bottom, on the same time axis: the bytes of
+    gathered units on each rank."""
+    p = trace.world_size
+    count = lanes(trace).count
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.08,
+                        subplot_titles=("compute (F per unit) and collectives per rank",
+                                        "gathered units per rank (this unit + the prefetched next one)"))
+    add_timeline(fig, trace, row=1)
+    for r in range(p):
+        s = A.memory_series(trace, r)
+        if GATHERED in s.by_label:
+            fig.add_trace(go.Scatter(x=s.times, y=s.by_label[GATHERED], mode="lines", name=f"rank {r} gathered",
+                                     line={"shape": "hv", "color": rank_color(r), "width": 1.5},
+                                     hovertemplate=f"rank {r}: %{{y}} B gathered at %{{x:.4g}}<extra></extra>"),
+                          row=2, col=1)
+    fig.update_yaxes(title_text="bytes", row=2, col=1)
+    fig.update_xaxes(title_text=None, row=1, col=1)
+    fig.update_xaxes(title_text=f"time ({A.time_unit(trace)})", row=2, col=1)
+    height = 260 + 30 * count + 220
+    fig.update_layout(title={"text": f"FSDP step: {title}", "yref": "container", "y": 1 - 12 / height,
+                             "yanchor": "top"}, barmode="overlay", bargap=0, height=height,
+                      margin={"r": 150, "l": 120, "t": 120, "b": 50}, plot_bgcolor="#F4F5F7",
+                      legend={"orientation": "h", "yref": "container", "y": 1 - 44 / height, "yanchor": "top",
+                              "x": 0}, uniformtext={"minsize": 8, "mode": "hide"})
     return fig

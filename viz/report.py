@@ -4,12 +4,13 @@ The page embeds plotly.js once (no CDN: it renders offline), then a summary tabl
 paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
 then the first Ring Attention trace's ring step by step (``viz.ring``; the others' in their
 sections), then the model states per rank of every trace that samples them, stacked as in ZeRO's
-Fig. 1 (``viz.memory_stack``), then, when there are several traces, their timelines on one shared
-time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
-timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its
-traffic (left out when no message carries a byte), its memory and, for FSDP, its gathered units
-over time. The page records JavaScript errors into the ``data-js-errors`` attribute of ``<html>``
-(a JSON list) so a headless browser can check that it rendered cleanly.
+Fig. 1, and the first FSDP trace's timeline over its gathered units (``viz.memory_stack``), then,
+when there are several traces, their timelines on one shared time axis, then per trace: its
+metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
+schedule: the papers' unit grid, its stash counts under it), its traffic (left out when no message
+carries a byte), its memory and, for FSDP, its gathered units over time. The page records
+JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a JSON list) so a headless
+browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -26,7 +27,7 @@ from plotly.offline import get_plotlyjs
 from minipar.trace import Trace, load
 from viz import analysis as A
 from viz import figures, style
-from viz.memory_stack import GATHERED, gathered_figure, has_model_states, stacks_figure
+from viz.memory_stack import fsdp_step_figure, gathered_figure, has_gathered, has_model_states, stacks_figure
 from viz.pipeline_grid import is_grid
 from viz.ring import is_ring, ring_figure
 
@@ -168,7 +169,7 @@ def figures_for(trace: Trace, title: str, ring: bool = True) -> list[tuple[str, 
         out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
     else:
         out.append(("memory", None, "No memory samples in this trace."))
-    if any(e.kind == "memory" and e.name == GATHERED for e in trace.events):  # FSDP: units gathered per layer
+    if has_gathered(trace):  # FSDP: units gathered per layer
         out.append(("gathered", gathered_figure(trace, title), ""))
     return out
 
@@ -188,6 +189,10 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
         parts.append("<h2>model states per rank</h2>")
         parts.append(_fig_html(stacks_figure([traces[i] for i in states], [titles[i] for i in states]),
                                "fig-model-states"))
+    first_fsdp = next((i for i, t in enumerate(traces) if has_gathered(t)), None)
+    if first_fsdp is not None:  # the overlap FSDP is built for: the next unit's all-gather under this one's compute
+        parts.append(f"<h2>FSDP step: {html.escape(titles[first_fsdp])}</h2>")
+        parts.append(_fig_html(fsdp_step_figure(traces[first_fsdp], titles[first_fsdp]), "fig-fsdp-step"))
     if len(traces) > 1:
         parts.append("<h2>side by side</h2>")
         parts.append(_fig_html(figures.compare(traces, titles), "fig-compare"))

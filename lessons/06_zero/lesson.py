@@ -25,7 +25,8 @@ gathered bytes rising (this unit + the prefetched next) and falling (resharded),
 all-gather in flight while this one computes. 5. Mixed precision (fp16 working parameters, fp32
 master and moments): K = 12 bytes of optimizer state per parameter, measured. Then the terminal
 timeline of the FSDP step; the HTML report stacks the model states per rank (the paper's Fig. 1)
-and draws the gathered units over time. Writes runs/06_zero/*.json and report.html.
+and draws the FSDP step's timeline over its gathered units (``viz.memory_stack``). Writes
+runs/06_zero/*.json and report.html.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Ta
                   caption="exact: zero_state_bytes (this layout, padded shards); paper: zero_model_states, "
                           "(2+2+K) Psi with 8-byte parameters and gradients and K = 16 (AdamW's m, v). Peak: the "
                           "most at any sample of the step (stage 2: gradients of a bucket not yet reduced; FSDP: "
-                          "the unit computing plus the prefetched one, next to fsdp_gathered_peak).",
+                          "a unit's full gradients before their reduce-scatter, and the gathered units: the one "
+                          "computing plus the prefetched one, next to fsdp_gathered_peak).",
                   caption_justify="left")
     for col in ("stage", "N", "params", "grads", "opt state", "total", "exact", "paper", "peak",
                 "FSDP gathered peak (formula)"):
