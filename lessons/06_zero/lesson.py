@@ -255,17 +255,18 @@ def traffic_table(results: dict[tuple[int, int], dict[str, Any]], n: int) -> Tab
 
 
 # ---- 4. FSDP unit by unit -------------------------------------------------------------------------------
-def allgather_calls(trace: mtrace.Trace, rank: int = 0) -> list[tuple[float, float]]:
-    """(start, end) of each all-gather call on ``rank``, in order: a call begins at its step-0 message."""
-    events = sorted((e for e in trace.events if e.kind == "comm" and e.rank == rank and e.op == "allgather"),
-                    key=lambda e: e.t0)
-    calls: list[list[float]] = []
-    for e in events:
-        if e.step == 0 and e.src == rank:
-            calls.append([e.t0, e.t1])
-        elif calls:
-            calls[-1][1] = max(calls[-1][1], e.t1)
-    return [(a, b) for a, b in calls]
+def allgather_calls(trace: mtrace.Trace, n: int, rank: int = 0) -> list[tuple[float, float]]:
+    """(start, end) of each all-gather call on ``rank``, in order. The calls run one after another
+    and each sends and receives one block per ring step (N - 1 of each), so the k-th N - 1 sends and
+    the k-th N - 1 receives in time order are call k."""
+    mine = [e for e in trace.select("comm", rank=rank, op="allgather")]
+    sends = sorted((e for e in mine if e.src == rank), key=lambda e: e.t0)
+    recvs = sorted((e for e in mine if e.src != rank), key=lambda e: e.t0)
+    calls = []
+    for k in range(0, len(sends), n - 1):
+        events = sends[k:k + n - 1] + recvs[k:k + n - 1]
+        calls.append((min(e.t0 for e in events), max(e.t1 for e in events)))
+    return calls
 
 
 def fsdp_table(trace: mtrace.Trace, numels: list[int], n: int) -> Table:
@@ -275,16 +276,17 @@ def fsdp_table(trace: mtrace.Trace, numels: list[int], n: int) -> Table:
                    key=lambda e: e.t0)
     samples = sorted((e for e in trace.events if e.kind == "memory" and e.rank == 0 and e.name == "gathered units"),
                      key=lambda e: e.t0)
-    calls, t0 = allgather_calls(trace), spans[0].t0
+    calls, t0 = allgather_calls(trace, n), spans[0].t0
     table = Table(title=f"FSDP forward on rank 0, unit by unit (N = {n}; times in ms from the first unit)",
                   title_justify="left",
                   caption="gathered while computing: this unit + the next one already on its way (prefetch); "
                           "formula: padded sizes L_i + L_i+1 in bytes. After: this unit resharded, only the next one "
-                          "left. The next unit's all-gather runs on the communicator's background thread: it overlaps "
-                          "this unit's compute once that thread gets a core and the GIL (tiny units finish first).",
+                          "left. The next unit's all-gather runs on the communicator's background thread; overlap: "
+                          "ms of it inside this unit's span, hidden behind its compute (the rest runs into the "
+                          "next unit's span, which waits for it; ranks time-sharing cores and the GIL delay it).",
                   caption_justify="left")
     for col in ("unit", "compute span", "gathered while computing", "formula", "after reshard",
-                "next unit's all-gather"):
+                "next unit's all-gather", "overlap"):
         table.add_column(col, justify="right")
     sizes = [-(-k // n) * n * ITEM for k in numels]
     for i, span in enumerate(spans):
@@ -293,7 +295,8 @@ def fsdp_table(trace: mtrace.Trace, numels: list[int], n: int) -> Table:
         table.add_row(str(span.args.get("unit")), f"{(span.t0 - t0) * 1e3:.2f}-{(span.t1 - t0) * 1e3:.2f}",
                       f"{max(inside):,}", f"{sizes[i] + (sizes[i + 1] if i + 1 < len(sizes) else 0):,}",
                       f"{inside[-1]:,}",
-                      "-" if nxt is None else f"{(nxt[0] - t0) * 1e3:.2f}-{(nxt[1] - t0) * 1e3:.2f}")
+                      "-" if nxt is None else f"{(nxt[0] - t0) * 1e3:.2f}-{(nxt[1] - t0) * 1e3:.2f}",
+                      "-" if nxt is None else f"{max(0.0, min(span.t1, nxt[1]) - max(span.t0, nxt[0])) * 1e3:.2f}")
     return table
 
 
