@@ -79,20 +79,26 @@ class Unit:
 
     @property
     def gathered_bytes(self) -> int:
-        return (self.full.nbytes if self.full is not None else 0) + \
-            (self.layout.padded * self.shard.data.itemsize if self.pending is not None else 0)
+        """Bytes of gathered parameters beside the shard (none on one rank: the shard is the whole)."""
+        full = self.full.nbytes if self.full is not None and self.full is not self.shard.data else 0
+        return full + (self.layout.padded * self.shard.data.itemsize if self.pending is not None else 0)
 
     def prefetch(self) -> None:
         """Start the all-gather of this unit's parameters on the background thread."""
-        if self.full is None and self.pending is None:
+        if self.full is None and self.pending is None and self.comm.size > 1:
             self.pending = self.comm.iallgather(self.shard.data, algorithm=ALGORITHM)
 
     def unshard(self) -> None:
-        """Every parameter's data a view of the gathered flat buffer (waiting for a prefetch)."""
+        """Every parameter's data a view of the gathered flat buffer (waiting for a prefetch). On
+        one rank the shard is the whole unit: its views, no copy (PyTorch's FSDP falls back to
+        NO_SHARD at world size 1)."""
         if self.full is not None:
             return
-        self.prefetch()
-        self.full, self.pending = self.pending.wait(), None
+        if self.comm.size == 1:
+            self.full = self.shard.data
+        else:
+            self.prefetch()
+            self.full, self.pending = self.pending.wait(), None
         for p, view in zip(self.params, self.layout.views(self.full), strict=True):
             p.data = view
 
@@ -184,7 +190,7 @@ class FullyShardedDataParallel:
     def __init__(self, module: Module, comm: Communicator, policy: Policy = transformer_units,
                  reshard_after_forward: bool = True, prefetch: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 precision: str = "fp64", max_grad_norm: float | None = None, loss_scale: float = 2.0**16,
+                 precision: str = "fp64", max_grad_norm: float | None = None, loss_scale: float = 2.0**12,
                  growth_interval: int = 2000, shard_group: int | None = None) -> None:
         wrapped = check_fsdp_config(comm, module, policy, precision, shard_group)
         self.module, self.comm = module, comm

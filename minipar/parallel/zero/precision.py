@@ -15,6 +15,9 @@ as float16. Then, per step::
     else:        clip by the global norm (one all-reduce of the shards' squared norms)
                  AdamW on the fp32 master shard; working shard = fp16(master)
                  every ``growth_interval`` clean steps S *= 2
+
+S starts at 2^12, not PyTorch's 2^16: here the loss itself is computed in float16 (there is no
+autocast keeping it in float32), and loss x S must stay below float16's largest number, 65504.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class ShardedAdamW:
 
     def __init__(self, shards: list[Tensor], comm: Communicator, precision: str = "fp64", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 max_grad_norm: float | None = None, loss_scale: float = 2.0**16,
+                 max_grad_norm: float | None = None, loss_scale: float = 2.0**12,
                  growth_interval: int = 2000) -> None:
         self.shards, self.comm, self.precision = shards, comm, precision
         self.max_grad_norm, self.growth_interval = max_grad_norm, growth_interval

@@ -103,7 +103,7 @@ class ZeroDataParallel:
     def __init__(self, module: Module, comm: Communicator, stage: int = 2, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP, precision: str = "fp64",
-                 max_grad_norm: float | None = None, loss_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+                 max_grad_norm: float | None = None, loss_scale: float = 2.0**12, growth_interval: int = 2000) -> None:
         check_zero_config(comm, module, stage, bucket_cap_bytes, precision)
         self.module, self.comm, self.stage = module, comm, stage
         named = list(module.named_parameters())
