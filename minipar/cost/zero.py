@@ -162,9 +162,12 @@ def fsdp_gathered_peak(numels: list[int], dp: int, itemsize: int = 8, prefetch: 
     ``max L_i``. The ``root`` unit (an index into ``numels``; PyTorch's outermost unit, whose forward
     encloses every other unit's) is gathered when forward starts and freed when backward ends, so
     it adds ``L_root`` to every step's units (once). Without ``reshard_after_forward`` every unit is
-    still gathered when forward ends: ``sum L``.
+    still gathered when forward ends: ``sum L``. On one rank nothing is gathered (the shard is the
+    whole unit, PyTorch's NO_SHARD fallback): 0.
     """
     _check_groups(numels, dp, root=root)
+    if dp == 1:
+        return 0
     sizes = [padded(n, dp) for n in numels]
     if not reshard_after_forward:
         return sum(sizes) * itemsize
