@@ -89,6 +89,7 @@ class Worker:
                 trace._local.recorder = None
                 fut.event.set()
                 self.comm._notify()
+            item = fut = fn = rec = None  # keep nothing of this job (an FSDP unit's gathered buffer)
 
     def close(self) -> None:
         self.queue.put(None)
@@ -106,6 +107,7 @@ class _AsyncRequest(Request):
                 raise self._comm.state.timeout_error(self._what, self._peers, limit)
             self._pending.done()
             self._finish()
+            self._pending.value = None  # the result lives on in this request alone
         return self._value
 
 

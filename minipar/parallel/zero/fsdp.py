@@ -39,11 +39,11 @@ import numpy as np
 from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.comm import Communicator, Request
-from minipar.nn import Block, Module, Parameter, unallocated
+from minipar.nn import Block, Module, Parameter
 from minipar.parallel.zero import checkpoint
 from minipar.parallel.zero.flat import FlatLayout, init_shard, layout_of
 from minipar.parallel.zero.precision import ShardedAdamW
-from minipar.parallel.zero.stages import check_precision
+from minipar.parallel.zero.stages import check_precision, tied_parameters
 
 ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
 Policy = Callable[[str, Module], bool]
@@ -103,19 +103,27 @@ class Unit:
             p.data = view
 
     def reshard(self) -> None:
-        """Free the gathered buffer: the parameters hold no memory until the next ``unshard``."""
+        """Free the gathered buffer: the parameters hold no values until the next ``unshard`` (an
+        empty array: a use outside the unit's forward or backward fails loudly, as in PyTorch)."""
         for p in self.params:
-            p.data = unallocated(p.full_shape, p.dtype)
+            p.data = np.empty(0, dtype=p.dtype)
         self.full = None
+
+    def discard(self) -> None:
+        """Forget any gathered or prefetched copy (the shard is about to change, or changed)."""
+        if self.pending is not None:
+            self.pending.wait()  # every rank started this all-gather: finish it, drop the result
+            self.pending = None
+        self.reshard()
 
     def reduce_scatter(self) -> None:
         """This rank's shard of the gradients averaged over the ranks (hybrid sharding: over its
         shard group, then all-reduced across the replicas); drop the full gradients."""
         grads = self.layout.flatten([p.grad for p in self.params], self.shard.dtype)
-        shard = self.comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
+        grads /= self.comm.size * (self.replicas.size if self.replicas is not None else 1)  # before the sum:
+        shard = self.comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)  # float16 overflows as one process
         if self.replicas is not None and self.replicas.size > 1:
             shard = self.replicas.allreduce(shard, op="sum", algorithm=ALGORITHM)
-        shard /= self.comm.size * (self.replicas.size if self.replicas is not None else 1)
         self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
         for p in self.params:
             p.grad = None
@@ -160,7 +168,7 @@ def check_fsdp_config(comm: Communicator, module: Module, policy: Policy, precis
     walk("", module)
     owned = {id(p) for _, m in wrapped for p in m.parameters()}
     orphans = [n for n, p in module.named_parameters() if id(p) not in owned]
-    problems = check_precision(module, precision)
+    problems = check_precision(module, precision) + tied_parameters(module)
     if shard_group is not None and (shard_group < 1 or comm.size % shard_group):
         divisors = [d for d in range(1, comm.size + 1) if comm.size % d == 0]
         problems.append(f"hybrid sharding needs shard groups of equal size: shard_group={shard_group} does not "
@@ -208,7 +216,8 @@ class FullyShardedDataParallel:
                 p.register_hook(lambda _p, u=unit, j=j: self._on_grad_ready(u, j))
         self.optimizer = ShardedAdamW([u.shard for u in self.units], self.shards, precision, lr, betas, eps,
                                       weight_decay, max_grad_norm, loss_scale, growth_interval)
-        self.order: list[Unit] = []  # the units in the order the last forward ran them
+        self.order: list[Unit] = []  # the units in the order this forward runs them
+        self.last_order: list[Unit] = []  # ... and the last forward ran them (forward prefetch)
         self._sample()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -217,13 +226,12 @@ class FullyShardedDataParallel:
     # ---- around each unit ---------------------------------------------------------------------
     def _wrap(self, unit: Unit, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
         def wrapped(*args: Any, **kwargs: Any) -> Tensor:
-            if unit in self.order:  # a new forward pass began
-                self.order = []
             self.order.append(unit)
             with trace.span("F", args={"unit": unit.name}):
                 unit.unshard()
-                if self.prefetch and unit.index + 1 < len(self.units):
-                    self.units[unit.index + 1].prefetch()
+                nxt = self._next_in_forward(unit)
+                if self.prefetch and nxt is not None:
+                    nxt.prefetch()
                 self._sample()
                 out = forward(*args, **kwargs)
                 if self.reshard_after_forward:
@@ -232,11 +240,19 @@ class FullyShardedDataParallel:
             return _PreBackward.apply(out, lambda: self._pre_backward(unit))
         return wrapped
 
+    def _next_in_forward(self, unit: Unit) -> Unit | None:
+        """The unit that ran after ``unit`` in the last forward (PyTorch FSDP's recorded execution
+        order); before any forward finished, the next one registered."""
+        at = len(self.order) - 1  # ``unit`` is this forward's latest
+        if len(self.last_order) > at + 1 and self.last_order[at] is unit:
+            return self.last_order[at + 1]
+        return self.units[unit.index + 1] if not self.last_order and unit.index + 1 < len(self.units) else None
+
     def _pre_backward(self, unit: Unit) -> None:
         unit.reduced = False
         unit.unshard()
-        at = self.order.index(unit)
-        if self.prefetch and at > 0:
+        at = len(self.order) - 1 - self.order[::-1].index(unit)  # its latest run: backward comes newest first
+        if self.prefetch and at > 0 and self.order[at - 1] is not unit:
             self.order[at - 1].prefetch()
         self._sample()
 
@@ -256,13 +272,17 @@ class FullyShardedDataParallel:
             for unit in reversed(self.order):
                 if not unit.reduced:
                     unit.reduce_scatter()
-                    unit.reshard()
+            for unit in self.units:  # a prefetch for a backward that never came
+                unit.discard()
+        self.last_order, self.order = self.order, []
         self._sample()
 
     def step(self) -> bool:
         """AdamW on this rank's shards (the parameters stay sharded until the next forward); False
         when mixed precision skipped the step (an overflow on some rank)."""
         with trace.span("opt"):
+            for unit in self.units:  # gathered copies would be stale after the step
+                unit.discard()
             applied = self.optimizer.step()
         self._sample()
         return applied
@@ -281,15 +301,25 @@ class FullyShardedDataParallel:
         ``directory``, atomically (``checkpoint.save``)."""
         arrays, meta = self.optimizer.shards_to_save([u.name for u in self.units])
         meta["params"] = {u.name: u.layout.described() for u in self.units}
-        if self.replicas is None or self.replicas.rank == 0:  # hybrid: one replica group writes
+        if self.replicas is None:
             checkpoint.save(directory, self.shards, arrays, self._numels(arrays), meta)
-        if self.replicas is not None:
-            self.comm.barrier()
+            return
+        error = None
+        if self.replicas.rank == 0:  # hybrid: one replica group writes, then tells every rank
+            try:
+                checkpoint.save(directory, self.shards, arrays, self._numels(arrays), meta)
+            except ValueError as exc:
+                error = str(exc)
+        error = self.comm.broadcast_object(error, root=0)
+        if error is not None:
+            raise ValueError(error)
 
     def load_checkpoint(self, directory: str) -> None:
         """Resume from ``directory``, saved at this or another world size (the shards are re-cut)."""
         names = [u.name for u in self.units]
         arrays, meta = checkpoint.load(directory, self.shards, self._numels(self.optimizer.shards_to_save(names)[0]))
+        for unit in self.units:
+            unit.discard()
         self.optimizer.load_shards(names, arrays, meta)
 
     def _numels(self, arrays: dict[str, np.ndarray]) -> dict[str, int]:

@@ -59,8 +59,8 @@ class ZeroBucket:
     def reduce_scatter(self, comm: Communicator) -> None:
         """This rank's shard of the gradients averaged over the ranks; drop the full gradients."""
         grads = self.layout.flatten([p.grad for p in self.params], self.flat.dtype)
+        grads /= comm.size  # before the sum: float16 overflows where one process would
         shard = comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
-        shard /= comm.size
         self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
         for p in self.params:
             p.grad = None
@@ -80,10 +80,23 @@ def check_precision(module: Module, precision: str) -> list[str]:
             f"with dtype=np.{want}"] if wrong else []
 
 
+def tied_parameters(module: Module) -> list[str]:
+    """A parameter reachable under two names (tied weights) would sit in a flat buffer twice."""
+    first: dict[int, str] = {}
+    tied = [f"{name} is {first[id(p)]}" for name, p in module.named_parameters()
+            if first.setdefault(id(p), name) != name]
+    return [f"tied parameters ({', '.join(tied)}) are not supported: give each its own Parameter"] if tied else []
+
+
 def check_zero_config(comm: Communicator, module: Module, stage: int, bucket_cap_bytes: int,
                       precision: str) -> None:
     """Raise ``ValueError`` (same on every rank, before any message) naming what to change."""
-    problems = check_precision(module, precision)
+    problems = check_precision(module, precision) + tied_parameters(module)
+    empty = [n for n, p in module.named_parameters() if p.data.size and not any(p.data.strides)]
+    if empty:
+        problems.append(f"{empty[:3]}{'...' if len(empty) > 3 else ''} hold no values (a model built under "
+                        "nn.deferred()): stages 1 and 2 keep full parameters; build the model normally, or use "
+                        "FullyShardedDataParallel")
     if stage not in STAGES:
         problems.append(f"stage={stage!r} is not a ZeRO stage this class runs; use 1 (optimizer state) or 2 "
                         "(+ gradients), or FullyShardedDataParallel for stage 3 (+ parameters)")
