@@ -170,6 +170,8 @@ def refused(comm, what):
         model.head.weight = model.tok_emb.weight  # one Parameter under two names
         make = partial(FullyShardedDataParallel, model, comm) if what == "tied-fsdp" else \
             partial(ZeroDataParallel, model, comm, stage=2)
+    elif what == "hybrid grid":
+        make = partial(FullyShardedDataParallel, model, comm, shard_group=3)
     else:
         with nn.deferred():
             model = nn.GPT(V, S, D, H, L, seed=3)
@@ -184,7 +186,9 @@ def refused(comm, what):
 
 @pytest.mark.parametrize(("what", "phrase"), [("tied-zero", "tied parameters (head.weight is tok_emb.weight)"),
                                               ("tied-fsdp", "tied parameters (head.weight is tok_emb.weight)"),
-                                              ("deferred", "hold no values (a model built under nn.deferred())")])
+                                              ("deferred", "hold no values (a model built under nn.deferred())"),
+                                              ("hybrid grid", "shard_group=3 does not divide the 2 ranks; pick one "
+                                                              "of [1, 2]")])
 def test_models_the_trainers_cannot_train_are_refused_on_every_rank(what, phrase) -> None:
     results = run(refused, 2, what=what)
     assert results[0][0] is not None and phrase in results[0][0]
