@@ -28,6 +28,15 @@ memory the same in every run, times moved by up to 50% with the load:
     stage 2 (P_os+g)           86.3   0.60x        65.4      20.9  80-197    0.92-1.39x
     stage 3 (FSDP)             93.0   0.64x        52.3      40.6  121-244   1.51-1.73x
 
+Re-measured on a quiet machine (load 0.1) after the review fixes (the background thread no longer
+keeps a gathered unit, gradients divided before the sum), 5 rounds:
+
+    configuration     peak MiB/rank  vs DDP  states MiB  rest MiB  step ms  vs DDP
+    stage 0 (DDP)             143.1   1.00x       104.7      38.4     72.7   1.00x
+    stage 1 (P_os)             96.8   0.68x        78.5      18.3     72.3   1.00x
+    stage 2 (P_os+g)           86.3   0.60x        65.4      20.9     71.2   0.98x
+    stage 3 (FSDP)             90.0   0.63x        52.3      37.6     99.9   1.37x
+
 The states fall by the formula's steps, 26.2 MiB (8 Psi: the optimizer state halved), then 13.1
 (the gradients halved), then 13.1 (the parameters halved). The measured peak falls by 47.7 MiB at
 stage 1 (DDP's rest also holds its 26.2 MiB of flat bucket buffers), by 10.5 more at stage 2, and
