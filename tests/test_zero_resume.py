@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget
 
@@ -149,19 +149,31 @@ def mixed(comm, mode, poison_at=None):
     return steps, whole(model, zero), zero.state_bytes(), sum(g.layout.shard_size for g in groups)
 
 
-@pytest.mark.parametrize("mode", [1, 2, "fsdp"])
-def test_mixed_precision_equals_the_single_process_reference(mode) -> None:
-    want = reference(3, "mixed")
-    for world in (1, 4):
-        for _, state, held, shard in run(mixed, world, mode=mode):
-            # float16 gradients summed in another order differ by an ulp; AdamW turns a gradient
-            # near zero into a step of up to lr whatever its size: 3 steps of lr = 0.01 bound it
-            for name, value in want.items():
-                assert state[name].dtype == np.float16
-                diff = np.abs(state[name].astype(np.float64) - value.astype(np.float64))
-                assert diff.max() <= (0 if world == 1 else 3 * LR), name
-            # K = 12: fp32 master 4 bytes + m, v 8 bytes per element of this rank's shards
-            assert (held["master parameters"], held["optimizer state"]) == (4 * shard, 8 * shard)
+MIXED_REFERENCE = reference(3, "mixed")
+
+
+@budget(6)
+@given(mode=st.sampled_from([1, 2, "fsdp"]), world=st.sampled_from([1, 2, 3, 4]))
+@example(mode="fsdp", world=4)
+@example(mode=2, world=3)
+def test_mixed_precision_equals_the_single_process_reference(mode, world) -> None:
+    """One rank: the same float16 sums in the same order, bit-exact. More ranks: float16 gradients
+    summed in another order differ by an ulp. Where the true gradient is O(1) that moves a parameter
+    by about a float16 ulp; where it is zero up to rounding (the key bias) AdamW turns the rounding
+    into a full step, |m_hat| / sqrt(v_hat) <= 1.004 for t <= 3 (Cauchy-Schwarz on the moments'
+    sums), so each side moves such an entry by at most 1.004 lr per step, possibly in opposite
+    directions: 2 x 3 x 1.004 lr, plus a float16 ulp of the parameter (2e-3). Measured: 99% of
+    entries within 5e-4, the largest 0.050 (N = 3), against the bound 0.062."""
+    for _, state, held, shard in run(mixed, world, mode=mode):
+        diffs = []
+        for name, value in MIXED_REFERENCE.items():
+            assert state[name].dtype == np.float16
+            diff = np.abs(state[name].astype(np.float64) - value.astype(np.float64))
+            assert diff.max() <= (0 if world == 1 else 6 * 1.004 * LR + 2e-3), name
+            diffs.append(diff.ravel())
+        assert np.quantile(np.concatenate(diffs), 0.99) <= (0 if world == 1 else 1e-3)
+        # K = 12: fp32 master 4 bytes + m, v 8 bytes per element of this rank's shards
+        assert (held["master parameters"], held["optimizer state"]) == (4 * shard, 8 * shard)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the poisoned rank's inf
