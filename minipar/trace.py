@@ -10,6 +10,8 @@ Event kinds:
   ``op`` (the collective it belongs to, or "send"/"recv"), ``algorithm``, ``step``.
 - ``memory``: a sample of bytes held under a label (``nbytes``), at ``t0 == t1``.
 - ``mark``: a point in time with a name (and ``args``).
+- ``transfer``: one copy of a tensor (``name``) between memory tiers (``minipar.tiers``): ``nbytes``,
+  ``args = {"src", "dst", "modelled_s"}`` with tiers "cpu", "device", "nvme".
 
 Times are seconds on the machine's monotonic clock while recording, and relative to the earliest
 event when saved. Tracing that is off costs one thread-local lookup per call.
@@ -28,7 +30,7 @@ from typing import Any
 
 FORMAT = "minipar-trace"
 VERSION = 1
-KINDS = ("compute", "comm", "memory", "mark")
+KINDS = ("compute", "comm", "memory", "mark", "transfer")
 
 
 class TraceError(Exception):
@@ -276,7 +278,7 @@ def to_chrome(trace: Trace, path: str | os.PathLike[str]) -> None:
     nanoseconds, written in microseconds.
     """
     ns = [(round(e.t0 * 1e9), max(round(e.t1 * 1e9), round(e.t0 * 1e9))) for e in trace.events]
-    spans = [i for i, e in enumerate(trace.events) if e.kind in ("compute", "comm")]
+    spans = [i for i, e in enumerate(trace.events) if e.kind in ("compute", "comm", "transfer")]
     lane = _nest_lanes([(trace.events[i].rank, *ns[i], i) for i in spans])
     out: list[dict[str, Any]] = []
     for i, e in enumerate(trace.events):
@@ -290,6 +292,8 @@ def to_chrome(trace: Trace, path: str | os.PathLike[str]) -> None:
             label = e.name if e.microbatch is None else f"{e.name}{e.microbatch}"
             if e.kind == "comm":
                 label = f"{e.op}:{e.name} {e.src}->{e.dst}"
+            elif e.kind == "transfer":
+                label = f"{e.args.get('src')}->{e.args.get('dst')} {e.name}"
             out.append({**base, "ph": "X", "name": label, "dur": (ns[i][1] - ns[i][0]) / 1e3, "args": extra})
     ranks = sorted({e.rank for e in trace.events} | set(range(trace.world_size)))
     for r in ranks:

@@ -10,6 +10,7 @@
   score buffer, causal score blocks per ring rank, activation bytes of one block, gradient sync.
 - ``zero.py``: ZeRO stages 0-3 and FSDP: model states per rank (the paper's Table 1, and exactly for
   the flat padded shards), bytes sent per step, gathered units alive at once.
+- ``offload.py``: the modelled time of a move between memory tiers; ZeRO-Offload's bytes per step.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
 ``docs/formulas.md``.
@@ -17,6 +18,7 @@ Traces, tests and lessons import from here; the derivations are in each module's
 
 from minipar.cost import sequence, zero
 from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
+from minipar.cost.offload import transfer_seconds, zero_offload_bytes
 from minipar.cost.zero import (
     fsdp_gathered_peak,
     hsdp_traffic_bytes,
@@ -28,4 +30,5 @@ from minipar.cost.zero import (
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "fsdp_gathered_peak", "hsdp_traffic_bytes",
            "paper_table",
-           "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_bytes"]
+           "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_bytes",
+           "transfer_seconds", "zero_offload_bytes"]

@@ -1,0 +1,386 @@
+"""Memory tiers: a budgeted device, host (CPU) memory and NVMe files, and every move between them.
+
+minipar has no accelerator, so the device is modelled, strictly: a pool with a byte budget. Placing
+an array there (``to_device``, ``adopt``, ``empty``) charges its bytes under a name; going past the
+budget raises ``DeviceOutOfMemory`` before anything is copied, naming the budget, what is resident
+and the smallest budget that would have worked. Compute may only touch device-resident arrays, and
+``require_device`` enforces it: the pool keeps the ids of its arrays (a view of one counts).
+``cpu`` is ordinary numpy memory. ``nvme`` is real files, one ``.npy`` per name under a directory,
+written to a temporary file and renamed into place (a crash mid-write leaves the previous file), by
+a thread pool so that disk reads and writes overlap compute (ZeRO-Infinity's prefetch and
+write-back; Rajbhandari et al. 2021, Sec. 6).
+
+Every move is a copy, recorded in the trace (when one is recording) as a ``transfer`` event: the
+tensor's name, ``nbytes``, measured ``t0``/``t1`` and ``args = {"src", "dst", "modelled_s"}`` with
+the time of the ``Bandwidth`` model (``minipar.cost.offload.transfer_seconds``) beside it. Each
+allocation or release on the device samples ``memory("device", bytes resident)``; each NVMe write
+or delete samples ``memory("nvme", bytes in files)`` (array bytes; the ``.npy`` header's ~128 bytes
+are not counted).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minipar import trace
+from minipar.cost.offload import transfer_seconds
+
+
+class DeviceOutOfMemory(MemoryError):
+    """An allocation past the device budget. ``budget``, ``resident`` (name -> bytes), ``name``,
+    ``request`` and ``smallest_budget`` (resident + request) are attributes; the message names them."""
+
+    SHOWN = 4  # resident tensors named in the message, largest first
+
+    def __init__(self, budget: int, resident: dict[str, int], name: str, request: int) -> None:
+        self.budget, self.resident, self.name, self.request = budget, dict(resident), name, request
+        used = sum(resident.values())
+        self.smallest_budget = used + request
+        items = sorted(resident.items(), key=lambda kv: (-kv[1], kv[0]))
+        shown = ", ".join(f"{k}: {v}" for k, v in items[: self.SHOWN])
+        rest = items[self.SHOWN:]
+        if rest:
+            shown += f", and {len(rest)} more: {sum(v for _, v in rest)}"
+        held = f"{used} bytes resident ({shown})" if items else "nothing resident"
+        super().__init__(
+            f"device out of memory: budget {budget} bytes, {held}, request {name!r}: {request} bytes; "
+            f"the smallest budget that would have worked is {self.smallest_budget} bytes"
+        )
+
+
+class NotOnDevice(ValueError):
+    """Compute asked for an array that is not resident on this ``Tiers``' device."""
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Bytes per second of each link: host <-> device (``pcie``), NVMe reads and writes."""
+
+    pcie: float = 16e9
+    nvme_read: float = 3e9
+    nvme_write: float = 2e9
+
+    def seconds(self, src: str, dst: str, nbytes: int) -> float:
+        """Modelled time to move ``nbytes`` from tier ``src`` to ``dst`` (see ``transfer_seconds``)."""
+        return transfer_seconds(nbytes, src, dst, self)
+
+
+def _write_file(path: str, array: np.ndarray) -> None:
+    """Write ``array`` as ``.npy`` at ``path`` and flush it to the disk."""
+    with open(path, "wb") as fh:
+        np.save(fh, array, allow_pickle=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _read_file(path: str) -> np.ndarray:
+    with open(path, "rb") as fh:
+        return np.load(fh, allow_pickle=False)
+
+
+class Tiers:
+    """One rank's memory tiers: a device pool of ``device_budget`` bytes, host memory, and NVMe files
+    under ``nvme_dir`` (made if missing; its files removed by ``close``, the directory too if this
+    made it) read and written by ``workers`` threads. Use as a context manager: a normal exit waits
+    for pending I/O and removes the files; an exit by exception keeps them (intact, for inspection)."""
+
+    def __init__(self, device_budget: int, nvme_dir: str | None = None, bandwidth: Bandwidth = Bandwidth(),
+                 workers: int = 2) -> None:
+        if device_budget < 0:
+            raise ValueError(f"device_budget must be >= 0, got {device_budget}")
+        self.device_budget = int(device_budget)
+        self.bandwidth = bandwidth
+        self._lock = threading.Lock()
+        self._device: dict[str, np.ndarray] = {}
+        self._ids: set[int] = set()
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
+        self._nvme: dict[str, int] = {}  # name -> array bytes in its file
+        self._pending: dict[str, Future[Any]] = {}  # the last I/O submitted per name
+        self._made_dir = False
+        self._closed = False
+        self.nvme_dir = None if nvme_dir is None else os.path.abspath(os.fspath(nvme_dir))
+        if self.nvme_dir is not None:
+            self._open_dir()
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minipar-nvme")
+
+    # ---- device ----------------------------------------------------------------------------
+
+    def to_device(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Copy host ``array`` to the device under ``name`` and return the device copy. If ``name``
+        is resident with the same shape and dtype, its buffer is overwritten in place (no new
+        allocation); a different shape or dtype must be ``free``d first."""
+        array = np.asarray(array)
+        rec = trace.current()
+        old = self._device.get(name)
+        t0 = trace.now()
+        if old is not None:
+            if old.shape != array.shape or old.dtype != array.dtype:
+                raise ValueError(f"{name!r} is resident as {old.dtype}{list(old.shape)}; free it before placing "
+                                 f"a {array.dtype}{list(array.shape)}")
+            np.copyto(old, array)
+            dev = old
+        else:
+            self._charge(name, array.nbytes)
+            dev = np.array(array, copy=True, order="C")
+            self._place(name, dev, rec)
+        self._transfer(rec, name, "cpu", "device", array.nbytes, t0, trace.now())
+        return dev
+
+    def adopt(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Charge ``array``, the result of compute on the device (an activation, a gradient), to the
+        pool under ``name`` without copying it; returns it, now device-resident."""
+        if name in self._device:
+            raise ValueError(f"{name!r} is already resident on the device; free it first")
+        self._charge(name, array.nbytes)
+        self._place(name, array, trace.current())
+        return array
+
+    def empty(self, name: str, shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """Allocate an uninitialised device array under ``name`` (charged before it is made)."""
+        if name in self._device:
+            raise ValueError(f"{name!r} is already resident on the device; free it first")
+        self._charge(name, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        dev = np.empty(shape, dtype)
+        self._place(name, dev, trace.current())
+        return dev
+
+    def device_array(self, name: str) -> np.ndarray:
+        """The device array resident under ``name``."""
+        try:
+            return self._device[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not resident on the device (resident: {sorted(self._device)})") from None
+
+    def free(self, name: str) -> None:
+        """Release ``name``'s device memory; its array no longer passes ``require_device``."""
+        with self._lock:
+            if name not in self._device:
+                raise KeyError(f"{name!r} is not resident on the device (resident: {sorted(self._device)})")
+            arr = self._device.pop(name)
+            self._ids.discard(id(arr))
+            self.device_bytes -= arr.nbytes
+            used = self.device_bytes
+        trace.memory("device", used)
+
+    def to_cpu(self, name: str, array: np.ndarray | None = None) -> np.ndarray:
+        """Copy a device array (``name``'s when ``array`` is None) to a new host array. The device copy
+        stays resident: ``free`` it when done."""
+        array = self.device_array(name) if array is None else array
+        self.require_device(array)
+        t0 = trace.now()
+        host = np.array(array, copy=True)
+        self._transfer(trace.current(), name, "device", "cpu", host.nbytes, t0, trace.now())
+        return host
+
+    def require_device(self, *arrays: Any) -> None:
+        """Raise ``NotOnDevice`` unless every array (or tensor's ``.data``) is resident on this device,
+        or a view of such an array: compute only runs on device-resident data."""
+        for i, a in enumerate(arrays):
+            if not isinstance(a, np.ndarray):
+                a = getattr(a, "data", a)
+            if not self.on_device(a):
+                what = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise NotOnDevice(f"argument {i} ({what}) is not resident on the device: compute runs only on "
+                                  "arrays placed by to_device, adopt or empty (and not freed since)")
+
+    def on_device(self, array: Any) -> bool:
+        """Whether ``array`` is a device array of this pool, or a view of one."""
+        a = array
+        while isinstance(a, np.ndarray):
+            if id(a) in self._ids:
+                return True
+            a = a.base
+        return False
+
+    def resident(self, tier: str = "device") -> dict[str, int]:
+        """Bytes held per name in ``tier`` (``"device"`` or ``"nvme"``; host memory is not pooled)."""
+        if tier == "device":
+            return {k: v.nbytes for k, v in self._device.items()}
+        if tier == "nvme":
+            with self._lock:
+                return dict(self._nvme)
+        raise ValueError(f"tier {tier!r}: resident() tracks 'device' and 'nvme' (cpu is ordinary numpy memory)")
+
+    def _charge(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            if self.device_bytes + nbytes > self.device_budget:
+                raise DeviceOutOfMemory(self.device_budget, self.resident("device"), name, nbytes)
+            self.device_bytes += nbytes
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def _place(self, name: str, arr: np.ndarray, rec: trace.Recorder | None) -> None:
+        with self._lock:
+            self._device[name] = arr
+            self._ids.add(id(arr))
+            used = self.device_bytes
+        if rec is not None:
+            t = trace.now()
+            rec.add("memory", "device", t, t, nbytes=used)
+
+    def _transfer(self, rec: trace.Recorder | None, name: str, src: str, dst: str, nbytes: int,
+                  t0: float, t1: float) -> None:
+        if rec is not None:
+            rec.add("transfer", name, t0, t1, nbytes=int(nbytes),
+                    args={"src": src, "dst": dst, "modelled_s": self.bandwidth.seconds(src, dst, nbytes)})
+
+    # ---- NVMe ------------------------------------------------------------------------------
+
+    def write_nvme(self, name: str, array: np.ndarray, copy: bool = True) -> Future[None]:
+        """Write host ``array`` to ``name``'s file in the background; the future completes when the
+        file is in place. With ``copy`` (default) the array is snapshotted now, so the caller may
+        change it at once; without, it must stay unchanged until the future completes. Operations on
+        one name run in the order submitted. A failed write (full disk, crash) leaves the previous
+        file intact and the future's exception names the directory and the bytes."""
+        directory = self._need_dir()
+        if self.on_device(array):
+            raise NotOnDevice(f"{name!r}: write_nvme takes host arrays; copy it with to_cpu first")
+        data = np.array(array, copy=True) if copy else np.asarray(array)
+        path = self._path(name)
+        rec = trace.current()
+
+        def job() -> None:
+            t0 = trace.now()
+            tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}-{threading.get_ident()}")
+            try:
+                _write_file(tmp, data)
+                os.replace(tmp, path)
+            except OSError as exc:
+                _remove(tmp)
+                why = "disk full (ENOSPC)" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+                msg = f"NVMe write of {name!r} ({data.nbytes} bytes) to {directory} failed: {why}"
+                raise (OSError(exc.errno, msg) if exc.errno is not None else OSError(msg)) from exc
+            except BaseException:
+                _remove(tmp)
+                raise
+            t1 = trace.now()
+            with self._lock:
+                self._nvme[name] = data.nbytes
+                on_disk = sum(self._nvme.values())
+            self._transfer(rec, name, "cpu", "nvme", data.nbytes, t0, t1)
+            if rec is not None:
+                rec.add("memory", "nvme", t1, t1, nbytes=on_disk)
+
+        return self._submit(name, job)
+
+    def read_nvme(self, name: str) -> Future[np.ndarray]:
+        """Read ``name``'s file into a new host array in the background (after any I/O on ``name``
+        submitted before); the future's result is the array, bit-exact as written."""
+        directory = self._need_dir()
+        path = self._path(name)
+        rec = trace.current()
+
+        def job() -> np.ndarray:
+            if name not in self._nvme:
+                raise KeyError(f"{name!r} has no NVMe file in {directory} (written: {sorted(self._nvme)})")
+            t0 = trace.now()
+            out = _read_file(path)
+            self._transfer(rec, name, "nvme", "cpu", out.nbytes, t0, trace.now())
+            return out
+
+        return self._submit(name, job)
+
+    def delete_nvme(self, name: str) -> Future[None]:
+        """Remove ``name``'s file in the background (after pending I/O on it)."""
+        path = self._path(name)
+        rec = trace.current()
+
+        def job() -> None:
+            _remove(path)
+            with self._lock:
+                self._nvme.pop(name, None)
+                on_disk = sum(self._nvme.values())
+            if rec is not None:
+                t = trace.now()
+                rec.add("memory", "nvme", t, t, nbytes=on_disk)
+
+        return self._submit(name, job)
+
+    def wait(self) -> None:
+        """Block until every submitted NVMe read and write has finished (errors stay on the futures)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for f in pending:
+            f.exception()
+
+    def close(self, delete: bool = True) -> None:
+        """Wait for pending I/O, stop the threads and (``delete``) remove this object's files, and the
+        directory if this object made it and it is now empty. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+        self._pool.shutdown(wait=True)
+        if self.nvme_dir is None:
+            return
+        mine = [self._path(n) for n in self._nvme] if delete else []
+        for fname in os.listdir(self.nvme_dir):  # temporaries a crash left behind
+            if fname.startswith(".") and f".npy.tmp{os.getpid()}-" in fname:
+                mine.append(os.path.join(self.nvme_dir, fname))
+        for path in mine:
+            _remove(path)
+        if delete:
+            self._nvme.clear()
+            if self._made_dir and not os.listdir(self.nvme_dir):
+                os.rmdir(self.nvme_dir)
+
+    def __enter__(self) -> Tiers:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(delete=exc_type is None)
+
+    def _submit(self, name: str, job: Any) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("Tiers is closed")
+        with self._lock:
+            prev = self._pending.get(name)
+
+            def run() -> Any:
+                if prev is not None:
+                    prev.exception()  # wait for the previous operation on this name; its error is its own
+                return job()
+
+            fut = self._pool.submit(run)
+            self._pending[name] = fut
+        return fut
+
+    def _need_dir(self) -> str:
+        if self.nvme_dir is None:
+            raise ValueError("this Tiers has no NVMe tier: pass nvme_dir to use write_nvme / read_nvme")
+        return self.nvme_dir
+
+    def _path(self, name: str) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]  # distinct names never share a file
+        return os.path.join(self._need_dir(), f"{safe}-{digest}.npy")
+
+    def _open_dir(self) -> None:
+        d = self.nvme_dir
+        assert d is not None
+        try:
+            if not os.path.isdir(d):
+                os.makedirs(d)
+                self._made_dir = True
+            probe = os.path.join(d, f".minipar-probe{os.getpid()}-{threading.get_ident()}")
+            with open(probe, "wb") as fh:
+                fh.write(b"0")
+            os.remove(probe)
+        except OSError as exc:
+            raise OSError(exc.errno, f"NVMe directory {d} is not writable: {exc.strerror or exc}") from exc
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
