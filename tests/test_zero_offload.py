@@ -1,0 +1,294 @@
+"""ZeRO-Offload (``minipar.parallel.offload``) on the budgeted device of ``minipar.tiers``.
+
+- float64: moves between tiers are copies, so offload trains to exactly ``ZeroDataParallel`` stage 2's
+  parameters (bit for bit, same buckets) and to one process's ``nn.GPT`` + ``AdamW`` on the global
+  batch within ``test_zero``'s tolerances (their reasoning is there).
+- mixed precision: one rank equals a single-process float16 / float32-master reference written here,
+  bit for bit (the same float16 sums in the same order); two ranks equal ``ZeroDataParallel`` in mixed
+  precision bit for bit (the same reduce-scatter, the same unscale and AdamW, only the place differs).
+- DPU: equal to a single-process delayed-update reference written here (the paper's rule, below).
+- bytes between tiers per step (the "transfer" trace events) equal the sizes by hand and
+  ``zero_offload_bytes``; the device's peak equals the need by hand and never exceeds the budget; a
+  budget one byte short raises ``DeviceOutOfMemory`` on every rank, same message, nothing sent.
+
+Sizes by hand (``zero_helpers.param_sizes``): GPT(vocab 5, seq 3, d 4, 2 heads, 2 layers) has
+548 parameters (test_zero's "one model by hand"). With one bucket on N = 2: 548 / 2 = 274 elements per
+rank, no padding; float64 items are 8 bytes, so 8 x 274 = 2192 bytes down (gradients) and 2192 up
+(parameters) per step, ``8 Psi / N`` each way; float16 items are 2 bytes: 548 each way. The device
+holds the parameters (548 items), one bucket of gradients (548) and one updated partition while it
+goes up (274): 8 x 1370 = 10960 bytes in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, padded, param_sizes, rows
+
+from minipar import launch, nn, trace
+from minipar.autograd import Tensor
+from minipar.cost.offload import zero_offload_bytes
+from minipar.optim import AdamW
+from minipar.parallel.offload import ZeroOffload, offload_device_need
+from minipar.parallel.zero import ZeroDataParallel
+from minipar.testing import run_each
+from minipar.tiers import DeviceOutOfMemory, NotOnDevice, Tiers
+
+PSI = 548  # parameters of config(...) by hand, above
+BIG_BUDGET = 1 << 30
+# test_zero's tolerances (reasoning there): parameters after 3 AdamW steps; entries whose step-0
+# gradient is below 1e-4 in size get 3e-8 (AdamW's slope lr / eps on rounding-level gradients)
+PARAM_TOL, SMALL_GRAD, SMALL_GRAD_TOL = {"rtol": 1e-10, "atol": 1e-11}, 1e-4, {"rtol": 0, "atol": 3e-8}
+
+
+def one_bucket(world: int, **kw) -> dict:
+    return config("offload", world, cap=1 << 20, **kw)
+
+
+def model_of(c: dict, precision: str) -> nn.GPT:
+    if precision == "mixed":
+        return nn.GPT(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], seed=c["seed"], dtype=np.float16)
+    return build(c)
+
+
+def offload_run(comm, c: dict, precision: str = "fp64", delayed: bool = False, warmup: int = 0,
+                budget: int = BIG_BUDGET) -> dict:
+    """This rank's final parameters (after ``flush``), the transfers of each step by direction, the
+    device's peak and its largest "device" memory sample."""
+    model = model_of(c, precision)
+    tiers = Tiers(budget)
+    off = ZeroOffload(model, comm, tiers, lr=LR, weight_decay=WEIGHT_DECAY, precision=precision,
+                      delayed_update=delayed, warmup_steps=warmup, bucket_cap_bytes=c["cap"])
+    per_step, samples = [], []
+    with trace.recording(comm.rank) as rec:
+        for i in range(c["steps"]):
+            start = len(rec.events)
+            x, y = batch(c, i)
+            off.backward(off.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]))
+            off.step()
+            per_step.append(transfers(rec.events[start:]))
+        start = len(rec.events)
+        off.flush()
+        flushed = transfers(rec.events[start:])
+        samples = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "device"]
+    final = model.state_dict()
+    off.close()
+    tiers.close()
+    return {"final": final, "per_step": per_step, "flushed": flushed, "peak": tiers.peak_device_bytes,
+            "max_sample": max(samples, default=0), "need": offload_device_need(model, comm.size, c["cap"]),
+            "skipped": off.skipped}
+
+
+def transfers(events: list) -> dict[str, int]:
+    out = {"device->cpu": 0, "cpu->device": 0}
+    for e in events:
+        if e.kind == "transfer":
+            out[f"{e.args['src']}->{e.args['dst']}"] += e.nbytes
+    return out
+
+
+def zero_run(comm, c: dict, precision: str = "fp64") -> dict:
+    """The same training with ``ZeroDataParallel`` stage 2, nothing offloaded."""
+    model = model_of(c, precision)
+    zero = ZeroDataParallel(model, comm, stage=2, lr=LR, weight_decay=WEIGHT_DECAY, precision=precision,
+                            bucket_cap_bytes=c["cap"])
+    for i in range(c["steps"]):
+        x, y = batch(c, i)
+        zero.backward(model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]))
+        zero.step()
+    return {"final": model.state_dict()}
+
+
+def reference(c: dict, delayed: bool = False, warmup: int = 0) -> dict:
+    """One process, float64 AdamW on the global batch. ``delayed``: the DPU rule of Ren et al. 2021,
+    Sec. 5.2, written out: steps 0 .. warmup-1 as usual; from step ``warmup`` on, the gradient of step
+    t (computed on the current parameters) is applied one step later, so step t + 1 computes on the
+    parameters from before it; ``flush`` (after the loop) applies the last one."""
+    model = build(c)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    pending, grads0 = None, None
+    for i in range(c["steps"]):
+        x, y = batch(c, i)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        grads = {n: p.grad.copy() for n, p in model.named_parameters()}
+        grads0 = grads0 or grads
+        if not delayed or i < warmup:
+            opt.step()
+            continue
+        if pending is not None:
+            apply(model, opt, pending)
+        pending = grads
+    if pending is not None:
+        apply(model, opt, pending)
+    return {"final": model.state_dict(), "grads0": grads0}
+
+
+def apply(model: nn.Module, opt: AdamW, grads: dict[str, np.ndarray]) -> None:
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    opt.step()
+
+
+def assert_close_to(ref: dict, final: dict) -> None:
+    assert final.keys() == ref["final"].keys()
+    for k, want in ref["final"].items():
+        small = np.abs(ref["grads0"][k]) < SMALL_GRAD
+        for part, tol in ((~small, PARAM_TOL), (small, SMALL_GRAD_TOL)):
+            np.testing.assert_allclose(final[k][part], want[part], err_msg=k, **tol)
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+# ---- float64: the parameters of training without offload ----------------------------------------
+@pytest.mark.parametrize("world,cap", [(1, 1 << 20), (2, 200), (3, 700)])
+def test_fp64_equals_zero_and_one_process(world: int, cap: int) -> None:
+    c = config("offload", world, cap=cap)
+    got = launch(offload_run, world, c=c)
+    want = launch(zero_run, world, c=c)
+    ref = reference(c)
+    for r in range(world):
+        assert_equal(got[r]["final"], want[r]["final"])  # moves are copies: bit for bit
+        assert_close_to(ref, got[r]["final"])
+
+
+# ---- bytes between tiers per step, and the device's peak ----------------------------------------
+def test_bytes_per_step_and_peak_by_hand() -> None:
+    assert sum(param_sizes(one_bucket(2)).values()) == PSI
+    for got in launch(offload_run, 2, c=one_bucket(2)):
+        # float64, 8-byte items: this rank's 274 gradients down and 274 parameters up, 8 Psi / N each way
+        assert got["per_step"] == [{"device->cpu": 8 * 274, "cpu->device": 8 * 274}] * 3
+        assert got["per_step"][0] == zero_offload_bytes(PSI, param_bytes=8, grad_bytes=8, dp=2)
+        assert got["flushed"] == {"device->cpu": 0, "cpu->device": 0}
+        assert got["need"]["total"] == 8 * (548 + 548 + 274) == 10960
+        assert got["peak"] == got["max_sample"] == 10960
+    for got in launch(offload_run, 2, c=one_bucket(2), precision="mixed"):  # float16: 2-byte items
+        assert got["per_step"] == [{"device->cpu": 2 * 274, "cpu->device": 2 * 274}] * 3
+        assert got["per_step"][0] == zero_offload_bytes(PSI, dp=2)  # the paper's 2 Psi / N each way
+        assert got["peak"] == 2 * 1370
+
+
+@pytest.mark.parametrize("world,cap", [(2, 200), (3, 700), (4, 300)])
+def test_padded_buckets_bytes_and_budget_exactly_the_need(world: int, cap: int) -> None:
+    """Many buckets, padded: bytes per step by the padded partitions; a budget of exactly the need
+    trains, the peak reaches it and never passes it."""
+    c = config("offload", world, cap=cap, steps=2)
+    need = launch(offload_run, world, c=c)[0]["need"]
+    got = launch(offload_run, world, c=c, budget=need["total"])
+    buckets = launch(lambda comm: [b.layout.numel for b in ZeroDataParallel(build(c), comm, bucket_cap_bytes=cap)
+                                   .buckets], world)[0]
+    assert sum(buckets) == PSI and len(buckets) > 1
+    shard = sum(padded(n, world) // world for n in buckets)
+    assert need == {"parameters": 8 * sum(padded(n, world) for n in buckets),
+                    "gradient bucket": 8 * max(padded(n, world) for n in buckets),
+                    "upload": 8 * max(padded(n, world) // world for n in buckets),
+                    "total": need["parameters"] + need["gradient bucket"] + need["upload"]}
+    for r in got:
+        assert r["per_step"] == [{"device->cpu": 8 * shard, "cpu->device": 8 * shard}] * 2
+        assert r["per_step"][0] == zero_offload_bytes(buckets, 8, 8, dp=world)
+        assert r["peak"] == r["max_sample"] == need["total"]
+
+
+def refused(comm, c: dict, budget: int) -> tuple[str, int]:
+    with trace.recording(comm.rank) as rec:
+        try:
+            ZeroOffload(build(c), comm, Tiers(budget), bucket_cap_bytes=c["cap"])
+            msg = "accepted"
+        except DeviceOutOfMemory as exc:
+            msg = str(exc)
+    return msg, len(rec.events)
+
+
+def test_too_small_budget_refused_on_every_rank() -> None:
+    c = one_bucket(2)
+    results = launch(refused, 2, c=c, budget=10959)
+    assert results[0] == results[1]
+    msg, events = results[0]
+    assert events == 0  # nothing placed, nothing sent
+    assert "budget 10959 bytes" in msg and "nothing resident" in msg
+    assert "parameters 4384, gradient bucket 4384, upload 2192" in msg
+    assert "the smallest budget that would have worked is 10960 bytes" in msg
+    # enough: the parameters' copy up (a transfer and a "device" sample), the gradient buffer's sample
+    assert launch(refused, 2, c=c, budget=10960)[0] == ("accepted", 3)
+
+
+def test_compute_only_on_device_resident_parameters() -> None:
+    def swapped(comm) -> str:
+        model = build(one_bucket(1))
+        off = ZeroOffload(model, comm, Tiers(BIG_BUDGET))
+        off.loss(*batch(one_bucket(1), 0))  # resident: fine
+        model.head.weight.data = model.head.weight.data.copy()  # a host copy slipped in
+        try:
+            off.loss(*batch(one_bucket(1), 0))
+        except NotOnDevice as exc:
+            return str(exc)
+        return "computed"
+
+    assert "is not resident on the device" in launch(swapped, 1)[0]
+
+
+# ---- mixed precision -----------------------------------------------------------------------------
+def mixed_reference(c: dict, scale: float = 2.0**12) -> dict:
+    """One process: float16 model, loss x S backward, float32 unscale, AdamW on a float32 master,
+    float16 copy back (no overflow in these steps)."""
+    model = model_of(c, "mixed")
+    params = model.parameters()
+    master = [Tensor(p.data.astype(np.float32)) for p in params]
+    opt = AdamW(master, lr=LR, weight_decay=WEIGHT_DECAY)
+    for i in range(c["steps"]):
+        x, y = batch(c, i)
+        (model.loss(x, y) * scale).backward()
+        for m, p in zip(master, params, strict=True):
+            m.grad = p.grad.astype(np.float32) / np.float32(scale)
+            p.grad = None
+        opt.step()
+        for m, p in zip(master, params, strict=True):
+            p.data[...] = m.data
+    return model.state_dict()
+
+
+def test_mixed_equals_same_precision_references() -> None:
+    c1 = one_bucket(1)
+    got = launch(offload_run, 1, c=c1, precision="mixed")[0]
+    assert got["skipped"] == 0
+    assert_equal(got["final"], mixed_reference(c1))
+    c2 = config("offload", 2, cap=200)
+    got2 = launch(offload_run, 2, c=c2, precision="mixed")
+    want2 = launch(zero_run, 2, c=c2, precision="mixed")
+    for g, w in zip(got2, want2, strict=True):
+        assert g["final"]["head.weight"].dtype == np.float16
+        assert_equal(g["final"], w["final"])
+
+
+# ---- DPU -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world,warmup", [(1, 0), (2, 1), (3, 0)])
+def test_delayed_update_equals_delayed_reference(world: int, warmup: int) -> None:
+    c = config("offload", world, cap=300, steps=4)
+    ref = reference(c, delayed=True, warmup=warmup)
+    plain = reference(c)
+    got = launch(offload_run, world, c=c, delayed=True, warmup=warmup)
+    for r in got:
+        assert_close_to(ref, r["final"])
+        # step ``warmup`` uploads nothing (its update is still running); flush uploads the last one
+        ups = [s["cpu->device"] for s in r["per_step"]]
+        assert ups[warmup] == 0 and ups[:warmup] + ups[warmup + 1:] == [r["per_step"][0]["device->cpu"]] * 3
+        assert r["flushed"]["cpu->device"] == r["per_step"][0]["device->cpu"]
+    assert any(not np.allclose(ref["final"][k], plain["final"][k]) for k in ref["final"])  # it is delayed
+
+
+# ---- mpiexec -------------------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_offload_under_mpiexec() -> None:
+    c = config("offload", 2, cap=300, steps=3)
+    plain, dpu = run_each(offload_run, 2, [{"c": c}, {"c": c, "delayed": True, "warmup": 1}], timeout=90,
+                          comm_timeout=30)
+    ref, delayed = reference(c), reference(c, delayed=True, warmup=1)
+    for r in plain:
+        assert_close_to(ref, r["final"])
+        assert r["peak"] <= r["need"]["total"]
+    for r in dpu:
+        assert_close_to(delayed, r["final"])
