@@ -5,6 +5,7 @@ cleaned up on close."""
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import time
 
@@ -206,7 +207,7 @@ def test_crash_mid_write_leaves_previous_file(tmp_path, monkeypatch):
                 fh.write(b"\x93NUMPY")
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr("minipar.tiers._write_file", half)
+        monkeypatch.setattr("minipar.tiers.nvme._write_file", half)
         with pytest.raises(OSError) as info:
             t.write_nvme("s", np.zeros(100)).result()
         assert info.value.errno == errno.ENOSPC
@@ -252,3 +253,49 @@ def test_transfer_events_survive_save_load_and_chrome(tmp_path):
     assert [(e.name, e.args["src"], e.args["dst"]) for e in loaded.select("transfer")] == [
         ("p", "cpu", "device"), ("p", "device", "cpu"), ("m", "cpu", "nvme")]
     trace.to_chrome(loaded, tmp_path / "c.json")
+
+
+@budget(15)
+@given(shape=st.lists(st.integers(0, 6), max_size=3),
+       dtype=st.sampled_from(["float16", "float32", "float64", "int8", "int64", "bool", "complex128"]),
+       seed=st.integers(0, 2**16), fortran=st.booleans())
+def test_nvme_round_trip_any_array(tmp_path_factory, shape, dtype, seed, fortran):
+    raw = np.random.default_rng(seed).integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                                               dtype=np.uint8)
+    a = raw.view(np.bool_ if dtype == "bool" else dtype).reshape(shape)  # every bit pattern, nan payloads too
+    if dtype == "bool":
+        a = a.astype(bool)
+    a = np.asfortranarray(a) if fortran else a
+    with Tiers(0, tmp_path_factory.mktemp("nv")) as t:
+        t.write_nvme("x", a)
+        out = t.read_nvme("x").result()
+    assert out.dtype == a.dtype and out.shape == a.shape
+    assert np.ascontiguousarray(out).tobytes() == np.ascontiguousarray(a).tobytes()
+
+
+def test_operations_on_one_name_run_in_order_and_finished_futures_are_dropped(tmp_path):
+    with Tiers(0, tmp_path, workers=4) as t:
+        for i in range(20):
+            t.write_nvme("w", np.full(1000, float(i)))
+        reads = [t.read_nvme("w") for _ in range(3)]
+        t.write_nvme("w", np.full(1000, -1.0))
+        assert [r.result()[0] for r in reads] == [19.0] * 3
+        assert t.read_nvme("w").result()[0] == -1.0
+        t.delete_nvme("w").result()
+        with pytest.raises(KeyError, match="'w' has no NVMe file"):
+            t.read_nvme("w").result()
+        t.wait()
+        deadline = time.monotonic() + 5  # a done-callback runs just after the future's waiters wake
+        while t._files._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert t.resident("nvme") == {} and t._files._pending == {}  # no finished result kept alive
+
+
+def test_files_removed_when_close_is_never_called(tmp_path):
+    d = tmp_path / "forgotten"
+    t = Tiers(0, d)
+    t.write_nvme("a", np.ones(10)).result()
+    assert len(os.listdir(d)) == 1
+    del t
+    gc.collect()
+    assert not d.exists()

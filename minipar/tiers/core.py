@@ -1,31 +1,9 @@
-"""Memory tiers: a budgeted device, host (CPU) memory and NVMe files, and every move between them.
-
-minipar has no accelerator, so the device is modelled, strictly: a pool with a byte budget. Placing
-an array there (``to_device``, ``adopt``, ``empty``) charges its bytes under a name; going past the
-budget raises ``DeviceOutOfMemory`` before anything is copied, naming the budget, what is resident
-and the smallest budget that would have worked. Compute may only touch device-resident arrays, and
-``require_device`` enforces it: the pool keeps the ids of its arrays (a view of one counts).
-``cpu`` is ordinary numpy memory. ``nvme`` is real files, one ``.npy`` per name under a directory,
-written to a temporary file and renamed into place (a crash mid-write leaves the previous file), by
-a thread pool so that disk reads and writes overlap compute (ZeRO-Infinity's prefetch and
-write-back; Rajbhandari et al. 2021, Sec. 6).
-
-Every move is a copy, recorded in the trace (when one is recording) as a ``transfer`` event: the
-tensor's name, ``nbytes``, measured ``t0``/``t1`` and ``args = {"src", "dst", "modelled_s"}`` with
-the time of the ``Bandwidth`` model (``minipar.cost.offload.transfer_seconds``) beside it. Each
-allocation or release on the device samples ``memory("device", bytes resident)``; each NVMe write
-or delete samples ``memory("nvme", bytes in files)`` (array bytes; the ``.npy`` header's ~128 bytes
-are not counted).
-"""
+"""The device pool and the ``Tiers`` object (see the package docstring); NVMe I/O is in ``nvme.py``."""
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import os
-import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +11,7 @@ import numpy as np
 
 from minipar import trace
 from minipar.cost.offload import transfer_seconds
+from minipar.tiers.nvme import NvmeFiles, OnDisk, OnMove
 
 
 class DeviceOutOfMemory(MemoryError):
@@ -74,19 +53,6 @@ class Bandwidth:
         return transfer_seconds(nbytes, src, dst, self)
 
 
-def _write_file(path: str, array: np.ndarray) -> None:
-    """Write ``array`` as ``.npy`` at ``path`` and flush it to the disk."""
-    with open(path, "wb") as fh:
-        np.save(fh, array, allow_pickle=False)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _read_file(path: str) -> np.ndarray:
-    with open(path, "rb") as fh:
-        return np.load(fh, allow_pickle=False)
-
-
 class Tiers:
     """One rank's memory tiers: a device pool of ``device_budget`` bytes, host memory, and NVMe files
     under ``nvme_dir`` (made if missing; its files removed by ``close``, the directory too if this
@@ -104,14 +70,8 @@ class Tiers:
         self._ids: set[int] = set()
         self.device_bytes = 0
         self.peak_device_bytes = 0
-        self._nvme: dict[str, int] = {}  # name -> array bytes in its file
-        self._pending: dict[str, Future[Any]] = {}  # the last I/O submitted per name
-        self._made_dir = False
-        self._closed = False
-        self.nvme_dir = None if nvme_dir is None else os.path.abspath(os.fspath(nvme_dir))
-        if self.nvme_dir is not None:
-            self._open_dir()
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minipar-nvme")
+        self._files = None if nvme_dir is None else NvmeFiles(nvme_dir, workers)
+        self.nvme_dir = None if self._files is None else self._files.directory
 
     # ---- device ----------------------------------------------------------------------------
 
@@ -207,8 +167,7 @@ class Tiers:
         if tier == "device":
             return {k: v.nbytes for k, v in self._device.items()}
         if tier == "nvme":
-            with self._lock:
-                return dict(self._nvme)
+            return {} if self._files is None else self._files.resident()
         raise ValueError(f"tier {tier!r}: resident() tracks 'device' and 'nvme' (cpu is ordinary numpy memory)")
 
     def _charge(self, name: str, nbytes: int) -> None:
@@ -241,97 +200,32 @@ class Tiers:
         change it at once; without, it must stay unchanged until the future completes. Operations on
         one name run in the order submitted. A failed write (full disk, crash) leaves the previous
         file intact and the future's exception names the directory and the bytes."""
-        directory = self._need_dir()
+        files = self._need_files()
         if self.on_device(array):
             raise NotOnDevice(f"{name!r}: write_nvme takes host arrays; copy it with to_cpu first")
         data = np.array(array, copy=True) if copy else np.asarray(array)
-        path = self._path(name)
         rec = trace.current()
-
-        def job() -> None:
-            t0 = trace.now()
-            tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}-{threading.get_ident()}")
-            try:
-                _write_file(tmp, data)
-                os.replace(tmp, path)
-            except OSError as exc:
-                _remove(tmp)
-                why = "disk full (ENOSPC)" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-                msg = f"NVMe write of {name!r} ({data.nbytes} bytes) to {directory} failed: {why}"
-                raise (OSError(exc.errno, msg) if exc.errno is not None else OSError(msg)) from exc
-            except BaseException:
-                _remove(tmp)
-                raise
-            t1 = trace.now()
-            with self._lock:
-                self._nvme[name] = data.nbytes
-                on_disk = sum(self._nvme.values())
-            self._transfer(rec, name, "cpu", "nvme", data.nbytes, t0, t1)
-            if rec is not None:
-                rec.add("memory", "nvme", t1, t1, nbytes=on_disk)
-
-        return self._submit(name, job)
+        return files.write(name, data, self._mover(rec), self._disk_sampler(rec), trace.now)
 
     def read_nvme(self, name: str) -> Future[np.ndarray]:
         """Read ``name``'s file into a new host array in the background (after any I/O on ``name``
         submitted before); the future's result is the array, bit-exact as written."""
-        directory = self._need_dir()
-        path = self._path(name)
-        rec = trace.current()
-
-        def job() -> np.ndarray:
-            if name not in self._nvme:
-                raise KeyError(f"{name!r} has no NVMe file in {directory} (written: {sorted(self._nvme)})")
-            t0 = trace.now()
-            out = _read_file(path)
-            self._transfer(rec, name, "nvme", "cpu", out.nbytes, t0, trace.now())
-            return out
-
-        return self._submit(name, job)
+        return self._need_files().read(name, self._mover(trace.current()), trace.now)
 
     def delete_nvme(self, name: str) -> Future[None]:
         """Remove ``name``'s file in the background (after pending I/O on it)."""
-        path = self._path(name)
-        rec = trace.current()
-
-        def job() -> None:
-            _remove(path)
-            with self._lock:
-                self._nvme.pop(name, None)
-                on_disk = sum(self._nvme.values())
-            if rec is not None:
-                t = trace.now()
-                rec.add("memory", "nvme", t, t, nbytes=on_disk)
-
-        return self._submit(name, job)
+        return self._need_files().delete(name, self._disk_sampler(trace.current()), trace.now)
 
     def wait(self) -> None:
         """Block until every submitted NVMe read and write has finished (errors stay on the futures)."""
-        with self._lock:
-            pending = list(self._pending.values())
-        for f in pending:
-            f.exception()
+        if self._files is not None:
+            self._files.wait()
 
     def close(self, delete: bool = True) -> None:
         """Wait for pending I/O, stop the threads and (``delete``) remove this object's files, and the
         directory if this object made it and it is now empty. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.wait()
-        self._pool.shutdown(wait=True)
-        if self.nvme_dir is None:
-            return
-        mine = [self._path(n) for n in self._nvme] if delete else []
-        for fname in os.listdir(self.nvme_dir):  # temporaries a crash left behind
-            if fname.startswith(".") and f".npy.tmp{os.getpid()}-" in fname:
-                mine.append(os.path.join(self.nvme_dir, fname))
-        for path in mine:
-            _remove(path)
-        if delete:
-            self._nvme.clear()
-            if self._made_dir and not os.listdir(self.nvme_dir):
-                os.rmdir(self.nvme_dir)
+        if self._files is not None:
+            self._files.close(delete)
 
     def __enter__(self) -> Tiers:
         return self
@@ -339,48 +233,20 @@ class Tiers:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(delete=exc_type is None)
 
-    def _submit(self, name: str, job: Any) -> Future[Any]:
-        if self._closed:
-            raise RuntimeError("Tiers is closed")
-        with self._lock:
-            prev = self._pending.get(name)
-
-            def run() -> Any:
-                if prev is not None:
-                    prev.exception()  # wait for the previous operation on this name; its error is its own
-                return job()
-
-            fut = self._pool.submit(run)
-            self._pending[name] = fut
-        return fut
-
-    def _need_dir(self) -> str:
-        if self.nvme_dir is None:
+    def _need_files(self) -> NvmeFiles:
+        if self._files is None:
             raise ValueError("this Tiers has no NVMe tier: pass nvme_dir to use write_nvme / read_nvme")
-        return self.nvme_dir
+        return self._files
 
-    def _path(self, name: str) -> str:
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
-        digest = hashlib.sha1(name.encode()).hexdigest()[:8]  # distinct names never share a file
-        return os.path.join(self._need_dir(), f"{safe}-{digest}.npy")
+    def _mover(self, rec: trace.Recorder | None) -> OnMove:
+        """Records a move on ``rec`` (captured on the caller's thread: the I/O threads have no recorder)."""
+        def on_move(name: str, src: str, dst: str, nbytes: int, t0: float, t1: float) -> None:
+            self._transfer(rec, name, src, dst, nbytes, t0, t1)
+        return on_move
 
-    def _open_dir(self) -> None:
-        d = self.nvme_dir
-        assert d is not None
-        try:
-            if not os.path.isdir(d):
-                os.makedirs(d)
-                self._made_dir = True
-            probe = os.path.join(d, f".minipar-probe{os.getpid()}-{threading.get_ident()}")
-            with open(probe, "wb") as fh:
-                fh.write(b"0")
-            os.remove(probe)
-        except OSError as exc:
-            raise OSError(exc.errno, f"NVMe directory {d} is not writable: {exc.strerror or exc}") from exc
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+    @staticmethod
+    def _disk_sampler(rec: trace.Recorder | None) -> OnDisk:
+        def on_disk(nbytes: int, t: float) -> None:
+            if rec is not None:
+                rec.add("memory", "nvme", t, t, nbytes=int(nbytes))
+        return on_disk
