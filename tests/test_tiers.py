@@ -114,6 +114,8 @@ def test_require_device_rejects_host_and_freed_arrays():
     with pytest.raises(NotOnDevice):
         t.require_device(w)
     t.require_device(g)
+    with pytest.raises(ValueError, match="already device memory"):
+        t.adopt("g again", g[1:])
 
 
 def test_transfer_events_bytes_direction_and_modelled_time(tmp_path):

@@ -76,10 +76,11 @@ class Tiers:
     # ---- device ----------------------------------------------------------------------------
 
     def to_device(self, name: str, array: np.ndarray) -> np.ndarray:
-        """Copy host ``array`` to the device under ``name`` and return the device copy. If ``name``
+        """Copy ``array`` to the device under ``name`` and return the device copy. If ``name``
         is resident with the same shape and dtype, its buffer is overwritten in place (no new
         allocation); a different shape or dtype must be ``free``d first."""
         array = np.asarray(array)
+        src = "device" if self.on_device(array) else "cpu"  # a device-to-device copy is free in the model
         rec = trace.current()
         old = self._device.get(name)
         t0 = trace.now()
@@ -93,7 +94,7 @@ class Tiers:
             self._charge(name, array.nbytes)
             dev = np.array(array, copy=True, order="C")
             self._place(name, dev, rec)
-        self._transfer(rec, name, "cpu", "device", array.nbytes, t0, trace.now())
+        self._transfer(rec, name, src, "device", array.nbytes, t0, trace.now())
         return dev
 
     def adopt(self, name: str, array: np.ndarray) -> np.ndarray:
@@ -101,6 +102,9 @@ class Tiers:
         pool under ``name`` without copying it; returns it, now device-resident."""
         if name in self._device:
             raise ValueError(f"{name!r} is already resident on the device; free it first")
+        if self.on_device(array):
+            raise ValueError(f"{name!r}: this array is already device memory (or a view of it); adopting it "
+                             "would count its bytes twice")
         self._charge(name, array.nbytes)
         self._place(name, array, trace.current())
         return array
