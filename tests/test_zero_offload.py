@@ -21,8 +21,13 @@ goes up (274): 8 x 1370 = 10960 bytes in float64.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import budget, zero_configs
 from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, padded, param_sizes, rows
 
 from minipar import launch, nn, trace
@@ -52,9 +57,10 @@ def model_of(c: dict, precision: str) -> nn.GPT:
 
 
 def offload_run(comm, c: dict, precision: str = "fp64", delayed: bool = False, warmup: int = 0,
-                budget: int = BIG_BUDGET) -> dict:
+                budget: int = BIG_BUDGET, poison_at: int | None = None) -> dict:
     """This rank's final parameters (after ``flush``), the transfers of each step by direction, the
-    device's peak and its largest "device" memory sample."""
+    device's peak and its largest "device" memory sample. ``poison_at``: rank N-1's loss is infinite
+    at that step (mixed precision: its float16 gradients overflow)."""
     model = model_of(c, precision)
     tiers = Tiers(budget)
     off = ZeroOffload(model, comm, tiers, lr=LR, weight_decay=WEIGHT_DECAY, precision=precision,
@@ -64,7 +70,7 @@ def offload_run(comm, c: dict, precision: str = "fp64", delayed: bool = False, w
         for i in range(c["steps"]):
             start = len(rec.events)
             x, y = batch(c, i)
-            off.backward(off.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]))
+            off.backward(poisoned(comm, off.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]), i, poison_at))
             off.step()
             per_step.append(transfers(rec.events[start:]))
         start = len(rec.events)
@@ -76,7 +82,11 @@ def offload_run(comm, c: dict, precision: str = "fp64", delayed: bool = False, w
     tiers.close()
     return {"final": final, "per_step": per_step, "flushed": flushed, "peak": tiers.peak_device_bytes,
             "max_sample": max(samples, default=0), "need": offload_device_need(model, comm.size, c["cap"]),
-            "skipped": off.skipped}
+            "skipped": off.skipped, "loss_scale": off.loss_scale, "numels": [b.layout.numel for b in off.buckets]}
+
+
+def poisoned(comm, loss: Tensor, step: int, poison_at: int | None) -> Tensor:
+    return loss * np.float16(np.inf) if step == poison_at and comm.rank == comm.size - 1 else loss
 
 
 def transfers(events: list) -> dict[str, int]:
@@ -87,16 +97,16 @@ def transfers(events: list) -> dict[str, int]:
     return out
 
 
-def zero_run(comm, c: dict, precision: str = "fp64") -> dict:
+def zero_run(comm, c: dict, precision: str = "fp64", poison_at: int | None = None) -> dict:
     """The same training with ``ZeroDataParallel`` stage 2, nothing offloaded."""
     model = model_of(c, precision)
     zero = ZeroDataParallel(model, comm, stage=2, lr=LR, weight_decay=WEIGHT_DECAY, precision=precision,
                             bucket_cap_bytes=c["cap"])
     for i in range(c["steps"]):
         x, y = batch(c, i)
-        zero.backward(model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]))
+        zero.backward(poisoned(comm, model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]), i, poison_at))
         zero.step()
-    return {"final": model.state_dict()}
+    return {"final": model.state_dict(), "skipped": zero.optimizer.skipped, "loss_scale": zero.optimizer.loss_scale}
 
 
 def reference(c: dict, delayed: bool = False, warmup: int = 0) -> dict:
@@ -156,6 +166,41 @@ def test_fp64_equals_zero_and_one_process(world: int, cap: int) -> None:
         assert_close_to(ref, got[r]["final"])
 
 
+@st.composite
+def offload_configs(draw: st.DrawFn) -> dict:
+    """``strategies.zero_configs`` (N 1-4, tiny GPTs, bucket caps, padding) run with ZeRO-Offload, with
+    or without DPU (0-1 warm-up steps), on a device budget of the need plus 0-64 bytes of slack."""
+    c = {**draw(zero_configs()), "mode": "offload"}
+    c["cap"] = draw(st.sampled_from([200, 700, 2000, 1 << 20]))
+    return {**c, "delayed": draw(st.booleans()), "warmup": draw(st.integers(0, 1)), "slack": draw(st.integers(0, 64))}
+
+
+@budget(12)
+@given(c=offload_configs())
+@example(c={**config("offload", 3, cap=200), "delayed": False, "warmup": 0, "slack": 0})
+@example(c={**config("offload", 4, cap=700, d=3, heads=1), "delayed": True, "warmup": 1, "slack": 0})
+def test_offload_property_threads(c: dict) -> None:
+    """Plain: bit-equal to ``ZeroDataParallel``; DPU: the delayed reference. Every step moves this rank's
+    padded partitions down and up (``zero_offload_bytes`` of the buckets, 8-byte items); the device's
+    peak is the need and within the budget."""
+    n = c["world"]
+    need = launch(refused, n, c=c, budget=BIG_BUDGET)[0][2]  # parameters + gradient bucket
+    full = offload_device_need(build(c), n, c["cap"])
+    assert need == full["parameters"] + full["gradient bucket"]
+    got = launch(offload_run, n, c=c, delayed=c["delayed"], warmup=c["warmup"], budget=full["total"] + c["slack"])
+    want = reference(c, delayed=True, warmup=c["warmup"]) if c["delayed"] else launch(zero_run, n, c=c)
+    moved = zero_offload_bytes(got[0]["numels"], 8, 8, dp=n)
+    for r, g in enumerate(got):
+        if c["delayed"]:
+            assert_close_to(want, g["final"])
+        else:
+            assert_equal(g["final"], want[r]["final"])
+        assert all(s["device->cpu"] == moved["device->cpu"] for s in g["per_step"])
+        ups = [s["cpu->device"] for s in g["per_step"]] + [g["flushed"]["cpu->device"]]
+        assert sum(ups) == c["steps"] * moved["cpu->device"] and set(ups) <= {0, moved["cpu->device"]}
+        assert g["peak"] == g["max_sample"] == full["total"] <= full["total"] + c["slack"]
+
+
 # ---- bytes between tiers per step, and the device's peak ----------------------------------------
 def test_bytes_per_step_and_peak_by_hand() -> None:
     assert sum(param_sizes(one_bucket(2)).values()) == PSI
@@ -193,27 +238,29 @@ def test_padded_buckets_bytes_and_budget_exactly_the_need(world: int, cap: int) 
         assert r["peak"] == r["max_sample"] == need["total"]
 
 
-def refused(comm, c: dict, budget: int) -> tuple[str, int]:
+def refused(comm, c: dict, budget: int) -> tuple[str, int, int]:
+    """The message (or "accepted"), the messages sent and the bytes placed on the device."""
+    tiers = Tiers(budget)
     with trace.recording(comm.rank) as rec:
         try:
-            ZeroOffload(build(c), comm, Tiers(budget), bucket_cap_bytes=c["cap"])
+            ZeroOffload(build(c), comm, tiers, bucket_cap_bytes=c["cap"])
             msg = "accepted"
         except DeviceOutOfMemory as exc:
             msg = str(exc)
-    return msg, len(rec.events)
+    return msg, sum(e.kind == "comm" for e in rec.events), tiers.device_bytes
 
 
 def test_too_small_budget_refused_on_every_rank() -> None:
     c = one_bucket(2)
     results = launch(refused, 2, c=c, budget=10959)
     assert results[0] == results[1]
-    msg, events = results[0]
-    assert events == 0  # nothing placed, nothing sent
+    msg, sent, placed = results[0]
+    assert sent == placed == 0  # nothing sent, nothing placed
     assert "budget 10959 bytes" in msg and "nothing resident" in msg
     assert "parameters 4384, gradient bucket 4384, upload 2192" in msg
     assert "the smallest budget that would have worked is 10960 bytes" in msg
-    # enough: the parameters' copy up (a transfer and a "device" sample), the gradient buffer's sample
-    assert launch(refused, 2, c=c, budget=10960)[0] == ("accepted", 3)
+    # enough: the parameters and the gradient bucket placed (the upload's room stays free until a step)
+    assert launch(refused, 2, c=c, budget=10960)[0] == ("accepted", 0, 8 * (548 + 548))
 
 
 def test_compute_only_on_device_resident_parameters() -> None:
@@ -264,6 +311,17 @@ def test_mixed_equals_same_precision_references() -> None:
         assert_equal(g["final"], w["final"])
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_mixed_overflow_on_one_rank_skips_the_step_everywhere() -> None:
+    c = config("offload", 2, cap=200)
+    got, want = launch(offload_run, 2, c=c, precision="mixed", poison_at=1), launch(
+        zero_run, 2, c=c, precision="mixed", poison_at=1)
+    for g, w in zip(got, want, strict=True):
+        assert (g["skipped"], g["loss_scale"]) == (w["skipped"], w["loss_scale"]) == (1, 2.0**11)
+        assert_equal(g["final"], w["final"])
+        assert g["per_step"][1]["cpu->device"] == 0  # the skipped step copies nothing up
+
+
 # ---- DPU -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world,warmup", [(1, 0), (2, 1), (3, 0)])
 def test_delayed_update_equals_delayed_reference(world: int, warmup: int) -> None:
@@ -278,6 +336,38 @@ def test_delayed_update_equals_delayed_reference(world: int, warmup: int) -> Non
         assert ups[warmup] == 0 and ups[:warmup] + ups[warmup + 1:] == [r["per_step"][0]["device->cpu"]] * 3
         assert r["flushed"]["cpu->device"] == r["per_step"][0]["device->cpu"]
     assert any(not np.allclose(ref["final"][k], plain["final"][k]) for k in ref["final"])  # it is delayed
+
+
+def test_delayed_update_overlaps_the_next_iteration() -> None:
+    """The CPU AdamW of step 0 cannot finish until step 1's forward has run (it waits for it): with DPU
+    ``step()`` returns at once and the next forward runs beside it, on the parameters from before it."""
+    c = config("offload", 1, steps=2)
+
+    def overlapped(comm) -> list:
+        model = build(c)
+        initial = model.state_dict()
+        off = ZeroOffload(model, comm, Tiers(BIG_BUDGET), delayed_update=True)
+        forward_ran, step = threading.Event(), off.adam.step
+
+        def slow() -> None:
+            if not forward_ran.wait(20):
+                raise TimeoutError("the CPU step waited for a forward that never came")
+            step()
+
+        off.adam.step = slow
+        seen = []
+        for i in range(2):
+            loss = off.loss(*batch(c, i))
+            seen.append(model.state_dict())
+            if i == 1:
+                forward_ran.set()
+            off.backward(loss)
+            off.step()
+        off.close()
+        return [initial, *seen]
+
+    initial, first, second = launch(overlapped, 1, timeout=30)[0]
+    assert_equal(first, initial) and assert_equal(second, initial)  # step 1 computed on w_0: delayed
 
 
 # ---- mpiexec -------------------------------------------------------------------------------------
