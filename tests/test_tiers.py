@@ -244,6 +244,11 @@ def test_unwritable_directory_and_no_directory(tmp_path):
         Tiers(0, bad)
     with Tiers(0) as t, pytest.raises(ValueError, match="no NVMe tier"):
         t.write_nvme("x", np.ones(1))
+    gone = tmp_path / "gone"
+    with Tiers(0, gone) as t:
+        os.rmdir(gone)  # the directory disappears after it was checked
+        with pytest.raises(OSError, match=f"NVMe write of 'x' \\(8 bytes\\) to {gone} failed: No such file"):
+            t.write_nvme("x", np.ones(1)).result()
 
 
 def test_transfer_events_survive_save_load_and_chrome(tmp_path):

@@ -174,7 +174,8 @@ class NvmeFiles:
         self.closed = True
         self.wait()
         self._pool.shutdown(wait=True)
-        for fname in os.listdir(self.directory):  # temporaries of this process a crash left behind
+        left = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+        for fname in left:  # temporaries of this process a crash left behind
             if fname.startswith(".") and f".npy.tmp{os.getpid()}-" in fname:
                 _remove(os.path.join(self.directory, fname))
         if delete:
