@@ -77,11 +77,13 @@ def offload_run(comm, c: dict, precision: str = "fp64", delayed: bool = False, w
         off.flush()
         flushed = transfers(rec.events[start:])
         samples = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "device"]
+        cpu = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "cpu"]
     final = model.state_dict()
     off.close()
     tiers.close()
     return {"final": final, "per_step": per_step, "flushed": flushed, "peak": tiers.peak_device_bytes,
-            "max_sample": max(samples, default=0), "need": offload_device_need(model, comm.size, c["cap"]),
+            "max_sample": max(samples, default=0), "cpu": (max(cpu), cpu[-1]),
+            "need": offload_device_need(model, comm.size, c["cap"]),
             "skipped": off.skipped, "loss_scale": off.loss_scale, "numels": [b.layout.numel for b in off.buckets]}
 
 
@@ -211,10 +213,13 @@ def test_bytes_per_step_and_peak_by_hand() -> None:
         assert got["flushed"] == {"device->cpu": 0, "cpu->device": 0}
         assert got["need"]["total"] == 8 * (548 + 548 + 274) == 10960
         assert got["peak"] == got["max_sample"] == 10960
+        # cpu: 274 gradients (8 B), master (8 B) and AdamW's m, v (16 B) after backward; no gradients after
+        assert got["cpu"] == (32 * 274, 24 * 274)
     for got in launch(offload_run, 2, c=one_bucket(2), precision="mixed"):  # float16: 2-byte items
         assert got["per_step"] == [{"device->cpu": 2 * 274, "cpu->device": 2 * 274}] * 3
         assert got["per_step"][0] == zero_offload_bytes(PSI, dp=2)  # the paper's 2 Psi / N each way
         assert got["peak"] == 2 * 1370
+        assert got["cpu"] == ((2 + 4 + 8) * 274, (4 + 8) * 274)  # float16 gradients, float32 master, m, v
 
 
 @pytest.mark.parametrize("world,cap", [(2, 200), (3, 700), (4, 300)])
@@ -279,22 +284,36 @@ def test_compute_only_on_device_resident_parameters() -> None:
 
 
 # ---- mixed precision -----------------------------------------------------------------------------
-def mixed_reference(c: dict, scale: float = 2.0**12) -> dict:
+def mixed_reference(c: dict, delayed: bool = False, warmup: int = 0, scale: float = 2.0**12) -> dict:
     """One process: float16 model, loss x S backward, float32 unscale, AdamW on a float32 master,
-    float16 copy back (no overflow in these steps)."""
+    float16 copy back (no overflow in these steps); ``delayed`` as in ``reference``."""
     model = model_of(c, "mixed")
     params = model.parameters()
     master = [Tensor(p.data.astype(np.float32)) for p in params]
     opt = AdamW(master, lr=LR, weight_decay=WEIGHT_DECAY)
-    for i in range(c["steps"]):
-        x, y = batch(c, i)
-        (model.loss(x, y) * scale).backward()
-        for m, p in zip(master, params, strict=True):
-            m.grad = p.grad.astype(np.float32) / np.float32(scale)
-            p.grad = None
+
+    def apply(grads: list[np.ndarray]) -> None:
+        for m, g in zip(master, grads, strict=True):
+            m.grad = g
         opt.step()
         for m, p in zip(master, params, strict=True):
             p.data[...] = m.data
+
+    pending = None
+    for i in range(c["steps"]):
+        x, y = batch(c, i)
+        (model.loss(x, y) * scale).backward()
+        grads = [p.grad.astype(np.float32) / np.float32(scale) for p in params]
+        for p in params:
+            p.grad = None
+        if not delayed or i < warmup:
+            apply(grads)
+            continue
+        if pending is not None:
+            apply(pending)
+        pending = grads
+    if pending is not None:
+        apply(pending)
     return model.state_dict()
 
 
@@ -303,6 +322,10 @@ def test_mixed_equals_same_precision_references() -> None:
     got = launch(offload_run, 1, c=c1, precision="mixed")[0]
     assert got["skipped"] == 0
     assert_equal(got["final"], mixed_reference(c1))
+    for warmup in (0, 1):  # DPU in mixed precision: the delayed float16 / float32 reference, bit for bit
+        c4 = one_bucket(1, steps=4)
+        dpu = launch(offload_run, 1, c=c4, precision="mixed", delayed=True, warmup=warmup)[0]
+        assert_equal(dpu["final"], mixed_reference(c4, delayed=True, warmup=warmup))
     c2 = config("offload", 2, cap=200)
     got2 = launch(offload_run, 2, c=c2, precision="mixed")
     want2 = launch(zero_run, 2, c=c2, precision="mixed")

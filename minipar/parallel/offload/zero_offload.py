@@ -8,8 +8,9 @@ Where every byte lives (per rank, N ranks, Psi parameters; the paper's Fig. 2 da
              fp64 in "fp64"; the model's parameters are views of it)              sum L   items
              one bucket's gradient buffer, reused bucket after bucket              max L   items
              one updated partition on its way up (freed at once)                  max L/N items
-    cpu      this rank's partition of the gradients, of the master parameters (fp32; fp64 in
-             "fp64") and of AdamW's two moments                                    3 sum L/N items
+    cpu      this rank's partition of the gradients (working precision), of the master
+             parameters (fp32; fp64 in "fp64") and of AdamW's two moments (master precision)
+                                                                                   4 sum L/N items
 
 Per step: backward fills the gradient buffer bucket by bucket (as ``ZeroDataParallel`` stage 2, in
 reverse order); as soon as a bucket's gradients are complete they are divided by N, reduce-scattered
@@ -41,6 +42,10 @@ copy between tiers is a recorded transfer. The budget is checked before anything
 ``offload_device_need`` it raises ``DeviceOutOfMemory`` on every rank with the same message, before
 any communication. Not charged (kept out of the model as in ``ZeroDataParallel``): autograd's own
 gradient arrays and activations while backward runs, and the collectives' temporaries.
+
+Trace: spans "F", "B", "opt" and "cpu adam" (the CPU AdamW, ``args.delayed`` with DPU: timed on the
+background thread, so it lies beside the next "F" and "B"); the tiers' "transfer" events and "device"
+memory samples; a "cpu" memory sample (``state_bytes``' cpu entries) after every change of them.
 """
 
 from __future__ import annotations
@@ -136,6 +141,7 @@ class ZeroOffload:
             p.register_hook(self._on_grad_ready)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam") if delayed_update else None
         self._pending: Future | None = None
+        self._sample()
 
     @staticmethod
     def _check_budget(module: Module, comm: Communicator, tiers: Tiers, bucket_cap_bytes: int) -> None:
@@ -173,6 +179,7 @@ class ZeroOffload:
                 self.buckets[self._next].params):
             self._offload(self.buckets[self._next])
             self._next += 1
+            self._sample()
 
     def _offload(self, b: OffloadBucket) -> None:
         """The bucket's gradients into the device buffer, / N, reduce-scattered; this rank's partition
@@ -197,6 +204,7 @@ class ZeroOffload:
             for b in self.buckets[self._next:]:
                 self._offload(b)
             self._next = 0
+        self._sample()
 
     # ---- the CPU step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -214,6 +222,7 @@ class ZeroOffload:
                 if grads is not None:
                     self._pending = self._pool.submit(self._update, grads)
             self.steps += 1
+        self._sample()
         return grads is not None
 
     def _cpu_grads(self) -> list[np.ndarray] | None:
@@ -273,6 +282,7 @@ class ZeroOffload:
         """Wait for the pending delayed update and copy it up (every gradient so far then applied)."""
         with trace.span("opt"):
             self._finish_pending()
+        self._sample()
 
     def close(self) -> None:
         """Finish the pending update, stop the background thread, free this wrapper's device arrays."""
@@ -283,10 +293,18 @@ class ZeroOffload:
         for name in [f"parameters/bucket{b.index}" for b in self.buckets] + ["gradient bucket"]:
             self.tiers.free(name)
 
+    def _sample(self) -> None:
+        """A "cpu" memory sample: this rank's bytes in host memory now (the device samples itself)."""
+        if trace.current() is not None:
+            trace.memory("cpu", sum(v for k, v in self.state_bytes().items() if k.startswith("cpu")))
+
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now, by tier and kind."""
-        pending = sum(b.cpu_grad.nbytes for b in self.buckets if b.cpu_grad is not None)
+        """Bytes this rank holds now, by tier and kind. AdamW's two moments exist from the first update
+        on; while a delayed update runs (which may be creating them) they are not read but counted as
+        that update leaves them, two arrays of the master's shape and dtype."""
+        master = sum(b.master.data.nbytes for b in self.buckets)
         return {"device parameters": sum(b.flat.nbytes for b in self.buckets),
-                "device gradient bucket": self.grad_buffer.nbytes, "cpu gradients": pending,
-                "cpu master parameters": sum(b.master.data.nbytes for b in self.buckets),
-                "cpu optimizer state": self.adam.state_bytes()}
+                "device gradient bucket": self.grad_buffer.nbytes,
+                "cpu gradients": sum(b.cpu_grad.nbytes for b in self.buckets if b.cpu_grad is not None),
+                "cpu master parameters": master,
+                "cpu optimizer state": self.adam.state_bytes() if self._pending is None else 2 * master}
