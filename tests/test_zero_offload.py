@@ -183,16 +183,20 @@ def offload_configs(draw: st.DrawFn) -> dict:
 @example(c={**config("offload", 4, cap=700, d=3, heads=1), "delayed": True, "warmup": 1, "slack": 0})
 def test_offload_property_threads(c: dict) -> None:
     """Plain: bit-equal to ``ZeroDataParallel``; DPU: the delayed reference. Every step moves this rank's
-    padded partitions down and up (``zero_offload_bytes`` of the buckets, 8-byte items); the device's
-    peak is the need and within the budget."""
-    n = c["world"]
-    need = launch(refused, n, c=c, budget=BIG_BUDGET)[0][2]  # parameters + gradient bucket
-    full = offload_device_need(build(c), n, c["cap"])
-    assert need == full["parameters"] + full["gradient bucket"]
-    got = launch(offload_run, n, c=c, delayed=c["delayed"], warmup=c["warmup"], budget=full["total"] + c["slack"])
+    padded partitions down and up (8-byte items: 8 sum L/N each way, and ``zero_offload_bytes``); the
+    device holds the padded parameters, the largest bucket's gradients and, during the step, the
+    largest partition on its way up: on a budget of exactly that (plus slack) the peak is exactly that."""
+    n, numels = c["world"], launch(refused, c["world"], c=c, budget=BIG_BUDGET)[0][3]
+    assert sum(numels) == sum(param_sizes(c).values())  # every parameter in one bucket
+    pads = [padded(m, n) for m in numels]
+    need = {"parameters": 8 * sum(pads), "gradient bucket": 8 * max(pads), "upload": 8 * max(pads) // n}
+    need["total"] = sum(need.values())
+    got = launch(offload_run, n, c=c, delayed=c["delayed"], warmup=c["warmup"], budget=need["total"] + c["slack"])
     want = reference(c, delayed=True, warmup=c["warmup"]) if c["delayed"] else launch(zero_run, n, c=c)
-    moved = zero_offload_bytes(got[0]["numels"], 8, 8, dp=n)
+    moved = {"device->cpu": 8 * sum(pads) // n, "cpu->device": 8 * sum(pads) // n}
+    assert moved == zero_offload_bytes(numels, 8, 8, dp=n)
     for r, g in enumerate(got):
+        assert g["numels"] == numels and g["need"] == need
         if c["delayed"]:
             assert_close_to(want, g["final"])
         else:
@@ -200,7 +204,7 @@ def test_offload_property_threads(c: dict) -> None:
         assert all(s["device->cpu"] == moved["device->cpu"] for s in g["per_step"])
         ups = [s["cpu->device"] for s in g["per_step"]] + [g["flushed"]["cpu->device"]]
         assert sum(ups) == c["steps"] * moved["cpu->device"] and set(ups) <= {0, moved["cpu->device"]}
-        assert g["peak"] == g["max_sample"] == full["total"] <= full["total"] + c["slack"]
+        assert g["peak"] == g["max_sample"] == need["total"]
 
 
 # ---- bytes between tiers per step, and the device's peak ----------------------------------------
@@ -222,50 +226,30 @@ def test_bytes_per_step_and_peak_by_hand() -> None:
         assert got["cpu"] == ((2 + 4 + 8) * 274, (4 + 8) * 274)  # float16 gradients, float32 master, m, v
 
 
-@pytest.mark.parametrize("world,cap", [(2, 200), (3, 700), (4, 300)])
-def test_padded_buckets_bytes_and_budget_exactly_the_need(world: int, cap: int) -> None:
-    """Many buckets, padded: bytes per step by the padded partitions; a budget of exactly the need
-    trains, the peak reaches it and never passes it."""
-    c = config("offload", world, cap=cap, steps=2)
-    need = launch(offload_run, world, c=c)[0]["need"]
-    got = launch(offload_run, world, c=c, budget=need["total"])
-    buckets = launch(lambda comm: [b.layout.numel for b in ZeroDataParallel(build(c), comm, bucket_cap_bytes=cap)
-                                   .buckets], world)[0]
-    assert sum(buckets) == PSI and len(buckets) > 1
-    shard = sum(padded(n, world) // world for n in buckets)
-    assert need == {"parameters": 8 * sum(padded(n, world) for n in buckets),
-                    "gradient bucket": 8 * max(padded(n, world) for n in buckets),
-                    "upload": 8 * max(padded(n, world) // world for n in buckets),
-                    "total": need["parameters"] + need["gradient bucket"] + need["upload"]}
-    for r in got:
-        assert r["per_step"] == [{"device->cpu": 8 * shard, "cpu->device": 8 * shard}] * 2
-        assert r["per_step"][0] == zero_offload_bytes(buckets, 8, 8, dp=world)
-        assert r["peak"] == r["max_sample"] == need["total"]
-
-
-def refused(comm, c: dict, budget: int) -> tuple[str, int, int]:
-    """The message (or "accepted"), the messages sent and the bytes placed on the device."""
-    tiers = Tiers(budget)
+def refused(comm, c: dict, budget: int) -> tuple[str, int, int, list[int]]:
+    """The message (or "accepted"), the messages sent, the bytes placed on the device, the buckets' sizes."""
+    tiers, off = Tiers(budget), None
     with trace.recording(comm.rank) as rec:
         try:
-            ZeroOffload(build(c), comm, tiers, bucket_cap_bytes=c["cap"])
+            off = ZeroOffload(build(c), comm, tiers, bucket_cap_bytes=c["cap"])
             msg = "accepted"
         except DeviceOutOfMemory as exc:
             msg = str(exc)
-    return msg, sum(e.kind == "comm" for e in rec.events), tiers.device_bytes
+    return msg, sum(e.kind == "comm" for e in rec.events), tiers.device_bytes, [
+        b.layout.numel for b in off.buckets] if off else []
 
 
 def test_too_small_budget_refused_on_every_rank() -> None:
     c = one_bucket(2)
     results = launch(refused, 2, c=c, budget=10959)
     assert results[0] == results[1]
-    msg, sent, placed = results[0]
+    msg, sent, placed, _ = results[0]
     assert sent == placed == 0  # nothing sent, nothing placed
     assert "budget 10959 bytes" in msg and "nothing resident" in msg
     assert "parameters 4384, gradient bucket 4384, upload 2192" in msg
     assert "the smallest budget that would have worked is 10960 bytes" in msg
     # enough: the parameters and the gradient bucket placed (the upload's room stays free until a step)
-    assert launch(refused, 2, c=c, budget=10960)[0] == ("accepted", 0, 8 * (548 + 548))
+    assert launch(refused, 2, c=c, budget=10960)[0] == ("accepted", 0, 8 * (548 + 548), [548])
 
 
 def test_compute_only_on_device_resident_parameters() -> None:
