@@ -2,7 +2,7 @@
 and 5): the parameters and forward/backward on the device, the gradients, the master parameters, the
 Adam moments and the optimizer step on the CPU, on top of ZeRO stage 2 across ranks.
 
-Where every byte lives (per rank, N ranks, Psi parameters; the paper's Fig. 2 data flow)::
+Where every byte lives (per rank, N ranks, Psi parameters; the paper's placement, Sec. 3-4)::
 
     device   working parameters, every bucket as one flat padded buffer (fp16 in "mixed",
              fp64 in "fp64"; the model's parameters are views of it)              sum L   items
@@ -23,16 +23,16 @@ padded partitions once each way, ``sum L/N x itemsize`` down and the same up (mi
 the paper's "2 Psi of fp16 gradients down, 2 Psi of fp16 parameters up", divided by N under ZeRO-2;
 ``minipar.cost.offload.zero_offload_bytes``).
 
-One-step delayed parameter update (DPU, Sec. 5.2): "the first N - 1 steps are trained without DPU
-... On step N, we obtain the gradient from the GPU, but we skip the CPU optimizer step, and do not
-update the fp16 parameters on the GPU either. At step N + 1, we compute the parameter updates on the
-CPU using gradients from step N, while computing the forward and backward pass on the GPU in
-parallel using parameters updated at step N - 1. From this step onwards, the model at (i + 1)th step
-will be trained using the parameters updated with gradients from (i - 1)th step". Here
-``warmup_steps`` is the paper's N - 1. From step ``warmup_steps`` (counting from 0) on, ``step()``
-first waits for the previous step's CPU update, copies it up and all-gathers it, then starts this
-step's CPU update on a background thread and returns: the next forward/backward runs beside it, on
-the parameters from before it. Every gradient is applied exactly once, in order; the last one is
+One-step delayed parameter update (DPU, Sec. 5.2), the paper's rule in our words: the first N - 1
+steps run without DPU (early in training the gradients change fast); at step N the gradients reach
+the CPU but neither the CPU step nor the device's parameters are updated; at step N + 1 the CPU
+computes the update from step N's gradients while the device runs forward and backward on the
+parameters updated at step N - 1; from then on step i + 1 trains on the parameters updated with the
+gradients of step i - 1. Here ``warmup_steps`` is the paper's N - 1 (the
+paper's N is a hyperparameter, not the ranks). From step ``warmup_steps`` (counting from 0) on,
+``step()`` first waits for the previous step's CPU update, copies it up and all-gathers it, then
+starts this step's CPU update on a background thread and returns: the next forward/backward runs
+beside it, on the parameters from before it. Every gradient is applied exactly once, in order; the last one is
 still pending after the last ``step()`` until ``flush()``. Every collective (the reduce-scatters,
 the overflow all-reduce, the all-gathers) stays on the calling thread: the background thread only
 runs AdamW on CPU arrays.
