@@ -9,7 +9,8 @@
 - DPU: equal to a single-process delayed-update reference written here (the paper's rule, below).
 - bytes between tiers per step (the "transfer" trace events) equal the sizes by hand and
   ``zero_offload_bytes``; the device's peak equals the need by hand and never exceeds the budget; a
-  budget one byte short raises ``DeviceOutOfMemory`` on every rank, same message, nothing sent.
+  budget one byte short raises ``DeviceOutOfMemory`` on every rank, same message, nothing sent;
+  mixed-precision model states over 7x the device budget train alike.
 
 Sizes by hand (``zero_helpers.param_sizes``): GPT(vocab 5, seq 3, d 4, 2 heads, 2 layers) has
 548 parameters (test_zero's "one model by hand"). With one bucket on N = 2: 548 / 2 = 274 elements per
@@ -322,6 +323,21 @@ def test_mixed_equals_same_precision_references() -> None:
     for g, w in zip(got2, want2, strict=True):
         assert g["final"]["head.weight"].dtype == np.float16
         assert_equal(g["final"], w["final"])
+
+
+def test_model_states_seven_times_the_device_budget_train_alike() -> None:
+    """Mixed precision, one rank, 6 layers, buckets of at most 64 float16 elements (cap 128 B, the
+    4 x 16 feed-forward weights alone): the model states are 16 Psi bytes (2 + 2 + K = 12, ZeRO Sec.
+    3.1) while the device holds the float16 parameters, the largest bucket's gradients and its update,
+    2 (Psi + 64 + 64) bytes: over 7x less. (ZeRO-Offload cannot reach 8x: its device keeps 2 of the 16.)"""
+    c = config("offload", 1, cap=128, layers=6, steps=2)
+    psi = sum(param_sizes(c).values())
+    assert psi == 20 + 12 + 6 * 244 + 8 + 20 == 1524
+    device = 2 * (psi + 64 + 64)
+    assert 16 * psi / device > 7
+    got = launch(offload_run, 1, c=c, precision="mixed", budget=device)[0]
+    assert got["peak"] == device
+    assert_equal(got["final"], mixed_reference(c))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
