@@ -62,3 +62,49 @@ def zero_offload_bytes(params: int | Sequence[int], param_bytes: int = 2, grad_b
         raise ValueError(f"parameter counts must be >= 0, got {groups}")
     shard = sum(-(-n // dp) for n in groups)
     return {"device->cpu": grad_bytes * shard, "cpu->device": param_bytes * shard}
+
+
+# ---- ZeRO-Infinity (Rajbhandari et al. 2021, Sec. 5-6) -------------------------------------------------
+# bytes per element of a shard: the working parameters (and gradients), and what the step reads and
+# writes: fp64 the parameters are the master (8) and two fp64 moments (16); mixed the fp32 master (4)
+# and two fp32 moments (8) are read, and the fp16 parameters (2) written besides them
+INFINITY_ITEMS = {"fp64": {"param": 8, "step_read": 8 + 16, "step_write": 8 + 16},
+                  "mixed": {"param": 2, "step_read": 4 + 8, "step_write": 2 + 4 + 8}}
+
+
+def _shard_elements(units: Sequence[int], dp: int) -> list[int]:
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if any(n < 0 for n in units):
+        raise ValueError(f"unit sizes must be >= 0, got {list(units)}")
+    return [-(-n // dp) for n in units]
+
+
+def zero_infinity_bytes(units: Sequence[int], dp: int = 1, precision: str = "fp64") -> dict[str, int]:
+    """Bytes one rank moves between tiers per applied ZeRO-Infinity step (Rajbhandari et al. 2021,
+    Sec. 5-6), ``units`` the parameters of each unit (each padded to a multiple of ``dp``; this rank's
+    shard is ``s_u = ceil(n_u / dp)`` elements, s = sum s_u), ``p`` the working item (8 / 2 bytes)::
+
+        nvme->cpu    2 p s + R s    the shard before each unit's forward and again before its backward
+                                    (only this rank's 1/dp: bandwidth-centric partitioning, Sec. 6.1),
+                                    and the step's reads, R = 24 (fp64: param, m, v) or 12 (mixed: master, m, v)
+        cpu->nvme    W s            the step's writes, W = 24 (fp64) or 14 (mixed: fp16 param, master, m, v)
+        cpu->device  2 p s          the shard up, forward and backward (the all-gather assembles the unit)
+        device->cpu  p s            this rank's reduce-scattered gradient partition
+
+    (fp64: 40 s, 24 s, 16 s, 8 s; mixed: 16 s, 14 s, 4 s, 2 s). A step skipped on an fp16 overflow
+    moves no optimizer state: its nvme traffic is the 2 p s alone, nothing written.
+    """
+    if precision not in INFINITY_ITEMS:
+        raise ValueError(f"precision must be one of {sorted(INFINITY_ITEMS)}, got {precision!r}")
+    s, it = sum(_shard_elements(units, dp)), INFINITY_ITEMS[precision]
+    return {"nvme->cpu": (2 * it["param"] + it["step_read"]) * s, "cpu->nvme": it["step_write"] * s,
+            "cpu->device": 2 * it["param"] * s, "device->cpu": it["param"] * s}
+
+
+def zero_infinity_device_need(units: Sequence[int], dp: int = 1, itemsize: int = 8) -> dict[str, int]:
+    """Device bytes at ZeRO-Infinity's peak on every rank: the largest unit gathered (``L`` = its size
+    padded to a multiple of ``dp``) beside its flat gradient buffer during its backward, ``2 L``
+    items (the shard copied up before the all-gather, ``L / dp``, is freed before the gradients exist)."""
+    largest = max(s * dp for s in _shard_elements(units, dp))
+    return {"gathered unit": itemsize * largest, "gradient buffer": itemsize * largest, "total": 2 * itemsize * largest}

@@ -6,3 +6,4 @@ the bytes each method moves per step are in ``minipar.cost.offload``.
 from minipar.parallel.offload.zero_offload import ZeroOffload, offload_device_need
 
 __all__ = ["ZeroOffload", "offload_device_need"]
+from minipar.parallel.offload.infinity import ZeroInfinity as ZeroInfinity  # noqa: E402  (Rajbhandari et al. 2021)
