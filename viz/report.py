@@ -3,14 +3,16 @@
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size,
 paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
 then the first Ring Attention trace's ring step by step (``viz.ring``; the others' in their
-sections), then the model states per rank of every trace that samples them, stacked as in ZeRO's
-Fig. 1, and the first FSDP trace's timeline over its gathered units (``viz.memory_stack``), then,
-when there are several traces, their timelines on one shared time axis, then per trace: its
-metadata folded into a ``<details>`` block (numbers rounded), its timeline (a simulated pipeline
-schedule: the papers' unit grid, its stash counts under it), its traffic (left out when no message
-carries a byte), its memory and, for FSDP, its gathered units over time. The page records
-JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a JSON list) so a headless
-browser can check that it rendered cleanly.
+sections), then the first trace with moves between memory tiers: bytes per tier over time and the
+moves as links (``viz.tiers``; the others' in their sections), then the model states per rank of
+every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline
+over its gathered units (``viz.memory_stack``), then, when there are several traces, their
+timelines on one shared time axis, then per trace: its metadata folded into a ``<details>`` block
+(numbers rounded), its timeline (a simulated pipeline schedule: the papers' unit grid, its stash
+counts under it), its traffic (left out when no message carries a byte), its memory (with moves
+between memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over
+time. The page records JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a
+JSON list) so a headless browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -30,6 +32,7 @@ from viz import figures, style
 from viz.memory_stack import fsdp_step_figure, gathered_figure, has_gathered, has_model_states, stacks_figure
 from viz.pipeline_grid import is_grid
 from viz.ring import is_ring, ring_figure
+from viz.tiers import has_transfers, residency_figure, transfers_figure
 
 TraceLike = Trace | str | os.PathLike[str]
 
@@ -137,12 +140,14 @@ def _fig_html(fig: go.Figure, div_id: str) -> str:
                        config={"displaylogo": False, "responsive": True})
 
 
-def figures_for(trace: Trace, title: str, ring: bool = True) -> list[tuple[str, go.Figure | None, str]]:
+def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True
+                ) -> list[tuple[str, go.Figure | None, str]]:
     """(kind, figure or None, note) for the per-trace figures; None with a note when there is
     nothing to draw. A simulated pipeline schedule is drawn as the papers' unit grid
     (``viz.pipeline_grid``) with its stash counts under it, and has no traffic panel when its
     messages carry no bytes. A Ring Attention trace gets ``viz.ring``'s figure (unless ``ring`` is
-    False: the page already shows it at the top)."""
+    False: the page already shows it at the top); one with moves between memory tiers gets
+    ``viz.tiers``' two figures in place of the memory panel (none when ``tiers`` is False: shown at the top)."""
     out: list[tuple[str, go.Figure | None, str]] = []
     grid = is_grid(trace)
     if grid:
@@ -164,6 +169,8 @@ def figures_for(trace: Trace, title: str, ring: bool = True) -> list[tuple[str, 
         out.append(("traffic", None, "No messages in this trace."))
     if grid and A.memory_counts(trace):
         return out  # its stash counts are drawn under the grid, on the same cells
+    if has_transfers(trace):  # memory tiers: bytes per tier over time and the moves between tiers (viz.tiers)
+        return [*out, *tier_figures(trace, title)] if tiers else out
     if any(e.kind == "memory" for e in trace.events):
         what = "stashed micro-batches" if A.memory_counts(trace) else "memory"
         out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
@@ -172,6 +179,10 @@ def figures_for(trace: Trace, title: str, ring: bool = True) -> list[tuple[str, 
     if has_gathered(trace):  # FSDP: units gathered per layer
         out.append(("gathered", gathered_figure(trace, title), ""))
     return out
+
+
+def tier_figures(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
+    return [("tiers", residency_figure(trace, title), ""), ("transfers", transfers_figure(trace, title), "")]
 
 
 def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
@@ -184,6 +195,11 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
     if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
         parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
         parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
+    first_tiers = next((i for i, t in enumerate(traces) if has_transfers(t)), None)
+    if first_tiers is not None:  # offload: where the bytes live, tier by tier, and what moved between tiers
+        parts.append(f"<h2>memory tiers: {html.escape(titles[first_tiers])}</h2>")
+        parts.extend(_fig_html(fig, f"fig-top-{kind}") for kind, fig, _ in tier_figures(traces[first_tiers],
+                                                                                         titles[first_tiers]))
     states = [i for i, t in enumerate(traces) if has_model_states(t)]
     if states:  # ZeRO / DDP: the paper's picture of model states per rank
         parts.append("<h2>model states per rank</h2>")
@@ -199,7 +215,7 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(metadata(t))
-        for kind, fig, note in figures_for(t, title, ring=i != first_ring):
+        for kind, fig, note in figures_for(t, title, ring=i != first_ring, tiers=i != first_tiers):
             if fig is None:
                 parts.append(f'<p class="note" id="note-{i}-{kind}">{html.escape(note)}</p>')
             else:
