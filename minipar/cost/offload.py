@@ -108,3 +108,26 @@ def zero_infinity_device_need(units: Sequence[int], dp: int = 1, itemsize: int =
     items (the shard copied up before the all-gather, ``L / dp``, is freed before the gradients exist)."""
     largest = max(s * dp for s in _shard_elements(units, dp))
     return {"gathered unit": itemsize * largest, "gradient buffer": itemsize * largest, "total": 2 * itemsize * largest}
+
+
+# ---- chunks (PatrickStar, Fang et al. 2021) -------------------------------------------------------------
+
+
+def in_order_misses(n_chunks: int, fit: int) -> int:
+    """Chunk misses per step of a model that uses its chunks in order in forward and in reverse in
+    backward (``nn.GPT``, an MLP), ``fit`` chunks fitting beside the activations at the start of
+    backward: every chunk comes up once in forward (the step left them all on the CPU); backward finds
+    the last ``fit`` still resident and fetches the other ``n_chunks - fit`` again. LRU and the
+    warm-up's order (Belady) both keep the most recently used chunks here, so both miss this many."""
+    if n_chunks < 1 or fit < 1:
+        raise ValueError(f"need n_chunks >= 1 and fit >= 1, got {n_chunks}, {fit}")
+    return n_chunks + max(0, n_chunks - fit)
+
+
+def chunk_offload_bytes(chunk_bytes: int, misses: int) -> dict[str, int]:
+    """Bytes the chunk manager moves per step: each miss (a chunk needed while on the CPU) brings the
+    chunk up once, and it goes down once, evicted or at the CPU step, so ``chunk_bytes x misses`` each
+    way (``misses`` from the schedule of uses: ``in_order_misses``, or counted by hand)."""
+    if chunk_bytes < 0 or misses < 0:
+        raise ValueError(f"need chunk_bytes >= 0 and misses >= 0, got {chunk_bytes}, {misses}")
+    return {"cpu->device": chunk_bytes * misses, "device->cpu": chunk_bytes * misses}

@@ -1,0 +1,375 @@
+"""PatrickStar's chunk-based memory manager, on one rank (Fang et al. 2021, "PatrickStar: Parallel
+Training of Pre-trained Models via Chunk-based Memory Management", Sec. 4-5).
+
+**Chunks.** The parameters are packed in registration order into chunks of ``chunk_size`` elements
+(a tensor that does not fit in the current chunk's rest opens the next chunk; no tensor is split, so
+``chunk_size`` must hold the largest one). A chunk is the unit of placement and of movement: it lives
+on the device *or* on the CPU, never both, and moves whole (``Tiers.to_device`` / ``to_cpu`` + ``free``:
+copies, each a recorded "transfer" of ``chunk_size x itemsize`` bytes). Every parameter's ``.data``
+is a view of its chunk wherever the chunk is. The CPU also keeps, per chunk, the master copy of the
+parameters and AdamW's two moments (the paper's optimizer-state chunks, "model states on CPU").
+
+**Tensor states** (the paper's Sec. 4.1) and their transitions here::
+
+    FREE            no values: before the chunks are filled, and after close()
+    HOLD            values in the chunk, not in use             FREE -> HOLD (packed); HOLD_AFTER_BWD -> HOLD
+                                                                (the CPU step wrote the updated values)
+    COMPUTE         in use by an operator: its chunk must be    HOLD -> COMPUTE before its module's forward;
+                    on the device and may not be evicted        HOLD_AFTER_FWD -> COMPUTE before its backward
+    HOLD_AFTER_FWD  used by forward, needed again by backward   COMPUTE -> HOLD_AFTER_FWD after the forward
+    HOLD_AFTER_BWD  its slot holds its gradient (the paper      COMPUTE -> HOLD_AFTER_BWD when its gradient is
+                    reuses the parameter's memory for it)       complete (autograd's hook): copied in its place
+
+A chunk moves to the device when one of its tensors becomes COMPUTE and it is on the CPU; when the
+device budget would be exceeded the manager evicts (moves to the CPU) a resident chunk none of whose
+tensors is COMPUTE, chosen by the policy (``chunk_policy``: ``"lru"`` or ``"warmup"``, Belady's rule
+on the order of uses recorded in warm-up). At the step every chunk goes to the CPU (its gradients),
+AdamW (fp64) runs there on the master copy of each HOLD_AFTER_BWD tensor, the updated values are
+written into the chunk, which comes back to the device on its next use.
+
+**Non-model data** (the paper's Sec. 5, the runtime memory tracer). The device also holds the
+activations. The first iteration (warm-up) measures them at every *moment*, i.e. before and after
+each module's forward and before its backward: the bytes of the autograd graph made this iteration
+(``minipar.memory.held_buffers`` from the module inputs and outputs so far and, in backward, the
+loss; minipar's engine frees nothing before backward ends, so backward's value is the whole graph).
+At each moment the manager holds exactly that many bytes on the device as one allocation named
+"non-model data" (measured in warm-up, replayed from the record later), so the chunks get the budget
+minus the activations of that moment, and ``Tiers`` enforces the sum. The activations that primitive
+ops capture in closures (``cross_entropy``'s softmax, ``relu``'s mask) are not seen
+(``held_buffers``' limit). A budget below one chunk raises ``DeviceOutOfMemory`` at construction;
+below what some moment needs (its activations plus its COMPUTE chunks, at least one chunk) it raises
+in the warm-up iteration, at that moment, before any step changed a parameter.
+
+**Bytes per step.** Every chunk is on the CPU when an iteration starts (the step put it there), so
+each miss (a chunk needed while on the CPU) moves it up and, later, by eviction or at the step, down:
+``2 x chunk bytes x misses``. For a model that uses its modules in registration order and backward
+in reverse (``nn.GPT``, an MLP), with ``C`` chunks of which ``k = (budget - A) // chunk bytes`` fit
+beside the activations ``A`` at the start of backward: ``misses = C + max(0, C - k)`` under either
+policy (both keep the most recently used chunks here); a model that reuses a module out of order is
+where the recorded order beats LRU (``minipar.cost.offload.chunk_offload_bytes``, docs/formulas.md 7).
+
+Usage (one rank): ``cm = ChunkManager(model, tiers, chunk_size, policy="warmup")``; per step
+``loss = cm.loss(x, y)`` (or ``model.loss`` / ``model(x)`` directly: the hooks are on the modules),
+``cm.backward(loss)``, ``cm.step()``; ``cm.state_dict()`` reads the master copy; ``cm.close()``.
+Not supported: gradient accumulation (a forward after backward without a step is refused), N > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from minipar import memory, trace
+from minipar.autograd import Tensor
+from minipar.nn import Module, Parameter
+from minipar.optim import AdamW
+from minipar.parallel.offload.chunk_policy import POLICIES
+from minipar.parallel.zero.fsdp import _PreBackward  # identity whose backward calls back: FSDP's unshard hook
+from minipar.tiers import DeviceOutOfMemory, Tiers
+
+NON_MODEL = "non-model data"
+
+
+class State(Enum):
+    FREE = "free"
+    COMPUTE = "compute"
+    HOLD = "hold"
+    HOLD_AFTER_FWD = "hold after forward"
+    HOLD_AFTER_BWD = "hold after backward"
+
+
+class Slot:
+    """One parameter's place: its chunk, offset and state, and its master copy on the CPU."""
+
+    def __init__(self, index: int, name: str, param: Parameter, chunk: int, offset: int) -> None:
+        self.index, self.name, self.param, self.chunk, self.offset = index, name, param, chunk, offset
+        self.shape, self.numel = param.shape, param.size
+        self.state = State.FREE
+        self.master: np.ndarray | None = None  # a view of the chunk's master array
+
+    def view(self, flat: np.ndarray) -> np.ndarray:
+        return flat[self.offset:self.offset + self.numel].reshape(self.shape)
+
+
+class Chunk:
+    """``size`` elements; its payload is on the device (``device``) or on the CPU (``cpu``)."""
+
+    def __init__(self, index: int, size: int, dtype: Any) -> None:
+        self.index, self.size, self.dtype = index, size, np.dtype(dtype)
+        self.name = f"chunk{index}"
+        self.slots: list[Slot] = []
+        self.cpu: np.ndarray | None = np.zeros(size, dtype)
+        self.device: np.ndarray | None = None
+        self.master = np.zeros(size, dtype)  # the CPU's master copy of the parameters
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def payload(self) -> np.ndarray:
+        return self.device if self.device is not None else self.cpu
+
+    def point(self) -> None:
+        """Every tensor's ``.data`` a view of wherever the payload is now."""
+        for s in self.slots:
+            s.param.data = s.view(self.payload)
+
+    def computing(self) -> bool:
+        return any(s.state is State.COMPUTE for s in self.slots)
+
+
+def pack(named: list[tuple[str, Parameter]], chunk_size: int) -> list[list[tuple[str, Parameter, int]]]:
+    """Registration order into chunks of ``chunk_size`` elements: (name, parameter, offset) per chunk."""
+    chunks: list[list[tuple[str, Parameter, int]]] = []
+    used = chunk_size
+    for name, p in named:
+        if used + p.size > chunk_size:
+            chunks.append([])
+            used = 0
+        chunks[-1].append((name, p, used))
+        used += p.size
+    return chunks
+
+
+class ChunkManager:
+    """PatrickStar's chunks for ``module`` on ``tiers`` (module docstring), AdamW on the CPU."""
+
+    def __init__(self, module: Module, tiers: Tiers, chunk_size: int, policy: str = "warmup", lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError("ChunkManager: the module has no parameters")
+        largest = max(named, key=lambda kv: kv[1].size)
+        if chunk_size < largest[1].size:
+            raise ValueError(f"ChunkManager: chunk_size={chunk_size} elements cannot hold {largest[0]!r} "
+                             f"({largest[1].size} elements); tensors are not split across chunks")
+        if policy not in POLICIES:
+            raise ValueError(f"ChunkManager: policy {policy!r}; choose one of {sorted(POLICIES)}")
+        if len({p.dtype for _, p in named}) != 1 or len({id(p) for _, p in named}) != len(named):
+            raise ValueError("ChunkManager: the parameters must share one dtype and not be tied")
+        dtype = named[0][1].dtype
+        chunk_bytes = chunk_size * np.dtype(dtype).itemsize
+        if tiers.device_bytes + chunk_bytes > tiers.device_budget:  # not even one chunk fits: refuse now
+            raise DeviceOutOfMemory(tiers.device_budget, tiers.resident("device"), "one chunk", chunk_bytes)
+        self.module, self.tiers, self.chunk_size = module, tiers, chunk_size
+        self.policy = POLICIES[policy]()
+        self.chunks: list[Chunk] = []
+        self.slots: list[Slot] = []
+        for c, members in enumerate(pack(named, chunk_size)):
+            chunk = Chunk(c, chunk_size, dtype)
+            for name, p, offset in members:
+                slot = Slot(len(self.slots), name, p, c, offset)
+                slot.view(chunk.cpu)[...] = p.data
+                slot.view(chunk.master)[...] = p.data
+                slot.master, slot.state = slot.view(chunk.master), State.HOLD
+                chunk.slots.append(slot)
+                self.slots.append(slot)
+            chunk.point()
+            self.chunks.append(chunk)
+        self._slot_of = {id(s.param): s for s in self.slots}
+        self.adam = AdamW([Tensor(s.master) for s in self.slots], lr, betas, eps, weight_decay)
+        for s in self.slots:
+            s.param.register_hook(self._on_grad_ready)
+        self._wrapped = [m for m in self._owners(module)]
+        for m in self._wrapped:
+            m.forward = self._wrap(m, m.forward)  # an instance attribute: the class's forward stays
+        self.iteration = 0
+        self.moments: list[tuple[str, int]] = []  # the warm-up's moments (kind, module id) in order
+        self.reserve: list[int] = []  # ... and the non-model bytes measured at each
+        self.uses: list[int] = []  # the chunks used, in order, in warm-up
+        self._reset_iteration()
+
+    @staticmethod
+    def _owners(module: Module) -> list[Module]:
+        """The modules that hold parameters themselves (Linear, LayerNorm, Embedding), outermost first."""
+        out, stack = [], [module]
+        while stack:
+            m = stack.pop(0)
+            if any(isinstance(v, Parameter) for v in vars(m).values()):
+                out.append(m)
+            stack[:0] = [child for _, child in m.children()]
+        return out
+
+    def _reset_iteration(self) -> None:
+        self._moment = 0
+        self._position = 0  # uses made this iteration
+        self._roots: list[Tensor] = []
+        self._since = memory.seq_mark()
+
+    @property
+    def warming_up(self) -> bool:
+        return self.iteration == 0
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunks[0].nbytes
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _wrap(self, m: Module, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        mine = [self._slot_of[id(v)] for v in vars(m).values() if isinstance(v, Parameter)]
+
+        def wrapped(*args: Any, **kwargs: Any) -> Tensor:
+            if any(s.state is State.HOLD_AFTER_BWD for s in self.slots):
+                raise RuntimeError("ChunkManager: forward after backward without step(): the chunks hold "
+                                   "gradients (gradient accumulation is not supported)")
+            if self.warming_up:
+                self._roots.extend(a for a in args if isinstance(a, Tensor))
+            self._set(mine, State.COMPUTE)
+            self._at(("pre-forward", id(m)), mine)
+            self.tiers.require_device(*(s.param for s in mine))
+            out = forward(*args, **kwargs)
+            self._set(mine, State.HOLD_AFTER_FWD)
+            if self.warming_up:
+                self._roots.append(out)
+            self._at(("post-forward", id(m)), [])
+            return _PreBackward.apply(out, lambda: self._pre_backward(m, mine))
+        return wrapped
+
+    def _pre_backward(self, m: Module, mine: list[Slot]) -> None:
+        todo = [s for s in mine if s.state is not State.HOLD_AFTER_BWD]
+        self._set(todo, State.COMPUTE)
+        self._at(("pre-backward", id(m)), todo)
+        self.tiers.require_device(*(s.param for s in todo))
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        """The gradient is complete: copy it into the tensor's own place in its chunk (on the device,
+        where the tensor is COMPUTE), HOLD_AFTER_BWD."""
+        s = self._slot_of[id(p)]
+        if s.state is not State.COMPUTE:
+            raise RuntimeError(f"ChunkManager: {s.name}'s gradient arrived in state {s.state.name} (a second "
+                               "backward without step()? gradient accumulation is not supported)")
+        s.view(self.chunks[s.chunk].payload)[...] = p.grad
+        p.grad = None
+        s.state = State.HOLD_AFTER_BWD
+
+    @staticmethod
+    def _set(slots: list[Slot], state: State) -> None:
+        for s in slots:
+            s.state = state
+
+    # ---- moments: the non-model reservation and the chunks in use ----------------------------------
+    def _at(self, key: tuple[str, int], computing: list[Slot]) -> None:
+        """One moment: reserve its non-model bytes (measured in warm-up, replayed later), then bring
+        the chunks of the COMPUTE tensors to the device, evicting by the policy."""
+        if self.warming_up:
+            self.moments.append(key)
+            self.reserve.append(self._measure(key[0] == "pre-backward"))
+        elif self._moment >= len(self.moments) or self.moments[self._moment] != key:
+            raise RuntimeError(f"ChunkManager: moment {self._moment} ({key[0]}) differs from the warm-up's "
+                               "order; the model must run its modules in the same order every iteration")
+        self._reserve(self.reserve[self._moment])
+        self._moment += 1
+        needed = sorted({s.chunk for s in computing})
+        for c in needed:
+            if self.warming_up:
+                self.uses.append(c)
+            self.policy.touch(c)
+            self._position += 1
+        for c in needed:
+            if self.chunks[c].device is None:
+                self._make_room(self.chunks[c].nbytes)
+                self._up(self.chunks[c])
+
+    def _measure(self, backward: bool) -> int:
+        """Bytes of the autograd graph made this iteration, reachable from the roots (and the loss)."""
+        roots = self._roots + ([self._loss] if backward and self._loss is not None else [])
+        if not roots:
+            return 0
+        top = Tensor(np.empty(0, np.uint8))
+        top._parents, top._backward = tuple(roots), lambda g: ()
+        return memory.activation_bytes(top, self._since)
+
+    def _reserve(self, nbytes: int) -> None:
+        held = self.tiers.resident("device").get(NON_MODEL)
+        if held == nbytes or (held is None and nbytes == 0):
+            return
+        if held is not None:
+            self.tiers.free(NON_MODEL)
+        if nbytes:
+            self._make_room(nbytes)
+            self.tiers.empty(NON_MODEL, nbytes, np.uint8)
+        trace.memory(NON_MODEL, nbytes)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict chunks (policy's choice among those with no COMPUTE tensor) until ``nbytes`` fit;
+        if they cannot, the allocation that follows raises ``DeviceOutOfMemory``."""
+        while self.tiers.device_bytes + nbytes > self.tiers.device_budget:
+            candidates = [c.index for c in self.chunks if c.device is not None and not c.computing()]
+            if not candidates:
+                return
+            self._down(self.chunks[self.policy.choose(candidates, self._position)])
+
+    def _up(self, chunk: Chunk) -> None:
+        chunk.device = self.tiers.to_device(chunk.name, chunk.cpu)
+        chunk.cpu = None
+        chunk.point()
+
+    def _down(self, chunk: Chunk) -> None:
+        chunk.cpu = self.tiers.to_cpu(chunk.name)
+        self.tiers.free(chunk.name)
+        chunk.device = None
+        chunk.point()
+
+    # ---- a training step ------------------------------------------------------------------------------
+    _loss: Tensor | None = None
+
+    def loss(self, *args: Any) -> Tensor:
+        """``module.loss(*args)`` (the hooks place the chunks)."""
+        with trace.span("F"):
+            return self.module.loss(*args)
+
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()``: chunks come back as their modules' backward needs them; every gradient
+        lands in its tensor's place (HOLD_AFTER_BWD). The non-model reservation is released after."""
+        self._loss = loss
+        try:
+            with trace.span("B"):
+                loss.backward()
+        finally:
+            self._loss = None
+        self._reserve(0)
+        for s in self.slots:  # a tensor whose module ran but that got no gradient: not updated
+            if s.state is State.COMPUTE:
+                s.state = State.HOLD_AFTER_FWD
+
+    def step(self) -> None:
+        """Every chunk to the CPU; AdamW on the master copy of each tensor that has a gradient, the
+        updated values written into the chunk (HOLD). The warm-up's order is learned after iteration 0."""
+        with trace.span("opt"):
+            for chunk in self.chunks:
+                if chunk.device is not None:
+                    self._down(chunk)
+                for s in chunk.slots:
+                    if s.state is State.HOLD_AFTER_BWD:
+                        self.adam.update(s.master, s.view(chunk.cpu), self.adam.state[s.index])
+                    s.view(chunk.cpu)[...] = s.master
+                    s.state = State.HOLD
+        if self.warming_up:
+            self.policy.learn(self.uses)
+        self._reserve(0)
+        self.iteration += 1
+        self._reset_iteration()
+
+    # ---- reading it back --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every parameter's current value (the CPU's master copy), by name."""
+        return {s.name: s.master.copy() for s in self.slots}
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes held now: chunks on the device and on the CPU, the master copy, AdamW's moments."""
+        return {"device chunks": sum(c.nbytes for c in self.chunks if c.device is not None),
+                "cpu chunks": sum(c.nbytes for c in self.chunks if c.cpu is not None),
+                "cpu master parameters": sum(c.master.nbytes for c in self.chunks),
+                "cpu optimizer state": self.adam.state_bytes()}
+
+    def close(self) -> None:
+        """Free the device: the chunks come to the CPU, the parameters keep views of them, FREE."""
+        self._reserve(0)
+        for chunk in self.chunks:
+            if chunk.device is not None:
+                self._down(chunk)
+            self._set(chunk.slots, State.FREE)

@@ -1,0 +1,234 @@
+"""PatrickStar's chunk manager (``minipar.parallel.offload.chunks``) on the budgeted device of ``minipar.tiers``.
+
+- float64: moves are copies, so training through chunks gives exactly (bit for bit) the parameters of
+  ``nn.GPT`` + ``AdamW`` trained plainly, for drawn models, chunk sizes, budgets and both policies.
+- the device's peak (``Tiers.peak_device_bytes`` and every "device" memory sample) stays within the budget.
+- bytes moved per step, from the "transfer" events: ``2 x chunk bytes x misses``. For ``nn.GPT`` (modules
+  used in registration order, backward in reverse) with ``C`` chunks of which ``k`` fit beside the
+  activations ``A`` at the start of backward, ``misses = C + max(0, C - k)``: every chunk comes up once
+  in forward; backward finds the last ``k`` still there and fetches the other ``C - k`` again. Here ``C``
+  comes from packing the parameter sizes written out by hand (``zero_helpers.param_sizes``) and ``A`` from
+  ``minipar.memory`` on a plain model's graph.
+- a model that reuses its first layer at the end (``Loop``): LRU misses 5 chunks per step, the warm-up's
+  order (Belady) 4, counted by hand below.
+- a budget below one chunk is refused at construction; below one chunk + the activations the warm-up
+  iteration raises ``DeviceOutOfMemory`` before any step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import budget
+from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, param_sizes
+
+from minipar import functional as F
+from minipar import memory, nn, trace
+from minipar.autograd import Function, Tensor
+from minipar.cost.offload import chunk_offload_bytes
+from minipar.optim import AdamW
+from minipar.parallel.offload import ChunkManager
+from minipar.parallel.offload.chunks import State
+from minipar.tiers import DeviceOutOfMemory, Tiers
+
+
+def reference(c: dict) -> tuple[dict[str, np.ndarray], int]:
+    """``nn.GPT`` + ``AdamW`` after ``c["steps"]`` steps, and the activation bytes of one step's graph."""
+    model = build(c)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    acts = 0
+    for i in range(c["steps"]):
+        since = memory.seq_mark()
+        loss = model.loss(*batch(c, i))
+        acts = memory.activation_bytes(loss, since)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), acts
+
+
+def chunks_by_hand(sizes: list[int], chunk_size: int) -> int:
+    """Chunks of ``chunk_size`` filled in order, a tensor that does not fit opening the next."""
+    count, used = 0, chunk_size
+    for n in sizes:
+        if used + n > chunk_size:
+            count, used = count + 1, 0
+        used += n
+    return count
+
+
+def run(model: nn.Module, tiers: Tiers, chunk_size: int, policy: str, batches: list) -> tuple[ChunkManager, list]:
+    """Train through a ``ChunkManager``; per step the transfer bytes (up, down) and the device samples."""
+    cm = ChunkManager(model, tiers, chunk_size, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY)
+    per_step = []
+    with trace.recording(0) as rec:
+        for args in batches:
+            start = len(rec.events)
+            cm.backward(cm.loss(*args))
+            cm.step()
+            moves = [e for e in rec.events[start:] if e.kind == "transfer"]
+            per_step.append((sum(e.nbytes for e in moves if e.args["dst"] == "device"),
+                             sum(e.nbytes for e in moves if e.args["dst"] == "cpu"),
+                             max(e.nbytes for e in rec.events[start:] if e.kind == "memory" and e.name == "device")))
+    return cm, per_step
+
+
+@st.composite
+def chunk_configs(draw: st.DrawFn) -> dict:
+    heads = draw(st.integers(1, 2))
+    c = config("chunks", 1, d=heads * draw(st.integers(2 if heads == 1 else 1, 3)), heads=heads,
+               layers=draw(st.integers(1, 2)), steps=draw(st.integers(2, 3)), seed=draw(st.integers(0, 2**16)))
+    c.update(vocab=draw(st.integers(2, 6)), seq=draw(st.integers(1, 3)), batch=draw(st.integers(1, 2)))
+    largest = max(param_sizes(c).values())
+    c.update(chunk_size=largest + draw(st.integers(0, 2 * largest)), fit=draw(st.integers(2, 40)),
+             slack=draw(st.floats(0, 0.99)), policy=draw(st.sampled_from(["lru", "warmup"])))
+    return c
+
+
+@budget(12)
+@given(chunk_configs())
+@example({**config("chunks", 1, steps=3), "chunk_size": 64, "fit": 2, "slack": 0.5, "policy": "warmup"})
+@example({**config("chunks", 1, steps=2), "chunk_size": 64, "fit": 40, "slack": 0.0, "policy": "lru"})
+def test_chunks_train_to_the_plain_parameters_within_budget_moving_the_formulas_bytes(c):
+    want, acts = reference(c)
+    n_chunks = chunks_by_hand(list(param_sizes(c).values()), c["chunk_size"])
+    chunk_bytes = 8 * c["chunk_size"]
+    device_budget = acts + c["fit"] * chunk_bytes + int(c["slack"] * chunk_bytes)
+    tiers = Tiers(device_budget)
+    cm, per_step = run(build(c), tiers, c["chunk_size"], c["policy"], [batch(c, i) for i in range(c["steps"])])
+    got = cm.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert len(cm.chunks) == n_chunks and max(cm.reserve) == acts
+    assert tiers.peak_device_bytes <= device_budget
+    misses = n_chunks + max(0, n_chunks - c["fit"])
+    expected = chunk_offload_bytes(chunk_bytes, misses)
+    assert expected == {"cpu->device": chunk_bytes * misses, "device->cpu": chunk_bytes * misses}
+    for up, down, peak in per_step:
+        assert (up, down) == (expected["cpu->device"], expected["device->cpu"])
+        assert peak <= device_budget
+    assert cm.state_bytes()["device chunks"] == 0 and tiers.device_bytes == 0
+
+
+class Loop(nn.Module):
+    """Three ``Linear(d, d)`` layers applied 0, 1, 2 and 0 again: the first layer's chunk is used at both
+    ends of forward, the pattern where the order of uses beats recency."""
+
+    def __init__(self, d: int, seed: int = 0) -> None:
+        self.seed = seed
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i in (0, 1, 2, 0):
+            x = self.layers[i](x).tanh()
+        return x
+
+    def loss(self, x: np.ndarray, y: np.ndarray) -> Tensor:
+        return F.mse_loss(self(Tensor(x)), y)
+
+
+def test_warmup_order_moves_fewer_bytes_than_lru_on_a_reused_layer():
+    """d = 32: each layer is 32 x 32 + 32 = 1056 elements, one chunk each (chunk_size 1056, 8448 bytes);
+    the budget holds two chunks beside the activations (A < one chunk, so never three).
+    Chunk uses per step: forward 0 1 2 0, backward 0 (pinned: COMPUTE until its gradient is complete
+    after its first use's backward) 2 1 0.
+    LRU:    0 miss, 1 miss, 2 miss (evict 0), 0 miss (evict 1) | 0 hit, 2 hit, 1 miss (evict 2), 0 hit: 5.
+    Belady: 0 miss, 1 miss, 2 miss (evict 1: next use in backward, 0's is the 4th), 0 hit | 0, 2 hit,
+    1 miss (evict 2), 0 hit: 4. The warm-up iteration itself runs LRU: 5 for both."""
+    d, rows = 32, 2
+    xs = [np.random.default_rng(i).normal(size=(rows, d)) for i in range(3)]
+    ys = [np.random.default_rng(10 + i).normal(size=(rows, d)) for i in range(3)]
+    ref = Loop(d, seed=3)
+    opt = AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for x, y in zip(xs, ys):
+        since = memory.seq_mark()
+        loss = ref.loss(x, y)
+        acts = memory.activation_bytes(loss, since)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    chunk_bytes = 8 * (d * d + d)
+    assert acts < chunk_bytes
+    moved = {}
+    for policy in ("lru", "warmup"):
+        tiers = Tiers(acts + 2 * chunk_bytes)
+        cm, per_step = run(Loop(d, seed=3), tiers, d * d + d, policy, list(zip(xs, ys)))
+        assert len(cm.chunks) == 3 and tiers.peak_device_bytes <= acts + 2 * chunk_bytes
+        for name, p in ref.named_parameters():
+            np.testing.assert_array_equal(cm.state_dict()[name], p.data, err_msg=name)
+        moved[policy] = [(up // chunk_bytes, down // chunk_bytes) for up, down, _ in per_step]
+    assert moved == {"lru": [(5, 5)] * 3, "warmup": [(5, 5), (4, 4), (4, 4)]}
+
+
+def test_budget_below_one_chunk_plus_activations_raises_before_any_step():
+    c = config("chunks", 1, steps=1)
+    initial = build(c).state_dict()
+    _, acts = reference(c)
+    with pytest.raises(DeviceOutOfMemory, match="budget 511 bytes"):
+        ChunkManager(build(c), Tiers(511), 64)  # one chunk of 64 float64 is 512 bytes
+    device_budget = acts + 512 - 1
+    cm = ChunkManager(build(c), Tiers(device_budget), 64)
+    with pytest.raises(DeviceOutOfMemory) as info:
+        cm.backward(cm.loss(*batch(c, 0)))
+    assert info.value.budget == device_budget and info.value.smallest_budget > device_budget
+    assert cm.iteration == 0
+    for name, value in cm.state_dict().items():
+        np.testing.assert_array_equal(value, initial[name], err_msg=name)
+
+
+class _Spy(Function):
+    """Identity whose backward calls ``record()``: it runs inside the module's backward."""
+
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.record()
+        return g, None
+
+
+class Probe(nn.Module):
+    """``x * w``, noting its parameter's state at the start of its forward and inside its backward."""
+
+    def __init__(self, d: int) -> None:
+        self.w = nn.Parameter((d,), ("uniform", 1.0))
+        self.seen: list = []
+        self.state = lambda: None
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(("forward", self.state()))
+        return _Spy.apply(x * self.w, lambda: self.seen.append(("backward", self.state())))
+
+
+class Probes(nn.Module):
+    def __init__(self, d: int) -> None:
+        self.a, self.b = Probe(d), Probe(d)
+
+    def loss(self, x: np.ndarray, y: np.ndarray) -> Tensor:
+        return F.mse_loss(self.b(self.a(Tensor(x))), y)
+
+
+def test_tensor_states_follow_forward_backward_and_step():
+    model = Probes(3)
+    cm = ChunkManager(model, Tiers(1 << 20), 3)  # one chunk per probe
+    for probe in (model.a, model.b):
+        probe.state = lambda p=probe: cm._slot_of[id(p.w)].state
+    x, y = np.ones((2, 3)), np.zeros((2, 3))
+    assert {s.state for s in cm.slots} == {State.HOLD}
+    loss = cm.loss(x, y)
+    assert {s.state for s in cm.slots} == {State.HOLD_AFTER_FWD}
+    cm.backward(loss)
+    assert model.a.seen == model.b.seen == [("forward", State.COMPUTE), ("backward", State.COMPUTE)]
+    assert {s.state for s in cm.slots} == {State.HOLD_AFTER_BWD}
+    with pytest.raises(RuntimeError, match="without step"):
+        cm.loss(x, y)
+    cm.step()
+    assert {s.state for s in cm.slots} == {State.HOLD}
+    cm.close()
+    assert {s.state for s in cm.slots} == {State.FREE}
