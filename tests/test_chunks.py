@@ -27,7 +27,7 @@ from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, param_sizes
 from minipar import functional as F
 from minipar import memory, nn, trace
 from minipar.autograd import Function, Tensor
-from minipar.cost.offload import chunk_offload_bytes
+from minipar.cost.offload import chunk_offload_bytes, in_order_misses
 from minipar.optim import AdamW
 from minipar.parallel.offload import ChunkManager
 from minipar.parallel.offload.chunks import State
@@ -105,6 +105,7 @@ def test_chunks_train_to_the_plain_parameters_within_budget_moving_the_formulas_
     assert len(cm.chunks) == n_chunks and max(cm.reserve) == acts
     assert tiers.peak_device_bytes <= device_budget
     misses = n_chunks + max(0, n_chunks - c["fit"])
+    assert in_order_misses(n_chunks, c["fit"]) == misses
     expected = chunk_offload_bytes(chunk_bytes, misses)
     assert expected == {"cpu->device": chunk_bytes * misses, "device->cpu": chunk_bytes * misses}
     for up, down, peak in per_step:
@@ -232,3 +233,22 @@ def test_tensor_states_follow_forward_backward_and_step():
     assert {s.state for s in cm.slots} == {State.HOLD}
     cm.close()
     assert {s.state for s in cm.slots} == {State.FREE}
+
+
+def test_model_states_over_8x_the_device_budget_train_alike():
+    """GPT(vocab 5, seq 2, d 8, 2 heads, 4 layers), one sequence per step: 32 bytes of model states per
+    parameter (the parameter's chunk, the master, AdamW's two moments, float64) against a device of two
+    chunks of the largest tensor (fc, 8 x 32 = 256 elements: 2048 bytes) beside the activations."""
+    c = {**config("chunks", 1, d=8, heads=2, layers=4, steps=2), "seq": 2, "batch": 1}
+    want, acts = reference(c)
+    psi = sum(param_sizes(c).values())
+    device_budget = acts + 2 * 8 * 256
+    assert 32 * psi >= 8 * device_budget
+    tiers = Tiers(device_budget)
+    cm, _ = run(build(c), tiers, 256, "warmup", [batch(c, i) for i in range(c["steps"])])
+    n_chunks = chunks_by_hand(list(param_sizes(c).values()), 256)
+    assert cm.state_bytes() == {"device chunks": 0, "cpu chunks": 2048 * n_chunks,
+                                "cpu master parameters": 2048 * n_chunks, "cpu optimizer state": 16 * psi}
+    for name, value in cm.state_dict().items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    assert tiers.peak_device_bytes <= device_budget

@@ -11,7 +11,8 @@ parameters and AdamW's two moments (the paper's optimizer-state chunks, "model s
 
 **Tensor states** (the paper's Sec. 4.1) and their transitions here::
 
-    FREE            no values: before the chunks are filled, and after close()
+    FREE            not managed: before the chunks are filled, and after close() (the parameters then
+                    keep plain host views of their chunks)
     HOLD            values in the chunk, not in use             FREE -> HOLD (packed); HOLD_AFTER_BWD -> HOLD
                                                                 (the CPU step wrote the updated values)
     COMPUTE         in use by an operator: its chunk must be    HOLD -> COMPUTE before its module's forward;
