@@ -31,7 +31,7 @@ from minipar.cost.offload import chunk_offload_bytes, in_order_misses
 from minipar.optim import AdamW
 from minipar.parallel.offload import ChunkManager
 from minipar.parallel.offload.chunks import State
-from minipar.tiers import DeviceOutOfMemory, Tiers
+from minipar.tiers import DeviceOutOfMemory, NotOnDevice, Tiers
 
 
 def reference(c: dict) -> tuple[dict[str, np.ndarray], int]:
@@ -252,3 +252,19 @@ def test_model_states_over_8x_the_device_budget_train_alike():
     for name, value in cm.state_dict().items():
         np.testing.assert_array_equal(value, want[name], err_msg=name)
     assert tiers.peak_device_bytes <= device_budget
+
+
+def test_compute_needs_the_chunk_on_the_device_and_a_larger_batch_than_warmup_is_refused():
+    """After the step every chunk is on the CPU: compute on a parameter there is refused. A batch with
+    more rows than warm-up's would need more activation memory than the replayed reservation."""
+    c = config("chunks", 1, steps=1)
+    tiers = Tiers(1 << 20)
+    model = build(c)
+    cm = ChunkManager(model, tiers, 64)
+    x, y = batch(c, 0)
+    cm.backward(cm.loss(x, y))
+    cm.step()
+    with pytest.raises(NotOnDevice):
+        tiers.require_device(model.head.weight)
+    with pytest.raises(RuntimeError, match="exceed the warm-up"):
+        cm.backward(cm.loss(np.concatenate([x, x]), np.concatenate([y, y])))

@@ -35,7 +35,8 @@ each module's forward and before its backward: the bytes of the autograd graph m
 loss; minipar's engine frees nothing before backward ends, so backward's value is the whole graph).
 At each moment the manager holds exactly that many bytes on the device as one allocation named
 "non-model data" (measured in warm-up, replayed from the record later), so the chunks get the budget
-minus the activations of that moment, and ``Tiers`` enforces the sum. The activations that primitive
+minus the activations of that moment, and ``Tiers`` enforces the sum. The replay assumes the warm-up's
+batch shape: ``backward`` measures the whole graph and refuses one larger than warm-up's. The activations that primitive
 ops capture in closures (``cross_entropy``'s softmax, ``relu``'s mask) are not seen
 (``held_buffers``' limit). A budget below one chunk raises ``DeviceOutOfMemory`` at construction;
 below what some moment needs (its activations plus its COMPUTE chunks, at least one chunk) it raises
@@ -327,6 +328,11 @@ class ChunkManager:
         """``loss.backward()``: chunks come back as their modules' backward needs them; every gradient
         lands in its tensor's place (HOLD_AFTER_BWD). The non-model reservation is released after."""
         self._loss = loss
+        if not self.warming_up and self.reserve:  # the replayed reservation must still cover the graph
+            now = memory.activation_bytes(loss, self._since)
+            if now > max(self.reserve):
+                raise RuntimeError(f"ChunkManager: this iteration's activations ({now} bytes) exceed the "
+                                   f"warm-up's ({max(self.reserve)}): the batch shape must stay as in warm-up")
         try:
             with trace.span("B"):
                 loss.backward()
