@@ -124,7 +124,7 @@ class ZeroInfinity:
         self._cursor = 0
         self._reads: dict[int, Future[np.ndarray]] = {}  # plan position -> NVMe read under way
         self._stale: list[Future[Any]] = []
-        self.log: list[tuple[str, str, int]] = []  # ("read" | "use", phase, unit index), in order: the schedule
+        self.log: list[tuple[str, str, int]] = []  # this pass's ("read" | "use", phase, unit index), in order
 
     # ---- set-up ---------------------------------------------------------------------------------
     def device_need(self) -> dict[str, int]:
@@ -185,7 +185,7 @@ class ZeroInfinity:
         self._discard_reads()
         fwd = [u.index for u in (self.last_order or self.units)]
         self._plan = [("F", i) for i in fwd] + [("B", i) for i in reversed(fwd)]
-        self._cursor = 0
+        self._cursor, self.log = 0, []
 
     def _fetch(self, unit: InfinityUnit, phase: str) -> np.ndarray:
         """This rank's shard of ``unit`` on the CPU: the read started ahead, else one now; first the
