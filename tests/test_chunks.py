@@ -233,6 +233,9 @@ def test_tensor_states_follow_forward_backward_and_step():
     assert {s.state for s in cm.slots} == {State.HOLD}
     cm.close()
     assert {s.state for s in cm.slots} == {State.FREE}
+    model.loss(x, y).backward()  # a plain model again: no hooks, gradients in .grad
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.a.seen[-2:] == [("forward", State.FREE), ("backward", State.FREE)]
 
 
 def test_model_states_over_8x_the_device_budget_train_alike():

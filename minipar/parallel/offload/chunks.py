@@ -174,9 +174,8 @@ class ChunkManager:
             self.chunks.append(chunk)
         self._slot_of = {id(s.param): s for s in self.slots}
         self.adam = AdamW([Tensor(s.master) for s in self.slots], lr, betas, eps, weight_decay)
-        for s in self.slots:
-            s.param.register_hook(self._on_grad_ready)
-        self._wrapped = [m for m in self._owners(module)]
+        self._hooks = [s.param.register_hook(self._on_grad_ready) for s in self.slots]
+        self._wrapped = self._owners(module)
         for m in self._wrapped:
             m.forward = self._wrap(m, m.forward)  # an instance attribute: the class's forward stays
         self.iteration = 0
@@ -374,7 +373,12 @@ class ChunkManager:
                 "cpu optimizer state": self.adam.state_bytes()}
 
     def close(self) -> None:
-        """Free the device: the chunks come to the CPU, the parameters keep views of them, FREE."""
+        """Free the device: the chunks come to the CPU, the parameters keep views of them (FREE: no
+        longer managed); the modules' forwards and the gradient hooks are removed."""
+        for m in self._wrapped:
+            vars(m).pop("forward", None)
+        for h in self._hooks:
+            h.remove()
         self._reserve(0)
         for chunk in self.chunks:
             if chunk.device is not None:
