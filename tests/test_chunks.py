@@ -60,7 +60,8 @@ def chunks_by_hand(sizes: list[int], chunk_size: int) -> int:
 
 
 def run(model: nn.Module, tiers: Tiers, chunk_size: int, policy: str, batches: list) -> tuple[ChunkManager, list]:
-    """Train through a ``ChunkManager``; per step the transfer bytes (up, down) and the device samples."""
+    """Train through a ``ChunkManager``; per step the transfer bytes (up, down), the largest "device"
+    sample and the last "cpu" sample."""
     cm = ChunkManager(model, tiers, chunk_size, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY)
     per_step = []
     with trace.recording(0) as rec:
@@ -71,7 +72,8 @@ def run(model: nn.Module, tiers: Tiers, chunk_size: int, policy: str, batches: l
             moves = [e for e in rec.events[start:] if e.kind == "transfer"]
             per_step.append((sum(e.nbytes for e in moves if e.args["dst"] == "device"),
                              sum(e.nbytes for e in moves if e.args["dst"] == "cpu"),
-                             max(e.nbytes for e in rec.events[start:] if e.kind == "memory" and e.name == "device")))
+                             max(e.nbytes for e in rec.events[start:] if e.kind == "memory" and e.name == "device"),
+                             [e.nbytes for e in rec.events[start:] if e.kind == "memory" and e.name == "cpu"][-1]))
     return cm, per_step
 
 
@@ -108,7 +110,7 @@ def test_chunks_train_to_the_plain_parameters_within_budget_moving_the_formulas_
     assert in_order_misses(n_chunks, c["fit"]) == misses
     expected = chunk_offload_bytes(chunk_bytes, misses)
     assert expected == {"cpu->device": chunk_bytes * misses, "device->cpu": chunk_bytes * misses}
-    for up, down, peak in per_step:
+    for up, down, peak, _ in per_step:
         assert (up, down) == (expected["cpu->device"], expected["device->cpu"])
         assert peak <= device_budget
     assert cm.state_bytes()["device chunks"] == 0 and tiers.device_bytes == 0
@@ -160,7 +162,7 @@ def test_warmup_order_moves_fewer_bytes_than_lru_on_a_reused_layer():
         assert len(cm.chunks) == 3 and tiers.peak_device_bytes <= acts + 2 * chunk_bytes
         for name, p in ref.named_parameters():
             np.testing.assert_array_equal(cm.state_dict()[name], p.data, err_msg=name)
-        moved[policy] = [(up // chunk_bytes, down // chunk_bytes) for up, down, _ in per_step]
+        moved[policy] = [(up // chunk_bytes, down // chunk_bytes) for up, down, _, _ in per_step]
     assert moved == {"lru": [(5, 5)] * 3, "warmup": [(5, 5), (4, 4), (4, 4)]}
 
 
@@ -248,8 +250,9 @@ def test_model_states_over_8x_the_device_budget_train_alike():
     device_budget = acts + 2 * 8 * 256
     assert 32 * psi >= 8 * device_budget
     tiers = Tiers(device_budget)
-    cm, _ = run(build(c), tiers, 256, "warmup", [batch(c, i) for i in range(c["steps"])])
+    cm, per_step = run(build(c), tiers, 256, "warmup", [batch(c, i) for i in range(c["steps"])])
     n_chunks = chunks_by_hand(list(param_sizes(c).values()), 256)
+    assert [cpu for *_, cpu in per_step] == [2 * 2048 * n_chunks + 16 * psi] * c["steps"]  # chunks, master, m, v
     assert cm.state_bytes() == {"device chunks": 0, "cpu chunks": 2048 * n_chunks,
                                 "cpu master parameters": 2048 * n_chunks, "cpu optimizer state": 16 * psi}
     for name, value in cm.state_dict().items():

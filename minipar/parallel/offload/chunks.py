@@ -54,6 +54,8 @@ Usage (one rank): ``cm = ChunkManager(model, tiers, chunk_size, policy="warmup")
 ``loss = cm.loss(x, y)`` (or ``model.loss`` / ``model(x)`` directly: the hooks are on the modules),
 ``cm.backward(loss)``, ``cm.step()``; ``cm.state_dict()`` reads the master copy; ``cm.close()``.
 Not supported: gradient accumulation (a forward after backward without a step is refused), N > 1.
+Trace: spans "F", "B", "opt"; the tiers' "transfer" events and "device" samples; a "non-model data"
+sample when the reservation changes, a "cpu" sample (``state_bytes``' cpu entries) after each move.
 """
 
 from __future__ import annotations
@@ -308,12 +310,19 @@ class ChunkManager:
         chunk.device = self.tiers.to_device(chunk.name, chunk.cpu)
         chunk.cpu = None
         chunk.point()
+        self._sample()
 
     def _down(self, chunk: Chunk) -> None:
         chunk.cpu = self.tiers.to_cpu(chunk.name)
         self.tiers.free(chunk.name)
         chunk.device = None
         chunk.point()
+        self._sample()
+
+    def _sample(self) -> None:
+        """A "cpu" memory sample: the host bytes now (the device pool samples itself)."""
+        if trace.current() is not None:
+            trace.memory("cpu", sum(v for k, v in self.state_bytes().items() if k.startswith("cpu")))
 
     # ---- a training step ------------------------------------------------------------------------------
     _loss: Tensor | None = None
@@ -357,6 +366,7 @@ class ChunkManager:
         if self.warming_up:
             self.policy.learn(self.uses)
         self._reserve(0)
+        self._sample()
         self.iteration += 1
         self._reset_iteration()
 
