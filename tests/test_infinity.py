@@ -24,6 +24,7 @@ nvme->cpu 40 s, cpu->nvme 24 s, cpu->device 16 s, device->cpu 8 s. GPT(vocab 5, 
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
 
 import numpy as np
@@ -39,7 +40,23 @@ from minipar.cost.offload import zero_infinity_bytes, zero_infinity_device_need
 from minipar.parallel.offload import ZeroInfinity
 from minipar.parallel.zero import FullyShardedDataParallel
 from minipar.testing import run_each
-from minipar.tiers import DeviceOutOfMemory, Tiers
+from minipar.tiers import DeviceOutOfMemory, Tiers, nvme
+
+
+@pytest.fixture(autouse=True)
+def _one_npy_read_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython 3.11.7's parser is not thread-safe: ``np.load`` parses each ``.npy`` header with
+    ``ast.literal_eval``, and two NVMe threads doing so at once can raise "SystemError: AST constructor
+    recursion depth mismatch" (CPython gh-106905). Serialise the reads of every rank's NVMe threads
+    here; under mpiexec each rank reads on one thread (``workers=1``). The fix belongs in
+    ``minipar.tiers.nvme`` (reported)."""
+    lock, read = threading.Lock(), nvme._read_file
+
+    def locked(path: str) -> np.ndarray:
+        with lock:
+            return read(path)
+
+    monkeypatch.setattr(nvme, "_read_file", locked)
 
 
 def model_of(c: dict, precision: str) -> nn.GPT:
@@ -82,7 +99,7 @@ def infinity_run(comm, c: dict, base: str, depth: int = 1, budget: int = 1 << 30
     largest sample, the files before and after ``close``, and the prefetch log of the first step.
     ``poison_at``: rank N-1's loss is infinite at that step (float16 gradients overflow)."""
     directory = os.path.join(base, f"rank{comm.rank}")
-    tiers = Tiers(budget, directory)
+    tiers = Tiers(budget, directory, workers=1)  # one reader thread: see _one_npy_read_at_a_time
     inf = ZeroInfinity(model_of(c, precision), comm, tiers, prefetch_depth=depth, lr=LR,
                        weight_decay=WEIGHT_DECAY, precision=precision)
     per_step, logs, mine = [], [], rows(c, comm.rank)
@@ -94,6 +111,7 @@ def infinity_run(comm, c: dict, base: str, depth: int = 1, budget: int = 1 << 30
             per_step.append(moved(rec.events[start:]))
             logs.append(list(inf.log))
     samples = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "device"]
+    cpu = [e.nbytes for e in rec.events if e.kind == "memory" and e.name == "cpu"]
     final = inf.full_state_dict()
     files = (len(os.listdir(directory)), sum(tiers.resident("nvme").values()))
     inf.close()
@@ -101,6 +119,7 @@ def infinity_run(comm, c: dict, base: str, depth: int = 1, budget: int = 1 << 30
     tiers.close()
     return {"final": final, "per_step": per_step, "peak": tiers.peak_device_bytes, "max_sample": max(samples),
             "files": files, "after_close": after_close, "dir_left": os.path.exists(directory), "log": logs[0],
+            "cpu": (max(cpu), cpu[-1]),
             "skipped": inf.skipped, "need": inf.device_need()}
 
 
@@ -128,6 +147,7 @@ def check(c: dict, got: list[dict], fsdp: list[dict] | None, precision: str = "f
             assert_equal(g["final"], fsdp[r])  # moves are copies: bit for bit
         assert g["need"]["total"] == need and g["peak"] == g["max_sample"] == need
         assert g["per_step"] == [by_hand] * c["steps"]
+        assert g["cpu"] == (by_hand["device->cpu"], 0)  # every gradient partition waits on the CPU for the step
         # on disk: param, m, v (+ the fp32 master) per unit; then nothing left, the directory gone
         kinds = 3 if precision == "fp64" else 4
         shard_bytes = sum(padded(n, c["world"]) for n in unit_sizes(c)) // c["world"]

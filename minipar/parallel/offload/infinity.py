@@ -252,6 +252,7 @@ class ZeroInfinity:
         unit.grad = down if unit.grad is None else unit.grad + down
         unit.ready.clear()
         unit.reduced = True
+        self._sample()
 
     def backward(self, loss: Tensor) -> None:
         """Backward from ``scale(loss)``; each unit is reduced as soon as its gradients are complete,
@@ -298,6 +299,7 @@ class ZeroInfinity:
                 writes += [self.tiers.write_nvme(u.key(k), a, copy=False) for k, a in zip(kinds, (master, m, v))]
             for w in writes:
                 w.result()
+            self._sample()
             if self.precision == "mixed":
                 self.clean_steps += 1
                 self.loss_scale *= 2 if self.clean_steps % self.growth_interval == 0 else 1
@@ -316,9 +318,21 @@ class ZeroInfinity:
             return False
         for u in self.units:
             u.grad = None
+        self._sample()
         self.loss_scale, self.clean_steps, self.skipped = self.loss_scale / 2, 0, self.skipped + 1
         trace.mark("overflow: step skipped", loss_scale=self.loss_scale)
         return True
+
+    def cpu_bytes(self) -> int:
+        """Host bytes this object holds between uses: the gradient partitions waiting for the step
+        (the shards and states passing through are not counted: each lives from its read to its
+        use or write, at most ``prefetch_depth + 1`` units of them)."""
+        return sum(u.grad.nbytes for u in self.units if u.grad is not None)
+
+    def _sample(self) -> None:
+        """A "cpu" memory sample (the device and NVMe tiers sample themselves)."""
+        if trace.current() is not None:
+            trace.memory("cpu", self.cpu_bytes())
 
     # ---- whole values and cleanup -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, np.ndarray]:
