@@ -26,15 +26,21 @@ precision). 4. The device: budget = ``offload_device_need``, the measured peak, 
 leaves off the device, and the ``DeviceOutOfMemory`` a budget one byte short raises (every rank,
 before anything is placed). 5. Step time with and without DPU, measured and modelled (compute
 measured, moves at the model's PCIe bandwidth, the CPU step serial or hidden behind forward and
-backward). The HTML report draws every tier's bytes over time per rank and the transfers as links
-between the tiers (``viz.tiers``). Writes runs/07_offload/*.json and report.html.
+backward). 6. ZeRO-Infinity (parameters and optimizer state on NVMe, one unit at a time on the device):
+the same parameters, bytes per step by tier vs ``zero_infinity_bytes``. 7. PatrickStar's chunks on one
+rank: bytes per step evicting by recency (LRU) or by the warm-up's order, on the GPT (alike) and on a
+model that reuses its first layer (the order wins), and the device budget each method needs
+(``infinity_chunks.py``). The HTML report draws every tier's bytes over time per rank and the
+transfers as links between the tiers (``viz.tiers``). Writes runs/07_offload/*.json and report.html.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +67,10 @@ MIXED_SCALE = 2.0**10  # fp16 loss x S must stay under fp16's 65,504 (lesson 6)
 TOUR_ITEMS = 1 << 17  # the tour's tensor: 1 MiB of float64
 BANDWIDTH = Bandwidth()  # PCIe 16 GB/s, NVMe read 3 GB/s, write 2 GB/s
 OUT = Path("runs/07_offload")
+_spec = importlib.util.spec_from_file_location("lessons.l07_part2", Path(__file__).with_name("infinity_chunks.py"))
+part2 = importlib.util.module_from_spec(_spec)  # ZeRO-Infinity and PatrickStar's chunks (infinity_chunks.py)
+_spec.loader.exec_module(part2)
+TITLES = {"infinity": "ZeRO-Infinity", "tour": "memory tiers (tour)"}
 RUNS = {"zero2": "ZeRO-2, in device memory", "offload": "ZeRO-Offload", "mixed": "ZeRO-Offload, mixed precision",
         "dpu": "ZeRO-Offload + DPU"}
 
@@ -174,11 +184,15 @@ def too_small(comm: Any) -> str:
 
 
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
-    """The tour and the four training runs (traces under ``out``), and the too-small budget's message."""
+    """The tour, the four training runs, ZeRO-Infinity and the chunks (traces under ``out``), and the
+    too-small budget's message."""
     results: dict[str, Any] = {"tour": tour(comm, out / "tiers.json", out)}
     for run in RUNS:
         results[run] = train(comm, run, steps, out / f"{run}.json")
     results["oom"] = comm.allgather_object(too_small(comm))
+    me = sys.modules[__name__]
+    results["infinity"] = part2.train_infinity(me, comm, steps, out / "infinity.json", out)
+    results["chunks"] = part2.train_chunks(me, comm, steps, out)
     return results
 
 
@@ -315,10 +329,31 @@ def run(comm: Any, steps: int) -> None:
     console.print(f"DPU on rank 0: {inside:.2f} of {total:.2f} ms of CPU AdamW ran inside forward/backward spans. "
                   "losses with DPU " + " ".join(f"{v:.6f}" for v in results["dpu"]["losses"])
                   + " (from step 1 on, one update behind).", highlight=False)
+    beyond(console, results, n)
     console.rule("[bold]the ZeRO-Offload run's timeline")
-    order = ("offload", "dpu", "mixed", "zero2", "tour")  # the report draws the first one's tiers at the top
-    finish([results[r]["trace"] for r in order], OUT / "report.html", console, timeline=results["offload"]["trace"],
-           titles=[RUNS.get(r, "memory tiers (tour)") for r in order])
+    order = ("offload", "dpu", "mixed", "infinity", "zero2", "tour")  # the report draws the first one's tiers on top
+    loops = [results["chunks"][("loop", p)]["trace"] for p in ("lru", "warmup")]
+    finish([*(results[r]["trace"] for r in order), *loops], OUT / "report.html", console,
+           timeline=results["offload"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
+                                                         "chunks, reused layer, LRU", "chunks, reused layer, warm-up"])
+
+
+def beyond(console: Any, results: dict[str, Any], n: int) -> None:
+    """Sections 6 and 7: ZeRO-Infinity, PatrickStar's chunks, and the three methods' device budgets."""
+    inf, zero2 = results["infinity"], results["zero2"]
+    console.rule("[bold]6. ZeRO-Infinity: parameters and optimizer state on NVMe, one unit at a time on the device")
+    diff = max(float(np.abs(inf["params"][k] - zero2["params"][k]).max()) for k in zero2["params"])
+    console.print(f"losses {' '.join(f'{v:.12f}' for v in inf['losses'])}; parameters vs ZeRO-2: largest difference "
+                  f"{diff:g}.", highlight=False)
+    console.print(part2.infinity_table(inf, n))
+    console.rule("[bold]7. PatrickStar chunks: evict by recency (LRU) or by the order recorded in warm-up")
+    console.print(part2.chunks_table(results["chunks"]))
+    gpt = results["chunks"][("GPT", "warmup")]
+    console.print(f"device budget per rank: ZeRO-Offload {results['offload']['budget']:,} bytes (every parameter, a "
+                  f"bucket of gradients, an upload), ZeRO-Infinity {inf['budget']:,} (the largest unit and its "
+                  f"gradients: 2 max L), chunks {gpt['budget']:,} on one rank (the activations, {gpt['acts']:,}, "
+                  f"plus {gpt['fit']} chunks); measured peaks {results['offload']['peak']:,}, {inf['peak']:,}, "
+                  f"{gpt['peak']:,}.", highlight=False)
 
 
 def main() -> None:
