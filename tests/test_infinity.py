@@ -36,6 +36,7 @@ from test_zero_offload import assert_close_to, assert_equal, poisoned, reference
 from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, padded, rows, unit_sizes
 
 from minipar import launch, nn, trace
+from minipar.autograd import Tensor
 from minipar.cost.offload import zero_infinity_bytes, zero_infinity_device_need
 from minipar.parallel.offload import ZeroInfinity
 from minipar.parallel.zero import FullyShardedDataParallel
@@ -45,9 +46,10 @@ from minipar.tiers import DeviceOutOfMemory, Tiers, nvme
 
 @pytest.fixture(autouse=True)
 def _one_npy_read_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPython 3.11.7's parser is not thread-safe: ``np.load`` parses each ``.npy`` header with
-    ``ast.literal_eval``, and two NVMe threads doing so at once can raise "SystemError: AST constructor
-    recursion depth mismatch" (CPython gh-106905). Serialise the reads of every rank's NVMe threads
+    """CPython 3.11.7's AST construction is not thread-safe: ``np.load`` parses each ``.npy`` header
+    with ``ast.literal_eval``, and two NVMe threads doing so at once raised, about one run in five here,
+    "SystemError: AST constructor recursion depth mismatch" (the same error as python/cpython#106905:
+    the depth counter is shared by the interpreter's threads). Serialise the reads of every rank's NVMe threads
     here; under mpiexec each rank reads on one thread (``workers=1``). The fix belongs in
     ``minipar.tiers.nvme`` (reported)."""
     lock, read = threading.Lock(), nvme._read_file
@@ -197,6 +199,42 @@ def test_prefetch_depth_reads_ahead(tmp_path) -> None:
         assert [e[1:] for e in log if e[0] == "use"] == schedule
         assert [sum(e[0] == "read" for e in log[:at]) for at in uses] == [min(k + 1 + depth, 12) for k in range(12)]
         assert [e[1:] for e in log if e[0] == "read"] == [e[1:] for e in log if e[0] == "use"]
+
+
+class Twice(nn.Module):
+    """A unit used twice in one forward: ``head(lin(lin(x)))`` (units ``lin``, 3 x 3 + 3 = 12
+    parameters, and ``head``, 3 x 2 + 2 = 8)."""
+
+    def __init__(self, seed: int = 3) -> None:
+        self.seed = seed
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: np.ndarray) -> Tensor:
+        return self.head(self.lin(self.lin(x)))
+
+
+def twice_run(comm, mode: str, base: str) -> dict[str, np.ndarray]:
+    with nn.deferred():
+        model = Twice()
+    x = np.random.default_rng(0).normal(size=(4, 3))[comm.rank * 4 // comm.size:(comm.rank + 1) * 4 // comm.size]
+    if mode == "fsdp":
+        wrapper = FullyShardedDataParallel(model, comm)
+    else:  # the budget: lin gathered beside its gradients, 2 x 8 x 12 bytes
+        wrapper = ZeroInfinity(model, comm, Tiers(2 * 8 * 12, os.path.join(base, f"rank{comm.rank}"), workers=1))
+    for _ in range(2):
+        out = model(x)
+        wrapper.backward((out * out).sum() * (1.0 / comm.size))
+        wrapper.step()
+    return wrapper.full_state_dict()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_unit_used_twice_equals_fsdp(world: int, tmp_path) -> None:
+    """Backward reaches ``lin`` twice; it stays gathered until its gradients are complete (both uses)."""
+    got, want = launch(twice_run, world, mode="infinity", base=str(tmp_path)), launch(twice_run, world, mode="fsdp",
+                                                                                       base=str(tmp_path))
+    for g, w in zip(got, want, strict=True):
+        assert_equal(g, w)
 
 
 # ---- the budget ---------------------------------------------------------------------------------

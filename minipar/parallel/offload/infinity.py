@@ -211,7 +211,10 @@ class ZeroInfinity:
         return self.tiers.read_nvme(self.units[index].key("param"))
 
     def _unshard(self, unit: InfinityUnit, phase: str) -> None:
-        """NVMe -> CPU (this rank's shard only) -> device, all-gathered there; the parameters views of it."""
+        """NVMe -> CPU (this rank's shard only) -> device, all-gathered there; the parameters views of it
+        (nothing to do if the unit is still gathered: a unit run twice, backward reaching it again)."""
+        if unit.full is not None:
+            return
         host = self._fetch(unit, phase)
         if self.comm.size == 1:
             unit.full = self.tiers.to_device(unit.key("gathered"), host)
