@@ -18,6 +18,7 @@ that reuses its first layer at the end is where the recorded order wins.
 from __future__ import annotations
 
 import os
+import statistics
 from functools import reduce
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +35,7 @@ from minipar.cost.offload import chunk_offload_bytes, in_order_misses, zero_infi
 from minipar.parallel.ddp import local_batch
 from minipar.parallel.offload import ChunkManager, ZeroInfinity
 from minipar.tiers import Tiers
-from viz.tiers import per_step_moves
+from viz.tiers import moves, per_step_moves
 
 CHUNK = 4096  # elements per chunk (32 KiB in float64): the largest tensor (a block's qkv, 3,072) fits
 FIT = 3  # chunks that fit beside the activations at the start of backward
@@ -167,4 +168,39 @@ def chunks_table(results: dict[tuple[str, str], dict[str, Any]]) -> Table:
                       f"{r['acts']:,} + {r['fit']} x {r['chunk_bytes']:,}",
                       f"{r['peak']:,}", " ".join(f"{s.get('cpu->device', 0):,}" for s in steps),
                       f"{next(iter(want.values())):,}")
+    return table
+
+
+def step_time(trace: mtrace.Trace, rank: int = 0) -> dict[str, float]:
+    """Medians over steps 1.. (between consecutive "step" / "flush" marks on ``rank``): the step's wall
+    time and its moves' measured and modelled seconds."""
+    marks = sorted(e.t0 for e in trace.select("mark", rank=rank) if e.name in ("step", "flush"))
+    windows = list(zip(marks[1:-1], marks[2:], strict=True))
+    mine = moves(trace, rank)
+
+    def median(value: Any) -> float:
+        return statistics.median(sum(value(e) for e in mine if a <= e.t0 < b) for a, b in windows)
+
+    return {"step": statistics.median(b - a for a, b in windows), "measured": median(lambda e: e.duration),
+            "modelled": median(lambda e: e.args["modelled_s"])}
+
+
+def budget_table(lesson: ModuleType, results: dict[str, Any]) -> Table:
+    """Each method's device budget beside its step time on rank 0, and the time of its moves per step."""
+    table = Table(title="device budget vs step time on rank 0 (ms; medians of steps 1..)", title_justify="left",
+                  caption="moves modelled: the Bandwidth model (PCIe 16 GB/s, NVMe 3 GB/s read, 2 GB/s write); "
+                          "measured: memory copies and fsync'ed files on this machine (NVMe's many small fsync'ed "
+                          "files cost far more than the model's bandwidth says). ZeRO-2's row: the model states it "
+                          "keeps on the device, its need. Chunks: one rank, half the global batch.",
+                  caption_justify="left")
+    for col in ("method", "device budget", "step", "moves measured", "moves modelled"):
+        table.add_column(col, justify="right")
+    zero2 = sum(lesson.zero_formulas.zero_state_bytes(results["zero2"]["numels"], 2, len(results["oom"])).values())
+    rows = [("ZeRO-2, in device memory", zero2, results["zero2"]), ("ZeRO-Offload", None, results["offload"]),
+            ("ZeRO-Offload + DPU", None, results["dpu"]), ("ZeRO-Infinity", None, results["infinity"]),
+            ("chunks (GPT, warm-up order)", None, results["chunks"][("GPT", "warmup")])]
+    for name, budget, res in rows:
+        t = step_time(mtrace.load(res["trace"]))
+        table.add_row(name, f"{budget if budget is not None else res['budget']:,}", f"{t['step'] * 1e3:.2f}",
+                      f"{t['measured'] * 1e3:.3f}", f"{t['modelled'] * 1e3:.3f}")
     return table
