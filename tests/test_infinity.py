@@ -23,6 +23,7 @@ nvme->cpu 40 s, cpu->nvme 24 s, cpu->device 16 s, device->cpu 8 s. GPT(vocab 5, 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections import Counter
@@ -235,6 +236,49 @@ def test_unit_used_twice_equals_fsdp(world: int, tmp_path) -> None:
                                                                                        base=str(tmp_path))
     for g, w in zip(got, want, strict=True):
         assert_equal(g, w)
+
+
+def full_disk_run(comm, c: dict, base: str) -> tuple[str, bool, list[str]]:
+    """One step, then a disk that refuses every write: the second step's error, whether the files
+    still hold the first step's state, and the directory's entries (no temporaries left)."""
+    directory = os.path.join(base, f"rank{comm.rank}")
+    tiers = Tiers(1 << 30, directory, workers=1)
+    inf = ZeroInfinity(model_of(c, "fp64"), comm, tiers, lr=LR, weight_decay=WEIGHT_DECAY)
+    for i in range(2):
+        x, y = batch(c, i)
+        inf.backward(inf.loss(x, y))
+        if i == 0:
+            inf.step()
+            before = inf.full_state_dict()
+            continue
+        real = nvme._write_file
+
+        def full(path: str, array: np.ndarray) -> None:
+            with open(path, "wb") as fh:  # a partial temporary, as a full disk leaves it
+                fh.write(b"\x93NUMPY")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        nvme._write_file = full
+        try:
+            inf.step()
+            msg = "stepped"
+        except OSError as exc:
+            msg = str(exc)
+        finally:
+            nvme._write_file = real
+    after = inf.full_state_dict()
+    same = all(np.array_equal(after[k], before[k]) for k in before)
+    entries = sorted(os.listdir(directory))
+    tiers.close(delete=True)
+    return msg, same, entries
+
+
+def test_full_disk_in_the_step_keeps_the_previous_state(tmp_path) -> None:
+    c = config("infinity", 1)
+    msg, same, entries = launch(full_disk_run, 1, c=c, base=str(tmp_path))[0]
+    assert "disk full (ENOSPC)" in msg and "'unit0/param'" in msg and "(160 bytes)" in msg  # tok_emb: 20 x 8
+    assert same  # every file still holds step 1's values (writes go to a temporary, then rename)
+    assert len(entries) == 3 * 6 and not any(e.startswith(".") for e in entries)
 
 
 # ---- the budget ---------------------------------------------------------------------------------

@@ -36,7 +36,13 @@ raises ``DeviceOutOfMemory`` on every rank (same message, nothing sent, no file 
 flattened) and the collectives' temporaries are not charged. The parameters are empty arrays
 outside their unit's forward and backward; compute checks that they are device-resident.
 
-Trace: spans "F" (per unit), "B", "opt"; the tiers' "transfer" events and memory samples.
+A failed NVMe write (a full disk, a vanished directory) makes ``step`` raise the tiers' error, naming
+the file and the bytes, once every write of the step has finished: each failed file keeps its
+previous contents (``minipar.tiers.nvme`` writes a temporary and renames it), but the files that did
+succeed hold the new state: a step is not atomic across files (no manifest, no second copy).
+
+Trace: spans "F" (per unit), "B", "opt"; the tiers' "transfer" events, "device" and "nvme" memory
+samples, and a "cpu" sample (the gradient partitions) after each change of them.
 """
 
 from __future__ import annotations
@@ -300,8 +306,9 @@ class ZeroInfinity:
                 if self.precision == "mixed":
                     writes.append(self.tiers.write_nvme(u.key("param"), master.astype(self.dtype), copy=False))
                 writes += [self.tiers.write_nvme(u.key(k), a, copy=False) for k, a in zip(kinds, (master, m, v))]
-            for w in writes:
-                w.result()
+            errors = [e for e in (w.exception() for w in writes) if e is not None]  # waits for every write
+            if errors:  # each failed file keeps its previous state (tiers.nvme); the step is not atomic across files
+                raise errors[0]
             self._sample()
             if self.precision == "mixed":
                 self.clean_steps += 1
