@@ -281,6 +281,32 @@ def test_full_disk_in_the_step_keeps_the_previous_state(tmp_path) -> None:
     assert len(entries) == 3 * 6 and not any(e.startswith(".") for e in entries)
 
 
+def test_cost_formulas_by_hand_and_refused_settings(tmp_path) -> None:
+    # units of 10 and 7 parameters on 4 ranks pad to 12 and 8: shards of 3 + 2 = 5 elements
+    assert zero_infinity_bytes([10, 7], dp=4) == {"nvme->cpu": 200, "cpu->nvme": 120, "cpu->device": 80,
+                                                  "device->cpu": 40}
+    assert zero_infinity_bytes([10, 7], dp=4, precision="mixed") == {"nvme->cpu": 80, "cpu->nvme": 70,
+                                                                     "cpu->device": 20, "device->cpu": 10}
+    assert zero_infinity_device_need([10, 7], dp=4, itemsize=2) == {"gathered unit": 24, "gradient buffer": 24,
+                                                                      "total": 48}
+    for bad in ({"dp": 0}, {"precision": "fp32"}):
+        with pytest.raises(ValueError):
+            zero_infinity_bytes([10], **bad)
+
+    def settings(comm) -> list[str]:
+        out = []
+        for tiers, depth in ((Tiers(1 << 20), 1), (Tiers(1 << 20, str(tmp_path / "d")), -1)):
+            try:
+                ZeroInfinity(model_of(config("infinity", 1), "fp64"), comm, tiers, prefetch_depth=depth)
+            except ValueError as exc:
+                out.append(str(exc))
+            tiers.close()
+        return out
+
+    no_disk, negative = launch(settings, 1)[0]
+    assert "give the Tiers an nvme_dir" in no_disk and "prefetch_depth=-1 must be >= 0" in negative
+
+
 # ---- the budget ---------------------------------------------------------------------------------
 def refused(comm, c: dict, base: str, budget: int) -> tuple[str, int, list[str]]:
     """The message (or "accepted"), the messages sent, the files written."""
