@@ -58,7 +58,7 @@ def train_infinity(lesson: ModuleType, comm: Any, steps: int, trace_path: str | 
     meta = {"paradigm": "ZeRO-Infinity", "time_unit": "s",
             "config": {"N": comm.size, "device budget": budget, "prefetch depth": depth, "units": units}}
     losses = []
-    with Tiers(budget, out / "nvme_infinity" / f"rank{comm.rank}", lesson.BANDWIDTH) as tiers:
+    with Tiers(budget, out / "nvme_infinity" / f"rank{comm.rank}", lesson.BANDWIDTH, lesson.NVME_WORKERS) as tiers:
         with mtrace.record(trace_path, comm, **meta):
             inf = ZeroInfinity(net, comm, tiers, prefetch_depth=depth, lr=lesson.LR)
             for step, (x, y) in enumerate(lesson.batches(steps)):

@@ -66,6 +66,7 @@ CAP = 32 * 1024  # bytes per bucket: the GPT's 158 KB of float64 gradients make 
 MIXED_SCALE = 2.0**10  # fp16 loss x S must stay under fp16's 65,504 (lesson 6)
 TOUR_ITEMS = 1 << 17  # the tour's tensor: 1 MiB of float64
 BANDWIDTH = Bandwidth()  # PCIe 16 GB/s, NVMe read 3 GB/s, write 2 GB/s
+NVME_WORKERS = 1  # I/O threads per rank: np.load's header parsing is not thread-safe in CPython 3.11 (gh-106905)
 OUT = Path("runs/07_offload")
 _spec = importlib.util.spec_from_file_location("lessons.l07_part2", Path(__file__).with_name("infinity_chunks.py"))
 part2 = importlib.util.module_from_spec(_spec)  # ZeRO-Infinity and PatrickStar's chunks (infinity_chunks.py)
@@ -97,7 +98,7 @@ def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path 
     x = np.random.default_rng(comm.rank).standard_normal(TOUR_ITEMS)
     with mtrace.record(trace_path, comm, paradigm="memory tiers (tour)", time_unit="s",
                        config={"items": TOUR_ITEMS, "bandwidth": vars(BANDWIDTH)}), \
-            Tiers(2 * x.nbytes, out / "nvme" / f"rank{comm.rank}", BANDWIDTH) as tiers:
+            Tiers(2 * x.nbytes, out / "nvme" / f"rank{comm.rank}", BANDWIDTH, NVME_WORKERS) as tiers:
         tiers.to_device("x", x)
         host = tiers.to_cpu("x")
         tiers.free("x")
