@@ -39,9 +39,23 @@ def _write_file(path: str, array: np.ndarray) -> None:
         os.fsync(fh.fileno())
 
 
+_HEADER = threading.Lock()  # np.load parses a .npy header with ``ast``, not thread-safe in CPython 3.11 (gh-106905)
+
+
 def _read_file(path: str) -> np.ndarray:
+    """A ``.npy`` file's array: the header parsed under a lock (the I/O threads read at once), the
+    data read without it."""
     with open(path, "rb") as fh:
-        return np.load(fh, allow_pickle=False)
+        with _HEADER:
+            version = np.lib.format.read_magic(fh)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(fh)
+        count = int(np.prod(shape, dtype=np.int64))
+        data = np.fromfile(fh, dtype=dtype, count=count)
+    if data.size != count:
+        raise OSError(f"{path}: {data.size} of {count} elements on disk (a truncated file)")
+    return data.reshape(shape, order="F" if fortran else "C")
 
 
 def _remove(path: str) -> None:
