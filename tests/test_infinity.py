@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections import Counter
 
 import numpy as np
@@ -43,23 +42,6 @@ from minipar.parallel.offload import ZeroInfinity
 from minipar.parallel.zero import FullyShardedDataParallel
 from minipar.testing import run_each
 from minipar.tiers import DeviceOutOfMemory, Tiers, nvme
-
-
-@pytest.fixture(autouse=True)
-def _one_npy_read_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPython 3.11.7's AST construction is not thread-safe: ``np.load`` parses each ``.npy`` header
-    with ``ast.literal_eval``, and two NVMe threads doing so at once raised, about one run in five here,
-    "SystemError: AST constructor recursion depth mismatch" (the same error as python/cpython#106905:
-    the depth counter is shared by the interpreter's threads). Serialise the reads of every rank's NVMe threads
-    here; under mpiexec each rank reads on one thread (``workers=1``). The fix belongs in
-    ``minipar.tiers.nvme`` (reported)."""
-    lock, read = threading.Lock(), nvme._read_file
-
-    def locked(path: str) -> np.ndarray:
-        with lock:
-            return read(path)
-
-    monkeypatch.setattr(nvme, "_read_file", locked)
 
 
 def model_of(c: dict, precision: str) -> nn.GPT:
@@ -102,7 +84,7 @@ def infinity_run(comm, c: dict, base: str, depth: int = 1, budget: int = 1 << 30
     largest sample, the files before and after ``close``, and the prefetch log of the first step.
     ``poison_at``: rank N-1's loss is infinite at that step (float16 gradients overflow)."""
     directory = os.path.join(base, f"rank{comm.rank}")
-    tiers = Tiers(budget, directory, workers=1)  # one reader thread: see _one_npy_read_at_a_time
+    tiers = Tiers(budget, directory, workers=2)  # two I/O threads: reads of one rank overlap
     inf = ZeroInfinity(model_of(c, precision), comm, tiers, prefetch_depth=depth, lr=LR,
                        weight_decay=WEIGHT_DECAY, precision=precision)
     per_step, logs, mine = [], [], rows(c, comm.rank)
