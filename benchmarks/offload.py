@@ -9,10 +9,10 @@ written and read back under ``--dir`` (default ``runs/bench_offload``, on the re
 each array, an ``.npy`` written to a temporary file, fsync'ed, renamed into place; every future waited
 for) and, side by side, by a plain loop: ``np.save`` into an open file plus ``fsync``, then ``np.load``,
 one array after the other. Both take turns round by round; median MB/s (10^6 bytes) over ``--rounds``.
-With two I/O threads a read can fail now and then on CPython 3.11 (np.load parses the ``.npy``
-header with ``ast.literal_eval``, not thread-safe there: gh-106905) until ``minipar.tiers.nvme``
-serialises it; ``--workers 1`` avoids it. The reads come from the page cache for both (the files
-were just written; dropping it needs root): they measure the code path, not the device.
+The tier parses ``.npy`` headers under a lock (``ast`` is not thread-safe in CPython 3.11,
+gh-106905) and reads the data without it, so ``--workers`` > 1 is safe. The reads come from the
+page cache for both (the files were just written; dropping it needs root): they measure the code
+path, not the device.
 
 Step time (both ranks): the tiny benchmark GPT of ``benchmarks/zero.py`` (float64, Psi = 3.4 M) under
 ``ZeroDataParallel`` stage 2 (everything in memory) and ``ZeroOffload`` (device budget exactly
