@@ -134,9 +134,9 @@ def activation_terms(method: str, b: int, s: int, h: int, n_heads: int, d_ff: in
     its input, ``_Gelu`` its input, ``_Attention`` q, k, v and the softmax, ``RingAttention`` q, k,
     v, its output and the log-sum-exp; the all-to-alls keep nothing. With ``n = b s/P`` positions:
 
-    - ln1 output (q k v input), ``n h e``; q, k, v (three linears), ``3 n h e``;
-    - Ulysses and hybrid: q, k, v after the all-to-all ((b, s/P_r, h/P_u): the same ``3 n h e``),
-      which the graph keeps beside the ones before it;
+    - ln1 output (q k v input), ``n h e``; q, k, v (three linears), ``3 n h e``; Ulysses and
+      hybrid: the same ``3 n h e`` after the all-to-all ((b, s/P_r, h/P_u)), projected and sent in
+      one op (``comm_ops.linear_seq_to_heads``), so not kept before it;
     - Ulysses: the softmax ``b (H/P) s^2 e``; ring and hybrid: the log-sum-exp ``b (H/P_u)(s/P_r) e``
       (``= b H s e / P``) instead of any score matrix;
     - attention output ``n h e``; Ulysses and hybrid: the output after the all-to-all back, ``n h e``;
@@ -147,15 +147,14 @@ def activation_terms(method: str, b: int, s: int, h: int, n_heads: int, d_ff: in
     Every term is ``1/P`` of the method's own one-process value (the softmax too: ``H/P`` heads).
     Against ``nn.Block`` on one process (``10 b s h e + 2 b s d_ff e + b H s^2 e``) the ring keeps
     ``1/P`` of everything but the score matrix, which it replaces by the log-sum-exp; Ulysses keeps
-    ``4 b s h e / P`` more (the all-to-alls' copies)."""
+    ``b s h e / P`` more (the attention output before and after its all-to-all back)."""
     pu, pr = _grid(method, p, ulysses)
     e = itemsize
     n = b * _split(s, p, "s")
     heads = _split(n_heads, pu, "n_heads")
     act = n * h * e
-    terms = {"ln1 output (q k v input)": act, "q k v": 3 * act}
-    if method != "ring":
-        terms["q k v after the all-to-all"] = 3 * act
+    terms = {"ln1 output (q k v input)": act}
+    terms["q k v" if method == "ring" else "q k v after the all-to-all"] = 3 * act
     if method == "ulysses":
         terms["softmax"] = b * heads * s * s * e
     else:

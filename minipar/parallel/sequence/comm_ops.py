@@ -68,6 +68,30 @@ class heads_to_seq(Function):  # Ulysses' second all-to-all (the attention outpu
         return _seq_to_heads(grad, ctx.comm), None
 
 
+class linear_seq_to_heads(Function):  # a q, k or v projection fused with Ulysses' first all-to-all
+    """``seq_to_heads(x W + b)``: the projection of this rank's positions, sent to the ranks owning
+    its heads. Keeps ``x`` (the layer norm's output, kept anyway) and the weight, not the projection
+    before the all-to-all, which nothing in backward needs (PyTorch frees such a tensor; here it is
+    never a node). Backward: the gradient's all-to-all back, then the linear's two GEMMs."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                comm: Communicator) -> np.ndarray:
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        y = x.reshape(-1, x.shape[-1]) @ weight
+        if bias is not None:
+            y += bias
+        return _seq_to_heads(y.reshape(*x.shape[:-1], weight.shape[1]), comm)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        x, weight = ctx.saved
+        g = _heads_to_seq(grad, ctx.comm)
+        rows, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, weight.shape[1])
+        return ((g @ weight.T).reshape(x.shape), rows.T @ g, g.sum(axis=0) if ctx.has_bias else None, None)
+
+
 def pass_on(comm: Communicator, array: np.ndarray, tag: int, op: str, step: int, block: int) -> Both:
     """Ring Attention's hand-off: post the receive of the next block from rank r-1, then send
     ``array`` (block ``block``, at ring step ``step``) to rank r+1; ``wait()`` gives the received one.

@@ -28,5 +28,12 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, ulysses: Com
     """Attention of (b, S/P, H d) shards: all-to-all over ``ulysses`` gathers ring block
     ``blocks[ring.rank]`` for H/P_u heads, Ring Attention runs over ``ring``, all-to-all back."""
     q, k, v = (seq_to_heads.apply(x, ulysses) for x in (q, k, v))
+    return hybrid_attention_on_heads(q, k, v, n_heads, ulysses, ring, blocks, causal)
+
+
+def hybrid_attention_on_heads(q: Tensor, k: Tensor, v: Tensor, n_heads: int, ulysses: Communicator,
+                              ring: Communicator, blocks: Sequence[Sequence[Piece]], causal: bool = True) -> Tensor:
+    """The same from q, k, v already all-to-all'ed into ring block ``blocks[ring.rank]``, H/P_u
+    heads (``linear_seq_to_heads``)."""
     out = ring_attention(q, k, v, n_heads // ulysses.size, ring, blocks, causal)
     return heads_to_seq.apply(out, ulysses)

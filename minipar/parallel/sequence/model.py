@@ -21,11 +21,12 @@ import numpy as np
 
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
-from minipar.nn import GPT, CausalSelfAttention, Module
-from minipar.parallel.sequence.hybrid import hybrid_attention
+from minipar.nn import GPT, CausalSelfAttention, Linear, Module
+from minipar.parallel.sequence.comm_ops import linear_seq_to_heads
+from minipar.parallel.sequence.hybrid import hybrid_attention, hybrid_attention_on_heads
 from minipar.parallel.sequence.layout import SequenceLayout, check_sequence_config
 from minipar.parallel.sequence.ring import ring_attention
-from minipar.parallel.sequence.ulysses import ulysses_attention
+from minipar.parallel.sequence.ulysses import ulysses_attention, ulysses_attention_on_heads
 
 
 class SequenceGroup:
@@ -54,17 +55,29 @@ class SequenceGroup:
             return ring_attention(q, k, v, n_heads, self.ring, self.blocks, causal)
         return hybrid_attention(q, k, v, n_heads, self.ulysses, self.ring, self.blocks, causal)
 
+    def attention_of(self, x: Tensor, q: Linear, k: Linear, v: Linear, n_heads: int, causal: bool) -> Tensor:
+        """Attention of this rank's (b, S/P, h) input ``x`` with the projections ``q``, ``k``, ``v``.
+        Ulysses and the hybrid project and all-to-all in one op (``linear_seq_to_heads``), so the
+        graph keeps q, k, v once, after the all-to-all, as DeepSpeed does."""
+        if self.method == "ring":
+            return ring_attention(q(x), k(x), v(x), n_heads, self.ring, self.blocks, causal)
+        qh, kh, vh = (linear_seq_to_heads.apply(x, lin.weight, lin.bias, self.ulysses) for lin in (q, k, v))
+        if self.method == "ulysses":
+            return ulysses_attention_on_heads(qh, kh, vh, n_heads, self.ulysses, causal)
+        return hybrid_attention_on_heads(qh, kh, vh, n_heads, self.ulysses, self.ring, self.blocks, causal)
+
 
 class SequenceParallelAttention(Module):
     """``nn.CausalSelfAttention``'s projections (same parameters, same names) around the sequence
-    group's attention: q, k, v and proj are ordinary linears on this rank's positions."""
+    group's attention: q, k, v and proj are the linears of this rank's positions (under Ulysses,
+    q, k, v fused with the all-to-all)."""
 
     def __init__(self, attn: CausalSelfAttention, group: SequenceGroup) -> None:
         self.q, self.k, self.v, self.proj = attn.q, attn.k, attn.v, attn.proj
         self.n_heads, self.causal, self.group = attn.n_heads, attn.causal, group
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(self.group.attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.causal))
+        return self.proj(self.group.attention_of(x, self.q, self.k, self.v, self.n_heads, self.causal))
 
 
 class SequenceParallelGPT(GPT):

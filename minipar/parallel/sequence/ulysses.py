@@ -30,4 +30,11 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, comm: Commu
     """Attention of (b, S/P, H d) sequence shards q, k, v (rank r holds positions
     ``[r S/P, (r+1) S/P)``); returns this rank's (b, S/P, H d) output."""
     q, k, v = (seq_to_heads.apply(x, comm) for x in (q, k, v))
+    return ulysses_attention_on_heads(q, k, v, n_heads, comm, causal)
+
+
+def ulysses_attention_on_heads(q: Tensor, k: Tensor, v: Tensor, n_heads: int, comm: Communicator,
+                               causal: bool = True) -> Tensor:
+    """The same from q, k, v already all-to-all'ed to (b, S, H/P d) (``linear_seq_to_heads``: the
+    model projects and sends in one op, keeping no projection before the all-to-all)."""
     return heads_to_seq.apply(F.attention(q, k, v, n_heads // comm.size, causal), comm)
