@@ -16,7 +16,9 @@ Bytes by hand. A rank's shard of unit u has s_u = L_u / N elements; s = sum s_u.
 before each unit's forward and again before its backward the shard is read from NVMe and copied to
 the device: 2 x 8 s each way; the reduce-scattered gradient partition comes down: 8 s; the step reads
 the parameter shard and the two moments (3 x 8 s) and writes them back (3 x 8 s). So per step
-nvme->cpu 40 s, cpu->nvme 24 s, cpu->device 16 s, device->cpu 8 s. GPT(vocab 5, seq 3, d 4, 2 heads,
+nvme->cpu 40 s, cpu->nvme 24 s, cpu->device 16 s, device->cpu 8 s; and the step's commit, one write of
+the manifest (slot, steps, loss scale, clean steps and the last two before: 6 x 8 = 48 bytes, cpu->nvme), which
+``zero_infinity_bytes`` (model states only) leaves out. GPT(vocab 5, seq 3, d 4, 2 heads,
 2 layers) has units tok_emb 20, pos_emb 12, two blocks of 244, ln_f 8, head 20 (``unit_sizes``):
 548 elements, all even, so on N = 2 s = 274 (40 x 274 = 10960 bytes read per step).
 """
@@ -55,6 +57,9 @@ def model_of(c: dict, precision: str) -> nn.GPT:
     return build(c)
 
 
+MANIFEST = 6 * 8  # a step's commit: slot, steps, loss scale, clean steps and the last two before, float64
+
+
 def hand_need(c: dict, precision: str = "fp64") -> int:
     """The largest unit gathered beside its gradient buffer: 2 x item x max padded unit."""
     item = 8 if precision == "fp64" else 2
@@ -66,8 +71,9 @@ def hand_bytes(c: dict, precision: str = "fp64") -> dict[str, int]:
     gradient 2; the step reads the fp32 master and moments (12) and writes them and the fp16 shard (14)."""
     s = sum(padded(n, c["world"]) for n in unit_sizes(c)) // c["world"]
     if precision == "fp64":
-        return {"nvme->cpu": (8 + 8 + 24) * s, "cpu->nvme": 24 * s, "cpu->device": 16 * s, "device->cpu": 8 * s}
-    return {"nvme->cpu": (2 + 2 + 12) * s, "cpu->nvme": 14 * s, "cpu->device": 4 * s, "device->cpu": 2 * s}
+        return {"nvme->cpu": (8 + 8 + 24) * s, "cpu->nvme": 24 * s + MANIFEST, "cpu->device": 16 * s,
+                "device->cpu": 8 * s}
+    return {"nvme->cpu": (2 + 2 + 12) * s, "cpu->nvme": 14 * s + MANIFEST, "cpu->device": 4 * s, "device->cpu": 2 * s}
 
 
 def moved(events: list) -> dict[str, int]:
@@ -122,7 +128,8 @@ def fsdp_run(comm, c: dict, precision: str = "fp64", poison_at: int | None = Non
 def check(c: dict, got: list[dict], fsdp: list[dict] | None, precision: str = "fp64") -> None:
     ref = reference(c) if precision == "fp64" else None
     need, by_hand = hand_need(c, precision), hand_bytes(c, precision)
-    assert by_hand == zero_infinity_bytes(unit_sizes(c), c["world"], precision)
+    formula = zero_infinity_bytes(unit_sizes(c), c["world"], precision)
+    assert by_hand == {**formula, "cpu->nvme": formula["cpu->nvme"] + MANIFEST}
     assert need == zero_infinity_device_need(unit_sizes(c), c["world"], 8 if precision == "fp64" else 2)["total"]
     units = len(unit_sizes(c))
     for r, g in enumerate(got):
@@ -133,10 +140,11 @@ def check(c: dict, got: list[dict], fsdp: list[dict] | None, precision: str = "f
         assert g["need"]["total"] == need and g["peak"] == g["max_sample"] == need
         assert g["per_step"] == [by_hand] * c["steps"]
         assert g["cpu"] == (by_hand["device->cpu"], 0)  # every gradient partition waits on the CPU for the step
-        # on disk: param, m, v (+ the fp32 master) per unit; then nothing left, the directory gone
+        # on disk: param, m, v (+ the fp32 master) per unit in two slots, and the manifest; then
+        # nothing left, the directory gone
         kinds = 3 if precision == "fp64" else 4
         shard_bytes = sum(padded(n, c["world"]) for n in unit_sizes(c)) // c["world"]
-        assert g["files"] == (kinds * units, shard_bytes * (24 if precision == "fp64" else 2 + 12))
+        assert g["files"] == (2 * kinds * units + 1, 2 * shard_bytes * (24 if precision == "fp64" else 2 + 12) + 48)
         assert g["after_close"] == ([], {}) and not g["dir_left"]
 
 
@@ -165,8 +173,8 @@ def test_bytes_per_step_by_hand(tmp_path) -> None:
     c = config("infinity", 2)
     assert unit_sizes(c) == [20, 12, 244, 244, 8, 20]
     for g in launch(infinity_run, 2, c=c, base=str(tmp_path)):
-        assert g["per_step"][0] == {"nvme->cpu": 40 * 274, "cpu->nvme": 24 * 274, "cpu->device": 16 * 274,
-                                    "device->cpu": 8 * 274} == {"nvme->cpu": 10960, "cpu->nvme": 6576,
+        assert g["per_step"][0] == {"nvme->cpu": 40 * 274, "cpu->nvme": 24 * 274 + 48, "cpu->device": 16 * 274,
+                                    "device->cpu": 8 * 274} == {"nvme->cpu": 10960, "cpu->nvme": 6624,
                                                                 "cpu->device": 4384, "device->cpu": 2192}
         assert g["peak"] == 2 * 8 * 244 == 3904  # a block gathered beside its gradients
 
@@ -258,9 +266,10 @@ def full_disk_run(comm, c: dict, base: str) -> tuple[str, bool, list[str]]:
 def test_full_disk_in_the_step_keeps_the_previous_state(tmp_path) -> None:
     c = config("infinity", 1)
     msg, same, entries = launch(full_disk_run, 1, c=c, base=str(tmp_path))[0]
-    assert "disk full (ENOSPC)" in msg and "'unit0/param'" in msg and "(160 bytes)" in msg  # tok_emb: 20 x 8
-    assert same  # every file still holds step 1's values (writes go to a temporary, then rename)
-    assert len(entries) == 3 * 6 and not any(e.startswith(".") for e in entries)
+    # step 1 wrote slot 1, so step 2 writes slot 0
+    assert "disk full (ENOSPC)" in msg and "'unit0/param.0'" in msg and "(160 bytes)" in msg  # tok_emb: 20 x 8
+    assert same  # the manifest still names slot 1: step 1's values
+    assert len(entries) == 2 * 3 * 6 + 1 and not any(e.startswith(".") for e in entries)
 
 
 def test_cost_formulas_by_hand_and_refused_settings(tmp_path) -> None:
@@ -314,7 +323,7 @@ def test_too_small_budget_refused_on_every_rank(tmp_path) -> None:
     assert "budget 3903 bytes" in msg and "gathered unit 1952, gradient buffer 1952" in msg
     assert "the smallest budget that would have worked is 3904 bytes" in msg
     msg, sent, files = launch(refused, 2, c=c, base=str(tmp_path / "b"), budget=3904)[0]
-    assert msg == "accepted" and sent == 0 and len(files) == 3 * 6
+    assert msg == "accepted" and sent == 0 and len(files) == 3 * 6 + 1  # slot 0 and the manifest
 
 
 def test_model_states_eight_times_the_device_budget_train_alike(tmp_path) -> None:

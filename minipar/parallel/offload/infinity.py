@@ -7,7 +7,8 @@ buffer per unit, ``minipar.parallel.zero.flat``). Where every byte lives (per ra
 of L_u padded elements, s_u = L_u / N)::
 
     nvme     this rank's shard of every unit's parameters (working precision), of AdamW's two
-             moments and, in "mixed", of the fp32 master (files ``unit<i>/param|exp_avg|exp_avg_sq|master``)
+             moments and, in "mixed", of the fp32 master (files ``unit<i>/param|exp_avg|exp_avg_sq|master.<slot>``,
+             two slots and a manifest: see below)
     cpu      this rank's gradient partitions until the step; the shards being read or written
     device   one unit at a time: its shard (s_u) while the all-gather assembles the unit (L_u),
              then in backward the unit (L_u) and its flat gradient buffer (L_u): 2 max L_u items
@@ -36,10 +37,23 @@ raises ``DeviceOutOfMemory`` on every rank (same message, nothing sent, no file 
 flattened) and the collectives' temporaries are not charged. The parameters are empty arrays
 outside their unit's forward and backward; compute checks that they are device-resident.
 
-A failed NVMe write (a full disk, a vanished directory) makes ``step`` raise the tiers' error, naming
-the file and the bytes, once every write of the step has finished: each failed file keeps its
-previous contents (``minipar.tiers.nvme`` writes a temporary and renames it), but the files that did
-succeed hold the new state: a step is not atomic across files (no manifest, no second copy).
+A step is atomic across files (a checkpoint on disk after every applied step). Every state file
+exists in two slots, ``unit<i>/<kind>.0`` and ``.1``; a small manifest (``manifest``: slot, applied
+steps, loss scale, clean steps, and the last two before the step; 6 float64 = 48 bytes) names the
+slot that holds the current state. A step reads the current slot, writes the other one, waits for
+every write, agrees with the other ranks that none failed (one all-reduce, N > 1) and only then
+commits by one atomic write of the manifest (``minipar.tiers.nvme``: temporary, fsync, rename). A
+failure or a kill before the manifest is in place leaves the previous step's state whole in the
+current slot; the next step writes the other slot again (its files are reused, step after step). A
+failed write (a full disk, a vanished directory) makes ``step`` raise the tiers' error, naming the
+file and the bytes, on every rank (the others: "a write failed on another rank"); the object then
+still reads the previous step (counters unchanged; the step's gradients are gone). ``resume=True``
+opens the state a previous object left in ``tiers`` (same model, same N) instead of writing fresh
+shards; a rank killed after the agreement but before its commit is one step behind the others, who
+then go back to their other slot (still the previous step's). Cost: the files take twice the model
+states on disk, and each applied step writes the manifest's 48 bytes (cpu -> nvme, beyond
+``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the manifest.
+A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk until the next.
 
 Trace: spans "F" (per unit), "B", "opt"; the tiers' "transfer" events, "device" and "nvme" memory
 samples, and a "cpu" sample (the gradient partitions) after each change of them.
@@ -104,7 +118,7 @@ class ZeroInfinity:
     def __init__(self, module: Module, comm: Communicator, tiers: Tiers, prefetch_depth: int = 1,
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, precision: str = "fp64", policy: Policy = transformer_units,
-                 loss_scale: float = 2.0**12, growth_interval: int = 2000) -> None:
+                 loss_scale: float = 2.0**12, growth_interval: int = 2000, resume: bool = False) -> None:
         wrapped = check_fsdp_config(comm, module, policy, precision)
         if prefetch_depth < 0:
             raise ValueError(f"ZeroInfinity: prefetch_depth={prefetch_depth} must be >= 0")
@@ -119,7 +133,12 @@ class ZeroInfinity:
         self.dtype = np.dtype(WORKING[precision])
         self._check_budget()
         self._adam = AdamW([Tensor(np.zeros(1))], lr, betas, eps, weight_decay)  # its rule, per shard
-        self._write_initial_states(module.seed)
+        self.kinds = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if precision == "mixed" else [])
+        self.slot = 0  # the slot of the files that hold the current state (the manifest's, once committed)
+        if resume:
+            self._open()
+        else:
+            self._write_initial_states(module.seed)
         for unit, (_, m) in zip(self.units, wrapped, strict=True):
             m.forward = self._wrap(unit, m.forward)
             for j, p in enumerate(unit.params):
@@ -145,21 +164,53 @@ class ZeroInfinity:
             raise DeviceOutOfMemory(self.tiers.device_budget, self.tiers.resident("device"),
                                     f"ZeroInfinity ({parts})", need["total"])
 
+    def key(self, unit: InfinityUnit, kind: str, slot: int | None = None) -> str:
+        """The NVMe name of ``unit``'s ``kind`` in ``slot`` (default: the current one)."""
+        return unit.key(f"{kind}.{self.slot if slot is None else slot}")
+
     def _write_initial_states(self, seed: int) -> None:
-        """Each unit's shard (and zero moments, the fp32 master) to this rank's files; wait for them
-        so that a full disk or a vanished directory fails here."""
+        """Each unit's shard (and zero moments, the fp32 master) to this rank's files in slot 0, then
+        the manifest; wait for them so that a full disk or a vanished directory fails here."""
         writes = []
         for u in self.units:
             shard = u.initial_shard(self.comm.rank, seed, self.dtype)
             master = shard.astype(MASTER[self.precision])
-            writes.append(self.tiers.write_nvme(u.key("param"), shard, copy=False))
+            writes.append(self.tiers.write_nvme(self.key(u, "param"), shard, copy=False))
             if self.precision == "mixed":
-                writes.append(self.tiers.write_nvme(u.key("master"), master, copy=False))
+                writes.append(self.tiers.write_nvme(self.key(u, "master"), master, copy=False))
             for kind in ("exp_avg", "exp_avg_sq"):
-                writes.append(self.tiers.write_nvme(u.key(kind), np.zeros_like(master), copy=False))
+                writes.append(self.tiers.write_nvme(self.key(u, kind), np.zeros_like(master), copy=False))
             u.empty_params()
         for w in writes:
             w.result()
+        self._commit(self.slot, self.steps_applied, self.loss_scale, self.clean_steps)
+
+    def _commit(self, slot: int, steps: int, loss_scale: float, clean_steps: int) -> None:
+        """The one atomic write that makes ``slot`` current (raises if it failed: nothing changed),
+        with the counters of the step before (a rank killed before its commit resumes one behind)."""
+        manifest = [slot, steps, loss_scale, clean_steps, self.loss_scale, self.clean_steps]
+        self.tiers.write_nvme("manifest", np.array(manifest, dtype=np.float64), copy=False).result()
+
+    def _open(self) -> None:
+        """``resume``: the slot and counters of the last step committed on every rank (a rank that
+        committed one step more than another, killed before its commit, goes back to its other slot)."""
+        slot, steps, scale, clean, prev_scale, prev_clean = self.tiers.read_nvme("manifest").result()
+        low = -self.comm.allreduce(np.array([-steps]), op="max", algorithm=ALGORITHM)[0] if self.comm.size > 1 \
+            else steps
+        if steps - low not in (0, 1):
+            raise ValueError(f"ZeroInfinity(resume=True): this rank's files are at step {int(steps)}, another "
+                             f"rank's at {int(low)}: only one step apart can be resumed")
+        if steps == low + 1:
+            slot, steps, scale, clean = 1 - slot, low, prev_scale, prev_clean
+        self.slot, self.steps_applied, self.clean_steps, self.loss_scale = int(slot), int(steps), int(clean), scale
+        for u in self.units:
+            u.empty_params()
+
+    def _anywhere(self, flag: bool) -> bool:
+        """Is ``flag`` set on some rank (one all-reduce when N > 1)?"""
+        if self.comm.size == 1:
+            return flag
+        return bool(self.comm.allreduce(np.array([float(flag)]), op="sum", algorithm=ALGORITHM)[0] > 0)
 
     # ---- forward and backward, unit by unit -----------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -214,7 +265,7 @@ class ZeroInfinity:
 
     def _read(self, phase: str, index: int) -> Future[np.ndarray]:
         self.log.append(("read", phase, index))
-        return self.tiers.read_nvme(self.units[index].key("param"))
+        return self.tiers.read_nvme(self.key(self.units[index], "param"))
 
     def _unshard(self, unit: InfinityUnit, phase: str) -> None:
         """NVMe -> CPU (this rank's shard only) -> device, all-gathered there; the parameters views of it
@@ -289,31 +340,55 @@ class ZeroInfinity:
             self._discard_reads()
             if self._overflow():
                 return False
-            self.steps_applied += 1
-            kinds = ["master" if self.precision == "mixed" else "param", "exp_avg", "exp_avg_sq"]
-            reads: dict[int, list[Future[np.ndarray]]] = {}
-            writes: list[Future[None]] = []
+            clean, scale = self.clean_steps, self.loss_scale
+            if self.precision == "mixed":
+                clean += 1
+                scale *= 2 if clean % self.growth_interval == 0 else 1
+            try:
+                failed: BaseException | None = None
+                try:
+                    self._update(1 - self.slot)
+                except Exception as exc:
+                    failed = exc
+                if self._anywhere(failed is not None):  # every rank commits, or none
+                    raise failed or OSError("ZeroInfinity: the step is not committed, a write failed on another rank")
+                self._commit(1 - self.slot, self.steps_applied + 1, scale, clean)
+            finally:
+                self._sample()
+            self.slot, self.steps_applied, self.clean_steps, self.loss_scale = \
+                1 - self.slot, self.steps_applied + 1, clean, scale
+        return True
+
+    def _update(self, new: int) -> None:
+        """AdamW unit by unit: the state read from the current slot, written to slot ``new``; raises
+        the first failed write once every write has finished (the manifest is not written then)."""
+        kinds = ["master" if self.precision == "mixed" else "param", "exp_avg", "exp_avg_sq"]
+        reads: dict[int, list[Future[np.ndarray]]] = {}
+        writes: list[Future[None]] = []
+        try:
             for i, u in enumerate(self.units):
                 for j in range(i, min(i + 1 + self.depth, len(self.units))):
                     if j not in reads:
-                        reads[j] = [self.tiers.read_nvme(self.units[j].key(k)) for k in kinds]
+                        reads[j] = [self.tiers.read_nvme(self.key(self.units[j], k)) for k in kinds]
                 master, m, v = (f.result() for f in reads.pop(i))
                 grad = u.grad if u.grad is not None else np.zeros(u.layout.shard_size, self.dtype)
                 if self.precision == "mixed":  # unscaled into the master's precision, one unit at a time
                     grad = grad.astype(np.float32) / np.float32(self.loss_scale)
                 u.grad = None
-                self._adam.update(master, grad, {"step": self.steps_applied - 1, "exp_avg": m, "exp_avg_sq": v})
+                self._adam.update(master, grad, {"step": self.steps_applied, "exp_avg": m, "exp_avg_sq": v})
                 if self.precision == "mixed":
-                    writes.append(self.tiers.write_nvme(u.key("param"), master.astype(self.dtype), copy=False))
-                writes += [self.tiers.write_nvme(u.key(k), a, copy=False) for k, a in zip(kinds, (master, m, v))]
+                    writes.append(self.tiers.write_nvme(self.key(u, "param", new), master.astype(self.dtype),
+                                                        copy=False))
+                writes += [self.tiers.write_nvme(self.key(u, k, new), a, copy=False)
+                           for k, a in zip(kinds, (master, m, v), strict=True)]
+        finally:
+            for u in self.units:
+                u.grad = None
+            for f in [f for fs in reads.values() for f in fs]:
+                f.exception()
             errors = [e for e in (w.exception() for w in writes) if e is not None]  # waits for every write
-            if errors:  # each failed file keeps its previous state (tiers.nvme); the step is not atomic across files
-                raise errors[0]
-            self._sample()
-            if self.precision == "mixed":
-                self.clean_steps += 1
-                self.loss_scale *= 2 if self.clean_steps % self.growth_interval == 0 else 1
-        return True
+        if errors:  # the failed files keep their previous contents, the other slot the previous step
+            raise errors[0]
 
     def _overflow(self) -> bool:
         """Mixed precision: does any rank's float16 gradient partition hold an inf or a nan (one
@@ -350,7 +425,7 @@ class ZeroInfinity:
         (for tests; its reads are recorded like any other)."""
         out = {}
         for u in self.units:
-            shard = self.tiers.read_nvme(u.key("param")).result()
+            shard = self.tiers.read_nvme(self.key(u, "param")).result()
             flat = shard if self.comm.size == 1 else self.comm.allgather(shard, algorithm=ALGORITHM)
             out.update(zip(u.names, (v.copy() for v in u.layout.views(flat)), strict=True))
         return out
@@ -360,6 +435,6 @@ class ZeroInfinity:
         self._discard_reads()
         for u in self.units:
             self._release(u)
-        kinds = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if self.precision == "mixed" else [])
-        for f in [self.tiers.delete_nvme(u.key(k)) for u in self.units for k in kinds]:
+        names = [self.key(u, k, slot) for u in self.units for k in self.kinds for slot in (0, 1)]
+        for f in [self.tiers.delete_nvme(name) for name in [*names, "manifest"]]:
             f.result()
