@@ -1,0 +1,136 @@
+"""ZeRO-Infinity's NVMe state survives a kill in the middle of ``step`` (issue 14, "NVMe files: killed
+mid-step (simulate), the previous checkpoint or state is intact").
+
+A kill is simulated by the tier's file writer (``minipar.tiers.nvme._write_file``) writing the first k
+files of a rank's directory in that step and raising for every later one, as a process that died
+after k files would write nothing more. ``step`` writes (workers=1, so in this order) per unit the
+state files of the other slot (float64: param, exp_avg, exp_avg_sq, 6 units -> 18 files; mixed:
+fp16 param, master, exp_avg, exp_avg_sq -> 24), then the manifest. For every k up to and including
+the manifest's turn, the same object and a ``resume=True`` object over the same tier read bit for
+bit the state after the first step (parameters, moments, master, counters), and a step from there
+gives bit for bit the state of two uninterrupted steps. The expected states are those of an
+uninterrupted run, not computed by the code under test's failure path.
+
+N = 2, only rank 1 killed: with k = 5 both ranks refuse to commit (they agree first); with k = 18
+rank 1 dies at its manifest, after rank 0 committed: rank 0 is one step ahead and ``resume`` takes
+it back to its other slot, so both resume at the first step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+from test_infinity import model_of
+from zero_helpers import LR, WEIGHT_DECAY, batch, config, rows
+
+from minipar import launch
+from minipar.parallel.offload import ZeroInfinity
+from minipar.tiers import Tiers, nvme
+
+
+class Kill:
+    """A ``_write_file`` that, in an armed directory, writes ``k`` files and then raises."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.real, self.lock = k, nvme._write_file, threading.Lock()
+        self.armed: set[str] = set()
+        self.count: Counter[str] = Counter()
+
+    def __call__(self, path: str, array: np.ndarray) -> None:
+        d = os.path.dirname(path)
+        with self.lock:
+            n = self.count[d] = self.count[d] + (d in self.armed)
+        if d in self.armed and n > self.k:
+            raise OSError(errno.EIO, "killed")
+        self.real(path, array)
+
+
+def states(inf: ZeroInfinity) -> dict[tuple[int, str], np.ndarray]:
+    """This rank's shard of every state file in the current slot."""
+    return {(u.index, k): inf.tiers.read_nvme(inf.key(u, k)).result() for u in inf.units for k in inf.kinds}
+
+
+def train_step(inf: ZeroInfinity, comm, c: dict, i: int) -> bool:
+    x, y = batch(c, i)
+    mine = rows(c, comm.rank)
+    inf.backward(inf.loss(x[mine], y[mine]))
+    return inf.step()
+
+
+def make(comm, c: dict, tiers: Tiers, precision: str, resume: bool = False) -> ZeroInfinity:
+    return ZeroInfinity(model_of(c, precision), comm, tiers, lr=LR, weight_decay=WEIGHT_DECAY,
+                        precision=precision, resume=resume)
+
+
+def uninterrupted(comm, c: dict, base: str, precision: str) -> dict:
+    with Tiers(1 << 30, os.path.join(base, f"rank{comm.rank}"), workers=1) as tiers:
+        inf = make(comm, c, tiers, precision)
+        out = {}
+        for i in range(2):
+            train_step(inf, comm, c, i)
+            out[i] = (states(inf), inf.steps_applied, inf.loss_scale)
+        out["params"] = inf.full_state_dict()
+    return out
+
+
+def killed(comm, c: dict, base: str, precision: str, kill: Kill, victims: tuple[int, ...]) -> dict:
+    """Step 0, step 1 killed on ``victims`` after ``kill.k`` files, then a ``resume`` object's step 1."""
+    directory = os.path.join(base, f"rank{comm.rank}")
+    with Tiers(1 << 30, directory, workers=1) as tiers:
+        inf = make(comm, c, tiers, precision)
+        train_step(inf, comm, c, 0)
+        if comm.rank in victims:
+            kill.armed.add(os.path.abspath(directory))
+        try:
+            msg = "committed" if train_step(inf, comm, c, 1) else "skipped"
+        except OSError as exc:
+            msg = str(exc)
+        kill.armed.discard(os.path.abspath(directory))
+        same = (states(inf), inf.steps_applied, inf.loss_scale)
+        again = make(comm, c, tiers, precision, resume=True)
+        resumed = (states(again), again.steps_applied, again.loss_scale)
+        train_step(again, comm, c, 1)
+        after = (states(again), again.steps_applied, again.loss_scale)
+        return {"msg": msg, "same": same, "resumed": resumed, "after": after, "params": again.full_state_dict()}
+
+
+def assert_state(got: tuple, want: tuple) -> None:
+    assert got[1:] == want[1:]  # applied steps, loss scale
+    assert got[0].keys() == want[0].keys()
+    for key, a in want[0].items():
+        assert got[0][key].dtype == a.dtype and np.array_equal(got[0][key], a), key
+
+
+@pytest.mark.parametrize(("world", "precision", "ks", "victims"), [
+    (1, "fp64", (0, 1, 9, 17, 18), (0,)),  # 18: every state file written, the manifest not
+    (1, "mixed", (0, 13, 24), (0,)),
+    (2, "fp64", (5, 18), (1,)),
+])
+def test_killed_mid_step_keeps_the_previous_step(world: int, precision: str, ks: tuple[int, ...],
+                                                 victims: tuple[int, ...], tmp_path, monkeypatch) -> None:
+    c = config("infinity", world)
+    want = launch(uninterrupted, world, c=c, base=str(tmp_path / "ref"), precision=precision)
+    assert all(w[0][1] == 1 and w[1][1] == 2 for w in want)
+    for k in ks:
+        kill = Kill(k)
+        monkeypatch.setattr(nvme, "_write_file", kill)
+        got = launch(killed, world, c=c, base=str(tmp_path / str(k)), precision=precision, kill=kill,
+                     victims=victims)
+        monkeypatch.setattr(nvme, "_write_file", kill.real)
+        for r, (g, w) in enumerate(zip(got, want, strict=True)):
+            ahead = world > 1 and r not in victims and k == 18  # committed before the victim died at its manifest
+            if r in victims:
+                assert g["msg"] == "killed" or "killed" in g["msg"], (k, g["msg"])
+            else:
+                assert g["msg"] == ("committed" if ahead else
+                                    "ZeroInfinity: the step is not committed, a write failed on another rank")
+            assert_state(g["same"], w[1] if ahead else w[0])  # this object: the state it has on disk
+            assert_state(g["resumed"], w[0])  # every rank back at step 1
+            assert_state(g["after"], w[1])  # and a step from there: two uninterrupted steps
+            for name, a in w["params"].items():
+                assert np.array_equal(g["params"][name], a), name
