@@ -1,5 +1,5 @@
-"""PatrickStar's chunk-based memory manager, on one rank (Fang et al. 2021, "PatrickStar: Parallel
-Training of Pre-trained Models via Chunk-based Memory Management", Sec. 4-5).
+"""PatrickStar's chunk-based memory manager, on one rank or N data-parallel ranks (Fang et al. 2021,
+"PatrickStar: Parallel Training of Pre-trained Models via Chunk-based Memory Management", Sec. 4-5).
 
 **Chunks.** The parameters are packed in registration order into chunks of ``chunk_size`` elements
 (a tensor that does not fit in the current chunk's rest opens the next chunk; no tensor is split, so
@@ -50,10 +50,26 @@ beside the activations ``A`` at the start of backward: ``misses = C + max(0, C -
 policy (both keep the most recently used chunks here); a model that reuses a module out of order is
 where the recorded order beats LRU (``minipar.cost.offload.chunk_offload_bytes``, docs/formulas.md 7).
 
+**N ranks** (``comm``; the paper's Sec. 5, "scale to multiple GPUs"). The chunk list is padded with
+empty chunks to a multiple of N and cut into communication groups of N consecutive chunks; rank r owns
+chunk r of each group: only its owned chunks have a CPU payload, a master copy and AdamW's moments here.
+A group moves as a unit: when a tensor of it becomes COMPUTE the owned chunk goes up (a transfer) and
+the group is all-gathered (ring, ``(N - 1) x chunk bytes`` sent per rank), its N chunks charged to the
+budget; evicting it moves the owned chunk down and frees the others (their parameters are unchanged).
+When every tensor of a group is HOLD_AFTER_BWD its gradient chunks are reduce-scattered (averaged over
+the ranks, ``(N - 1) x chunk bytes`` sent); the rank keeps its owned chunk's and frees the rest. A
+group holding some gradients but not yet reduced is not evicted (its other chunks' gradients would be
+lost). Every rank trains on its 1/N of the batch; the averaged gradient is the global batch's, so the
+owned chunks' AdamW step is one process's. Parameters of chunks not gathered are empty arrays (as
+FSDP's resharded ones); ``state_dict`` returns this rank's owned parameters. With N > 1 every
+parameter must get a gradient each step. The all-gather's receive buffer is not charged to the budget.
+Bytes per step: ``chunk bytes x misses`` each way, misses now counted in groups, and ``(N - 1) x chunk
+bytes x (misses + groups)`` sent (``minipar.cost.offload.chunk_dp_bytes``).
+
 Usage (one rank): ``cm = ChunkManager(model, tiers, chunk_size, policy="warmup")``; per step
 ``loss = cm.loss(x, y)`` (or ``model.loss`` / ``model(x)`` directly: the hooks are on the modules),
 ``cm.backward(loss)``, ``cm.step()``; ``cm.state_dict()`` reads the master copy; ``cm.close()``.
-Not supported: gradient accumulation (a forward after backward without a step is refused), N > 1.
+Not supported: gradient accumulation (a forward after backward without a step is refused).
 Trace: spans "F", "B", "opt"; the tiers' "transfer" events and "device" samples; a "non-model data"
 sample when the reservation changes, a "cpu" sample (``state_bytes``' cpu entries) after each move.
 """
@@ -68,6 +84,7 @@ import numpy as np
 
 from minipar import memory, trace
 from minipar.autograd import Tensor
+from minipar.comm import Communicator
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
 from minipar.parallel.offload.chunk_policy import POLICIES
@@ -75,6 +92,7 @@ from minipar.parallel.zero.fsdp import _PreBackward  # identity whose backward c
 from minipar.tiers import DeviceOutOfMemory, Tiers
 
 NON_MODEL = "non-model data"
+ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
 
 
 class State(Enum):
@@ -101,26 +119,27 @@ class Slot:
 class Chunk:
     """``size`` elements; its payload is on the device (``device``) or on the CPU (``cpu``)."""
 
-    def __init__(self, index: int, size: int, dtype: Any) -> None:
-        self.index, self.size, self.dtype = index, size, np.dtype(dtype)
+    def __init__(self, index: int, size: int, dtype: Any, owned: bool = True) -> None:
+        self.index, self.size, self.dtype, self.owned = index, size, np.dtype(dtype), owned
         self.name = f"chunk{index}"
         self.slots: list[Slot] = []
-        self.cpu: np.ndarray | None = np.zeros(size, dtype)
+        self.cpu: np.ndarray | None = np.zeros(size, dtype) if owned else None
         self.device: np.ndarray | None = None
-        self.master = np.zeros(size, dtype)  # the CPU's master copy of the parameters
+        self.master = np.zeros(size, dtype) if owned else None  # the CPU's master copy of the parameters
 
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
     @property
-    def payload(self) -> np.ndarray:
+    def payload(self) -> np.ndarray | None:
         return self.device if self.device is not None else self.cpu
 
     def point(self) -> None:
-        """Every tensor's ``.data`` a view of wherever the payload is now."""
+        """Every tensor's ``.data`` a view of wherever the payload is now (empty when it is nowhere:
+        a chunk another rank owns, not gathered)."""
         for s in self.slots:
-            s.param.data = s.view(self.payload)
+            s.param.data = s.view(self.payload) if self.payload is not None else np.empty(0, self.dtype)
 
     def computing(self) -> bool:
         return any(s.state is State.COMPUTE for s in self.slots)
@@ -143,7 +162,8 @@ class ChunkManager:
     """PatrickStar's chunks for ``module`` on ``tiers`` (module docstring), AdamW on the CPU."""
 
     def __init__(self, module: Module, tiers: Tiers, chunk_size: int, policy: str = "warmup", lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 comm: Communicator | None = None) -> None:
         named = list(module.named_parameters())
         if not named:
             raise ValueError("ChunkManager: the module has no parameters")
@@ -156,26 +176,37 @@ class ChunkManager:
         if len({p.dtype for _, p in named}) != 1 or len({id(p) for _, p in named}) != len(named):
             raise ValueError("ChunkManager: the parameters must share one dtype and not be tied")
         dtype = named[0][1].dtype
-        chunk_bytes = chunk_size * np.dtype(dtype).itemsize
-        if tiers.device_bytes + chunk_bytes > tiers.device_budget:  # not even one chunk fits: refuse now
-            raise DeviceOutOfMemory(tiers.device_budget, tiers.resident("device"), "one chunk", chunk_bytes)
+        self.comm = comm
+        self.world, self.rank = (comm.size, comm.rank) if comm is not None else (1, 0)
+        group_bytes = self.world * chunk_size * np.dtype(dtype).itemsize
+        if tiers.device_bytes + group_bytes > tiers.device_budget:  # not even one group fits: refuse now
+            what = "one chunk" if self.world == 1 else f"one group of {self.world} chunks"
+            raise DeviceOutOfMemory(tiers.device_budget, tiers.resident("device"), what, group_bytes)
         self.module, self.tiers, self.chunk_size = module, tiers, chunk_size
         self.policy = POLICIES[policy]()
         self.chunks: list[Chunk] = []
         self.slots: list[Slot] = []
-        for c, members in enumerate(pack(named, chunk_size)):
-            chunk = Chunk(c, chunk_size, dtype)
+        packed = pack(named, chunk_size)
+        packed += [[] for _ in range(-len(packed) % self.world)]  # empty chunks: whole groups
+        for c, members in enumerate(packed):
+            chunk = Chunk(c, chunk_size, dtype, owned=c % self.world == self.rank)
             for name, p, offset in members:
                 slot = Slot(len(self.slots), name, p, c, offset)
-                slot.view(chunk.cpu)[...] = p.data
-                slot.view(chunk.master)[...] = p.data
-                slot.master, slot.state = slot.view(chunk.master), State.HOLD
+                if chunk.owned:
+                    slot.view(chunk.cpu)[...] = p.data
+                    slot.view(chunk.master)[...] = p.data
+                    slot.master = slot.view(chunk.master)
+                slot.state = State.HOLD
                 chunk.slots.append(slot)
                 self.slots.append(slot)
             chunk.point()
             self.chunks.append(chunk)
         self._slot_of = {id(s.param): s for s in self.slots}
-        self.adam = AdamW([Tensor(s.master) for s in self.slots], lr, betas, eps, weight_decay)
+        self.owned = [s for s in self.slots if s.master is not None]
+        self._adam_index = {s.index: i for i, s in enumerate(self.owned)}
+        self.adam = AdamW([Tensor(s.master) for s in self.owned] or [Tensor(np.zeros(0, dtype))], lr, betas, eps,
+                          weight_decay)  # a rank whose owned chunks are all padding: an empty placeholder
+        self.reduced: set[int] = set()  # groups whose gradients are reduce-scattered this iteration
         self._hooks = [s.param.register_hook(self._on_grad_ready) for s in self.slots]
         self._wrapped = self._owners(module)
         for m in self._wrapped:
@@ -210,6 +241,25 @@ class ChunkManager:
     @property
     def chunk_bytes(self) -> int:
         return self.chunks[0].nbytes
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.chunks) // self.world
+
+    def group(self, g: int) -> list[Chunk]:
+        """Communication group ``g``: chunks ``g N .. g N + N - 1``; this rank owns the ``rank``-th."""
+        return self.chunks[g * self.world:(g + 1) * self.world]
+
+    def _resident(self, g: int) -> bool:
+        return any(c.device is not None for c in self.group(g))
+
+    def _evictable(self, g: int) -> bool:
+        """Resident, no tensor COMPUTE, and (N > 1) not holding gradients that still await their reduce-scatter."""
+        chunks = self.group(g)
+        if not self._resident(g) or any(c.computing() for c in chunks):
+            return False
+        return self.world == 1 or g in self.reduced or not any(
+            s.state is State.HOLD_AFTER_BWD for c in chunks for s in c.slots)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _wrap(self, m: Module, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -248,6 +298,9 @@ class ChunkManager:
         s.view(self.chunks[s.chunk].payload)[...] = p.grad
         p.grad = None
         s.state = State.HOLD_AFTER_BWD
+        g = s.chunk // self.world
+        if self.world > 1 and all(t.state is State.HOLD_AFTER_BWD for c in self.group(g) for t in c.slots):
+            self._reduce_scatter(g)
 
     @staticmethod
     def _set(slots: list[Slot], state: State) -> None:
@@ -266,16 +319,18 @@ class ChunkManager:
                                "order; the model must run its modules in the same order every iteration")
         self._reserve(self.reserve[self._moment])
         self._moment += 1
-        needed = sorted({s.chunk for s in computing})
-        for c in needed:
+        needed = sorted({s.chunk // self.world for s in computing})  # groups (chunks when N = 1)
+        for g in needed:
             if self.warming_up:
-                self.uses.append(c)
-            self.policy.touch(c)
+                self.uses.append(g)
+            self.policy.touch(g)
             self._position += 1
-        for c in needed:
-            if self.chunks[c].device is None:
-                self._make_room(self.chunks[c].nbytes)
-                self._up(self.chunks[c])
+        for g in needed:
+            if g in self.reduced:
+                raise RuntimeError(f"ChunkManager: group {g} is needed after its gradients were reduce-scattered")
+            if not self._resident(g):
+                self._make_room(sum(c.nbytes for c in self.group(g)))
+                self._gather(g)
 
     def _measure(self, backward: bool) -> int:
         """Bytes of the autograd graph made this iteration, reachable from the roots (and the loss)."""
@@ -301,10 +356,45 @@ class ChunkManager:
         """Evict chunks (policy's choice among those with no COMPUTE tensor) until ``nbytes`` fit;
         if they cannot, the allocation that follows raises ``DeviceOutOfMemory``."""
         while self.tiers.device_bytes + nbytes > self.tiers.device_budget:
-            candidates = [c.index for c in self.chunks if c.device is not None and not c.computing()]
+            candidates = [g for g in range(self.n_groups) if self._evictable(g)]
             if not candidates:
                 return
-            self._down(self.chunks[self.policy.choose(candidates, self._position)])
+            self._evict(self.policy.choose(candidates, self._position))
+
+    def _gather(self, g: int) -> None:
+        """The owned chunk up, then the group all-gathered onto the device (N > 1)."""
+        chunks = self.group(g)
+        own = chunks[self.rank]
+        self._up(own)
+        if self.world == 1:
+            return
+        whole = self.comm.allgather(own.device, algorithm=ALGORITHM)
+        for j, chunk in enumerate(chunks):
+            if chunk is not own:
+                chunk.device = self.tiers.empty(chunk.name, chunk.size, chunk.dtype)
+                chunk.device[...] = whole[j * chunk.size:(j + 1) * chunk.size]
+                chunk.point()
+
+    def _evict(self, g: int) -> None:
+        """The owned chunk down (a transfer); the others freed (another rank owns them)."""
+        for chunk in self.group(g):
+            if chunk.device is not None:
+                self._down(chunk) if chunk.owned else self._release(chunk)
+
+    def _release(self, chunk: Chunk) -> None:
+        self.tiers.free(chunk.name)
+        chunk.device = None
+        chunk.point()
+
+    def _reduce_scatter(self, g: int) -> None:
+        """The group's gradient chunks averaged over the ranks; this rank keeps its owned chunk's."""
+        chunks = self.group(g)
+        flat = np.concatenate([c.device for c in chunks]) / self.world  # before the sum, as FSDP
+        chunks[self.rank].device[...] = self.comm.reduce_scatter(flat, op="sum", algorithm=ALGORITHM)
+        for chunk in chunks:
+            if not chunk.owned:
+                self._release(chunk)
+        self.reduced.add(g)
 
     def _up(self, chunk: Chunk) -> None:
         chunk.device = self.tiers.to_device(chunk.name, chunk.cpu)
@@ -350,6 +440,9 @@ class ChunkManager:
         for s in self.slots:  # a tensor whose module ran but that got no gradient: not updated
             if s.state is State.COMPUTE:
                 s.state = State.HOLD_AFTER_FWD
+        if self.world > 1 and len(self.reduced) != self.n_groups:
+            raise RuntimeError("ChunkManager: with N > 1 every parameter needs a gradient each step (groups "
+                               f"{sorted(set(range(self.n_groups)) - self.reduced)} were not reduce-scattered)")
 
     def step(self) -> None:
         """Every chunk to the CPU; AdamW on the master copy of each tensor that has a gradient, the
@@ -357,12 +450,14 @@ class ChunkManager:
         with trace.span("opt"):
             for chunk in self.chunks:
                 if chunk.device is not None:
-                    self._down(chunk)
+                    self._down(chunk) if chunk.owned else self._release(chunk)
                 for s in chunk.slots:
-                    if s.state is State.HOLD_AFTER_BWD:
-                        self.adam.update(s.master, s.view(chunk.cpu), self.adam.state[s.index])
-                    s.view(chunk.cpu)[...] = s.master
+                    if chunk.owned:
+                        if s.state is State.HOLD_AFTER_BWD:
+                            self.adam.update(s.master, s.view(chunk.cpu), self.adam.state[self._adam_index[s.index]])
+                        s.view(chunk.cpu)[...] = s.master
                     s.state = State.HOLD
+            self.reduced.clear()
         if self.warming_up:
             self.policy.learn(self.uses)
         self._reserve(0)
@@ -372,14 +467,15 @@ class ChunkManager:
 
     # ---- reading it back --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Every parameter's current value (the CPU's master copy), by name."""
-        return {s.name: s.master.copy() for s in self.slots}
+        """This rank's owned parameters' current values (the CPU's master copy), by name (every
+        parameter when N = 1)."""
+        return {s.name: s.master.copy() for s in self.owned}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held now: chunks on the device and on the CPU, the master copy, AdamW's moments."""
         return {"device chunks": sum(c.nbytes for c in self.chunks if c.device is not None),
                 "cpu chunks": sum(c.nbytes for c in self.chunks if c.cpu is not None),
-                "cpu master parameters": sum(c.master.nbytes for c in self.chunks),
+                "cpu master parameters": sum(c.master.nbytes for c in self.chunks if c.owned),
                 "cpu optimizer state": self.adam.state_bytes()}
 
     def close(self) -> None:
@@ -392,5 +488,5 @@ class ChunkManager:
         self._reserve(0)
         for chunk in self.chunks:
             if chunk.device is not None:
-                self._down(chunk)
+                self._down(chunk) if chunk.owned else self._release(chunk)
             self._set(chunk.slots, State.FREE)
