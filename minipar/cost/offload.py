@@ -131,3 +131,18 @@ def chunk_offload_bytes(chunk_bytes: int, misses: int) -> dict[str, int]:
     if chunk_bytes < 0 or misses < 0:
         raise ValueError(f"need chunk_bytes >= 0 and misses >= 0, got {chunk_bytes}, {misses}")
     return {"cpu->device": chunk_bytes * misses, "device->cpu": chunk_bytes * misses}
+
+
+def chunk_dp_bytes(chunk_bytes: int, world: int, misses: int, groups: int) -> dict[str, int]:
+    """Bytes per rank per step of the chunk manager on ``world`` data-parallel ranks (PatrickStar,
+    Fang et al. 2021, Sec. 5): the chunks form ``groups`` communication groups of ``world`` consecutive
+    chunks (the chunk list padded with empty chunks), a rank owning one chunk of each. A group miss
+    moves this rank's owned chunk up and (evicted, or at the step) down once, ``chunk_bytes`` each way,
+    and all-gathers the group (ring: ``(world - 1) x chunk_bytes`` sent); after backward every group's
+    gradients are reduce-scattered once (ring: ``(world - 1) x chunk_bytes`` sent). ``misses`` counts
+    groups (``in_order_misses(groups, fit)`` for an in-order model, ``fit`` the groups beside the
+    activations). ``world = 1``: ``chunk_offload_bytes`` and nothing sent."""
+    if chunk_bytes < 0 or world < 1 or misses < 0 or groups < 0:
+        raise ValueError(f"need chunk_bytes, misses, groups >= 0 and world >= 1, got {chunk_bytes}, {world}, "
+                         f"{misses}, {groups}")
+    return {**chunk_offload_bytes(chunk_bytes, misses), "sent": (world - 1) * chunk_bytes * (misses + groups)}
