@@ -13,6 +13,12 @@
   order (Belady) 4, counted by hand below.
 - a budget below one chunk is refused at construction; below one chunk + the activations the warm-up
   iteration raises ``DeviceOutOfMemory`` before any step.
+- N data-parallel ranks (threads, N in 1, 2, 4; and under ``mpiexec``), each on its 1/N of the batch:
+  the owned parameters, gathered from every rank, equal one process's ``nn.GPT`` + ``AdamW`` on the
+  global batch within test_zero's tolerances (bit for bit at N = 1); per rank per step the transfers
+  are ``CB x misses`` each way and the ring sends ``(N - 1) CB (misses + G)``, with ``G = ceil(C / N)``
+  groups and ``misses = G + max(0, G - k)``, ``k`` the groups of ``N`` chunks fitting beside the local
+  batch's activations, all by hand here (``chunk_dp_bytes`` must agree).
 """
 
 from __future__ import annotations
@@ -22,15 +28,17 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget
-from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, param_sizes
+from test_zero import PARAM_TOL, SMALL_GRAD, SMALL_GRAD_TOL
+from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, param_sizes, rows
 
 from minipar import functional as F
-from minipar import memory, nn, trace
+from minipar import launch, memory, nn, trace
 from minipar.autograd import Function, Tensor
-from minipar.cost.offload import chunk_offload_bytes, in_order_misses
+from minipar.cost.offload import chunk_dp_bytes, chunk_offload_bytes, in_order_misses
 from minipar.optim import AdamW
 from minipar.parallel.offload import ChunkManager
 from minipar.parallel.offload.chunks import State
+from minipar.testing import run_each
 from minipar.tiers import DeviceOutOfMemory, NotOnDevice, Tiers
 
 
@@ -274,3 +282,115 @@ def test_compute_needs_the_chunk_on_the_device_and_a_larger_batch_than_warmup_is
         tiers.require_device(model.head.weight)
     with pytest.raises(RuntimeError, match="exceed the warm-up"):
         cm.backward(cm.loss(np.concatenate([x, x]), np.concatenate([y, y])))
+
+
+# ---- N data-parallel ranks ---------------------------------------------------------------------------
+def dp_run(comm, c: dict, device_budget: int) -> dict:
+    """Train on this rank's rows through a ``ChunkManager`` on ``comm``; its owned parameters, per step
+    the transfer bytes (up, down) and the bytes it sent, the device's peak, the chunks and CPU masters."""
+    tiers = Tiers(device_budget)
+    cm = ChunkManager(build(c), tiers, c["chunk_size"], policy=c["policy"], lr=LR, weight_decay=WEIGHT_DECAY,
+                      comm=comm)
+    mine, per_step = rows(c, comm.rank), []
+    with trace.recording(comm.rank) as rec:
+        for i in range(c["steps"]):
+            start, (x, y) = len(rec.events), batch(c, i)
+            cm.backward(cm.loss(x[mine], y[mine]))
+            cm.step()
+            ev = rec.events[start:]
+            moves = [e for e in ev if e.kind == "transfer"]
+            per_step.append({"cpu->device": sum(e.nbytes for e in moves if e.args["dst"] == "device"),
+                             "device->cpu": sum(e.nbytes for e in moves if e.args["dst"] == "cpu"),
+                             "sent": sum(e.nbytes for e in ev if e.kind == "comm" and e.name == "send")})
+    out = {"final": cm.state_dict(), "per_step": per_step, "peak": tiers.peak_device_bytes, "chunks": len(cm.chunks),
+           "master": cm.state_bytes()["cpu master parameters"]}
+    cm.close()
+    return out
+
+
+def local_activations(c: dict) -> int:
+    """Activation bytes of one rank's batch (rows 1/N of the global batch) on a plain model."""
+    since = memory.seq_mark()
+    x, y = batch(c, 0)
+    return memory.activation_bytes(build(c).loss(x[rows(c, 0)], y[rows(c, 0)]), since)
+
+
+def global_reference(c: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """One process on the global batch: the final parameters and step 0's gradients (test_zero's masks)."""
+    model = build(c)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    grads = {}
+    for i in range(c["steps"]):
+        model.loss(*batch(c, i)).backward()
+        grads = grads or {k: p.grad.copy() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), grads
+
+
+def check_dp(c: dict, device_budget: int, results: list[dict]) -> None:
+    n, want, grads = c["world"], *global_reference(c)
+    cb = 8 * c["chunk_size"]
+    groups = -(-chunks_by_hand(list(param_sizes(c).values()), c["chunk_size"]) // n)
+    fit = (device_budget - local_activations(c)) // (n * cb)
+    misses = groups + max(0, groups - fit)
+    by_hand = {"cpu->device": cb * misses, "device->cpu": cb * misses, "sent": (n - 1) * cb * (misses + groups)}
+    assert chunk_dp_bytes(cb, n, in_order_misses(groups, fit), groups) == by_hand
+    got: dict[str, np.ndarray] = {}
+    for r, res in enumerate(results):
+        assert res["chunks"] == n * groups and res["master"] == cb * groups, r
+        assert res["per_step"] == [by_hand] * c["steps"], r
+        assert res["peak"] <= device_budget, r
+        assert not got.keys() & res["final"].keys(), r  # each parameter owned by one rank
+        got.update(res["final"])
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        if n == 1:
+            np.testing.assert_array_equal(got[k], w, err_msg=k)
+            continue
+        small = np.abs(grads[k]) < SMALL_GRAD
+        for part, tol in ((~small, PARAM_TOL), (small, SMALL_GRAD_TOL)):
+            np.testing.assert_allclose(got[k][part], w[part], err_msg=k, **tol)
+
+
+@st.composite
+def dp_configs(draw: st.DrawFn) -> dict:
+    c = draw(chunk_configs())
+    world = draw(st.sampled_from([1, 2, 4]))
+    return {**c, "world": world, "batch": world * draw(st.integers(1, 2)), "fit": draw(st.integers(2, 8))}
+
+
+def dp_budget(c: dict) -> int:
+    return local_activations(c) + c["fit"] * c["world"] * 8 * c["chunk_size"] + int(c["slack"] * 8 * c["chunk_size"])
+
+
+@budget(8)
+@given(dp_configs())
+@example({**config("chunks", 2, steps=2), "chunk_size": 64, "fit": 2, "slack": 0.0, "policy": "warmup"})
+@example({**config("chunks", 4, steps=2), "chunk_size": 64, "fit": 2, "slack": 0.5, "policy": "lru"})
+def test_data_parallel_chunks_equal_one_process_on_the_global_batch_moving_the_formulas_bytes(c):
+    device_budget = dp_budget(c)
+    check_dp(c, device_budget, launch(dp_run, c["world"], c=c, device_budget=device_budget))
+
+
+def test_data_parallel_example_of_the_formulas_doc():
+    """docs/formulas.md 7: GPT(5, 3, 4, 2 heads, 2 layers), chunk_size 64: C = 12 chunks of 512 bytes,
+    A = 8408 bytes for 2 sequences; k = 2 groups beside them. N = 2: G = 6, 6 + 4 = 10 misses, 5120
+    bytes each way, 512 x 16 = 8192 sent; N = 4: G = 3, 3 + 1 = 4 misses, 2048 each way, 3 x 512 x 7."""
+    for n, (up, sent) in ((2, (5120, 8192)), (4, (2048, 10752))):
+        c = {**config("chunks", n, steps=1), "chunk_size": 64, "policy": "warmup"}
+        assert local_activations(c) == 8408
+        res = launch(dp_run, n, c=c, device_budget=8408 + 2 * n * 512)
+        assert [r["per_step"] for r in res] == [[{"cpu->device": up, "device->cpu": up, "sent": sent}]] * n
+
+
+@pytest.mark.mpi
+def test_data_parallel_chunks_under_mpiexec():
+    """N = 2 under ``mpiexec``, one job: both policies, a padded group (C odd) and a tight budget."""
+    configs = [{**config("chunks", 2, steps=2, d=3, heads=1), "chunk_size": 48, "fit": 2, "slack": 0.0,
+                "policy": "warmup"},
+               {**config("chunks", 2, steps=2), "chunk_size": 100, "fit": 3, "slack": 0.3, "policy": "lru"}]
+    budgets = [dp_budget(c) for c in configs]
+    jobs = run_each(dp_run, 2, [{"c": c, "device_budget": b} for c, b in zip(configs, budgets, strict=True)])
+    for c, b, results in zip(configs, budgets, jobs, strict=True):
+        check_dp(c, b, results)
