@@ -394,3 +394,21 @@ def test_data_parallel_chunks_under_mpiexec():
     jobs = run_each(dp_run, 2, [{"c": c, "device_budget": b} for c, b in zip(configs, budgets, strict=True)])
     for c, b, results in zip(configs, budgets, jobs, strict=True):
         check_dp(c, b, results)
+
+
+def refused_group(comm, device_budget: int) -> tuple[str, int]:
+    """Build a manager on a device too small for one group: the error's message, the messages recorded."""
+    with trace.recording(comm.rank) as rec:
+        try:
+            ChunkManager(build(config("chunks", comm.size)), Tiers(device_budget), 64, comm=comm)
+            msg = "accepted"
+        except DeviceOutOfMemory as e:
+            msg = str(e)
+    return msg, sum(e.kind == "comm" for e in rec.events)
+
+
+def test_a_budget_below_one_group_is_refused_on_every_rank_before_anything_is_sent():
+    """N = 2, chunk_size 64: a group is 2 x 512 bytes; 1023 is refused, 1024 accepted."""
+    for msg, sent in launch(refused_group, 2, device_budget=1023):
+        assert "budget 1023 bytes" in msg and "one group of 2 chunks" in msg and sent == 0
+    assert launch(refused_group, 2, device_budget=1024) == [("accepted", 0)] * 2
