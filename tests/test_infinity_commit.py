@@ -11,9 +11,10 @@ bit the state after the first step (parameters, moments, master, counters), and 
 gives bit for bit the state of two uninterrupted steps. The expected states are those of an
 uninterrupted run, not computed by the code under test's failure path.
 
-N = 2, only rank 1 killed: with k = 5 both ranks refuse to commit (they agree first); with k = 18
-rank 1 dies at its manifest, after rank 0 committed: rank 0 is one step ahead and ``resume`` takes
-it back to its other slot, so both resume at the first step.
+N = 2, rank 1 killed: with k = 5 both ranks refuse to commit (they agree first); with k = 18 rank 1
+dies at its manifest after rank 0 committed, and rank 0 rewrites its previous manifest (they agree
+again); if rank 0 dies too at that rewrite (its k = 19), its files are one step ahead and ``resume``
+takes it back to its other slot. In every case both resume at the first step.
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ from minipar.tiers import Tiers, nvme
 
 
 class Kill:
-    """A ``_write_file`` that, in an armed directory, writes ``k`` files and then raises."""
+    """A ``_write_file`` that, in a directory armed with k, writes k files and then raises."""
 
-    def __init__(self, k: int) -> None:
-        self.k, self.real, self.lock = k, nvme._write_file, threading.Lock()
-        self.armed: set[str] = set()
+    def __init__(self) -> None:
+        self.real, self.lock = nvme._write_file, threading.Lock()
+        self.armed: dict[str, int] = {}
         self.count: Counter[str] = Counter()
 
     def __call__(self, path: str, array: np.ndarray) -> None:
         d = os.path.dirname(path)
         with self.lock:
             n = self.count[d] = self.count[d] + (d in self.armed)
-        if d in self.armed and n > self.k:
+        if d in self.armed and n > self.armed[d]:
             raise OSError(errno.EIO, "killed")
         self.real(path, array)
 
@@ -78,19 +79,19 @@ def uninterrupted(comm, c: dict, base: str, precision: str) -> dict:
     return out
 
 
-def killed(comm, c: dict, base: str, precision: str, kill: Kill, victims: tuple[int, ...]) -> dict:
-    """Step 0, step 1 killed on ``victims`` after ``kill.k`` files, then a ``resume`` object's step 1."""
+def killed(comm, c: dict, base: str, precision: str, kill: Kill, victims: dict[int, int]) -> dict:
+    """Step 0, step 1 killed on rank r after ``victims[r]`` files, then a ``resume`` object's step 1."""
     directory = os.path.join(base, f"rank{comm.rank}")
     with Tiers(1 << 30, directory, workers=1) as tiers:
         inf = make(comm, c, tiers, precision)
         train_step(inf, comm, c, 0)
         if comm.rank in victims:
-            kill.armed.add(os.path.abspath(directory))
+            kill.armed[os.path.abspath(directory)] = victims[comm.rank]
         try:
             msg = "committed" if train_step(inf, comm, c, 1) else "skipped"
         except OSError as exc:
             msg = str(exc)
-        kill.armed.discard(os.path.abspath(directory))
+        kill.armed.pop(os.path.abspath(directory), None)
         same = (states(inf), inf.steps_applied, inf.loss_scale)
         again = make(comm, c, tiers, precision, resume=True)
         resumed = (states(again), again.steps_applied, again.loss_scale)
@@ -106,31 +107,30 @@ def assert_state(got: tuple, want: tuple) -> None:
         assert got[0][key].dtype == a.dtype and np.array_equal(got[0][key], a), key
 
 
-@pytest.mark.parametrize(("world", "precision", "ks", "victims"), [
-    (1, "fp64", (0, 1, 9, 17, 18), (0,)),  # 18: every state file written, the manifest not
-    (1, "mixed", (0, 13, 24), (0,)),
-    (2, "fp64", (5, 18), (1,)),
+@pytest.mark.parametrize(("world", "precision", "cases"), [
+    (1, "fp64", [{0: k} for k in (0, 1, 9, 17, 18)]),  # 18: every state file written, the manifest not
+    (1, "mixed", [{0: k} for k in (0, 13, 24)]),
+    (2, "fp64", [{1: 5}, {1: 18}, {1: 18, 0: 19}]),  # 19: rank 0's rewrite of its previous manifest
 ])
-def test_killed_mid_step_keeps_the_previous_step(world: int, precision: str, ks: tuple[int, ...],
-                                                 victims: tuple[int, ...], tmp_path, monkeypatch) -> None:
+def test_killed_mid_step_keeps_the_previous_step(world: int, precision: str, cases: list[dict[int, int]],
+                                                 tmp_path, monkeypatch) -> None:
     c = config("infinity", world)
     want = launch(uninterrupted, world, c=c, base=str(tmp_path / "ref"), precision=precision)
     assert all(w[0][1] == 1 and w[1][1] == 2 for w in want)
-    for k in ks:
-        kill = Kill(k)
+    for i, victims in enumerate(cases):
+        kill = Kill()
         monkeypatch.setattr(nvme, "_write_file", kill)
-        got = launch(killed, world, c=c, base=str(tmp_path / str(k)), precision=precision, kill=kill,
+        got = launch(killed, world, c=c, base=str(tmp_path / str(i)), precision=precision, kill=kill,
                      victims=victims)
         monkeypatch.setattr(nvme, "_write_file", kill.real)
         for r, (g, w) in enumerate(zip(got, want, strict=True)):
-            ahead = world > 1 and r not in victims and k == 18  # committed before the victim died at its manifest
             if r in victims:
-                assert g["msg"] == "killed" or "killed" in g["msg"], (k, g["msg"])
+                assert g["msg"].endswith("failed: killed"), (victims, g["msg"])
             else:
-                assert g["msg"] == ("committed" if ahead else
-                                    "ZeroInfinity: the step is not committed, a write failed on another rank")
-            assert_state(g["same"], w[1] if ahead else w[0])  # this object: the state it has on disk
-            assert_state(g["resumed"], w[0])  # every rank back at step 1
+                what = "the commit" if victims.get(1) == 18 else "a write"
+                assert g["msg"] == f"ZeroInfinity: the step is not committed, {what} failed on another rank"
+            assert_state(g["same"], w[0])  # this object reads the first step
+            assert_state(g["resumed"], w[0])  # so does a resumed one, on every rank
             assert_state(g["after"], w[1])  # and a step from there: two uninterrupted steps
             for name, a in w["params"].items():
                 assert np.array_equal(g["params"][name], a), name

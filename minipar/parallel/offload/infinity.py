@@ -41,16 +41,17 @@ A step is atomic across files (a checkpoint on disk after every applied step). E
 exists in two slots, ``unit<i>/<kind>.0`` and ``.1``; a small manifest (``manifest``: slot, applied
 steps, loss scale, clean steps, and the last two before the step; 6 float64 = 48 bytes) names the
 slot that holds the current state. A step reads the current slot, writes the other one, waits for
-every write, agrees with the other ranks that none failed (one all-reduce, N > 1) and only then
-commits by one atomic write of the manifest (``minipar.tiers.nvme``: temporary, fsync, rename). A
-failure or a kill before the manifest is in place leaves the previous step's state whole in the
-current slot; the next step writes the other slot again (its files are reused, step after step). A
-failed write (a full disk, a vanished directory) makes ``step`` raise the tiers' error, naming the
-file and the bytes, on every rank (the others: "a write failed on another rank"); the object then
-still reads the previous step (counters unchanged; the step's gradients are gone). ``resume=True``
-opens the state a previous object left in ``tiers`` (same model, same N) instead of writing fresh
-shards; a rank killed after the agreement but before its commit is one step behind the others, who
-then go back to their other slot (still the previous step's). Cost: the files take twice the model
+every write, agrees with the other ranks that none failed (N > 1: one all-reduce) and only then
+commits by one atomic write of the manifest (``minipar.tiers.nvme``: temporary, fsync, rename), and
+agrees again (a rank whose commit failed: the others rewrite their previous manifest). A failure
+or a kill before the manifest is in place leaves the previous step's state whole in the current
+slot; the next step writes the other slot again (its files are reused, step after step). A failed
+write (a full disk, a vanished directory) makes ``step`` raise the tiers' error, naming the file and
+the bytes, on every rank (the others: "... failed on another rank"); the object then still reads the
+previous step (counters unchanged; the step's gradients are gone). ``resume=True`` opens the state a
+previous object left in ``tiers`` (same model, same N) instead of writing fresh shards; a rank killed
+between the two agreements before its commit is one step behind the others, who then go back to
+their other slot (still the previous step's). Cost: the files take twice the model
 states on disk, and each applied step writes the manifest's 48 bytes (cpu -> nvme, beyond
 ``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the manifest.
 A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk until the next.
@@ -206,11 +207,24 @@ class ZeroInfinity:
         for u in self.units:
             u.empty_params()
 
-    def _anywhere(self, flag: bool) -> bool:
-        """Is ``flag`` set on some rank (one all-reduce when N > 1)?"""
-        if self.comm.size == 1:
-            return flag
-        return bool(self.comm.allreduce(np.array([float(flag)]), op="sum", algorithm=ALGORITHM)[0] > 0)
+    def _agree(self, work: Callable[[], None], what: str, undo: Callable[[], None] | None = None) -> None:
+        """Run ``work``; raise on every rank if it raised on some rank (one all-reduce when N > 1),
+        after ``undo`` on the ranks where it succeeded."""
+        failed: Exception | None = None
+        try:
+            work()
+        except Exception as exc:
+            failed = exc
+        flag = np.array([float(failed is not None)])
+        if self.comm.size > 1:
+            flag = self.comm.allreduce(flag, op="sum", algorithm=ALGORITHM)
+        if flag[0] == 0:
+            return
+        if failed is not None:
+            raise failed
+        if undo is not None:
+            undo()
+        raise OSError(f"ZeroInfinity: the step is not committed, {what} failed on another rank")
 
     # ---- forward and backward, unit by unit -----------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -345,14 +359,9 @@ class ZeroInfinity:
                 clean += 1
                 scale *= 2 if clean % self.growth_interval == 0 else 1
             try:
-                failed: BaseException | None = None
-                try:
-                    self._update(1 - self.slot)
-                except Exception as exc:
-                    failed = exc
-                if self._anywhere(failed is not None):  # every rank commits, or none
-                    raise failed or OSError("ZeroInfinity: the step is not committed, a write failed on another rank")
-                self._commit(1 - self.slot, self.steps_applied + 1, scale, clean)
+                self._agree(lambda: self._update(1 - self.slot), "a write")  # every rank commits, or none
+                self._agree(lambda: self._commit(1 - self.slot, self.steps_applied + 1, scale, clean), "the commit",
+                            undo=lambda: self._commit(self.slot, self.steps_applied, self.loss_scale, self.clean_steps))
             finally:
                 self._sample()
             self.slot, self.steps_applied, self.clean_steps, self.loss_scale = \
