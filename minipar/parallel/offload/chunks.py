@@ -77,7 +77,6 @@ sample when the reservation changes, a "cpu" sample (``state_bytes``' cpu entrie
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -87,78 +86,15 @@ from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
+from minipar.parallel.offload.chunk_groups import Chunk, Groups, Slot, State, pack
 from minipar.parallel.offload.chunk_policy import POLICIES
 from minipar.parallel.zero.fsdp import _PreBackward  # identity whose backward calls back: FSDP's unshard hook
 from minipar.tiers import DeviceOutOfMemory, Tiers
 
 NON_MODEL = "non-model data"
-ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
 
 
-class State(Enum):
-    FREE = "free"
-    COMPUTE = "compute"
-    HOLD = "hold"
-    HOLD_AFTER_FWD = "hold after forward"
-    HOLD_AFTER_BWD = "hold after backward"
-
-
-class Slot:
-    """One parameter's place: its chunk, offset and state, and its master copy on the CPU."""
-
-    def __init__(self, index: int, name: str, param: Parameter, chunk: int, offset: int) -> None:
-        self.index, self.name, self.param, self.chunk, self.offset = index, name, param, chunk, offset
-        self.shape, self.numel = param.shape, param.size
-        self.state = State.FREE
-        self.master: np.ndarray | None = None  # a view of the chunk's master array
-
-    def view(self, flat: np.ndarray) -> np.ndarray:
-        return flat[self.offset:self.offset + self.numel].reshape(self.shape)
-
-
-class Chunk:
-    """``size`` elements; its payload is on the device (``device``) or on the CPU (``cpu``)."""
-
-    def __init__(self, index: int, size: int, dtype: Any, owned: bool = True) -> None:
-        self.index, self.size, self.dtype, self.owned = index, size, np.dtype(dtype), owned
-        self.name = f"chunk{index}"
-        self.slots: list[Slot] = []
-        self.cpu: np.ndarray | None = np.zeros(size, dtype) if owned else None
-        self.device: np.ndarray | None = None
-        self.master = np.zeros(size, dtype) if owned else None  # the CPU's master copy of the parameters
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    @property
-    def payload(self) -> np.ndarray | None:
-        return self.device if self.device is not None else self.cpu
-
-    def point(self) -> None:
-        """Every tensor's ``.data`` a view of wherever the payload is now (empty when it is nowhere:
-        a chunk another rank owns, not gathered)."""
-        for s in self.slots:
-            s.param.data = s.view(self.payload) if self.payload is not None else np.empty(0, self.dtype)
-
-    def computing(self) -> bool:
-        return any(s.state is State.COMPUTE for s in self.slots)
-
-
-def pack(named: list[tuple[str, Parameter]], chunk_size: int) -> list[list[tuple[str, Parameter, int]]]:
-    """Registration order into chunks of ``chunk_size`` elements: (name, parameter, offset) per chunk."""
-    chunks: list[list[tuple[str, Parameter, int]]] = []
-    used = chunk_size
-    for name, p in named:
-        if used + p.size > chunk_size:
-            chunks.append([])
-            used = 0
-        chunks[-1].append((name, p, used))
-        used += p.size
-    return chunks
-
-
-class ChunkManager:
+class ChunkManager(Groups):
     """PatrickStar's chunks for ``module`` on ``tiers`` (module docstring), AdamW on the CPU."""
 
     def __init__(self, module: Module, tiers: Tiers, chunk_size: int, policy: str = "warmup", lr: float = 1e-3,
@@ -241,25 +177,6 @@ class ChunkManager:
     @property
     def chunk_bytes(self) -> int:
         return self.chunks[0].nbytes
-
-    @property
-    def n_groups(self) -> int:
-        return len(self.chunks) // self.world
-
-    def group(self, g: int) -> list[Chunk]:
-        """Communication group ``g``: chunks ``g N .. g N + N - 1``; this rank owns the ``rank``-th."""
-        return self.chunks[g * self.world:(g + 1) * self.world]
-
-    def _resident(self, g: int) -> bool:
-        return any(c.device is not None for c in self.group(g))
-
-    def _evictable(self, g: int) -> bool:
-        """Resident, no tensor COMPUTE, and (N > 1) not holding gradients that still await their reduce-scatter."""
-        chunks = self.group(g)
-        if not self._resident(g) or any(c.computing() for c in chunks):
-            return False
-        return self.world == 1 or g in self.reduced or not any(
-            s.state is State.HOLD_AFTER_BWD for c in chunks for s in c.slots)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _wrap(self, m: Module, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -361,41 +278,6 @@ class ChunkManager:
                 return
             self._evict(self.policy.choose(candidates, self._position))
 
-    def _gather(self, g: int) -> None:
-        """The owned chunk up, then the group all-gathered onto the device (N > 1)."""
-        chunks = self.group(g)
-        own = chunks[self.rank]
-        self._up(own)
-        if self.world == 1:
-            return
-        whole = self.comm.allgather(own.device, algorithm=ALGORITHM)
-        for j, chunk in enumerate(chunks):
-            if chunk is not own:
-                chunk.device = self.tiers.empty(chunk.name, chunk.size, chunk.dtype)
-                chunk.device[...] = whole[j * chunk.size:(j + 1) * chunk.size]
-                chunk.point()
-
-    def _evict(self, g: int) -> None:
-        """The owned chunk down (a transfer); the others freed (another rank owns them)."""
-        for chunk in self.group(g):
-            if chunk.device is not None:
-                self._down(chunk) if chunk.owned else self._release(chunk)
-
-    def _release(self, chunk: Chunk) -> None:
-        self.tiers.free(chunk.name)
-        chunk.device = None
-        chunk.point()
-
-    def _reduce_scatter(self, g: int) -> None:
-        """The group's gradient chunks averaged over the ranks; this rank keeps its owned chunk's."""
-        chunks = self.group(g)
-        flat = np.concatenate([c.device for c in chunks]) / self.world  # before the sum, as FSDP
-        chunks[self.rank].device[...] = self.comm.reduce_scatter(flat, op="sum", algorithm=ALGORITHM)
-        for chunk in chunks:
-            if not chunk.owned:
-                self._release(chunk)
-        self.reduced.add(g)
-
     def _up(self, chunk: Chunk) -> None:
         chunk.device = self.tiers.to_device(chunk.name, chunk.cpu)
         chunk.cpu = None
@@ -450,7 +332,7 @@ class ChunkManager:
         with trace.span("opt"):
             for chunk in self.chunks:
                 if chunk.device is not None:
-                    self._down(chunk) if chunk.owned else self._release(chunk)
+                    self._off_device(chunk)
                 for s in chunk.slots:
                     if chunk.owned:
                         if s.state is State.HOLD_AFTER_BWD:
@@ -488,5 +370,5 @@ class ChunkManager:
         self._reserve(0)
         for chunk in self.chunks:
             if chunk.device is not None:
-                self._down(chunk) if chunk.owned else self._release(chunk)
+                self._off_device(chunk)
             self._set(chunk.slots, State.FREE)
