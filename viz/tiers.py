@@ -15,6 +15,9 @@ model's time for the link) beside the measured ``t0``/``t1``.
 - ``transfers_figure(trace, title)``: the moves as links between the tiers (a Sankey diagram, sources
   left, destinations right, width = bytes over all ranks) and, per link, the measured and the
   modelled time per rank.
+- ``budget_figure(rows, title)``: a device-budget sweep (rows of ``method``, ``budget`` bytes, ``step_s``,
+  ``modelled_s``, ``bytes``): per method the measured step time against the budget (solid) and the
+  modelled time of its moves (dotted).
 
 Cost: O(E) for E events.
 """
@@ -155,6 +158,32 @@ def transfers_figure(trace: Trace, title: str = "") -> go.Figure:
     summary = "; ".join(f"{s} -> {d} {A.fmt_bytes(v['bytes'])}" for (s, d), v in items)
     fig.update_layout(title=f"transfers between tiers: {title}<br><sup>{summary}</sup>", barmode="group",
                       height=420, margin={"t": 100})
+    return fig
+
+
+METHOD_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2")
+
+
+def budget_figure(rows: Sequence[dict[str, Any]], title: str = "") -> go.Figure:
+    """Per method (in order of first appearance): measured step time (ms) against the device budget
+    (KB), solid with markers, and the modelled time of the step's moves, dotted, same colour."""
+    fig = go.Figure()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for i, method in enumerate(methods):
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["budget"])
+        xs, color = [r["budget"] / 1e3 for r in mine], METHOD_COLORS[i % len(METHOD_COLORS)]
+        moved = [[A.fmt_bytes(int(r["bytes"]))] for r in mine]
+        fig.add_trace(go.Scatter(x=xs, y=[r["step_s"] * 1e3 for r in mine], name=f"{method}: step measured",
+                                 mode="lines+markers", line={"color": color}, customdata=moved,
+                                 hovertemplate="budget %{x:.1f} KB: step %{y:.2f} ms, "
+                                               "%{customdata[0]} moved<extra></extra>"))
+        fig.add_trace(go.Scatter(x=xs, y=[r["modelled_s"] * 1e3 for r in mine], name=f"{method}: moves modelled",
+                                 mode="lines+markers", line={"color": color, "dash": "dot"}, customdata=moved,
+                                 hovertemplate="budget %{x:.1f} KB: moves %{y:.4f} ms modelled "
+                                               "(%{customdata[0]})<extra></extra>"))
+    fig.update_xaxes(title_text="device budget per rank (KB)")
+    fig.update_yaxes(title_text="ms per step", rangemode="tozero")
+    fig.update_layout(title=title, height=420, legend={"font": {"size": 11}})
     return fig
 
 
