@@ -40,6 +40,7 @@ from viz.tiers import moves, per_step_moves
 CHUNK = 4096  # elements per chunk (32 KiB in float64): the largest tensor (a block's qkv, 3,072) fits
 FIT = 3  # chunks that fit beside the activations at the start of backward
 LOOP_D = 32  # the reused-layer model: three Linear(32, 32), one chunk each
+MANIFEST = 48  # bytes ZeroInfinity's manifest (6 float64) writes per applied step, beyond zero_infinity_bytes
 
 
 def unit_sizes(net: nn.GPT) -> list[int]:
@@ -48,11 +49,12 @@ def unit_sizes(net: nn.GPT) -> list[int]:
 
 
 def train_infinity(lesson: ModuleType, comm: Any, steps: int, trace_path: str | os.PathLike[str] | None,
-                   out: Path, depth: int = 1) -> dict[str, Any]:
-    """The lesson's GPT under ZeRO-Infinity on a device of exactly ``zero_infinity_device_need``, each
-    rank's files under ``out/nvme_infinity/rank<r>``; traced whole with "step" marks."""
+                   out: Path, depth: int = 1, budget: int | None = None) -> dict[str, Any]:
+    """The lesson's GPT under ZeRO-Infinity on a device of ``budget`` bytes (default: exactly
+    ``zero_infinity_device_need``), each rank's files under ``out/nvme_infinity/rank<r>``; traced whole
+    with "step" marks."""
     units = unit_sizes(lesson.model())
-    budget = zero_infinity_device_need(units, comm.size, 8)["total"]
+    budget = zero_infinity_device_need(units, comm.size, 8)["total"] if budget is None else budget
     with nn.deferred():
         net = lesson.model()
     meta = {"paradigm": "ZeRO-Infinity", "time_unit": "s",
@@ -78,10 +80,12 @@ def infinity_table(res: dict[str, Any], n: int) -> Table:
     table = Table(title=f"ZeRO-Infinity: bytes between tiers per step on rank 0 (N = {n}, float64), measured vs "
                         "zero_infinity_bytes", title_justify="left",
                   caption="nvme->cpu: this rank's shard before each unit's forward and backward (2 x 8 s) and the "
-                          "step's reads of shard and moments (24 s); cpu->nvme: the step's writes (24 s); cpu->device: "
-                          "the shard up twice (16 s); device->cpu: the gradient partition (8 s); s = Psi / N.",
+                          "step's reads of shard and moments (24 s); cpu->nvme: the step's writes (24 s) and the "
+                          f"manifest that commits them ({MANIFEST} bytes); cpu->device: the shard up twice (16 s); "
+                          "device->cpu: the gradient partition (8 s); s = Psi / N.",
                   caption_justify="left")
     want = zero_infinity_bytes(res["units"], n)
+    want["cpu->nvme"] += MANIFEST
     steps = per_step_moves(mtrace.load(res["trace"]), 0)[1:-1]
     for col in ("move", *(f"step {i}" for i in range(len(steps))), "formula"):
         table.add_column(col, justify="right")

@@ -30,8 +30,10 @@ backward). 6. ZeRO-Infinity (parameters and optimizer state on NVMe, one unit at
 the same parameters, bytes per step by tier vs ``zero_infinity_bytes``. 7. PatrickStar's chunks on one
 rank: bytes per step evicting by recency (LRU) or by the warm-up's order, on the GPT (alike) and on a
 model that reuses its first layer (the order wins), and the device budget each method needs
-(``infinity_chunks.py``). The HTML report draws every tier's bytes over time per rank and the
-transfers as links between the tiers (``viz.tiers``). Writes runs/07_offload/*.json and report.html.
+(``infinity_chunks.py``). 8. Step time vs device budget per method, from its minimum to everything fits:
+measured, bytes per step vs formula, modelled at ``Bandwidth`` (``sweep.py``). The HTML report draws every
+tier's bytes over time per rank, the transfers as links between the tiers (``viz.tiers``) and, at its end,
+step time vs budget per method. Writes runs/07_offload/*.json, sweep/*.json and report.html.
 """
 
 from __future__ import annotations
@@ -68,9 +70,17 @@ TOUR_ITEMS = 1 << 17  # the tour's tensor: 1 MiB of float64
 BANDWIDTH = Bandwidth()  # PCIe 16 GB/s, NVMe read 3 GB/s, write 2 GB/s
 NVME_WORKERS = 1  # I/O threads per rank (one keeps the order of reads easy to follow in the timeline)
 OUT = Path("runs/07_offload")
-_spec = importlib.util.spec_from_file_location("lessons.l07_part2", Path(__file__).with_name("infinity_chunks.py"))
-part2 = importlib.util.module_from_spec(_spec)  # ZeRO-Infinity and PatrickStar's chunks (infinity_chunks.py)
-_spec.loader.exec_module(part2)
+
+
+def _part(name: str, file: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+part2 = _part("lessons.l07_part2", "infinity_chunks.py")  # ZeRO-Infinity and PatrickStar's chunks
+part3 = _part("lessons.l07_part3", "sweep.py")  # step time vs device budget, per method
 TITLES = {"infinity": "ZeRO-Infinity", "tour": "memory tiers (tour)"}
 RUNS = {"zero2": "ZeRO-2, in device memory", "offload": "ZeRO-Offload", "mixed": "ZeRO-Offload, mixed precision",
         "dpu": "ZeRO-Offload + DPU"}
@@ -194,6 +204,7 @@ def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
     me = sys.modules[__name__]
     results["infinity"] = part2.train_infinity(me, comm, steps, out / "infinity.json", out)
     results["chunks"] = part2.train_chunks(me, comm, steps, out)
+    results["sweep"] = part3.run_sweep(me, comm, out, results)
     return results
 
 
@@ -334,9 +345,11 @@ def run(comm: Any, steps: int) -> None:
     console.rule("[bold]the ZeRO-Offload run's timeline")
     order = ("offload", "dpu", "mixed", "infinity", "zero2", "tour")  # the report draws the first one's tiers on top
     loops = [results["chunks"][("loop", p)]["trace"] for p in ("lru", "warmup")]
-    finish([*(results[r]["trace"] for r in order), *loops], OUT / "report.html", console,
-           timeline=results["offload"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
-                                                         "chunks, reused layer, LRU", "chunks, reused layer, warm-up"])
+    report = finish([*(results[r]["trace"] for r in order), *loops], OUT / "report.html", console,
+                    timeline=results["offload"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
+                                                                  "chunks, reused layer, LRU",
+                                                                  "chunks, reused layer, warm-up"])
+    part3.add_to_report(report, part3.figure(results["sweep"]), "step time vs device budget, per method")
 
 
 def beyond(console: Any, results: dict[str, Any], n: int) -> None:
@@ -356,6 +369,10 @@ def beyond(console: Any, results: dict[str, Any], n: int) -> None:
                   f"plus {gpt['fit']} chunks); measured peaks {results['offload']['peak']:,}, {inf['peak']:,}, "
                   f"{gpt['peak']:,}.", highlight=False)
     console.print(part2.budget_table(sys.modules[__name__], results))
+    console.rule("[bold]8. step time vs device budget: from each method's minimum to everything fits")
+    if warn := time_sharing(n):
+        console.print(f"[yellow]note:[/yellow] {warn}.", highlight=False)
+    console.print(part3.sweep_table(results["sweep"], n))
 
 
 def main() -> None:
