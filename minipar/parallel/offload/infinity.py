@@ -37,24 +37,17 @@ raises ``DeviceOutOfMemory`` on every rank (same message, nothing sent, no file 
 flattened) and the collectives' temporaries are not charged. The parameters are empty arrays
 outside their unit's forward and backward; compute checks that they are device-resident.
 
-A step is atomic across files (a checkpoint on disk after every applied step). Every state file
-exists in two slots, ``unit<i>/<kind>.0`` and ``.1``; a small manifest (``manifest``: slot, applied
-steps, loss scale, clean steps, and the last two before the step; 6 float64 = 48 bytes) names the
-slot that holds the current state. A step reads the current slot, writes the other one, waits for
-every write, agrees with the other ranks that none failed (N > 1: one all-reduce) and only then
-commits by one atomic write of the manifest (``minipar.tiers.nvme``: temporary, fsync, rename), and
-agrees again (a rank whose commit failed: the others rewrite their previous manifest). A failure
-or a kill before the manifest is in place leaves the previous step's state whole in the current
-slot; the next step writes the other slot again (its files are reused, step after step). A failed
-write (a full disk, a vanished directory) makes ``step`` raise the tiers' error, naming the file and
-the bytes, on every rank (the others: "... failed on another rank"); the object then still reads the
-previous step (counters unchanged; the step's gradients are gone). ``resume=True`` opens the state a
-previous object left in ``tiers`` (same model, same N) instead of writing fresh shards; a rank killed
-between the two agreements before its commit is one step behind the others, who then go back to
-their other slot (still the previous step's). Cost: the files take twice the model
-states on disk, and each applied step writes the manifest's 48 bytes (cpu -> nvme, beyond
-``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the manifest.
-A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk until the next.
+A step is atomic across files and ranks (``minipar.parallel.offload.commit``): every state file
+in two slots, ``unit<i>/<kind>.0`` and ``.1``, the step writes the other slot and one write of a
+manifest (48 bytes) commits it, once every rank's writes succeeded. A failed write (a full disk, a
+vanished directory) makes ``step`` raise the tiers' error, naming the file and the bytes, on every
+rank (the others: "... failed on another rank"); the object then still reads the previous step
+(counters unchanged; the step's gradients are gone). ``resume=True`` opens the state a previous
+object left in ``tiers`` (same model, same N) instead of writing fresh shards. Cost: the files take
+twice the model states on disk, and each applied step writes the manifest's 48 bytes (cpu -> nvme,
+beyond ``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the
+manifest. A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk
+until the next applied step.
 
 Trace: spans "F" (per unit), "B", "opt"; the tiers' "transfer" events, "device" and "nvme" memory
 samples, and a "cpu" sample (the gradient partitions) after each change of them.
@@ -74,6 +67,7 @@ from minipar.comm import Communicator
 from minipar.cost.offload import zero_infinity_device_need
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
+from minipar.parallel.offload.commit import agree, manifest, resume_point
 from minipar.parallel.zero.flat import init_shard, layout_of
 from minipar.parallel.zero.fsdp import Policy, _PreBackward, check_fsdp_config, transformer_units
 from minipar.tiers import DeviceOutOfMemory, Tiers
@@ -187,44 +181,16 @@ class ZeroInfinity:
         self._commit(self.slot, self.steps_applied, self.loss_scale, self.clean_steps)
 
     def _commit(self, slot: int, steps: int, loss_scale: float, clean_steps: int) -> None:
-        """The one atomic write that makes ``slot`` current (raises if it failed: nothing changed),
-        with the counters of the step before (a rank killed before its commit resumes one behind)."""
-        manifest = [slot, steps, loss_scale, clean_steps, self.loss_scale, self.clean_steps]
-        self.tiers.write_nvme("manifest", np.array(manifest, dtype=np.float64), copy=False).result()
+        """The one atomic write that makes ``slot`` current (raises if it failed: nothing changed)."""
+        saved = manifest(slot, steps, loss_scale, clean_steps, self.loss_scale, self.clean_steps)
+        self.tiers.write_nvme("manifest", saved, copy=False).result()
 
     def _open(self) -> None:
-        """``resume``: the slot and counters of the last step committed on every rank (a rank that
-        committed one step more than another, killed before its commit, goes back to its other slot)."""
-        slot, steps, scale, clean, prev_scale, prev_clean = self.tiers.read_nvme("manifest").result()
-        low = -self.comm.allreduce(np.array([-steps]), op="max", algorithm=ALGORITHM)[0] if self.comm.size > 1 \
-            else steps
-        if steps - low not in (0, 1):
-            raise ValueError(f"ZeroInfinity(resume=True): this rank's files are at step {int(steps)}, another "
-                             f"rank's at {int(low)}: only one step apart can be resumed")
-        if steps == low + 1:
-            slot, steps, scale, clean = 1 - slot, low, prev_scale, prev_clean
-        self.slot, self.steps_applied, self.clean_steps, self.loss_scale = int(slot), int(steps), int(clean), scale
+        """``resume``: the slot and counters of the last step committed on every rank."""
+        self.slot, self.steps_applied, self.loss_scale, self.clean_steps = \
+            resume_point(self.comm, self.tiers.read_nvme("manifest").result())
         for u in self.units:
             u.empty_params()
-
-    def _agree(self, work: Callable[[], None], what: str, undo: Callable[[], None] | None = None) -> None:
-        """Run ``work``; raise on every rank if it raised on some rank (one all-reduce when N > 1),
-        after ``undo`` on the ranks where it succeeded."""
-        failed: Exception | None = None
-        try:
-            work()
-        except Exception as exc:
-            failed = exc
-        flag = np.array([float(failed is not None)])
-        if self.comm.size > 1:
-            flag = self.comm.allreduce(flag, op="sum", algorithm=ALGORITHM)
-        if flag[0] == 0:
-            return
-        if failed is not None:
-            raise failed
-        if undo is not None:
-            undo()
-        raise OSError(f"ZeroInfinity: the step is not committed, {what} failed on another rank")
 
     # ---- forward and backward, unit by unit -----------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -359,9 +325,10 @@ class ZeroInfinity:
                 clean += 1
                 scale *= 2 if clean % self.growth_interval == 0 else 1
             try:
-                self._agree(lambda: self._update(1 - self.slot), "a write")  # every rank commits, or none
-                self._agree(lambda: self._commit(1 - self.slot, self.steps_applied + 1, scale, clean), "the commit",
-                            undo=lambda: self._commit(self.slot, self.steps_applied, self.loss_scale, self.clean_steps))
+                agree(self.comm, lambda: self._update(1 - self.slot), "a write")  # every rank commits, or none
+                agree(self.comm, lambda: self._commit(1 - self.slot, self.steps_applied + 1, scale, clean),
+                      "the commit", undo=lambda: self._commit(self.slot, self.steps_applied, self.loss_scale,
+                                                              self.clean_steps))
             finally:
                 self._sample()
             self.slot, self.steps_applied, self.clean_steps, self.loss_scale = \
