@@ -36,6 +36,7 @@ from minipar.comm.watchdog import PACE, SPIN, RankState, default_timeout, poll
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
                                 "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
 HEADER = 16  # int64 words: dtype code, ndim, up to 14 dims
+FORWARD_GRACE = 0.3  # seconds for mpiexec to forward a failing rank's traceback
 ABORT_GRACE = 1.0  # seconds a timed-out rank waits before MPI_Abort
 
 
@@ -212,11 +213,13 @@ def _abort_hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
 
     rank = MPI.COMM_WORLD.Get_rank()
     sys.stdout.flush()
-    sys.stderr.write(f"[minipar] rank {rank}: uncaught exception; aborting the MPI job\n")
-    sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+    sys.stderr.write(f"[minipar] rank {rank}: uncaught exception; aborting the MPI job\n"
+                     + "".join(traceback.format_exception(exc_type, exc, tb)))  # one write: all or nothing
     sys.stderr.flush()
-    if issubclass(exc_type, CommTimeout):
-        time.sleep(ABORT_GRACE)  # ranks timing out at the same moment print their view too
+    # mpiexec forwards a rank's output asynchronously and Abort kills its forwarder: give it a moment
+    # (seen: the traceback lost, only the first line delivered); ranks timing out at the same moment
+    # print their view too
+    time.sleep(ABORT_GRACE if issubclass(exc_type, CommTimeout) else FORWARD_GRACE)
     MPI.COMM_WORLD.Abort(1)
 
 
