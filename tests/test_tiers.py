@@ -19,6 +19,7 @@ from minipar import trace
 from minipar.autograd import Tensor
 from minipar.cost import transfer_seconds, zero_offload_bytes
 from minipar.tiers import Bandwidth, DeviceOutOfMemory, NotOnDevice, Tiers
+from minipar.tiers.nvme import LONG, file_name, name_of
 
 
 def test_out_of_memory_message_names_budget_resident_request_and_smallest_budget():
@@ -306,3 +307,65 @@ def test_files_removed_when_close_is_never_called(tmp_path):
     del t
     gc.collect()
     assert not d.exists()
+
+
+@given(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=90))
+def test_file_names_give_back_their_names(name):
+    fname = file_name(name)
+    assert len(fname.encode()) <= 255 and not fname.startswith(".") and "/" not in fname
+    assert name_of(fname) == (None if "~" in fname else name)
+    safe = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+    escaped = sum(1 if c in safe else 3 * len(c.encode()) for c in name) + 2 * name.startswith(".")
+    assert ("~" in fname) == (escaped > LONG)
+
+
+def test_reopen_registers_the_files_left_and_keeps_them(tmp_path):
+    d = tmp_path / "nv"
+    arrays = {"a": np.arange(3.0), "unit0/param.0": np.arange(5, dtype=np.float16), ".dot": np.ones((2, 2), np.int32),
+              "u ~\u00fc": np.zeros(0), "n" * 300: np.arange(4, dtype=np.uint8)}
+    old = Tiers(0, d)
+    for name, a in arrays.items():
+        old.write_nvme(name, a).result()
+    old.close(delete=False)
+    (d / ".a.npy.tmp999-7").write_bytes(b"\x93NUMPY half")  # a write a killed process left
+    (d / "notes.txt").write_text("not ours")
+    before = sorted(os.listdir(d))
+    t = Tiers(0, d, reopen=True)
+    assert t.stale == [".a.npy.tmp999-7"]
+    assert t.resident("nvme") == {"a": 24, "unit0/param.0": 10, ".dot": 16, "u ~\u00fc": 0}  # the cut name: unnamed
+    for name, a in arrays.items():
+        got = t.read_nvme(name).result()
+        assert got.dtype == a.dtype and np.array_equal(got, a), name
+    assert t.resident("nvme")["n" * 300] == 4  # named by the read
+    t.write_nvme("a", np.full(2, 7.0)).result()
+    t.close()  # a reopened directory is kept
+    assert sorted(os.listdir(d)) == before
+    with Tiers(0, d, reopen=True) as t:
+        np.testing.assert_array_equal(t.read_nvme("a").result(), [7.0, 7.0])
+    assert sorted(os.listdir(d)) == before  # a normal exit keeps it too
+    t = Tiers(0, d, reopen=True)
+    del t
+    gc.collect()  # and so does the finalizer
+    assert sorted(os.listdir(d)) == before
+    Tiers(0, d, reopen=True).close(delete=True)  # only when asked: every .npy file, not the others
+    assert sorted(os.listdir(d)) == [".a.npy.tmp999-7", "notes.txt"]
+
+
+def test_reopen_refuses_truncated_unreadable_and_missing(tmp_path):
+    d = tmp_path / "nv"
+    with pytest.raises(FileNotFoundError, match=r"NVMe directory .*nv to reopen does not exist"):
+        Tiers(0, d, reopen=True)
+    with pytest.raises(ValueError, match="reopen=True needs the nvme_dir"):
+        Tiers(0, reopen=True)
+    t = Tiers(0, d)
+    t.write_nvme("w", np.arange(10.0)).result()
+    t.close(delete=False)
+    path = d / "w.npy"
+    size = path.stat().st_size
+    os.truncate(path, size - 8)
+    with pytest.raises(OSError, match=rf"NVMe file {path} is truncated: 72 of 80 array bytes on disk"):
+        Tiers(0, d, reopen=True)
+    path.write_bytes(b"junk")
+    with pytest.raises(OSError, match=rf"NVMe file {path} is unreadable"):
+        Tiers(0, d, reopen=True)
+    assert os.listdir(d) == ["w.npy"]  # a refused directory is left as it was

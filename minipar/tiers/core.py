@@ -56,11 +56,15 @@ class Bandwidth:
 class Tiers:
     """One rank's memory tiers: a device pool of ``device_budget`` bytes, host memory, and NVMe files
     under ``nvme_dir`` (made if missing; its files removed by ``close``, the directory too if this
-    made it) read and written by ``workers`` threads. Use as a context manager: a normal exit waits
-    for pending I/O and removes the files; an exit by exception keeps them (intact, for inspection)."""
+    made it) read and written by ``workers`` threads. ``reopen=True`` opens an existing ``nvme_dir``
+    with the files a previous object or process left in it (``minipar.tiers.nvme``: checked, named
+    from their file names; ``stale`` lists the temporaries of unfinished writes found); its files are
+    kept by ``close()`` unless ``close(delete=True)``. Use as a context manager: a normal exit waits
+    for pending I/O and removes the files (a reopened directory's: kept); an exit by exception keeps
+    them (intact, for inspection)."""
 
     def __init__(self, device_budget: int, nvme_dir: str | None = None, bandwidth: Bandwidth = Bandwidth(),
-                 workers: int = 2) -> None:
+                 workers: int = 2, reopen: bool = False) -> None:
         if device_budget < 0:
             raise ValueError(f"device_budget must be >= 0, got {device_budget}")
         self.device_budget = int(device_budget)
@@ -70,8 +74,11 @@ class Tiers:
         self._ids: set[int] = set()
         self.device_bytes = 0
         self.peak_device_bytes = 0
-        self._files = None if nvme_dir is None else NvmeFiles(nvme_dir, workers)
+        if reopen and nvme_dir is None:
+            raise ValueError("reopen=True needs the nvme_dir to reopen")
+        self._files = None if nvme_dir is None else NvmeFiles(nvme_dir, workers, reopen)
         self.nvme_dir = None if self._files is None else self._files.directory
+        self.stale: list[str] = [] if self._files is None else list(self._files.stale)
 
     # ---- device ----------------------------------------------------------------------------
 
@@ -225,9 +232,10 @@ class Tiers:
         if self._files is not None:
             self._files.wait()
 
-    def close(self, delete: bool = True) -> None:
+    def close(self, delete: bool | None = None) -> None:
         """Wait for pending I/O, stop the threads and (``delete``) remove this object's files, and the
-        directory if this object made it and it is now empty. Idempotent."""
+        directory if this object made it and it is now empty. ``delete`` defaults to True, and to
+        False for a reopened directory (its files are kept unless asked). Idempotent."""
         if self._files is not None:
             self._files.close(delete)
 
@@ -235,7 +243,7 @@ class Tiers:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(delete=exc_type is None)
+        self.close(delete=None if exc_type is None else False)
 
     def _need_files(self) -> NvmeFiles:
         if self._files is None:

@@ -7,9 +7,18 @@ et al. 2021, Sec. 6).
   leaves the previous file of that name intact, and the failed write's temporary file is removed.
 - Operations on one name run in the order they were submitted (each waits for the one before), so a
   read after a write returns what was written; different names proceed in parallel.
+- A name's file is ``<name>.npy`` with every character but ``A-Za-z0-9_.-`` (and a leading ``.``)
+  escaped as ``%XX`` of its UTF-8 bytes, so the name is read back from the file name; a name whose
+  escaped form is longer than ``LONG`` characters is cut and marked ``~<sha1 of the name>``.
 - The directory is made if missing. ``close`` waits for pending I/O, removes the files written (and
   the directory if this made it and it is empty); so does a finalizer at interpreter exit or garbage
   collection if ``close`` was never called. ``close(delete=False)`` keeps them.
+- ``reopen=True`` opens a directory a previous object (or process, killed or not) left: every
+  ``.npy`` file in it is registered under the name its file name gives (a cut ``~`` name: once an
+  operation names it). Each file's header and size are checked first: an unreadable or truncated one
+  is refused with an ``OSError`` naming it. Temporaries of unfinished writes (``.<file>.tmp<pid>-<t>``)
+  are not registered, not removed, and listed in ``stale``. A reopened directory is kept by ``close()``
+  and by the finalizer; only an explicit ``close(delete=True)`` removes its files.
 """
 
 from __future__ import annotations
@@ -17,8 +26,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import threading
+import urllib.parse
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,20 +51,64 @@ def _write_file(path: str, array: np.ndarray) -> None:
 _HEADER = threading.Lock()  # np.load parses a .npy header with ``ast``, not thread-safe in CPython 3.11 (gh-106905)
 
 
+def _header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) of the ``.npy`` file open in ``fh``, left at its data."""
+    with _HEADER:
+        version = np.lib.format.read_magic(fh)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        return read_header(fh)
+
+
 def _read_file(path: str) -> np.ndarray:
     """A ``.npy`` file's array: the header parsed under a lock (the I/O threads read at once), the
     data read without it."""
     with open(path, "rb") as fh:
-        with _HEADER:
-            version = np.lib.format.read_magic(fh)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read_header(fh)
+        shape, fortran, dtype = _header(fh)
         count = int(np.prod(shape, dtype=np.int64))
         data = np.fromfile(fh, dtype=dtype, count=count)
     if data.size != count:
         raise OSError(f"{path}: {data.size} of {count} elements on disk (a truncated file)")
     return data.reshape(shape, order="F" if fortran else "C")
+
+
+LONG = 200  # longest escaped name kept whole in a file name (a file name has at most 255 bytes)
+
+
+def file_name(name: str) -> str:
+    """The file name of ``name`` (see the module docstring)."""
+    if not name:
+        raise ValueError("an NVMe name must not be empty")
+    enc = urllib.parse.quote(name, safe="").replace("~", "%7E")
+    if enc.startswith("."):
+        enc = "%2E" + enc[1:]
+    if len(enc) > LONG:
+        enc = f"{enc[:LONG - 41]}~{hashlib.sha1(name.encode()).hexdigest()}"
+    return enc + ".npy"
+
+
+def name_of(fname: str) -> str | None:
+    """The name whose file is ``fname``; None for a cut (``~``) name or a file this tier does not name."""
+    if not fname.endswith(".npy") or "~" in fname:
+        return None
+    name = urllib.parse.unquote(fname[:-4], errors="strict")
+    return name if name and file_name(name) == fname else None
+
+
+def check_file(path: str) -> int:
+    """The array bytes of the ``.npy`` file at ``path``; ``OSError`` naming it if its header is
+    unreadable or its size is not the header's plus the array's."""
+    try:
+        with open(path, "rb") as fh:
+            shape, _, dtype = _header(fh)
+            start = fh.tell()
+        size = os.path.getsize(path)
+    except (OSError, ValueError) as exc:
+        raise OSError(f"NVMe file {path} is unreadable: {exc}") from exc
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != start + nbytes:
+        raise OSError(f"NVMe file {path} is truncated: {size - start} of {nbytes} array bytes on disk")
+    return nbytes
 
 
 def _remove(path: str) -> None:
@@ -72,8 +125,15 @@ class _Disk:
         self.directory, self.made = directory, made
         self.files: dict[str, int] = {}  # name -> array bytes in its file
         self.paths: dict[str, str] = {}
+        self.cut: dict[str, int] = {}  # reopened files of cut names, not named yet: path -> array bytes
+        self.keep = False  # a reopened directory: the finalizer removes nothing
 
     def cleanup(self) -> None:
+        if self.keep:
+            return
+        for path in list(self.cut):
+            _remove(path)
+        self.cut.clear()
         for path in list(self.paths.values()):
             _remove(path)
         self.files.clear()
@@ -83,11 +143,14 @@ class _Disk:
 
 
 class NvmeFiles:
-    """Files under ``directory`` read and written by ``workers`` threads; see the module docstring."""
+    """Files under ``directory`` read and written by ``workers`` threads; ``reopen`` registers the
+    files already there (``stale``: the temporaries found). See the module docstring."""
 
-    def __init__(self, directory: str | os.PathLike[str], workers: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], workers: int = 2, reopen: bool = False) -> None:
         d = os.path.abspath(os.fspath(directory))
         made = False
+        if reopen and not os.path.isdir(d):
+            raise FileNotFoundError(errno.ENOENT, f"NVMe directory {d} to reopen does not exist")
         try:
             if not os.path.isdir(d):
                 os.makedirs(d)
@@ -100,21 +163,46 @@ class NvmeFiles:
             raise OSError(exc.errno, f"NVMe directory {d} is not writable: {exc.strerror or exc}") from exc
         self.directory = d
         self._disk = _Disk(d, made)
+        self.reopened = reopen
+        self.stale: list[str] = []
+        if reopen:
+            self._register()
         self._lock = threading.Lock()
         self._pending: dict[str, Future[Any]] = {}  # the last operation submitted per name, until it is done
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minipar-nvme")
         self._finalizer = weakref.finalize(self, _Disk.cleanup, self._disk)
         self.closed = False
 
+    def _register(self) -> None:
+        """``reopen``: check and register every ``.npy`` file, list the temporaries."""
+        disk = self._disk
+        disk.keep = True
+        for fname in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, fname)
+            if fname.startswith(".") and ".npy.tmp" in fname:
+                self.stale.append(fname)
+            elif fname.endswith(".npy") and not fname.startswith(".") and os.path.isfile(path):
+                nbytes = check_file(path)
+                name = name_of(fname)
+                if name is None:
+                    disk.cut[path] = nbytes
+                else:
+                    disk.files[name], disk.paths[name] = nbytes, path
+
+    def _named(self, name: str, path: str) -> None:
+        """A reopened file of a cut name, named now (call under the lock)."""
+        if path in self._disk.cut:
+            self._disk.files[name] = self._disk.cut.pop(path)
+            self._disk.paths[name] = path
+
     def resident(self) -> dict[str, int]:
-        """Array bytes in each name's file."""
+        """Array bytes in each name's file (a reopened cut name's once an operation named it)."""
         with self._lock:
             return dict(self._disk.files)
 
     def path(self, name: str) -> str:
-        """The file of ``name``: its safe characters and a hash of it (distinct names, distinct files)."""
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
-        return os.path.join(self.directory, f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}.npy")
+        """The file of ``name`` (see the module docstring; distinct names, distinct files)."""
+        return os.path.join(self.directory, file_name(name))
 
     def write(self, name: str, data: np.ndarray, on_move: OnMove, on_disk: OnDisk, now: Callable[[], float]
               ) -> Future[None]:
@@ -137,6 +225,7 @@ class NvmeFiles:
                 raise
             t1 = now()
             with self._lock:
+                self._disk.cut.pop(path, None)
                 self._disk.files[name] = data.nbytes
                 self._disk.paths[name] = path
                 total = sum(self._disk.files.values())
@@ -150,6 +239,8 @@ class NvmeFiles:
         path = self.path(name)
 
         def job() -> np.ndarray:
+            with self._lock:
+                self._named(name, path)
             if name not in self._disk.files:
                 raise KeyError(f"{name!r} has no NVMe file in {self.directory} (written: {sorted(self._disk.files)})")
             t0 = now()
@@ -166,6 +257,7 @@ class NvmeFiles:
         def job() -> None:
             _remove(path)
             with self._lock:
+                self._disk.cut.pop(path, None)
                 self._disk.files.pop(name, None)
                 self._disk.paths.pop(name, None)
                 total = sum(self._disk.files.values())
@@ -180,9 +272,12 @@ class NvmeFiles:
         for f in pending:
             f.exception()
 
-    def close(self, delete: bool = True) -> None:
-        """Wait for pending I/O, stop the threads, remove temporaries a failed write left and, with
-        ``delete``, the files (and the directory if made here and now empty). Idempotent."""
+    def close(self, delete: bool | None = None) -> None:
+        """Wait for pending I/O, stop the threads, remove temporaries a failed write of this process
+        left and, with ``delete``, the files (and the directory if made here and now empty). ``delete``
+        defaults to True, to False for a reopened directory. Idempotent."""
+        if delete is None:
+            delete = not self.reopened
         if self.closed:
             return
         self.closed = True
@@ -193,6 +288,7 @@ class NvmeFiles:
             if fname.startswith(".") and f".npy.tmp{os.getpid()}-" in fname:
                 _remove(os.path.join(self.directory, fname))
         if delete:
+            self._disk.keep = False
             self._finalizer()
         else:
             self._finalizer.detach()
