@@ -15,6 +15,11 @@ N = 2, rank 1 killed: with k = 5 both ranks refuse to commit (they agree first);
 dies at its manifest after rank 0 committed, and rank 0 rewrites its previous manifest (they agree
 again); if rank 0 dies too at that rewrite (its k = 19), its files are one step ahead and ``resume``
 takes it back to its other slot. In every case both resume at the first step.
+
+A killed process: the same kills, then the objects are dropped without ``close`` (and without the
+finalizer that would remove the files: a killed process runs none), a stale temporary of another
+process is left in the directory, and a FRESH ``Tiers(reopen=True)`` over the same directory with a
+``resume=True`` object reads the first step and continues as above.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import errno
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -79,25 +85,63 @@ def uninterrupted(comm, c: dict, base: str, precision: str) -> dict:
     return out
 
 
+def two_steps(comm, c: dict, inf: ZeroInfinity, directory: str, kill: Kill, victims: dict[int, int]) -> str:
+    """Step 0, then step 1 killed on rank r after ``victims[r]`` files: what step 1 said."""
+    train_step(inf, comm, c, 0)
+    if comm.rank in victims:
+        kill.armed[os.path.abspath(directory)] = victims[comm.rank]
+    try:
+        msg = "committed" if train_step(inf, comm, c, 1) else "skipped"
+    except OSError as exc:
+        msg = str(exc)
+    kill.armed.pop(os.path.abspath(directory), None)
+    return msg
+
+
 def killed(comm, c: dict, base: str, precision: str, kill: Kill, victims: dict[int, int]) -> dict:
     """Step 0, step 1 killed on rank r after ``victims[r]`` files, then a ``resume`` object's step 1."""
     directory = os.path.join(base, f"rank{comm.rank}")
     with Tiers(1 << 30, directory, workers=1) as tiers:
         inf = make(comm, c, tiers, precision)
-        train_step(inf, comm, c, 0)
-        if comm.rank in victims:
-            kill.armed[os.path.abspath(directory)] = victims[comm.rank]
-        try:
-            msg = "committed" if train_step(inf, comm, c, 1) else "skipped"
-        except OSError as exc:
-            msg = str(exc)
-        kill.armed.pop(os.path.abspath(directory), None)
+        msg = two_steps(comm, c, inf, directory, kill, victims)
         same = (states(inf), inf.steps_applied, inf.loss_scale)
         again = make(comm, c, tiers, precision, resume=True)
         resumed = (states(again), again.steps_applied, again.loss_scale)
         train_step(again, comm, c, 1)
         after = (states(again), again.steps_applied, again.loss_scale)
         return {"msg": msg, "same": same, "resumed": resumed, "after": after, "params": again.full_state_dict()}
+
+
+def killed_process(comm, c: dict, base: str, precision: str, kill: Kill, victims: dict[int, int]) -> dict:
+    """Step 0, step 1 killed on rank r after ``victims[r]`` files, the objects dropped as by a kill;
+    then new ones over the reopened directory and their step 1."""
+    directory = os.path.join(base, f"rank{comm.rank}")
+    tiers = Tiers(1 << 30, directory, workers=1)
+    inf = make(comm, c, tiers, precision)
+    msg = two_steps(comm, c, inf, directory, kill, victims)
+    tiers._files._finalizer.detach()  # a killed process removes nothing
+    del inf, tiers
+    stray = ".unit0%2Fparam.1.npy.tmp999999-1"
+    with open(os.path.join(directory, stray), "wb") as fh:
+        fh.write(b"\x93NUMPY")
+    with Tiers(1 << 30, directory, workers=1, reopen=True) as fresh:
+        again = make(comm, c, fresh, precision, resume=True)
+        resumed = (states(again), again.steps_applied, again.loss_scale)
+        train_step(again, comm, c, 1)
+        after = (states(again), again.steps_applied, again.loss_scale)
+        return {"msg": msg, "stale": fresh.stale, "resumed": resumed, "after": after,
+                "params": again.full_state_dict()}
+
+
+def run_killed(fn: Callable[..., dict], world: int, c: dict, base: str, precision: str, victims: dict[int, int],
+               monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """``fn`` on ``world`` ranks with the tier's writer replaced by a ``Kill``."""
+    kill = Kill()
+    monkeypatch.setattr(nvme, "_write_file", kill)
+    try:
+        return launch(fn, world, c=c, base=base, precision=precision, kill=kill, victims=victims)
+    finally:
+        monkeypatch.setattr(nvme, "_write_file", kill.real)
 
 
 def assert_state(got: tuple, want: tuple) -> None:
@@ -118,11 +162,7 @@ def test_killed_mid_step_keeps_the_previous_step(world: int, precision: str, cas
     want = launch(uninterrupted, world, c=c, base=str(tmp_path / "ref"), precision=precision)
     assert all(w[0][1] == 1 and w[1][1] == 2 for w in want)
     for i, victims in enumerate(cases):
-        kill = Kill()
-        monkeypatch.setattr(nvme, "_write_file", kill)
-        got = launch(killed, world, c=c, base=str(tmp_path / str(i)), precision=precision, kill=kill,
-                     victims=victims)
-        monkeypatch.setattr(nvme, "_write_file", kill.real)
+        got = run_killed(killed, world, c, str(tmp_path / str(i)), precision, victims, monkeypatch)
         for r, (g, w) in enumerate(zip(got, want, strict=True)):
             if r in victims:
                 assert g["msg"].endswith("failed: killed"), (victims, g["msg"])
@@ -131,6 +171,26 @@ def test_killed_mid_step_keeps_the_previous_step(world: int, precision: str, cas
                 assert g["msg"] == f"the step is not committed, {what} failed on another rank"
             assert_state(g["same"], w[0])  # this object reads the first step
             assert_state(g["resumed"], w[0])  # so does a resumed one, on every rank
+            assert_state(g["after"], w[1])  # and a step from there: two uninterrupted steps
+            for name, a in w["params"].items():
+                assert np.array_equal(g["params"][name], a), name
+
+
+@pytest.mark.parametrize(("world", "precision", "cases"), [
+    (1, "fp64", [{0: k} for k in (0, 9, 18)]),
+    (1, "mixed", [{0: 24}]),
+    (2, "fp64", [{1: 5}, {1: 18, 0: 19}]),
+])
+def test_killed_process_resumes_over_a_reopened_directory(world: int, precision: str, cases: list[dict[int, int]],
+                                                          tmp_path, monkeypatch) -> None:
+    c = config("infinity", world)
+    want = launch(uninterrupted, world, c=c, base=str(tmp_path / "ref"), precision=precision)
+    for i, victims in enumerate(cases):
+        got = run_killed(killed_process, world, c, str(tmp_path / str(i)), precision, victims, monkeypatch)
+        for r, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g["msg"].endswith("failed: killed") if r in victims else g["msg"].startswith("the step is not")
+            assert g["stale"] == [".unit0%2Fparam.1.npy.tmp999999-1"]
+            assert_state(g["resumed"], w[0])  # the fresh objects read the first step
             assert_state(g["after"], w[1])  # and a step from there: two uninterrupted steps
             for name, a in w["params"].items():
                 assert np.array_equal(g["params"][name], a), name
