@@ -6,9 +6,10 @@ budget raises ``DeviceOutOfMemory`` before anything is copied, naming the budget
 and the smallest budget that would have worked. Compute may only touch device-resident arrays, and
 ``require_device`` enforces it: the pool keeps the ids of its arrays (a view of one counts).
 ``cpu`` is ordinary numpy memory. ``nvme`` is real files, one ``.npy`` per name under a directory,
-written to a temporary file and renamed into place (a crash mid-write leaves the previous file), by
-a thread pool so that disk reads and writes overlap compute (ZeRO-Infinity's prefetch and
-write-back; Rajbhandari et al. 2021, Sec. 6).
+written to a temporary file and renamed into place (a crash mid-write leaves the previous file;
+``Tiers(..., reopen=True)`` opens the files a killed process left), by a thread pool so that disk
+reads and writes overlap compute (ZeRO-Infinity's prefetch and write-back; Rajbhandari et al. 2021,
+Sec. 6).
 
 Every move is a copy, recorded in the trace (when one is recording) as a ``transfer`` event: the
 tensor's name, ``nbytes``, measured ``t0``/``t1`` and ``args = {"src", "dst", "modelled_s"}`` with

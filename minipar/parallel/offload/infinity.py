@@ -42,8 +42,8 @@ in two slots, ``unit<i>/<kind>.0`` and ``.1``, the step writes the other slot an
 manifest (48 bytes) commits it, once every rank's writes succeeded. A failed write (a full disk, a
 vanished directory) makes ``step`` raise the tiers' error, naming the file and the bytes, on every
 rank (the others: "... failed on another rank"); the object then still reads the previous step
-(counters unchanged; the step's gradients are gone). ``resume=True`` opens the state a previous
-object left in ``tiers`` (same model, same N) instead of writing fresh shards. Cost: the files take
+(counters unchanged; the step's gradients are gone). ``resume=True`` opens the state left in
+``tiers`` (same model, same N; a killed process's: ``Tiers(..., reopen=True)``). Cost: the files take
 twice the model states on disk, and each applied step writes the manifest's 48 bytes (cpu -> nvme,
 beyond ``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the
 manifest. A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk
