@@ -319,6 +319,12 @@ def test_file_names_give_back_their_names(name):
     assert ("~" in fname) == (escaped > LONG)
 
 
+
+def test_foreign_file_names_give_no_name():
+    assert [name_of(f) for f in ("%FF.npy", "%41.npy", "a.txt", ".npy", "a~b.npy")] == [None] * 5
+    assert name_of("unit0%2Fparam.0.npy") == "unit0/param.0"
+
+
 def test_reopen_registers_the_files_left_and_keeps_them(tmp_path):
     d = tmp_path / "nv"
     arrays = {"a": np.arange(3.0), "unit0/param.0": np.arange(5, dtype=np.float16), ".dot": np.ones((2, 2), np.int32),

@@ -91,7 +91,10 @@ def name_of(fname: str) -> str | None:
     """The name whose file is ``fname``; None for a cut (``~``) name or a file this tier does not name."""
     if not fname.endswith(".npy") or "~" in fname:
         return None
-    name = urllib.parse.unquote(fname[:-4], errors="strict")
+    try:
+        name = urllib.parse.unquote(fname[:-4], errors="strict")
+    except UnicodeDecodeError:
+        return None
     return name if name and file_name(name) == fname else None
 
 
