@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from minipar import trace
 from minipar.comm import Communicator
 from minipar.nn import Parameter
 from minipar.tiers import Tiers
@@ -43,13 +44,14 @@ class Slot:
 class Chunk:
     """``size`` elements; its payload is on the device (``device``) or on the CPU (``cpu``)."""
 
-    def __init__(self, index: int, size: int, dtype: Any, owned: bool = True) -> None:
+    def __init__(self, index: int, size: int, dtype: Any, owned: bool = True, master_dtype: Any = None) -> None:
         self.index, self.size, self.dtype, self.owned = index, size, np.dtype(dtype), owned
         self.name = f"chunk{index}"
         self.slots: list[Slot] = []
         self.cpu: np.ndarray | None = np.zeros(size, dtype) if owned else None
         self.device: np.ndarray | None = None
-        self.master = np.zeros(size, dtype) if owned else None  # the CPU's master copy of the parameters
+        master_dtype = dtype if master_dtype is None else master_dtype  # float32 under mixed precision
+        self.master = np.zeros(size, master_dtype) if owned else None  # the CPU's master copy of the parameters
 
     @property
     def nbytes(self) -> int:
@@ -159,3 +161,37 @@ class Groups:
             if not chunk.owned:
                 self._release(chunk)
         self.reduced.add(g)
+
+
+class LossScaling:
+    """Mixed precision's dynamic loss scaling for the manager (``minipar.parallel.zero.precision``'s rule);
+    the manager provides ``chunks``, ``world``, ``comm``, ``mixed``, ``loss_scale``, ``clean_steps``,
+    ``skipped``, ``growth_interval``."""
+
+    chunks: list[Chunk]
+    world: int
+    comm: Communicator | None
+    mixed: bool
+    loss_scale: float
+    clean_steps: int
+    skipped: int
+    growth_interval: int
+
+    def _grad(self, s: Slot) -> np.ndarray:
+        """``s``'s gradient in its chunk on the CPU; mixed: ``fp32(g) / S``, unscaled into the master's precision."""
+        g = s.view(self.chunks[s.chunk].cpu)
+        return g.astype(np.float32) / np.float32(self.loss_scale) if self.mixed else g
+
+    def _overflow(self, grads: list[np.ndarray]) -> bool:
+        """Dynamic loss scaling (``minipar.parallel.zero.precision``): inf or nan on any rank (one
+        all-reduce when N > 1) halves the scale; ``growth_interval`` clean steps in a row double it."""
+        bad = float(any(not np.isfinite(g).all() for g in grads))
+        if self.world > 1:
+            bad = self.comm.allreduce(np.array([bad]), op="sum", algorithm=ALGORITHM)[0]
+        if bad > 0:
+            self.loss_scale, self.clean_steps, self.skipped = self.loss_scale / 2, 0, self.skipped + 1
+            trace.mark("overflow: step skipped", loss_scale=self.loss_scale)
+            return True
+        self.clean_steps += 1
+        self.loss_scale *= 2 if self.clean_steps % self.growth_interval == 0 else 1
+        return False

@@ -50,6 +50,14 @@ beside the activations ``A`` at the start of backward: ``misses = C + max(0, C -
 policy (both keep the most recently used chunks here); a model that reuses a module out of order is
 where the recorded order beats LRU (``minipar.cost.offload.chunk_offload_bytes``, docs/formulas.md 7).
 
+**Mixed precision** (``precision="mixed"``, a model built with ``dtype=np.float16``; ZeRO's placement,
+Rajbhandari et al. 2020, Sec. 3.1, with Micikevicius et al. 2018's loss scaling): the chunks hold float16
+parameters and, after backward, float16 gradients of ``loss x S``; the CPU keeps a float32 master and
+float32 moments for the owned chunks (K = 12 bytes per parameter). The step unscales ``fp32(g) / S``;
+an inf or nan on any rank (one all-reduce when N > 1) skips it, changing nothing, and halves S
+(initially 2^12, ``minipar.parallel.zero.precision``); otherwise AdamW updates the master, cast to
+float16 into the chunk. Chunks of 2-byte items move a quarter of float64's bytes for the same misses.
+
 **N ranks** (``comm``; the paper's Sec. 5, "scale to multiple GPUs"). The chunk list is padded with
 empty chunks to a multiple of N and cut into communication groups of N consecutive chunks; rank r owns
 chunk r of each group: only its owned chunks have a CPU payload, a master copy and AdamW's moments here.
@@ -86,20 +94,22 @@ from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
-from minipar.parallel.offload.chunk_groups import Chunk, Groups, Slot, State, pack
+from minipar.parallel.offload.chunk_groups import Chunk, Groups, LossScaling, Slot, State, pack
 from minipar.parallel.offload.chunk_policy import POLICIES
 from minipar.parallel.zero.fsdp import _PreBackward  # identity whose backward calls back: FSDP's unshard hook
+from minipar.parallel.zero.precision import PRECISIONS
 from minipar.tiers import DeviceOutOfMemory, Tiers
 
 NON_MODEL = "non-model data"
 
 
-class ChunkManager(Groups):
+class ChunkManager(Groups, LossScaling):
     """PatrickStar's chunks for ``module`` on ``tiers`` (module docstring), AdamW on the CPU."""
 
     def __init__(self, module: Module, tiers: Tiers, chunk_size: int, policy: str = "warmup", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 comm: Communicator | None = None) -> None:
+                 comm: Communicator | None = None, precision: str = "fp64", loss_scale: float = 2.0**12,
+                 growth_interval: int = 2000) -> None:
         named = list(module.named_parameters())
         if not named:
             raise ValueError("ChunkManager: the module has no parameters")
@@ -112,6 +122,13 @@ class ChunkManager(Groups):
         if len({p.dtype for _, p in named}) != 1 or len({id(p) for _, p in named}) != len(named):
             raise ValueError("ChunkManager: the parameters must share one dtype and not be tied")
         dtype = named[0][1].dtype
+        if precision not in PRECISIONS or (precision == "mixed" and dtype != np.float16):
+            raise ValueError(f"ChunkManager: precision {precision!r} with {np.dtype(dtype)} parameters; choose "
+                             "'fp64', or 'mixed' with a float16 model")
+        self.mixed, self.growth_interval = precision == "mixed", growth_interval
+        self.loss_scale = loss_scale if self.mixed else 1.0
+        self.clean_steps = self.skipped = 0
+        master_dtype = np.float32 if self.mixed else dtype
         self.comm = comm
         self.world, self.rank = (comm.size, comm.rank) if comm is not None else (1, 0)
         group_bytes = self.world * chunk_size * np.dtype(dtype).itemsize
@@ -125,7 +142,7 @@ class ChunkManager(Groups):
         packed = pack(named, chunk_size)
         packed += [[] for _ in range(-len(packed) % self.world)]  # empty chunks: whole groups
         for c, members in enumerate(packed):
-            chunk = Chunk(c, chunk_size, dtype, owned=c % self.world == self.rank)
+            chunk = Chunk(c, chunk_size, dtype, owned=c % self.world == self.rank, master_dtype=master_dtype)
             for name, p, offset in members:
                 slot = Slot(len(self.slots), name, p, c, offset)
                 if chunk.owned:
@@ -140,7 +157,7 @@ class ChunkManager(Groups):
         self._slot_of = {id(s.param): s for s in self.slots}
         self.owned = [s for s in self.slots if s.master is not None]
         self._adam_index = {s.index: i for i, s in enumerate(self.owned)}
-        self.adam = AdamW([Tensor(s.master) for s in self.owned] or [Tensor(np.zeros(0, dtype))], lr, betas, eps,
+        self.adam = AdamW([Tensor(s.master) for s in self.owned] or [Tensor(np.zeros(0, master_dtype))], lr, betas, eps,
                           weight_decay)  # a rank whose owned chunks are all padding: an empty placeholder
         self.reduced: set[int] = set()  # groups whose gradients are reduce-scattered this iteration
         self._hooks = [s.param.register_hook(self._on_grad_ready) for s in self.slots]
@@ -307,6 +324,8 @@ class ChunkManager(Groups):
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()``: chunks come back as their modules' backward needs them; every gradient
         lands in its tensor's place (HOLD_AFTER_BWD). The non-model reservation is released after."""
+        if self.mixed:
+            loss = loss * self.loss_scale
         self._loss = loss
         if not self.warming_up and self.reserve:  # the replayed reservation must still cover the graph
             now = memory.activation_bytes(loss, self._since)
@@ -326,18 +345,23 @@ class ChunkManager(Groups):
             raise RuntimeError("ChunkManager: with N > 1 every parameter needs a gradient each step (groups "
                                f"{sorted(set(range(self.n_groups)) - self.reduced)} were not reduce-scattered)")
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """Every chunk to the CPU; AdamW on the master copy of each tensor that has a gradient, the
-        updated values written into the chunk (HOLD). The warm-up's order is learned after iteration 0."""
+        updated values written into the chunk (HOLD). Mixed precision: the gradients unscaled into
+        float32; on an overflow (any rank) nothing changes and the loss scale halves. False when skipped.
+        The warm-up's order is learned after iteration 0."""
         with trace.span("opt"):
             for chunk in self.chunks:
                 if chunk.device is not None:
                     self._off_device(chunk)
+            grads = {s.index: self._grad(s) for s in self.owned if s.state is State.HOLD_AFTER_BWD}
+            applied = not self.mixed or not self._overflow(list(grads.values()))
+            for chunk in self.chunks:
                 for s in chunk.slots:
                     if chunk.owned:
-                        if s.state is State.HOLD_AFTER_BWD:
-                            self.adam.update(s.master, s.view(chunk.cpu), self.adam.state[self._adam_index[s.index]])
-                        s.view(chunk.cpu)[...] = s.master
+                        if applied and s.index in grads:
+                            self.adam.update(s.master, grads[s.index], self.adam.state[self._adam_index[s.index]])
+                        s.view(chunk.cpu)[...] = s.master  # mixed: the fp32 master cast to fp16
                     s.state = State.HOLD
             self.reduced.clear()
         if self.warming_up:
@@ -346,12 +370,13 @@ class ChunkManager(Groups):
         self._sample()
         self.iteration += 1
         self._reset_iteration()
+        return applied
 
     # ---- reading it back --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """This rank's owned parameters' current values (the CPU's master copy), by name (every
-        parameter when N = 1)."""
-        return {s.name: s.master.copy() for s in self.owned}
+        """This rank's owned parameters' current values (the CPU's master copy, in the model's dtype), by
+        name (every parameter when N = 1)."""
+        return {s.name: s.master.astype(self.chunks[s.chunk].dtype) for s in self.owned}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held now: chunks on the device and on the CPU, the master copy, AdamW's moments."""
