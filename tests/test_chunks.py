@@ -19,6 +19,7 @@
   are ``CB x misses`` each way and the ring sends ``(N - 1) CB (misses + G)``, with ``G = ceil(C / N)``
   groups and ``misses = G + max(0, G - k)``, ``k`` the groups of ``N`` chunks fitting beside the local
   batch's activations, all by hand here (``chunk_dp_bytes`` must agree).
+- mixed precision: ``test_chunks_mixed.py``.
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ def chunks_by_hand(sizes: list[int], chunk_size: int) -> int:
     return count
 
 
-def run(model: nn.Module, tiers: Tiers, chunk_size: int, policy: str, batches: list) -> tuple[ChunkManager, list]:
+def run(model: nn.Module, tiers: Tiers, chunk_size: int, policy: str, batches: list,
+        **kw) -> tuple[ChunkManager, list]:
     """Train through a ``ChunkManager``; per step the transfer bytes (up, down), the largest "device"
     sample and the last "cpu" sample."""
-    cm = ChunkManager(model, tiers, chunk_size, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY)
+    cm = ChunkManager(model, tiers, chunk_size, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
     per_step = []
     with trace.recording(0) as rec:
         for args in batches:
