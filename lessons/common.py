@@ -9,13 +9,16 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
 from minipar.trace import Trace
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 
 def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str | None] | None = None,
@@ -63,13 +66,14 @@ def console(width: int | None = None) -> Console:
 
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],
            out: Console, timeline: str | os.PathLike[str] | Trace | None = None,
-           titles: Sequence[str] | None = None) -> Path:
+           titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> Path:
     """Print the terminal timeline of ``timeline`` (default: the first trace) and write one HTML
-    report of all ``traces``; returns the report's path."""
+    report of all ``traces``, with ``extra_figures`` (title, figure) as sections after its summary;
+    returns the report's path."""
     from viz.report import write_report
     from viz.terminal import print_timeline
 
     print_timeline(timeline if timeline is not None else traces[0], console=out)
-    path = Path(write_report(list(traces), out_html, titles=titles))
+    path = Path(write_report(list(traces), out_html, titles=titles, extra_figures=extra_figures))
     out.print(f"[bold]report:[/bold] {path}  (open it in a browser; it works offline)")
     return path

@@ -1,18 +1,18 @@
 """One self-contained HTML report for one or more traces.
 
-The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size,
-paradigm, step time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank),
-then the first Ring Attention trace's ring step by step (``viz.ring``; the others' in their
-sections), then the first trace with moves between memory tiers: bytes per tier over time and the
-moves as links (``viz.tiers``; the others' in their sections), then the model states per rank of
-every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline
-over its gathered units (``viz.memory_stack``), then, when there are several traces, their
-timelines on one shared time axis, then per trace: its metadata folded into a ``<details>`` block
-(numbers rounded), its timeline (a simulated pipeline schedule: the papers' unit grid, its stash
-counts under it), its traffic (left out when no message carries a byte), its memory (with moves
-between memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over
-time. The page records JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a
-JSON list) so a headless browser can check that it rendered cleanly.
+The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size, paradigm, step
+time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank), then the caller's
+``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step by step
+(``viz.ring``; the others' in their sections), then the first trace with moves between memory tiers: bytes per
+tier over time and the moves as links (``viz.tiers``; the others' in their sections), then the model states
+per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline
+over its gathered units (``viz.memory_stack``), then, when there are several traces, their timelines on one
+shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
+timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its traffic (left
+out when no message carries a byte), its memory (with moves between memory tiers: ``viz.tiers``' two figures
+instead) and, for FSDP, its gathered units over time. The page records JavaScript errors into the
+``data-js-errors`` attribute of ``<html>`` (a JSON list) so a headless browser can check that it rendered
+cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -185,12 +185,17 @@ def tier_figures(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, 
     return [("tiers", residency_figure(trace, title), ""), ("transfers", transfers_figure(trace, title), "")]
 
 
-def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
-    """The whole HTML page as a string."""
+def render(traces: Sequence[Trace], titles: Sequence[str],
+           extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
+    """The whole HTML page as a string; ``extra_figures`` (title, figure) follow the summary table,
+    each as its own section."""
     parts = ["<!DOCTYPE html>", "<html data-js-errors=\"[]\"><head><meta charset=\"utf-8\">",
              "<title>minipar report</title>", _ERROR_HOOK, _STYLE,
              f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head><body>",
              "<h1>minipar report</h1>", _table(summary_rows(traces, titles))]
+    for j, (heading, fig) in enumerate(extra_figures):  # figures the caller made: right after the summary
+        parts.append(f"<h2>{html.escape(heading)}</h2>")
+        parts.append(_fig_html(fig, f"fig-extra-{j}"))
     first_ring = next((i for i, t in enumerate(traces) if is_ring(t)), None)
     if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
         parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
@@ -225,8 +230,10 @@ def render(traces: Sequence[Trace], titles: Sequence[str]) -> str:
 
 
 def write_report(paths_or_traces: TraceLike | Sequence[TraceLike], out_html: str | os.PathLike[str],
-                 titles: Sequence[str] | None = None) -> str:
-    """Write one self-contained HTML report of the given traces; returns the path written.
+                 titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
+    """Write one self-contained HTML report of the given traces, with ``extra_figures`` (title,
+    figure) as sections after the summary; returns the path written. The page is written whole
+    (a temporary file renamed over ``out_html``) or not at all.
 
     Raises ``minipar.trace.TraceError`` for an unreadable trace and ``ValueError`` for a titles
     list of the wrong length, before anything is written.
@@ -241,7 +248,7 @@ def write_report(paths_or_traces: TraceLike | Sequence[TraceLike], out_html: str
         titles = [_default_title(item, t) for item, t in zip(items, traces, strict=True)]
     elif len(titles) != len(traces):
         raise ValueError(f"got {len(titles)} titles for {len(traces)} traces; pass one title per trace")
-    page = render(traces, list(titles))
+    page = render(traces, list(titles), extra_figures)
     out = os.fspath(out_html)
     tmp = f"{out}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:

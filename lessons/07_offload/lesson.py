@@ -32,8 +32,8 @@ rank: bytes per step evicting by recency (LRU) or by the warm-up's order, on the
 model that reuses its first layer (the order wins), and the device budget each method needs
 (``infinity_chunks.py``). 8. Step time vs device budget per method, from its minimum to everything fits:
 measured, bytes per step vs formula, modelled at ``Bandwidth`` (``sweep.py``). The HTML report draws every
-tier's bytes over time per rank, the transfers as links between the tiers (``viz.tiers``) and, at its end,
-step time vs budget per method. Writes runs/07_offload/*.json, sweep/*.json and report.html.
+tier's bytes over time per rank, the transfers as links between the tiers (``viz.tiers``) and, after its
+summary, step time vs budget per method. Writes runs/07_offload/*.json, sweep/*.json and report.html.
 """
 
 from __future__ import annotations
@@ -345,11 +345,10 @@ def run(comm: Any, steps: int) -> None:
     console.rule("[bold]the ZeRO-Offload run's timeline")
     order = ("offload", "dpu", "mixed", "infinity", "zero2", "tour")  # the report draws the first one's tiers on top
     loops = [results["chunks"][("loop", p)]["trace"] for p in ("lru", "warmup")]
-    report = finish([*(results[r]["trace"] for r in order), *loops], OUT / "report.html", console,
-                    timeline=results["offload"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
-                                                                  "chunks, reused layer, LRU",
-                                                                  "chunks, reused layer, warm-up"])
-    part3.add_to_report(report, part3.figure(results["sweep"]), "step time vs device budget, per method")
+    finish([*(results[r]["trace"] for r in order), *loops], OUT / "report.html", console,
+           timeline=results["offload"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
+                                                         "chunks, reused layer, LRU", "chunks, reused layer, warm-up"],
+           extra_figures=[("step time vs device budget, per method", part3.figure(results["sweep"]))])
 
 
 def beyond(console: Any, results: dict[str, Any], n: int) -> None:

@@ -135,14 +135,5 @@ def sweep_table(rows: list[dict[str, Any]], n: int) -> Table:
     return table
 
 
-def add_to_report(report: Path, fig: go.Figure, heading: str) -> None:
-    """Insert ``fig`` (plotly.js is already on the page) under an ``<h2>`` before the report's end."""
-    page = report.read_text(encoding="utf-8")
-    div = fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-budget-sweep",
-                      config={"displaylogo": False, "responsive": True})
-    at = page.rindex("</body>")
-    report.write_text(f"{page[:at]}<h2>{heading}</h2>\n{div}\n{page[at:]}", encoding="utf-8")
-
-
 def figure(rows: list[dict[str, Any]]) -> go.Figure:
     return budget_figure(rows, "step time vs device budget (rank 0, median of steps 1..)")
