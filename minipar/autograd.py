@@ -263,6 +263,9 @@ class Tensor:
             raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
 
         def backward(g: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+            # the operands read at backward, as a Function's saved parameter is (Context.saved): a
+            # parameter whose storage was freed and fetched again (FSDP, offload) is read afresh
+            a, b = self.data, o.data
             # the two products are the expensive part of a training step: skip the unneeded one
             ga = unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape) if self.requires_grad else None
             gb = unbroadcast(np.swapaxes(a, -1, -2) @ g, b.shape) if o.requires_grad else None

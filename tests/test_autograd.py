@@ -281,3 +281,14 @@ def test_leaf_gradients_never_share_memory():
     w = Tensor(np.ones((2, 2)), requires_grad=True)
     (Tensor(np.ones((3, 2))) @ w).sum().backward()
     assert w.grad.flags.owndata and w.grad.flags.writeable
+
+
+def test_matmul_backward_reads_a_parameter_again() -> None:
+    """Like a Function's saved parameter (autograd.Context.saved), matmul's backward reads a leaf's
+    data when backward runs: FSDP and the offload tiers free a parameter's storage after forward and
+    fetch it again, and backward must compute on what was fetched, never on the freed array."""
+    x, w = Tensor(np.ones((1, 2)), requires_grad=True), Tensor(np.eye(2), requires_grad=True)
+    y = (x @ w).sum()
+    w.data = 2 * np.eye(2)  # the storage replaced between forward and backward
+    y.backward()
+    assert np.array_equal(x.grad, [[2.0, 2.0]]) and np.array_equal(w.grad, np.ones((2, 2)))
