@@ -366,7 +366,10 @@ def beyond(console: Any, results: dict[str, Any], n: int) -> None:
                   f"bucket of gradients, an upload), ZeRO-Infinity {inf['budget']:,} (the largest unit and its "
                   f"gradients: 2 max L), chunks {gpt['budget']:,} on one rank (the activations, {gpt['acts']:,}, "
                   f"plus {gpt['fit']} chunks); measured peaks {results['offload']['peak']:,}, {inf['peak']:,}, "
-                  f"{gpt['peak']:,}.", highlight=False)
+                  f"{gpt['peak']:,}. Not alike: only the chunk manager charges activations to the device "
+                  "(PatrickStar's non-model data); ZeRO-Offload's and ZeRO-Infinity's budgets count model data "
+                  "alone (activations, autograd's per-parameter gradients and the collectives' buffers live "
+                  "beside them, uncharged).", highlight=False)
     console.print(part2.budget_table(sys.modules[__name__], results))
     console.rule("[bold]8. step time vs device budget: from each method's minimum to everything fits")
     if warn := time_sharing(n):
