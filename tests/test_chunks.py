@@ -387,11 +387,15 @@ def test_data_parallel_example_of_the_formulas_doc():
 
 
 @pytest.mark.mpi
-def test_data_parallel_chunks_under_mpiexec():
-    """N = 2 under ``mpiexec``, one job: both policies, a padded group (C odd) and a tight budget."""
+@budget(1)
+@given(drawn=dp_configs())
+def test_data_parallel_chunks_under_mpiexec(drawn: dict):
+    """N = 2 under ``mpiexec``, one job: both policies, a padded group (C odd), a tight budget, and a
+    configuration hypothesis draws (moved to N = 2)."""
+    drawn = {**drawn, "world": 2, "batch": 2 * (drawn["batch"] // drawn["world"])}
     configs = [{**config("chunks", 2, steps=2, d=3, heads=1), "chunk_size": 48, "fit": 2, "slack": 0.0,
                 "policy": "warmup"},
-               {**config("chunks", 2, steps=2), "chunk_size": 100, "fit": 3, "slack": 0.3, "policy": "lru"}]
+               {**config("chunks", 2, steps=2), "chunk_size": 100, "fit": 3, "slack": 0.3, "policy": "lru"}, drawn]
     budgets = [dp_budget(c) for c in configs]
     jobs = run_each(dp_run, 2, [{"c": c, "device_budget": b} for c, b in zip(configs, budgets, strict=True)])
     for c, b, results in zip(configs, budgets, jobs, strict=True):

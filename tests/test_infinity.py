@@ -360,11 +360,15 @@ def test_mixed_overflow_on_one_rank_skips_the_step_everywhere(tmp_path) -> None:
 
 # ---- mpiexec ------------------------------------------------------------------------------------
 @pytest.mark.mpi
-def test_mpiexec(tmp_path) -> None:
-    """Under ``mpiexec`` (N = 2, one job): float64 at depths 0 and 2 and an odd d (padding), and mixed."""
+@budget(1)
+@given(drawn=infinity_configs(world=2))
+def test_mpiexec(drawn: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under ``mpiexec`` (N = 2, one job): float64 at depths 0 and 2 and an odd d (padding), mixed,
+    and a configuration hypothesis draws (depth, sizes, slack)."""
+    tmp_path = tmp_path_factory.mktemp("nvme")
     cs = [({**config("infinity", 2), "depth": 0}, "fp64"), ({**config("infinity", 2, d=3, heads=1)}, "fp64"),
-          ({**config("infinity", 2), "depth": 2}, "mixed")]
+          ({**config("infinity", 2), "depth": 2}, "mixed"), (drawn, "fp64")]
     args = [{"c": c, "base": str(tmp_path / str(i)), "depth": c.get("depth", 1), "precision": p,
-             "budget": hand_need(c, p)} for i, (c, p) in enumerate(cs)]
+             "budget": hand_need(c, p) + (c.get("slack", 0) if p == "fp64" else 0)} for i, (c, p) in enumerate(cs)]
     for (c, p), got in zip(cs, run_each(infinity_run, 2, args, timeout=90, comm_timeout=30), strict=True):
         check(c, got, launch(fsdp_run, 2, c=c, precision=p), p)
