@@ -351,3 +351,19 @@ def split(x: Tensor, sections: int | Sequence[int], axis: int = 0) -> list[Tenso
         idx[axis] = slice(lo, hi)
         parts.append(x[tuple(idx)])
     return parts
+
+
+class on_backward(Function):
+    """Identity both ways; calls ``callback()`` when the gradient passes: a hook at a point of the
+    graph (tensor parallelism times a layer's backward and releases its activations in the memory
+    samples; FSDP, ZeRO-Infinity and the chunk manager fetch a unit's parameters before its backward)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, callback: Callable[[], None]) -> np.ndarray:
+        ctx.callback = callback
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        ctx.callback()
+        return grad, None

@@ -46,12 +46,12 @@ from minipar import trace as mtrace
 from minipar.autograd import Tensor
 from minipar.cost import sequence as formulas
 from minipar.cost import tensor as tensor_cost
+from minipar.functional import on_backward
 from minipar.memory import held_buffers, seq_mark
 from minipar.nn import GPT, Module
 from minipar.optim import AdamW
 from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.tensor import TensorParallelGPT
-from minipar.parallel.tensor.comm_ops import on_backward
 from viz.ring import step_table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 256, 32, 4, 2, 64, 2

@@ -92,11 +92,11 @@ import numpy as np
 from minipar import memory, trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
+from minipar.functional import on_backward  # identity whose backward calls back: FSDP's unshard hook
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
 from minipar.parallel.offload.chunk_groups import Chunk, Groups, LossScaling, Slot, State, pack
 from minipar.parallel.offload.chunk_policy import POLICIES
-from minipar.parallel.zero.fsdp import _PreBackward  # identity whose backward calls back: FSDP's unshard hook
 from minipar.parallel.zero.precision import PRECISIONS
 from minipar.tiers import DeviceOutOfMemory, Tiers
 
@@ -213,7 +213,7 @@ class ChunkManager(Groups, LossScaling):
             if self.warming_up:
                 self._roots.append(out)
             self._at(("post-forward", id(m)), [])
-            return _PreBackward.apply(out, lambda: self._pre_backward(m, mine))
+            return on_backward.apply(out, lambda: self._pre_backward(m, mine))
         return wrapped
 
     def _pre_backward(self, m: Module, mine: list[Slot]) -> None:

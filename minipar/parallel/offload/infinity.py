@@ -65,11 +65,12 @@ from minipar import trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.cost.offload import zero_infinity_device_need
+from minipar.functional import on_backward
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
 from minipar.parallel.offload.commit import agree, manifest, resume_point
 from minipar.parallel.zero.flat import init_shard, layout_of
-from minipar.parallel.zero.fsdp import Policy, _PreBackward, check_fsdp_config, transformer_units
+from minipar.parallel.zero.fsdp import Policy, check_fsdp_config, transformer_units
 from minipar.tiers import DeviceOutOfMemory, Tiers
 
 ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
@@ -213,7 +214,7 @@ class ZeroInfinity:
                 self._unshard(unit, "F")
                 out = forward(*args, **kwargs)
                 self._release(unit)
-            return _PreBackward.apply(out, lambda: self._unshard(unit, "B"))
+            return on_backward.apply(out, lambda: self._unshard(unit, "B"))
         return wrapped
 
     def _begin_pass(self) -> None:

@@ -30,7 +30,6 @@ Costs per call on t ranks for an activation of n bytes (ring): ``f``/``g`` all-r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -101,21 +100,6 @@ class gather_last(Function):  # Megatron's gather_from_tensor_model_parallel_reg
 def exit_region(x: Tensor, comm: Any, sequence_parallel: bool) -> Tensor:
     """Out of a tensor-parallel region (partial sums): ``g`` (or ``sp_reduce_scatter``)."""
     return sp_reduce_scatter.apply(x, comm) if sequence_parallel else g.apply(x, comm)
-
-
-class on_backward(Function):
-    """Identity both ways; calls ``callback()`` when the gradient passes (used to time a layer's
-    backward and release its activations in the memory samples)."""
-
-    @staticmethod
-    def forward(ctx: Context, x: np.ndarray, callback: Callable[[], None]) -> np.ndarray:
-        ctx.callback = callback
-        return x
-
-    @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
-        ctx.callback()
-        return grad, None
 
 
 class ActivationMeter:

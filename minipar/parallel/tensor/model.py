@@ -42,7 +42,7 @@ from minipar import trace
 from minipar.autograd import Tensor
 from minipar.memory import held_buffers, seq_mark
 from minipar.nn import LayerNorm, Module, ModuleList, Parameter
-from minipar.parallel.tensor.comm_ops import ActivationMeter, exit_region, on_backward
+from minipar.parallel.tensor.comm_ops import ActivationMeter, exit_region
 from minipar.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -187,8 +187,8 @@ class ParallelBlock(Module):
             held.release()
 
         with trace.span("F", args={"layer": self.layer}):
-            x = on_backward.apply(x, backward_done)  # its backward runs after the whole block's
-            out = on_backward.apply(self.math(x, held), backward_starts)  # its backward runs first
+            x = F.on_backward.apply(x, backward_done)  # its backward runs after the whole block's
+            out = F.on_backward.apply(self.math(x, held), backward_starts)  # its backward runs first
             held.measure(out, LN)
             return out
 
@@ -262,13 +262,13 @@ class TensorParallelGPT(Module):
         self.meter.reset()
         with trace.span("F", args={"layer": "embed"}):
             emb = _Held(self.meter)
-            x = on_backward.apply(self.embed(idx, emb), emb.release)  # released when backward reaches here
+            x = F.on_backward.apply(self.embed(idx, emb), emb.release)  # released when backward reaches here
             emb.measure(x, LN)
         for block in self.blocks:
             x = block(x)
         with trace.span("F", args={"layer": "head"}):
             head = _Held(self.meter)
-            x = on_backward.apply(x, head.release)  # released once backward has passed the head
+            x = F.on_backward.apply(x, head.release)  # released once backward has passed the head
             h = self.ln_f(x)
             with head.region(LOGITS):
                 logits = self.head(h)
@@ -290,7 +290,7 @@ class TensorParallelGPT(Module):
             return vocab_parallel_cross_entropy(logits, np.ascontiguousarray(targets.T), self.comm)
         with trace.span("F", args={"layer": "loss"}):
             held = _Held(self.meter)  # the softmax and target indices the loss saves, the loss itself
-            logits = on_backward.apply(logits, held.release)
+            logits = F.on_backward.apply(logits, held.release)
             loss = vocab_parallel_cross_entropy(logits, np.ascontiguousarray(targets.T), self.comm)
             held.measure(loss, LOGITS)
             return loss

@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.autograd import Context, Function, Tensor
+from minipar.autograd import Tensor
 from minipar.comm import Communicator, Request
+from minipar.functional import on_backward
 from minipar.nn import Block, Module, Parameter
 from minipar.parallel.zero import checkpoint
 from minipar.parallel.zero.flat import FlatLayout, init_shard, layout_of
@@ -135,21 +136,6 @@ def _unallocated(a: np.ndarray) -> bool:
     return a.size > 0 and not any(a.strides)
 
 
-class _PreBackward(Function):
-    """Identity; when the gradient reaches a unit's output, ``callback()`` unshards the unit (and
-    prefetches the one before it) before the unit's own backward runs."""
-
-    @staticmethod
-    def forward(ctx: Context, x: np.ndarray, callback: Callable[[], None]) -> np.ndarray:
-        ctx.callback = callback
-        return x
-
-    @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
-        ctx.callback()
-        return grad, None
-
-
 def check_fsdp_config(comm: Communicator, module: Module, policy: Policy, precision: str = "fp64",
                       shard_group: int | None = None) -> list[tuple[str, Module]]:
     """The modules ``policy`` makes units of, outermost first, or ``ValueError`` (same on every
@@ -237,7 +223,7 @@ class FullyShardedDataParallel:
                 if self.reshard_after_forward:
                     unit.reshard()
                     self._sample()
-            return _PreBackward.apply(out, lambda: self._pre_backward(unit))
+            return on_backward.apply(out, lambda: self._pre_backward(unit))  # before the unit's backward
         return wrapped
 
     def _next_in_forward(self, unit: Unit) -> Unit | None:
