@@ -1,0 +1,116 @@
+"""A cluster as the cost model sees it: compute per GPU, memory per GPU, and the alpha-beta-gamma
+costs of links inside a node and across nodes (Thakur, Rabenseifner and Gropp 2005; Hockney 1994).
+
+A message of ``n`` bytes over a link costs ``alpha + n beta`` seconds; reducing ``n`` bytes costs
+``n gamma``. A matmul of ``F`` floating-point operations costs ``F / (peak_flops x efficiency)``.
+``efficiency`` is the achievable fraction of the peak for a model's large matmuls (a measurement:
+``minipar calibrate`` times matmuls on this machine; for published clusters it is a number a paper
+reports, named in ``source``).
+
+A cluster file is JSON with every field of ``Cluster`` (``source`` may be empty); a missing or
+unknown field is refused with the list of what to add or remove.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``alpha`` seconds per message, ``beta`` seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.alpha + nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs (or ranks) grouped in nodes. ``intra``: the link between two GPUs of a node; ``inter``:
+    between nodes (per GPU: the node's network bandwidth shared by its GPUs). ``gamma``: seconds per
+    byte reduced. ``memory_bytes``: what one GPU can hold."""
+
+    name: str
+    gpus_per_node: int
+    peak_flops: float
+    efficiency: float
+    memory_bytes: float
+    intra: Link
+    inter: Link
+    gamma: float
+    source: str = ""
+
+    @property
+    def flops(self) -> float:
+        """Achievable FLOP/s per GPU."""
+        return self.peak_flops * self.efficiency
+
+    def link(self, group_span: int) -> Link:
+        """The slowest link a group of ranks uses when its members sit ``group_span`` ranks apart in
+        the world at most (consecutive ranks share a node): ``intra`` while the group fits in one
+        node, else ``inter``."""
+        return self.intra if group_span <= self.gpus_per_node else self.inter
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def save(self, path: str) -> None:
+        """Write the cluster file whole or not at all (a temporary file renamed over ``path``)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(self.to_json() + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "cluster") -> Cluster:
+        """A ``Cluster`` from a dict like ``to_json``'s; ``ValueError`` naming every problem."""
+        problems = []
+        names = {f.name for f in fields(cls)}
+        need = names - {"source"}
+        missing = sorted(need - data.keys())
+        unknown = sorted(data.keys() - names)
+        if missing:
+            problems.append(f"missing fields {missing}")
+        if unknown:
+            problems.append(f"unknown fields {unknown}")
+        links = {}
+        for key in ("intra", "inter"):
+            link = data.get(key)
+            if key in data and (not isinstance(link, dict) or set(link) != {"alpha", "beta"}):
+                problems.append(f"{key} must be {{\"alpha\": seconds, \"beta\": seconds per byte}}, got {link!r}")
+            elif key in data:
+                links[key] = Link(float(link["alpha"]), float(link["beta"]))
+                if not all(math.isfinite(v) and v >= 0 for v in (link["alpha"], link["beta"])):
+                    problems.append(f"{key} alpha and beta must be finite and >= 0")
+        positive = ("gpus_per_node", "peak_flops", "efficiency", "memory_bytes")
+        for key in positive:
+            if key in data and not (isinstance(data[key], int | float) and data[key] > 0):
+                problems.append(f"{key} must be a number > 0, got {data[key]!r}")
+        if isinstance(data.get("efficiency"), int | float) and data["efficiency"] > 1:
+            problems.append(f"efficiency is a fraction of the peak (0 < efficiency <= 1), got {data['efficiency']}")
+        if "gamma" in data and not (isinstance(data["gamma"], int | float) and data["gamma"] >= 0):
+            problems.append(f"gamma must be a number >= 0, got {data['gamma']!r}")
+        if problems:
+            raise ValueError(f"{where}: " + "; ".join(problems))
+        return cls(name=str(data["name"]), gpus_per_node=int(data["gpus_per_node"]),
+                   peak_flops=float(data["peak_flops"]), efficiency=float(data["efficiency"]),
+                   memory_bytes=float(data["memory_bytes"]), intra=links["intra"], inter=links["inter"],
+                   gamma=float(data["gamma"]), source=str(data.get("source", "")))
+
+    @classmethod
+    def load(cls, path: str) -> Cluster:
+        with open(path) as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"cluster file {path}: not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"cluster file {path}: expected a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data, f"cluster file {path}")
