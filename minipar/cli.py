@@ -5,6 +5,7 @@
     minipar view TRACE --chrome out.json       Chrome-trace JSON for https://ui.perfetto.dev
     minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
+    minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
 output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
@@ -191,11 +192,41 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--ranks", type=int, default=4, help="ranks to launch and calibrate (default 4)")
+    p.add_argument("--backend", choices=("mpi", "threads"), default="mpi",
+                   help="mpi (mpiexec from this Python's environment, the default) or threads (in this process)")
+    p.add_argument("-o", "--output", metavar="JSON", required=True, help="write the cluster file here")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (under 10 s)")
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from minipar.calibrate import run_calibration
+    from minipar.testing import HarnessError
+
+    if args.ranks < 2:
+        raise UsageError(f"-n {args.ranks}: calibrate needs at least 2 ranks (messages go between ranks)")
+    _check_writable(args.output, "-o")
+    try:
+        measured = run_calibration(args.ranks, args.backend, quick=args.quick)
+    except HarnessError as exc:
+        raise UsageError(f"calibration failed under mpiexec -n {args.ranks}: {str(exc).splitlines()[0]}") from None
+    print(measured.table())
+    try:
+        measured.cluster.save(args.output)
+    except OSError as exc:
+        raise UsageError(f"cannot write output {args.output} (-o): {exc.strerror or exc}") from None
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
     "simulate": ("simulate a pipeline schedule: action order, bubble, stash, timeline", _configure_simulate,
                  _run_simulate),
+    "calibrate": ("measure this machine's alpha, beta, gamma and FLOP/s; write a cluster file",
+                  _configure_calibrate, _run_calibrate),
 }
 
 

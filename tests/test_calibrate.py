@@ -1,0 +1,169 @@
+"""`minipar calibrate`: the fits on exact synthetic data, a 2-rank calibration against a matmul timed
+here, the cluster file round trip and refusal, the CLI, and one run under mpiexec."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minipar.calibrate import (
+    calibrate,
+    fit_alpha_beta,
+    fit_gamma,
+    gpt_matmul_shapes,
+    matmul_flops,
+    measure,
+    memtotal_bytes,
+    quick_options,
+)
+from minipar.cli import main
+from minipar.cost.cluster import Cluster, Link
+from minipar.testing import ROOT, run
+
+QUICK = quick_options(True)
+
+
+def _memtotal_by_hand() -> float:
+    line = next(x for x in open("/proc/meminfo") if x.startswith("MemTotal:"))
+    assert line.split()[2] == "kB"
+    return int(line.split()[1]) * 1024.0
+
+
+def test_fit_alpha_beta_recovers_exact_line():
+    sizes = [8, 1024, 65536, 2**20, 2**23]
+    seconds = [5e-6 + n * 1e-10 for n in sizes]  # alpha 5 us, 10 GB/s
+    link = fit_alpha_beta(sizes, seconds)
+    assert link.alpha == pytest.approx(5e-6, rel=1e-9) and link.beta == pytest.approx(1e-10, rel=1e-9)
+    two = fit_alpha_beta([100, 300], [1e-3, 2e-3])  # two points: the line through them
+    assert two.beta == pytest.approx(5e-6, rel=1e-12) and two.alpha == pytest.approx(5e-4, rel=1e-12)
+
+
+def test_fit_alpha_beta_clamps_a_negative_intercept_and_slope():
+    # t = 2n ns has alpha 0 exactly; shift the small message down so the free fit goes negative
+    link = fit_alpha_beta([1000, 2000, 4000], [1.5e-6, 4e-6, 8e-6])
+    assert link.alpha == 0.0
+    # alpha = 0: beta minimises sum ((n beta - t)/t)^2, i.e. beta = sum(n/t) / sum(n^2/t^2)
+    ratios = [1000 / 1.5e-6, 2000 / 4e-6, 4000 / 8e-6]
+    assert link.beta == pytest.approx(sum(ratios) / sum(r * r for r in ratios), rel=1e-12)
+    flat = fit_alpha_beta([10, 20], [2e-6, 1e-6])  # slower for fewer bytes: beta 0, alpha a weighted mean
+    assert flat.beta == 0.0
+    assert flat.alpha == pytest.approx((1 / 2e-6 + 1 / 1e-6) / (1 / 4e-12 + 1 / 1e-12), rel=1e-12)
+
+
+def test_fit_alpha_beta_refuses_fewer_than_two_sizes():
+    with pytest.raises(ValueError, match="at least 2 different message sizes"):
+        fit_alpha_beta([1024], [1e-5])
+    with pytest.raises(ValueError, match="at least 2 different message sizes"):
+        fit_alpha_beta([1024, 1024], [1e-5, 2e-5])
+    with pytest.raises(ValueError, match="equal length"):
+        fit_alpha_beta([1, 2, 3], [1e-5, 2e-5])
+
+
+def test_fit_gamma_recovers_the_ring_allreduce_residual():
+    p, alpha, beta, gamma = 4, 2e-3, 2e-10, 1e-9
+    sizes = [2**16, 2**18, 2**20, 2**22]
+    # ring all-reduce by hand: 2(p-1) messages, 2(p-1)/p n bytes each way, (p-1)/p n bytes reduced
+    seconds = [6 * alpha + 1.5 * n * beta + 0.75 * n * gamma for n in sizes]
+    assert fit_gamma(sizes, seconds, p, Link(alpha, beta)) == pytest.approx(gamma, rel=1e-9)
+    assert fit_gamma(sizes, seconds, p, Link(alpha, beta), floor=3e-9) == 3e-9
+
+
+def test_gpt_matmul_shapes_and_flops_by_hand():
+    shapes = gpt_matmul_shapes(tokens=2, d_model=1, vocab=3)
+    # forward: q, k, v, proj (2,1,1); fc (2,1,4); proj (2,4,1); head (2,1,3); each with 2 gradient matmuls
+    assert len(shapes) == 21
+    assert shapes[:3] == [(2, 1, 1), (2, 1, 1), (1, 2, 1)]
+    assert shapes[12:15] == [(2, 1, 4), (2, 4, 1), (1, 2, 4)]
+    assert matmul_flops(shapes) == 3 * 2 * (4 * 2 + 2 * 4 + 2 * 4 + 2 * 3)
+
+
+def test_memtotal_reads_kilobytes(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemFree:  10 kB\nMemTotal:     1000 kB\n")
+    assert memtotal_bytes(str(f)) == 1024000.0
+    (tmp_path / "empty").write_text("MemFree: 1 kB\n")
+    with pytest.raises(ValueError, match="MemTotal"):
+        memtotal_bytes(str(tmp_path / "empty"))
+
+
+def _my_matmul_rate() -> float:
+    """FLOP/s of the GPT's MLP matmul (256 x 128) @ (128 x 512), timed here (best of 20)."""
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((256, 128)), rng.standard_normal((128, 512))
+    best = math.inf
+    for _ in range(20):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 256 * 128 * 512 / best
+
+
+def _check_cluster(c: Cluster, ranks: int, backend: str) -> None:
+    assert c.name.endswith(f"{ranks} ranks, {backend}")
+    assert c.gpus_per_node == ranks and c.intra == c.inter
+    assert c.memory_bytes == _memtotal_by_hand() / ranks
+    for v in (c.intra.alpha, c.intra.beta, c.gamma, c.peak_flops):
+        assert math.isfinite(v) and v > 0
+    assert 0 < c.efficiency <= 1
+
+
+def test_calibrate_two_thread_ranks(tmp_path):
+    m0, m1 = run(measure, 2, backend="threads", comm_timeout=30, **QUICK)
+    assert m1 is None
+    c = m0.cluster
+    _check_cluster(c, 2, "threads")
+    assert c.flops == pytest.approx(c.peak_flops * c.efficiency, rel=1e-12)
+    assert c.flops == pytest.approx(m0.matmul_shared, rel=1e-12)  # the shared rate is the achievable one
+    assert c.peak_flops == max(m0.matmul_solo, m0.matmul_shared)
+    mine = _my_matmul_rate()
+    assert 0.2 * mine <= c.flops <= 5 * mine, (c.flops, mine)
+    assert [n for n, _ in m0.exchange] == list(QUICK["sizes"])
+    assert c.gamma >= m0.add_gamma
+    path = tmp_path / "cluster.json"
+    c.save(str(path))
+    assert Cluster.load(str(path)) == c
+    assert run(calibrate, 2, backend="threads", comm_timeout=30, **QUICK)[1] is None
+
+
+def test_cluster_file_missing_field_is_refused_by_name(tmp_path):
+    data = json.loads(Cluster("x", 2, 1e10, 0.5, 1e9, Link(1e-5, 1e-10), Link(1e-5, 1e-10), 1e-9).to_json())
+    del data["gamma"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"missing fields \['gamma'\]"):
+        Cluster.load(str(path))
+
+
+def test_cli_quick_writes_a_loadable_file(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "-n", "2", "--backend", "threads", "-o", str(out), "--quick"]) == 0
+    c = Cluster.load(str(out))
+    _check_cluster(c, 2, "threads")
+    text = capsys.readouterr().out
+    assert f"{c.intra.alpha * 1e6:.1f} us" in text and f"{c.flops / 1e9:.2f}" in text
+
+
+def test_cli_refuses_one_rank(tmp_path, capsys):
+    assert main(["calibrate", "-n", "1", "-o", str(tmp_path / "c.json")]) == 2
+    assert "at least 2 ranks" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.mpi
+def test_cli_under_mpiexec_two_ranks(tmp_path):
+    out = tmp_path / "c.json"
+    proc = subprocess.run([sys.executable, "-m", "minipar.cli", "calibrate", "-n", "2", "-o", str(out), "--quick"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    c = Cluster.load(str(out))
+    _check_cluster(c, 2, "mpi")
+    mine = _my_matmul_rate()
+    assert 0.2 * mine <= c.flops <= 5 * mine, (c.flops, mine)
+    # the printed fit is the file's: alpha in microseconds, 1/beta in GB/s
+    assert f"{c.intra.alpha * 1e6:.1f} us" in proc.stdout and f"{1 / c.intra.beta / 1e9:.2f} GB/s" in proc.stdout
