@@ -304,3 +304,17 @@ def train_step(ddp: DistributedDataParallel, optimizer: Optimizer,
         optimizer.step()
     trace.memory("optimizer state", optimizer.state_bytes())
     return total
+
+
+def average_grads(params: Sequence[Parameter], comm: Any) -> None:
+    """Every gradient averaged over ``comm``: one ring all-reduce of them all, flat (a parameter
+    without gradient contributes zeros); nothing is sent on one rank or for no parameters."""
+    if comm.size == 1 or not params:
+        return
+    grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
+    flat = comm.allreduce(np.concatenate([g.reshape(-1) for g in grads]), algorithm="ring")
+    flat /= comm.size
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.size].reshape(p.shape)
+        offset += p.size

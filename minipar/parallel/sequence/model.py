@@ -22,6 +22,7 @@ import numpy as np
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.nn import GPT, CausalSelfAttention, Linear, Module
+from minipar.parallel.ddp import average_grads
 from minipar.parallel.sequence.comm_ops import linear_seq_to_heads
 from minipar.parallel.sequence.hybrid import hybrid_attention, hybrid_attention_on_heads
 from minipar.parallel.sequence.layout import SequenceLayout, check_sequence_config
@@ -111,14 +112,4 @@ class SequenceParallelGPT(GPT):
     def sync_grads(self) -> None:
         """Average every parameter's gradient over the sequence group: one ring all-reduce of the
         gradients packed into one buffer, 2 (P-1)/P x (parameter bytes) sent per rank."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        comm = self.group.comm
-        if comm.size == 1 or not params:
-            return
-        flat = np.concatenate([p.grad.ravel() for p in params])
-        flat = comm.allreduce(flat, algorithm="ring")
-        flat /= comm.size
-        offset = 0
-        for p in params:
-            p.grad = flat[offset:offset + p.grad.size].reshape(p.grad.shape)
-            offset += p.grad.size
+        average_grads([p for p in self.parameters() if p.grad is not None], self.group.comm)

@@ -220,7 +220,7 @@ class TensorParallelGPT(Module):
         self.meter = ActivationMeter()
         sp = sequence_parallel
         self.tok_emb = VocabParallelEmbedding(vocab_size, d_model, comm, sp, dtype)
-        self.pos_emb = _Table(seq_len, d_model, dtype)
+        self.pos_emb = Table(seq_len, d_model, dtype)
         self.blocks = ModuleList([ParallelBlock(d_model, n_heads, comm, d_ff, sp, i, dtype)
                                   for i in range(n_layers)])
         self.ln_f = LayerNorm(d_model, dtype=dtype)
@@ -245,12 +245,7 @@ class TensorParallelGPT(Module):
         """Token + position embeddings as ``[seq, batch, d]`` (this rank's sequence shard under SP)."""
         idx = np.asarray(idx)
         self._check(idx)
-        seq, t, r = idx.shape[1], self.comm.size, self.comm.rank
-        lo, hi = (r * seq // t, (r + 1) * seq // t) if self.sequence_parallel else (0, seq)
-        with _Held.window(held, TP):  # vocabulary-parallel partial sums
-            partial = self.tok_emb.partial(np.ascontiguousarray(idx.T))
-        x = exit_region(partial, self.comm, self.sequence_parallel)
-        return x + self.pos_emb.weight[lo:hi].reshape(hi - lo, 1, self.d_model)
+        return embed_tokens(self.tok_emb, self.pos_emb.weight, idx, held)
 
     def local_logits(self, idx: np.ndarray) -> Tensor:
         """This rank's vocabulary slice of the logits, ``[seq, batch, V/t]`` (whole sequence)."""
@@ -333,7 +328,21 @@ def _grad_sync_params(module: Module) -> list[Parameter]:
     return [p for _, child in module.children() for p in _grad_sync_params(child)]
 
 
-class _Table(Module):
+def embed_tokens(tok_emb: VocabParallelEmbedding, pos_emb: Parameter, idx: np.ndarray,
+                 held: _Held | None = None) -> Tensor:
+    """Token + position embeddings of ``idx`` (batch, seq) as ``[seq, batch, d]``: the
+    vocabulary-parallel partial sums leave the region by ``g`` (or, under sequence parallelism, by
+    the reduce-scatter, keeping this rank's sequence shard, whose positions are then added)."""
+    comm, sp = tok_emb.comm, tok_emb.sequence_parallel
+    seq, t, r = idx.shape[1], comm.size, comm.rank
+    lo, hi = (r * seq // t, (r + 1) * seq // t) if sp else (0, seq)
+    with _Held.window(held, TP):  # vocabulary-parallel partial sums
+        partial = tok_emb.partial(np.ascontiguousarray(idx.T))
+    x = exit_region(partial, comm, sp)
+    return x + pos_emb[lo:hi].reshape(hi - lo, 1, pos_emb.shape[1])
+
+
+class Table(Module):
     """A replicated embedding table used by slicing (the position embedding)."""
 
     def __init__(self, rows: int, dim: int, dtype: Any) -> None:

@@ -84,8 +84,10 @@ class FlatLayout:
 
 
 def layout_of(named: Sequence[tuple[str, Parameter]], world: int) -> FlatLayout:
-    """The layout of ``named`` parameters (full names, in order) over ``world`` ranks."""
-    return FlatLayout(tuple(n for n, _ in named), tuple(p.full_shape for _, p in named), world)
+    """The layout of ``named`` parameters (full names, in order) over ``world`` ranks, in the shapes
+    this rank holds them: a tensor-parallel slice (ZeRO over the data-parallel ranks of a mesh) is
+    flattened as the slice, a whole parameter (and a deferred one) in its full shape."""
+    return FlatLayout(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), world)
 
 
 def init_shard(layout: FlatLayout, params: Sequence[Parameter], rank: int, seed: int,

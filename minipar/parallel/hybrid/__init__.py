@@ -1,0 +1,15 @@
+"""Hybrid parallelism: the tiny GPT on a named device mesh (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3, PTD-P), pipeline x
+tensor (or sequence) x data parallelism, DDP or ZeRO-1 across data-parallel ranks.
+
+- ``stages.py``: the GPT as pipeline layers whose insides are tensor-parallel (Megatron, with or
+  without Megatron-SP) or sequence-parallel (Ulysses, Ring Attention, their hybrid).
+- ``model.py``: ``HybridGPT`` (one entry point for every combination), ``check_hybrid_config``.
+
+The mesh is ``minipar.mesh.DeviceMesh``; what a step should cost per axis is in ``minipar.cost.hybrid``.
+"""
+
+from minipar.parallel.hybrid.model import HybridGPT, check_hybrid_config
+from minipar.parallel.hybrid.stages import sequence_parallel_layers, tensor_parallel_layers
+
+__all__ = ["HybridGPT", "check_hybrid_config", "sequence_parallel_layers", "tensor_parallel_layers"]

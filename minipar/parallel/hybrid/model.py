@@ -1,0 +1,220 @@
+"""The tiny GPT trained under any combination of pipeline, tensor, sequence and data parallelism on
+one ``DeviceMesh`` (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", Sec. 3: PTD-P; ZeRO across data-parallel ranks, Rajbhandari et al.
+2020, as Megatron-LM's distributed optimizer and DeepSpeed's pipeline engine do).
+
+Each axis of the mesh carries one kind of traffic, and each gradient is reduced on the axis that
+replicated it, once::
+
+    pp   the pipeline runtime on mesh["pp"]: activations and their gradients, any schedule
+    tp   inside every layer: Megatron's f / g (or Megatron-SP's all-gather / reduce-scatter); after
+         backward, Megatron-SP's replicated parameters (layer norms, row-parallel biases, the
+         position embedding) all-reduced over tp
+    sp   inside attention: Ulysses' all-to-alls or Ring Attention's K/V hand-off
+    dp   (with sp) every gradient averaged over the dp x sp ranks that hold the same parameter
+         slice: one ring all-reduce of the flat gradients (DDP), or ZeRO stage 1's reduce-scatter
+         before the step and all-gather after it (Megatron-LM's distributed optimizer)
+
+Gradients are reduced after the last micro-batch's backward, as Megatron-LM does under pipelining
+(DDP's per-bucket overlap would fire once per micro-batch). ZeRO stages 2 and 3 are refused with
+pipelining, as DeepSpeed refuses them: they reduce or gather per micro-batch. ``nn.GPT`` has no
+tied weights, so no gradient crosses ``pp``. A step equals one process's step on the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from minipar import trace
+from minipar.mesh import DeviceMesh
+from minipar.nn import Module, Parameter
+from minipar.optim import AdamW
+from minipar.parallel.ddp import average_grads
+from minipar.parallel.pipeline import Pipeline, make_schedule
+from minipar.parallel.pipeline.partition import gpt_layer_counts
+from minipar.parallel.sequence.layout import check_sequence_config
+from minipar.parallel.sequence.model import SequenceGroup
+from minipar.parallel.tensor.model import check_tp_config, sync_sequence_parallel_grads
+from minipar.parallel.zero import ZeroDataParallel
+
+from .stages import sequence_parallel_layers, tensor_parallel_layers
+
+SP_METHODS = ("ulysses", "ring", "hybrid")
+
+
+def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
+                        n_layers: int, d_ff: int, schedule: str, microbatches: int, chunks: int,
+                        sequence_parallel: bool, sp_method: str, ulysses: int | None, zero_stage: int,
+                        layers: Sequence[int] | None) -> None:
+    """``ValueError`` listing every problem (the same on every rank, before any message)."""
+    tp, sp, pp = (mesh.degree(a) for a in ("tp", "sp", "pp"))
+    problems = []
+
+    def collect(check: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            check(*args, **kwargs)
+        except ValueError as exc:
+            problems.append(str(exc))
+
+    if tp > 1 and sp > 1:
+        problems.append(f"tp={tp} and sp={sp}: a stage is either tensor-parallel (add "
+                        "sequence_parallel=True for Megatron-SP) or sequence-parallel (Ulysses / ring), not both")
+    collect(check_tp_config, mesh["tp"], vocab_size, d_model, n_heads, d_ff)
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel=True is Megatron-SP, which splits tensor-parallel regions: it needs tp > 1")
+    if sequence_parallel and seq_len % tp:
+        problems.append(f"Megatron-SP splits the sequence of {seq_len} over tp={tp}: use a multiple of {tp}")
+    if sp > 1:
+        collect(check_sequence_config, mesh["sp"], seq_len, n_heads, d_model, sp_method, ulysses)
+    collect(make_schedule, schedule, pp, microbatches, chunks)
+    stages = pp * max(1, chunks if schedule == "interleaved" else 1)
+    if layers is None:
+        collect(gpt_layer_counts, n_layers, stages)
+    if zero_stage not in (0, 1):
+        problems.append(f"zero_stage={zero_stage}: on a mesh the data-parallel axis runs DDP (0) or ZeRO stage 1 "
+                        "(Megatron-LM's distributed optimizer); stages 2 and 3 reduce or gather once per "
+                        "micro-batch, which DeepSpeed refuses under pipelining too")
+    if problems:
+        raise ValueError(f"hybrid ({mesh.shape}): " + "; ".join(problems))
+
+
+class _Stages(Module):
+    """This rank's pipeline stages as one module (full parameter names), for ZeRO's buckets."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self._pipe = pipe
+
+    def children(self) -> Any:
+        for s in sorted(self._pipe.stages):
+            yield f"stage{s}", self._pipe.stages[s]
+
+    def named_parameters(self, prefix: str = "") -> Any:
+        yield from self._pipe.named_parameters()
+
+
+class HybridGPT:
+    """``minipar.nn.GPT`` on ``mesh``: pipeline over ``pp`` (``schedule``, ``microbatches``, ``chunks``,
+    ``layers`` per virtual stage), each stage tensor-parallel over ``tp`` (``sequence_parallel``:
+    Megatron-SP) or sequence-parallel over ``sp`` (``sp_method``, ``ulysses`` = P_u for "hybrid",
+    ``zigzag``), replicated by DDP (``zero_stage=0``) or ZeRO stage 1 over ``dp`` x ``sp``; AdamW.
+    Every rank calls it with the same arguments, then ``loss = model.step(idx, targets)`` with the
+    same global batch ``(B, S)`` of token ids everywhere."""
+
+    def __init__(self, mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
+                 n_layers: int, d_ff: int | None = None, *, schedule: str = "1f1b", microbatches: int = 1,
+                 chunks: int = 1, layers: Sequence[int] | None = None, sequence_parallel: bool = False,
+                 sp_method: str = "ulysses", ulysses: int | None = None, zigzag: bool = False,
+                 zero_stage: int = 0, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0, dtype: Any = np.float64) -> None:
+        d_ff = d_ff or 4 * d_model
+        check_hybrid_config(mesh, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, schedule, microbatches,
+                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers)
+        self.mesh, self.seq_len, self.vocab_size = mesh, seq_len, vocab_size
+        self.sequence_parallel, self.zero_stage, self.microbatches = sequence_parallel, zero_stage, microbatches
+        self.replicas = mesh.group("dp", "sp")  # ranks holding the same parameter slices
+        self.group: SequenceGroup | None = None
+        if mesh.degree("sp") > 1:
+            layout = check_sequence_config(mesh["sp"], seq_len, n_heads, d_model, sp_method, ulysses, None, zigzag)
+            self.group = SequenceGroup(mesh["sp"], layout, sp_method)
+            layered = sequence_parallel_layers(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, self.group,
+                                               seed, dtype)
+        else:
+            layered = tensor_parallel_layers(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, mesh["tp"],
+                                             sequence_parallel, seed, dtype)
+        stages = mesh.degree("pp") * (chunks if schedule == "interleaved" else 1)
+        counts = list(layers) if layers is not None else gpt_layer_counts(n_layers, stages)
+        self.pipe = Pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
+        self.module = _Stages(self.pipe)
+        self.zero: ZeroDataParallel | None = None
+        self.optimizer: AdamW | None = None
+        if zero_stage == 1:
+            self.zero = ZeroDataParallel(self.module, self.replicas, stage=1, lr=lr, betas=betas, eps=eps,
+                                         weight_decay=weight_decay)
+        else:
+            self.optimizer = AdamW(self.module.parameters(), lr, betas, eps, weight_decay)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def local_batch(self, idx: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This replica's rows of the global batch (``dp``) and this rank's positions (``sp``)."""
+        idx, targets = np.asarray(idx), np.asarray(targets)
+        dp, m = self.mesh.degree("dp"), self.microbatches
+        problems = []
+        if idx.ndim != 2 or targets.shape != idx.shape:
+            problems.append(f"tokens and targets must both be (batch, seq), got {idx.shape} and {targets.shape}")
+        elif idx.shape[0] % (dp * m):
+            problems.append(f"a global batch of {idx.shape[0]} is not divisible by dp x m = {dp} x {m}; use a "
+                            f"multiple of {dp * m}")
+        elif idx.shape[1] > self.seq_len or (self.group is not None and idx.shape[1] != self.seq_len):
+            problems.append(f"sequences of {idx.shape[1]} tokens; the model takes seq_len={self.seq_len}")
+        elif self.sequence_parallel and idx.shape[1] % self.mesh.degree("tp"):
+            problems.append(f"Megatron-SP splits the {idx.shape[1]} positions over tp={self.mesh.degree('tp')}")
+        if problems:
+            raise ValueError("hybrid: " + "; ".join(problems))
+        rows = np.split(np.arange(idx.shape[0]), dp)[self.mesh.coords["dp"]]
+        idx, targets = idx[rows], targets[rows]
+        if self.group is not None:
+            idx, targets = (self.group.layout.shard(a, self.group.comm.rank) for a in (idx, targets))
+        return idx, targets
+
+    def forward_backward(self, idx: np.ndarray, targets: np.ndarray) -> float:
+        """Forward and backward of the global batch; gradients reduced as the module docstring says
+        (ZeRO stage 1 reduce-scatters in ``optimizer_step``). Returns the global-batch mean loss."""
+        x, y = self.local_batch(idx, targets)
+        loss = self.pipe.step(x, y)
+        with trace.span("sync", args={"iteration": self.pipe.iteration - 1}):
+            if self.sequence_parallel:
+                sync_sequence_parallel_grads(self.module, self.mesh["tp"])
+            if self.zero is None:
+                average_grads(self.module.parameters(), self.replicas)
+        return float(np.mean(self.replicas.allgather_object(loss)))  # control plane: not traffic
+
+    def optimizer_step(self) -> None:
+        if self.zero is not None:
+            self.zero.step()
+        else:
+            with trace.span("opt", args={"iteration": self.pipe.iteration - 1}):
+                self.optimizer.step()
+
+    def step(self, idx: np.ndarray, targets: np.ndarray) -> float:
+        loss = self.forward_backward(idx, targets)
+        self.optimizer_step()
+        return loss
+
+    # ---- the whole model back, for tests and lessons (control plane, not traced) -------------------
+    def full_state_dict(self) -> dict[str, np.ndarray]:
+        """``nn.GPT``'s state dict assembled from every rank's slices, on every rank."""
+        return self._assemble({n: p.data for n, p in self.pipe.named_parameters()})
+
+    def full_grads(self) -> dict[str, np.ndarray]:
+        """The last ``forward_backward``'s gradients, reduced (DDP only: ZeRO-1 reduces in its step)."""
+        if self.zero is not None:
+            raise ValueError("hybrid: with zero_stage=1 the gradients are reduce-scattered inside optimizer_step; "
+                             "read them with zero_stage=0")
+        return self._assemble({n: p.grad if p.grad is not None else np.zeros_like(p.data)
+                               for n, p in self.pipe.named_parameters()})
+
+    def _assemble(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        params = dict(self.pipe.named_parameters())
+        first_replica = self.mesh.coords["dp"] == 0 and self.mesh.coords["sp"] == 0
+        mine = [(n, np.array(a), params[n].full_shape, params[n].shard) for n, a in arrays.items()] \
+            if first_replica else []
+        out: dict[str, np.ndarray] = {}
+        for part in self.mesh.comm.allgather_object(mine):
+            for name, array, full_shape, shard in part:
+                whole = out.setdefault(name, np.zeros(full_shape, dtype=array.dtype))
+                whole[shard if shard is not None else ...] = array
+        return out
+
+    def parameters(self) -> list[Parameter]:
+        return self.module.parameters()
+
+    def trace_meta(self) -> dict[str, Any]:
+        """Metadata for ``trace.record``: the mesh (axes and shape, for the viewer's per-axis traffic)
+        and the pipeline's (schedule, actions, stage layers)."""
+        return {**self.pipe.trace_meta(), "paradigm": "hybrid", "mesh": self.mesh.meta(),
+                "sequence_parallel": self.sequence_parallel, "zero_stage": self.zero_stage,
+                "sp_method": self.group.method if self.group is not None else None}
+
