@@ -1,0 +1,362 @@
+"""Step time, throughput and memory of a GPT on a cluster under a hybrid layout (dp x tp x pp x sp,
+ZeRO, recomputation, micro-batches): every term a formula from a paper, derivations in
+``docs/formulas.md`` section 8.
+
+Symbols: ``B`` global batch, ``b`` micro-batch, ``s`` sequence, ``l`` layers, ``h`` hidden, ``a``
+heads, ``f`` MLP width, ``V`` vocabulary, ``w`` bytes per number; ``t, p, d, u`` the tensor-,
+pipeline-, data- and sequence-parallel degrees (``u``: Ulysses), ``v`` model chunks per pipeline
+rank, ``m = B / (d b)`` micro-batches per step.
+
+- FLOPs per step (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", Sec. 5.1 and Appendix, Eq. 3): a layer's forward costs ``24 B s h^2
+  + 4 B s^2 h`` (``8 B s h^2 + 4 B s h f + 4 B s^2 h`` in general), the logits ``2 B s h V``;
+  backward twice the forward. Without recomputation ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``;
+  full recomputation runs each layer's forward again, ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``;
+  selective recomputation (Korthikanti et al. 2022, Sec. 5 and Appendix) only ``Q K^T`` and the
+  attention over ``V``: ``72 B s l h^2 (1 + 2s/(9h) + V/(12 l h))``. ``tflops_per_gpu`` divides the
+  FLOPs executed (recomputation included: the paper's accounting, Eq. 3 with full recomputation,
+  used for its Table 1) by the step time; ``model_tflops_per_gpu`` the FLOPs without recomputation.
+- Compute: the slowest pipeline stage (its ``l/p`` layers, plus the logits on the last stage) per
+  micro-batch, divided by ``t u`` and ``cluster.flops``, times ``m``; plus the memory-bound work
+  outside the matmuls (softmax, masks, GeLU, layer norms: ``memory_traffic_bytes``, 4 moves of
+  every byte Korthikanti et al. count, 5 with full recomputation), a byte moved costing
+  ``gamma / 3`` (reducing a byte reads two and writes one). That term makes small-``h`` models
+  slower per FLOP (the ``5 a s / h`` scores), as Narayanan et al.'s Table 1 shows. Bubble: the 1F1B-family
+  bubble fraction ``phi = (p-1)/(v m + p - 1)`` (``pipeline.bubble_fraction``) of the step is idle,
+  so ``bubble = busy phi / (1 - phi) = busy (p-1)/(v m)``.
+- Communication, exposed seconds per mesh axis (``collectives.collective_time``, ring algorithms):
+  ``tp``: per layer and micro-batch ``tensor.collectives_per_block`` (2 all-reduces of ``s b h w``
+  forward and 2 backward; with Megatron-SP all-gathers and reduce-scatters), the forward's again
+  under full recomputation; on the critical path (Shoeybi et al. 2019, Sec. 3). ``sp``: Ulysses'
+  4 all-to-alls of the ``(b, s/u, h/t)`` shard forward and 4 backward per layer (Jacobs et al. 2023,
+  Sec. 3.2), on the critical path. ``pp``: one activation of ``s b h w / t`` per boundary (Narayanan
+  et al. 2021, Sec. 4.1, scatter/gather), forward and gradient back: Megatron's blocking p2p puts
+  one transfer each way on the critical path per slot of the schedule, ``2 (v m + p - 1)``
+  transfers. ``dp``: the gradient all-reduce of this GPU's parameters after the pipeline flush,
+  not overlapped (Narayanan et al. 2021, Sec. 3: the all-reduce runs at the end of the batch);
+  ZeRO-2 reduce-scatters every micro-batch and ZeRO-3 also all-gathers the parameters twice per
+  micro-batch (Rajbhandari et al. 2020, Sec. 7.2).
+- Memory per GPU: model states of the largest pipeline stage's parameters over ``t``, per ZeRO
+  stage (Rajbhandari et al. 2020, Sec. 3.1 and 5: ``w + w + K`` bytes per parameter, K = 12 with
+  mixed-precision Adam, ``2 w`` (Adam's m and v) otherwise); activations per layer by Korthikanti
+  et al. 2022 (Sec. 4, Eq. 1-4, Sec. 5): ``s b h (34 + 5 a s / h)``, with ``t``: ``s b h (10 + 24/t
+  + 5 a s/(h t))``, with ``t`` and SP: ``s b h (34/t + 5 a s / (h t))``; selective recomputation
+  drops the ``5 a s / h`` term, full keeps ``2 s b h`` (``/t`` with SP); times the layers of the
+  micro-batches the first stage holds (``pipeline.peak_stash``: ``p`` for 1F1B, ``l`` layers in
+  all; interleaved ``1 + (p-1)/(p v)`` times that, Sec. 4.2.3), over ``u`` (Ulysses splits the
+  sequence). Counts are for ``w = 2`` and scale by ``w / 2``.
+
+The mesh is ``(pp, dp, sp, tp)`` with tp innermost (``minipar.mesh``; Megatron-LM's order): a tp
+group spans ``t`` consecutive ranks, sp ``t u``, dp ``t u d``; neighbouring pipeline stages sit
+``t u d`` ranks apart. ``Cluster.link`` picks NVLink inside a node, the network across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from minipar.cost.cluster import Cluster, Link
+from minipar.cost.collectives import collective_time
+from minipar.cost.pipeline import SCHEDULES, bubble_fraction, peak_stash
+from minipar.cost.tensor import collectives_per_block
+from minipar.cost.zero import zero_model_states
+
+RECOMPUTE = ("none", "selective", "full")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT as minipar's ``nn.GPT`` builds it (learned positions, pre-norm blocks, untied head)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn: int | None = None
+    bytes_per_number: int = 2
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ffn is None:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        for key in ("layers", "hidden", "heads", "seq", "vocab", "ffn", "bytes_per_number"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"ModelSpec.{key} must be a positive int, got {getattr(self, key)!r}")
+
+    @property
+    def block_parameters(self) -> int:
+        """One block: attention ``4h^2 + 4h``, MLP ``2 h f + f + h``, two layer norms ``4h``."""
+        h, f = self.hidden, self.ffn
+        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+
+    @property
+    def parameters(self) -> int:
+        """Token and position embeddings ``V h + s h``, the blocks, the final layer norm ``2h``, the
+        untied head ``h V``."""
+        h = self.hidden
+        return self.vocab * h + self.seq * h + self.layers * self.block_parameters + 2 * h + h * self.vocab
+
+    def layer_flops(self, tokens: int) -> float:
+        """Forward FLOPs of one block for ``tokens`` tokens (matmuls only, 2 per multiply-add)."""
+        h, f, s = self.hidden, self.ffn, self.seq
+        return tokens * (8 * h * h + 4 * h * f + 4 * s * h)
+
+    def head_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the logits."""
+        return 2.0 * tokens * self.hidden * self.vocab
+
+    def step_flops(self, batch: int, recompute: str = "none") -> float:
+        """FLOPs of one training step of ``batch`` sequences (forward + backward = 3 forwards; full
+        recomputation 4 forwards of the blocks; selective adds ``Q K^T`` and ``attention x V``)."""
+        tokens = batch * self.seq
+        layers = self.layers * self.layer_flops(tokens)
+        extra = {"none": 0.0, "full": layers, "selective": self.layers * 4.0 * tokens * self.seq * self.hidden}
+        return 3 * layers + 3 * self.head_flops(tokens) + extra[recompute]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a step is split: degrees, ZeRO stage, micro-batching, pipeline schedule, recomputation."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    global_batch: int = 1
+    chunks: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def kind(self) -> str:
+        """The schedule the bubble and stash formulas use (``interleaved`` whenever chunks > 1)."""
+        return "interleaved" if self.chunks > 1 else self.schedule
+
+    def check(self, model: ModelSpec) -> list[str]:
+        """Every reason this layout cannot run ``model``, each saying what to change."""
+        out = []
+        for key in ("dp", "tp", "pp", "sp", "micro_batch", "global_batch", "chunks"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                out.append(f"{key}={getattr(self, key)!r} must be a positive int")
+        if out:
+            return out
+        t, u, p, v = self.tp, self.sp, self.pp, self.chunks
+        for what, n in (("heads", model.heads), ("ffn", model.ffn), ("vocab", model.vocab)):
+            if n % t:
+                out.append(f"tp={t} does not divide {what}={n}: choose tp among the divisors of {what}")
+        if model.seq % u:
+            out.append(f"sp={u} does not divide seq={model.seq}: choose sp dividing the sequence length")
+        if model.heads % (u * t):
+            out.append(f"sp x tp={u * t} does not divide heads={model.heads} (Ulysses gives each rank whole "
+                       f"heads): lower sp or tp")
+        if p * v > model.layers:
+            out.append(f"pp x chunks={p * v} exceeds layers={model.layers}: lower pp or chunks")
+        elif model.layers % (p * v):
+            out.append(f"layers={model.layers} is not divisible by pp x chunks={p * v} (Megatron splits the "
+                       f"layers evenly): choose pp x chunks dividing {model.layers}")
+        if self.global_batch % (self.dp * self.micro_batch):
+            out.append(f"global_batch={self.global_batch} is not divisible by dp x micro_batch="
+                       f"{self.dp * self.micro_batch}: change the batch, dp or micro_batch")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        if v > 1 and self.schedule not in ("1f1b", "interleaved"):
+            out.append(f"chunks={v} needs the interleaved schedule, got {self.schedule!r}")
+        if v > 1 and p == 1:
+            out.append(f"chunks={v} interleaves pipeline stages: needs pp > 1 (or chunks=1)")
+        if v > 1 and self.microbatches % p:
+            out.append(f"the interleaved schedule needs microbatches ({self.microbatches}) divisible by pp={p}: "
+                       f"change the batch or micro_batch")
+        if self.sequence_parallel and t == 1:
+            out.append("sequence_parallel (Megatron-SP) needs tp > 1: set tp or turn it off")
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"zero={self.zero!r}: choose a ZeRO stage 0..3")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"recompute={self.recompute!r}: choose one of {RECOMPUTE}")
+        return out
+
+
+@dataclass
+class Prediction:
+    """What ``predict`` returns: seconds, throughput, bytes per GPU (``memory``), and ``explain()``."""
+
+    step_seconds: float
+    compute_seconds: float
+    bubble_seconds: float
+    comm_seconds: dict[str, float]
+    tflops_per_gpu: float
+    memory: dict[str, float]
+    fits: bool
+    model_tflops_per_gpu: float = 0.0
+    memory_limit: float = 0.0
+    layout: Layout | None = field(default=None, repr=False)
+
+    def explain(self) -> str:
+        """One paragraph: where the step's time goes and what fills the memory."""
+        parts = {"compute": self.compute_seconds, "bubble": self.bubble_seconds,
+                 **{f"{k} communication": v for k, v in self.comm_seconds.items()}}
+        shown = ", ".join(f"{k} {v:.3g} s ({v / self.step_seconds:.0%})" for k, v in parts.items() if v > 0)
+        top = max(parts, key=parts.get)
+        mem = {k: v for k, v in self.memory.items() if k != "total"}
+        big = max(mem, key=mem.get)
+        short = (self.memory["total"] - self.memory_limit) / GiB
+        fit = "fits" if self.fits else f"does NOT fit (short by {short:.1f} GiB)"
+        return (f"Step {self.step_seconds:.3g} s at {self.tflops_per_gpu:.0f} TFLOP/s per GPU: {shown}; {top} "
+                f"dominates. Memory {self.memory['total'] / GiB:.1f} GiB per GPU of {self.memory_limit / GiB:.1f}, "
+                f"{fit}; {big} is the largest part ({mem[big] / GiB:.1f} GiB, "
+                + ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.items()) + " GiB).")
+
+
+def _stage_parameters(model: ModelSpec, pp: int) -> int:
+    """Parameters of the heaviest pipeline stage: its ``l/p`` blocks plus the embeddings (first
+    stage) or the final layer norm and the head (last stage); everything when ``pp = 1``."""
+    if pp == 1:
+        return model.parameters
+    blocks = model.layers // pp * model.block_parameters
+    h = model.hidden
+    return blocks + max(model.vocab * h + model.seq * h, 2 * h + h * model.vocab)
+
+
+def _optimizer_bytes(w: int) -> int:
+    """K: mixed-precision Adam's fp32 master, m and v (12) for 16-bit models; Adam's m and v in the
+    model's precision otherwise (minipar's float64 AdamW: 16)."""
+    return 12 if w == 2 else 2 * w
+
+
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
+    """Korthikanti et al. 2022 (Sec. 4.1-4.2, Sec. 5) bytes one layer keeps for one micro-batch,
+    generalised to MLP width ``f``: outside the tensor-parallel regions ``10 s b h`` (two layer-norm
+    inputs, the q k v and fc inputs, two dropout masks), inside ``8 s b h + 4 s b f + 5 a s^2 b``,
+    the latter over ``t``; with SP all over ``t``; Ulysses over ``u``; ``w / 2`` for other widths."""
+    s, b, h, a, f = model.seq, layout.micro_batch, model.hidden, model.heads, model.ffn
+    t, u = layout.tp, layout.sp
+    scale = model.bytes_per_number / 2
+    if layout.recompute == "full":
+        per = 2 * s * b * h / (t if layout.sequence_parallel else 1)
+        return per * scale / u
+    scores = 0 if layout.recompute == "selective" else 5 * a * s * s * b
+    inside = (8 * s * b * h + 4 * s * b * f + scores) / t
+    outside = 10 * s * b * h / (t if layout.sequence_parallel else 1)
+    return (inside + outside) * scale / u
+
+
+def memory_traffic_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes one layer moves through GPU memory outside its matmuls for one micro-batch (softmax,
+    masks, dropout, GeLU, layer norms, residual adds: memory-bound, Ivanov et al. 2021, "Data
+    Movement Is All You Need"). Each byte Korthikanti et al. count (without recomputation) is a
+    tensor written in the forward and read in the backward, and its gradient, as large, written
+    and read in the backward: 4 moves; recomputation writes again what it recomputes (everything
+    with full, the ``5 a s^2 b`` scores with selective): one more move of those."""
+    kept = activation_bytes_per_layer(model, Layout(tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch,
+                                                    sequence_parallel=layout.sequence_parallel))
+    scores = 5 * model.heads * model.seq**2 * layout.micro_batch / (layout.tp * layout.sp)
+    again = {"none": 0.0, "selective": scores * model.bytes_per_number / 2, "full": kept}[layout.recompute]
+    return 4 * kept + again
+
+
+def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
+    """Bytes per GPU on the heaviest stage: parameters, gradients, optimizer state (ZeRO stage),
+    activations (the first stage's in-flight micro-batches), total."""
+    w, psi = model.bytes_per_number, _stage_parameters(model, layout.pp) / layout.tp
+    k, d, z = _optimizer_bytes(w), layout.dp * layout.sp, layout.zero  # ZeRO shards over dp x sp
+    states = {"parameters": w * psi / (d if z >= 3 else 1), "gradients": w * psi / (d if z >= 2 else 1),
+              "optimizer": k * psi / (d if z >= 1 else 1)}
+    assert abs(sum(states.values()) - zero_model_states(psi, z, d, k, w, w)) <= 1e-6 * sum(states.values())
+    p, v, m = layout.pp, layout.chunks, layout.microbatches
+    layers_in_flight = peak_stash(layout.kind, p, m, 0, v) * model.layers / (p * v)
+    out = {**states, "activations": layers_in_flight * activation_bytes_per_layer(model, layout)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _all_to_all_time(nbytes: float, p: int, link: Link) -> float:
+    """Pairwise all-to-all of an ``nbytes`` buffer on ``p`` ranks: ``p - 1`` steps, ``(p-1)/p n``
+    bytes out (Thakur et al. 2005, Sec. 4)."""
+    return 0.0 if p == 1 else (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
+
+
+def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str, float]:
+    """Exposed communication seconds per step on each mesh axis (module docstring)."""
+    t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
+    w, b, h = model.bytes_per_number, layout.micro_batch, model.hidden
+    layers_here = model.layers // p  # per pipeline rank (all its chunks)
+    act = model.seq // u * b * h * w  # one residual-stream activation on this rank's sequence shard
+    out = {"tp": 0.0, "sp": 0.0, "pp": 0.0, "dp": 0.0}
+    if t > 1:
+        link, calls = cluster.link(t), collectives_per_block(layout.sequence_parallel)
+        forward = sum(n * collective_time(op, "ring", act, t, link.alpha, link.beta, cluster.gamma)
+                      for op, n in calls["forward"].items())
+        backward = sum(n * collective_time(op, "ring", act, t, link.alpha, link.beta, cluster.gamma)
+                       for op, n in calls["backward"].items())
+        per_layer = forward * (2 if layout.recompute == "full" else 1) + backward
+        out["tp"] = m * layers_here * per_layer
+    if u > 1:
+        shard = act / t  # q, k, v and the output on this rank's heads
+        passes = 3 if layout.recompute == "full" else 2
+        out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, cluster.link(t * u))
+    if p > 1:
+        link = cluster.link(t * u * d + 1)
+        out["pp"] = 2 * (v * m + p - 1) * link.seconds(act / t)
+    if d * u > 1:
+        grads = w * _stage_parameters(model, p) / t
+        n, link = d * u, cluster.link(t * u * d)
+        ar = collective_time("allreduce", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
+        rs = collective_time("reduce_scatter", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
+        ag = collective_time("allgather", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
+        out["dp"] = {0: ar, 1: ar, 2: m * rs + ag, 3: m * (2 * ag + rs)}[layout.zero]
+    return out
+
+
+def calibrate_efficiency(model: ModelSpec, layout: Layout, cluster: Cluster, tflops_per_gpu: float) -> float:
+    """The ``cluster.efficiency`` at which ``predict`` gives ``tflops_per_gpu`` (TFLOP/s, e.g. a
+    published row) for ``model`` under ``layout``: bisection, the throughput rising with it."""
+    lo, hi = 1e-6, 1.0
+    if predict(model, layout, replace(cluster, efficiency=hi)).tflops_per_gpu < tflops_per_gpu:
+        raise ValueError(f"{tflops_per_gpu} TFLOP/s per GPU is above what the model predicts at the full peak")
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predict(model, layout, replace(cluster, efficiency=mid)).tflops_per_gpu < \
+            tflops_per_gpu else (lo, mid)
+    return (lo + hi) / 2
+
+
+def predict(model: ModelSpec, layout: Layout, cluster: Cluster) -> Prediction:
+    """Step time, TFLOP/s per GPU and memory per GPU of ``model`` under ``layout`` on ``cluster``
+    (module docstring); ``ValueError`` listing every problem ``layout.check`` finds."""
+    problems = layout.check(model)
+    if problems:
+        raise ValueError(f"layout {layout} cannot run {model.name or 'the model'}:\n- " + "\n- ".join(problems))
+    t, u, p, v, m = layout.tp, layout.sp, layout.pp, layout.chunks, layout.microbatches
+    tokens = layout.micro_batch * model.seq
+    block = model.layer_flops(tokens) * (4 if layout.recompute == "full" else 3)
+    if layout.recompute == "selective":
+        block += 4.0 * tokens * model.seq * model.hidden
+    stage = model.layers // p * block + 3 * model.head_flops(tokens)  # the last stage carries the logits
+    compute = m * stage / (t * u) / cluster.flops
+    # a byte moved costs gamma / 3: reducing a byte (gamma) reads two and writes one
+    compute += m * model.layers // p * memory_traffic_bytes(model, layout) * cluster.gamma / 3
+    phi = bubble_fraction(layout.kind, p, m, v)
+    bubble = compute * phi / (1 - phi)
+    comm = comm_seconds(model, layout, cluster)
+    step = compute + bubble + sum(comm.values())
+    world = layout.world
+    executed = model.step_flops(layout.global_batch, layout.recompute)
+    useful = model.step_flops(layout.global_batch, "none")
+    memory = memory_bytes(model, layout)
+    return Prediction(step_seconds=step, compute_seconds=compute, bubble_seconds=bubble, comm_seconds=comm,
+                      tflops_per_gpu=executed / step / world / 1e12, memory=memory,
+                      fits=memory["total"] <= cluster.memory_bytes,
+                      model_tflops_per_gpu=useful / step / world / 1e12, memory_limit=cluster.memory_bytes,
+                      layout=layout)

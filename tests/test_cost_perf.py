@@ -1,0 +1,168 @@
+"""minipar.cost.perf: the step-time, throughput and memory model of a hybrid layout. Expected values
+are worked out by hand here (or are published numbers), never with perf's own helpers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from minipar.cost.cluster import Cluster, Link
+from minipar.cost.perf import Layout, ModelSpec, calibrate_efficiency, predict
+from minipar.cost.presets import CLUSTERS, MODELS, NARAYANAN_TABLE_1, SELENE_EFFICIENCY, narayanan_row
+
+SELENE = CLUSTERS["a100-selene"]
+# a cluster with round numbers, for hand-computed times: 1 TFLOP/s, 8 GPUs per node
+TOY = Cluster(name="toy", gpus_per_node=8, peak_flops=2e12, efficiency=0.5, memory_bytes=1e9,
+              intra=Link(alpha=1e-6, beta=1e-10), inter=Link(alpha=1e-5, beta=1e-9), gamma=0.0)
+
+
+def test_parameters_match_nn_gpt_and_the_closed_form() -> None:
+    from minipar.nn import GPT
+
+    spec = ModelSpec(layers=2, hidden=4, heads=2, seq=3, vocab=5)
+    # V h + s h + l (12 h^2 + 13 h) + 2 h + h V = 20 + 12 + 2 (192 + 52) + 8 + 20
+    assert spec.parameters == 548
+    gpt = GPT(vocab_size=5, seq_len=3, d_model=4, n_heads=2, n_layers=2)
+    assert spec.parameters == sum(p.data.size for p in gpt.parameters())
+    wide = ModelSpec(layers=3, hidden=8, heads=2, seq=5, vocab=7, ffn=24)
+    gpt = GPT(vocab_size=7, seq_len=5, d_model=8, n_heads=2, n_layers=3, d_ff=24)
+    assert wide.parameters == sum(p.data.size for p in gpt.parameters())
+    # GPT-3 175B: 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) + 2h (Narayanan et al. Eq. 2, plus the
+    # untied head h V and the final layer norm, which Eq. 2 leaves out)
+    l, h, v, s = 96, 12288, 51200, 2048
+    assert MODELS["gpt3-175b"].parameters == 12 * l * h * h + 13 * l * h + v * h + s * h + 2 * h + h * v
+
+
+def test_flops_are_narayanan_eq_3() -> None:
+    model, B = MODELS["gpt3-175b"], 1536
+    s, l, h, V = 2048, 96, 12288, 51200
+    assert model.step_flops(B, "full") == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)),
+                                                        rel=1e-12)
+    assert model.step_flops(B, "none") == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)),
+                                                        rel=1e-12)
+    # Korthikanti et al. 2022, selective recomputation: 72 B s l h^2 (1 + 2s/(9h) + V/(12 l h))
+    assert model.step_flops(B, "selective") == pytest.approx(
+        72 * B * s * l * h**2 * (1 + 2 * s / (9 * h) + V / (12 * l * h)), rel=1e-12)
+
+
+def _table() -> tuple[list[tuple[str, float, float]], float]:
+    eff = calibrate_efficiency(*narayanan_row("1.7B")[:2], SELENE, 137)
+    cluster = replace(SELENE, efficiency=eff)
+    rows = []
+    for row in NARAYANAN_TABLE_1:
+        model, layout, published = narayanan_row(row[0])
+        rows.append((row[0], published, predict(model, layout, cluster).tflops_per_gpu))
+    return rows, eff
+
+
+def test_narayanan_table_1_within_15_percent_with_one_efficiency() -> None:
+    """Narayanan et al. 2021, Table 1 (weak scaling, 1.7B to 1T on 32 to 3072 A100s): one efficiency
+    for every row, measured on the smallest row (1.7B: 137 TFLOP/s per GPU)."""
+    rows, eff = _table()
+    table = "\n".join(f"{n:>5}: published {p:5.0f}  predicted {q:6.1f}  {q / p - 1:+.1%}" for n, p, q in rows)
+    assert eff == pytest.approx(SELENE_EFFICIENCY, abs=1e-4), table
+    assert all(abs(q / p - 1) <= 0.15 for _, p, q in rows), f"efficiency {eff:.4f}\n{table}"
+    assert [r[1] for r in rows] == [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]  # the paper's column
+
+
+def test_narayanan_layouts_are_the_published_ones() -> None:
+    """GPUs = t p d; d b m = batch; 530B: 105 layers on 35 stages with v = 3 (1 layer per virtual stage)."""
+    model, layout, _ = narayanan_row("530B")
+    assert (layout.world, layout.dp, layout.microbatches, model.layers // (layout.pp * layout.chunks)) == \
+        (2520, 9, 280, 1)
+    model, layout, _ = narayanan_row("1T")
+    assert (layout.world, layout.dp, layout.microbatches) == (3072, 6, 512)
+    assert model.parameters == pytest.approx(1008e9, rel=0.005)  # the table's 1008 billion
+
+
+def test_zero_1_model_states_by_hand() -> None:
+    model = ModelSpec(layers=4, hidden=64, heads=4, seq=32, vocab=100)
+    psi = 100 * 64 + 32 * 64 + 4 * (12 * 64 * 64 + 13 * 64) + 2 * 64 + 64 * 100
+    expected = {0: (2, 2, 12), 1: (2, 2, 12 / 4), 2: (2, 2 / 4, 12 / 4), 3: (2 / 4, 2 / 4, 12 / 4)}
+    for zero, (p_, g_, o_) in expected.items():
+        mem = predict(model, Layout(dp=4, zero=zero, global_batch=4), TOY).memory
+        assert mem["parameters"] == pytest.approx(p_ * psi)
+        assert mem["gradients"] == pytest.approx(g_ * psi)
+        assert mem["optimizer"] == pytest.approx(o_ * psi)
+    # float64 AdamW: 8 + 8 + 16 bytes per parameter, nothing partitioned at stage 0
+    mem = predict(replace(model, bytes_per_number=8), Layout(global_batch=1), TOY).memory
+    assert mem["parameters"] + mem["gradients"] + mem["optimizer"] == pytest.approx(32 * psi)
+
+
+def test_activations_follow_korthikanti() -> None:
+    s, b, h, a, L = 2048, 2, 1024, 16, 8
+    model = ModelSpec(layers=L, hidden=h, heads=a, seq=s, vocab=512)
+    sbh = s * b * h
+
+    def act(**kw: object) -> float:
+        return predict(model, Layout(micro_batch=b, global_batch=b * kw.pop("dp", 1), **kw), TOY).memory["activations"]
+
+    assert act() == pytest.approx(L * sbh * (34 + 5 * a * s / h))
+    assert act(tp=4) == pytest.approx(L * sbh * (10 + 24 / 4 + 5 * a * s / (h * 4)))
+    assert act(tp=4, sequence_parallel=True) == pytest.approx(L * sbh * (34 / 4 + 5 * a * s / (h * 4)))
+    assert act(tp=4, sequence_parallel=True, recompute="selective") == pytest.approx(L * sbh * 34 / 4)
+    assert act(recompute="full") == pytest.approx(L * 2 * sbh)
+    assert act(sp=4) == pytest.approx(L * sbh * (34 + 5 * a * s / h) / 4)
+    # 1F1B, p = 4, m = 8: the first stage holds 4 micro-batches of L/4 layers: L layers' worth
+    one = L * sbh * (34 + 5 * a * s / h)
+    mem = predict(model, Layout(pp=4, micro_batch=b, global_batch=8 * b), TOY).memory["activations"]
+    assert mem == pytest.approx(one)
+    # interleaved, v = 2: (1 + (p-1)/(p v)) = 1 + 3/8 times that (Korthikanti et al. Sec. 4.2.3)
+    mem = predict(model, Layout(pp=4, chunks=2, micro_batch=b, global_batch=8 * b), TOY).memory["activations"]
+    assert mem == pytest.approx(one * (1 + 3 / 8))
+
+
+def test_step_time_by_hand_tp_and_pipeline() -> None:
+    """tp = 2 and pp = 2 inside one node (neighbouring stages 2 ranks apart), m = 4, gamma = 0."""
+    model = ModelSpec(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
+    layout = Layout(tp=2, pp=2, micro_batch=1, global_batch=4)
+    p = predict(model, layout, TOY)
+    s, h, V, b = 128, 256, 1000, 1
+    layer_fwd = s * b * (24 * h * h + 4 * s * h)
+    stage = 2 * 3 * layer_fwd + 3 * 2 * s * b * h * V  # 2 layers, and the logits on the last stage
+    assert p.compute_seconds == pytest.approx(4 * stage / 2 / 1e12)  # gamma = 0: no memory-bound term
+    assert p.bubble_seconds == pytest.approx(p.compute_seconds * (2 - 1) / 4)
+    A = s * b * h * 2
+    allreduce = 2 * 1 * 1e-6 + 2 * 1 / 2 * A * 1e-10  # ring on 2 ranks, intra link
+    assert p.comm_seconds["tp"] == pytest.approx(4 * 2 * 4 * allreduce)  # m x layers per stage x 4 all-reduces
+    send = 1e-6 + A / 2 * 1e-10  # stages 2 ranks apart: intra; s b h / t (scatter/gather)
+    assert p.comm_seconds["pp"] == pytest.approx(2 * (4 + 2 - 1) * send)
+    assert p.comm_seconds["dp"] == 0 and p.comm_seconds["sp"] == 0
+    assert p.step_seconds == pytest.approx(p.compute_seconds + p.bubble_seconds + sum(p.comm_seconds.values()))
+    assert p.tflops_per_gpu == pytest.approx(model.step_flops(4) / p.step_seconds / 4 / 1e12)
+    assert "compute" in p.explain() and "GiB" in p.explain()
+
+
+def test_dp_allreduce_across_nodes() -> None:
+    model = ModelSpec(layers=2, hidden=64, heads=2, seq=16, vocab=50)
+    p = predict(model, Layout(dp=16, global_batch=16), TOY)  # 16 ranks: 2 nodes, the network link
+    n = 2 * model.parameters
+    assert p.comm_seconds["dp"] == pytest.approx(2 * 15 * 1e-5 + 2 * 15 / 16 * n * 1e-9)
+
+
+def test_bad_layouts_list_every_problem() -> None:
+    model = ModelSpec(layers=6, hidden=96, heads=6, seq=100, vocab=1001, ffn=382)
+    layout = Layout(dp=3, tp=4, pp=4, sp=3, micro_batch=2, global_batch=10)
+    problems = layout.check(model)
+    text = "\n".join(problems)
+    for needle in ("heads=6", "ffn=382", "vocab=1001", "seq=100", "layers=6", "global_batch=10"):
+        assert needle in text, text
+    with pytest.raises(ValueError) as err:
+        predict(model, layout, TOY)
+    assert all(p in str(err.value) for p in problems)
+    assert Layout(tp=1, sequence_parallel=True).check(model) == [
+        "sequence_parallel (Megatron-SP) needs tp > 1: set tp or turn it off"]
+    assert "divisible by pp=2" in " ".join(Layout(pp=2, chunks=3, global_batch=3).check(model))
+
+
+def test_cluster_file_with_missing_fields_is_refused(tmp_path) -> None:
+    data = json.loads(SELENE.to_json())
+    del data["gamma"], data["inter"]
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"missing fields \['gamma', 'inter'\]"):
+        Cluster.load(str(path))
+    path.write_text(SELENE.to_json())
+    assert Cluster.load(str(path)) == SELENE
