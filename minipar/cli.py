@@ -6,6 +6,7 @@
     minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
+    minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE]   layouts, fastest first
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
 output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
@@ -220,6 +221,59 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model preset: gpt3-175b, narayanan-1.7b ... narayanan-1t")
+    p.add_argument("--gpus", type=int, required=True, help="how many GPUs to split the model over")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--cluster", metavar="FILE", help="a cluster file (JSON, minipar.cost.cluster)")
+    where.add_argument("--preset", default="a100-selene", help="a cluster preset (default a100-selene)")
+    p.add_argument("--global-batch", type=int, default=1536, help="sequences per step (default 1536)")
+    p.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from minipar.cost.cluster import Cluster
+    from minipar.cost.planner import NoFit, plan
+    from minipar.cost.presets import CLUSTERS, MODELS
+
+    if args.model not in MODELS:
+        raise UsageError(f"no model preset {args.model!r}; choose one of {', '.join(MODELS)}")
+    if args.gpus < 1 or args.top < 1 or args.global_batch < 1:
+        raise UsageError("--gpus, --top and --global-batch must be positive")
+    if args.cluster:
+        try:
+            cluster = Cluster.load(args.cluster)
+        except (OSError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+    elif args.preset in CLUSTERS:
+        cluster = CLUSTERS[args.preset]
+    else:
+        raise UsageError(f"no cluster preset {args.preset!r}; choose one of {', '.join(CLUSTERS)} or --cluster FILE")
+    model = MODELS[args.model]
+    try:
+        ranked = plan(model, args.gpus, cluster, args.global_batch, top=args.top)
+    except NoFit as exc:
+        print(f"minipar: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    table = Table(title=f"{model.name}: {args.gpus} GPUs on {cluster.name}, global batch {args.global_batch}")
+    for col in ("dp", "tp", "pp", "sp", "v", "b", "zero", "recompute", "step s", "TFLOP/s/GPU", "memory GiB", "why"):
+        table.add_column(col, justify="left" if col in ("recompute", "why") else "right")
+    for c in ranked:
+        lay, pr = c.layout, c.prediction
+        table.add_row(str(lay.dp), str(lay.tp), str(lay.pp), str(lay.sp), str(lay.chunks), str(lay.micro_batch),
+                      str(lay.zero), lay.recompute + (" +SP" if lay.sequence_parallel else ""),
+                      f"{pr.step_seconds:.2f}", f"{pr.tflops_per_gpu:.0f}", f"{pr.memory['total'] / 2**30:.1f}",
+                      c.why())
+    Console(width=200).print(table)
+    print(ranked[0].prediction.explain())
+    return 0
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
@@ -227,6 +281,8 @@ COMMANDS: dict[str, Command] = {
                  _run_simulate),
     "calibrate": ("measure this machine's alpha, beta, gamma and FLOP/s; write a cluster file",
                   _configure_calibrate, _run_calibrate),
+    "plan": ("rank hybrid layouts (dp tp pp sp, ZeRO, recomputation) of a model on a cluster by predicted step time",
+             _configure_plan, _run_plan),
 }
 
 

@@ -62,6 +62,7 @@ from minipar.cost.tensor import collectives_per_block
 from minipar.cost.zero import zero_model_states
 
 RECOMPUTE = ("none", "selective", "full")
+UNEVEN = "layers="  # how Layout.check's uneven-split message starts
 GiB = 2**30
 
 
@@ -165,7 +166,7 @@ class Layout:
         if p * v > model.layers:
             out.append(f"pp x chunks={p * v} exceeds layers={model.layers}: lower pp or chunks")
         elif model.layers % (p * v):
-            out.append(f"layers={model.layers} is not divisible by pp x chunks={p * v} (Megatron splits the "
+            out.append(f"{UNEVEN}{model.layers} is not divisible by pp x chunks={p * v} (Megatron splits the "
                        f"layers evenly): choose pp x chunks dividing {model.layers}")
         if self.global_batch % (self.dp * self.micro_batch):
             out.append(f"global_batch={self.global_batch} is not divisible by dp x micro_batch="
@@ -224,7 +225,7 @@ def _stage_parameters(model: ModelSpec, pp: int) -> int:
     stage) or the final layer norm and the head (last stage); everything when ``pp = 1``."""
     if pp == 1:
         return model.parameters
-    blocks = model.layers // pp * model.block_parameters
+    blocks = -(-model.layers // pp) * model.block_parameters
     h = model.hidden
     return blocks + max(model.vocab * h + model.seq * h, 2 * h + h * model.vocab)
 
@@ -275,7 +276,7 @@ def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
               "optimizer": k * psi / (d if z >= 1 else 1)}
     assert abs(sum(states.values()) - zero_model_states(psi, z, d, k, w, w)) <= 1e-6 * sum(states.values())
     p, v, m = layout.pp, layout.chunks, layout.microbatches
-    layers_in_flight = peak_stash(layout.kind, p, m, 0, v) * model.layers / (p * v)
+    layers_in_flight = peak_stash(layout.kind, p, m, 0, v) * -(-model.layers // p) / v
     out = {**states, "activations": layers_in_flight * activation_bytes_per_layer(model, layout)}
     out["total"] = sum(out.values())
     return out
@@ -291,7 +292,7 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
     """Exposed communication seconds per step on each mesh axis (module docstring)."""
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
     w, b, h = model.bytes_per_number, layout.micro_batch, model.hidden
-    layers_here = model.layers // p  # per pipeline rank (all its chunks)
+    layers_here = -(-model.layers // p)  # on the busiest pipeline rank (all its chunks)
     act = model.seq // u * b * h * w  # one residual-stream activation on this rank's sequence shard
     out = {"tp": 0.0, "sp": 0.0, "pp": 0.0, "dp": 0.0}
     if t > 1:
@@ -332,10 +333,17 @@ def calibrate_efficiency(model: ModelSpec, layout: Layout, cluster: Cluster, tfl
     return (lo + hi) / 2
 
 
-def predict(model: ModelSpec, layout: Layout, cluster: Cluster) -> Prediction:
+def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: bool = False) -> Prediction:
     """Step time, TFLOP/s per GPU and memory per GPU of ``model`` under ``layout`` on ``cluster``
-    (module docstring); ``ValueError`` listing every problem ``layout.check`` finds."""
+    (module docstring); ``ValueError`` listing every problem ``layout.check`` finds.
+
+    ``uneven_stages=True`` (``chunks = 1`` only) accepts layers not divisible by ``pp`` (Megatron-LM
+    of 2021 refuses them): the stages are cut by ``planner.partition_layers`` (embedding, blocks,
+    head as entries) and the pipeline runs at the pace of the slowest; the busiest rank holds
+    ``ceil(l/p)`` blocks."""
     problems = layout.check(model)
+    if uneven_stages and layout.chunks == 1:
+        problems = [q for q in problems if not q.startswith(UNEVEN)]
     if problems:
         raise ValueError(f"layout {layout} cannot run {model.name or 'the model'}:\n- " + "\n- ".join(problems))
     t, u, p, v, m = layout.tp, layout.sp, layout.pp, layout.chunks, layout.microbatches
@@ -343,10 +351,18 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster) -> Prediction:
     block = model.layer_flops(tokens) * (4 if layout.recompute == "full" else 3)
     if layout.recompute == "selective":
         block += 4.0 * tokens * model.seq * model.hidden
-    stage = model.layers // p * block + 3 * model.head_flops(tokens)  # the last stage carries the logits
-    compute = m * stage / (t * u) / cluster.flops
     # a byte moved costs gamma / 3: reducing a byte (gamma) reads two and writes one
-    compute += m * model.layers // p * memory_traffic_bytes(model, layout) * cluster.gamma / 3
+    layer = block / (t * u) / cluster.flops + memory_traffic_bytes(model, layout) * cluster.gamma / 3
+    head = 3 * model.head_flops(tokens) / (t * u) / cluster.flops
+    if model.layers % p:
+        from minipar.cost.planner import partition_layers
+
+        costs = [0.0] + [layer] * model.layers + [head]
+        counts = partition_layers(costs, p)
+        ends = [sum(counts[:i + 1]) for i in range(p)]
+        compute = m * max(sum(costs[e - c:e]) for c, e in zip(counts, ends))
+    else:
+        compute = m * (model.layers // p * layer + head)  # Megatron's even split: the logits on the last stage
     phi = bubble_fraction(layout.kind, p, m, v)
     bubble = compute * phi / (1 - phi)
     comm = comm_seconds(model, layout, cluster)

@@ -1,0 +1,166 @@
+"""Choose a layout: enumerate every way to split a GPT over ``gpus`` GPUs, keep those that fit in
+memory, rank them by predicted step time (``minipar.cost.perf.predict``), and say why each wins.
+
+- ``plan``: every (dp, tp, pp, sp, chunks, micro-batch, ZeRO stage, recomputation, Megatron-SP)
+  with ``dp tp pp sp = gpus`` that ``Layout.check`` accepts, tensor parallelism kept inside a node
+  (``tp <= gpus_per_node``: its all-reduces sit on the critical path, Narayanan et al. 2021 Sec.
+  3.3, Takeaway #1); fastest first. A plan is a ranking of *predictions*: its first row is the
+  model's opinion, as good as the terms of ``perf``.
+- ``NoFit``: raised when no layout fits, naming what the least hungry layout lacks (bytes, GiB).
+- ``partition_layers``: the contiguous split of per-layer costs into ``stages`` stages that
+  minimises the slowest stage, by dynamic programming (Alpa's inter-operator pass, Zheng et al.
+  2022, Sec. 5: stages are contiguous slices, the pipeline runs at the pace of the slowest);
+  ``layer_costs`` gives a model's per-layer training FLOPs with the embedding and the head as
+  their own entries (Megatron's even split puts them on the first and last stage on top of their
+  blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from minipar.cost.cluster import Cluster
+from minipar.cost.perf import GiB, Layout, ModelSpec, Prediction, memory_bytes, predict
+
+
+@dataclass
+class Candidate:
+    """One ranked layout: its prediction and the candidate ranked after it (``why`` compares them)."""
+
+    layout: Layout
+    prediction: Prediction
+    runner_up: Candidate | None = field(default=None, repr=False)
+
+    def label(self) -> str:
+        lay = self.layout
+        extra = " SP" if lay.sequence_parallel else ""
+        return (f"dp{lay.dp} tp{lay.tp} pp{lay.pp} sp{lay.sp} v{lay.chunks} b{lay.micro_batch} "
+                f"zero{lay.zero} {lay.recompute}{extra}")
+
+    def why(self) -> str:
+        """What this layout wins on against the next one: bubble, communication per axis, memory."""
+        me = self.prediction
+        if self.runner_up is None:
+            return f"last shown; {_dominant(me)}"
+        other = self.runner_up.prediction
+        gains = {"compute": other.compute_seconds - me.compute_seconds,
+                 "bubble": other.bubble_seconds - me.bubble_seconds,
+                 **{f"{k} comm": other.comm_seconds[k] - me.comm_seconds[k] for k in me.comm_seconds}}
+        won = sorted(((v, k) for k, v in gains.items() if v > 1e-12 * other.step_seconds), reverse=True)
+        lost = sorted(((-v, k) for k, v in gains.items() if v < -1e-12 * other.step_seconds), reverse=True)
+        saved = other.step_seconds - me.step_seconds
+        text = f"{saved:.3g} s faster than the next ({self.runner_up.label()})"
+        if won:
+            text += ": less " + ", ".join(f"{k} (-{v:.3g} s)" for v, k in won[:3])
+        if lost:
+            text += "; pays more " + ", ".join(f"{k} (+{v:.3g} s)" for v, k in lost[:2])
+        dm = me.memory["total"] - other.memory["total"]
+        return text + f"; {abs(dm) / GiB:.1f} GiB {'more' if dm > 0 else 'less'} memory"
+
+
+def _dominant(p: Prediction) -> str:
+    parts = {"compute": p.compute_seconds, "bubble": p.bubble_seconds,
+             **{f"{k} comm": v for k, v in p.comm_seconds.items()}}
+    top = max(parts, key=parts.get)
+    return f"{top} is {parts[top] / p.step_seconds:.0%} of its step"
+
+
+class NoFit(ValueError):
+    """No layout fits; ``layout`` is the one needing the least memory, ``shortfall`` its missing bytes."""
+
+    def __init__(self, message: str, layout: Layout | None, shortfall: float) -> None:
+        super().__init__(message)
+        self.layout, self.shortfall = layout, shortfall
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
+            micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1),
+            recompute: Sequence[str] = ("none", "selective", "full")) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs ``Layout.check`` accepts, with ``tp`` inside a node."""
+    out = []
+    for tp in _divisors(gpus):
+        if tp > cluster.gpus_per_node:
+            continue
+        for sp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * sp)):
+                dp = gpus // (tp * sp * pp)
+                chunks = [1] if pp == 1 else [v for v in _divisors(model.layers // pp) if model.layers % pp == 0]
+                for v, b, z, r, seqp in itertools.product(chunks, micro_batches, zero_stages, recompute,
+                                                          (False, True) if tp > 1 else (False,)):
+                    lay = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=global_batch,
+                                 chunks=v, recompute=r, sequence_parallel=seqp)
+                    if not lay.check(model):
+                        out.append(lay)
+    return out
+
+
+def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
+         micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1),
+         recompute: Sequence[str] = ("none", "selective", "full"), top: int = 5) -> list[Candidate]:
+    """The ``top`` fastest layouts that fit, fastest first (ties: less memory first); ``NoFit``
+    (a ``ValueError``) naming the shortfall when none fits, ``ValueError`` when none is valid."""
+    valid = layouts(model, gpus, cluster, global_batch, micro_batches, zero_stages, recompute)
+    if not valid:
+        raise ValueError(f"no layout of {gpus} GPUs can run {model.name or 'the model'} with global batch "
+                         f"{global_batch}: check that the batch is divisible by dp x micro-batch for some dp "
+                         f"dividing {gpus}, and the heads, layers and sequence by some tp, pp, sp")
+    needs = [(memory_bytes(model, lay)["total"], i) for i, lay in enumerate(valid)]
+    fitting = [valid[i] for need, i in needs if need <= cluster.memory_bytes]
+    if not fitting:
+        need, i = min(needs)
+        short = need - cluster.memory_bytes
+        raise NoFit(f"{model.name or 'the model'} fits in no layout of {gpus} GPUs: the least memory is "
+                    f"{need / GiB:.1f} GiB per GPU ({Candidate(valid[i], None).label()}), {short / GiB:.1f} GiB "
+                    f"({short:.4g} bytes) more than the {cluster.memory_bytes / GiB:.1f} GiB a GPU holds",
+                    valid[i], short)
+    ranked = sorted((predict(model, lay, cluster) for lay in fitting),
+                    key=lambda p: (p.step_seconds, p.memory["total"]))
+    out = [Candidate(p.layout, p) for p in ranked[:top + 1]]
+    for a, b in zip(out, out[1:]):
+        a.runner_up = b
+    return out[:top]
+
+
+def layer_costs(model: ModelSpec, batch: int = 1) -> list[float]:
+    """Training FLOPs (forward + backward, 3 forwards) of each layer for ``batch`` sequences:
+    the embedding (no matmul: its gather and the backward's scatter-add, ``2 s h`` additions), the
+    blocks, then the final layer norm with the head (``3 x 2 s h V``)."""
+    tokens = batch * model.seq
+    return [2.0 * tokens * model.hidden] + [3 * model.layer_flops(tokens)] * model.layers + \
+        [3 * model.head_flops(tokens)]
+
+
+def partition_layers(costs: Sequence[float], stages: int) -> list[int]:
+    """Layers per stage (contiguous, every stage non-empty) minimising the costliest stage.
+
+    ``best[k][i]``: the smallest possible maximum over ``k`` stages of the first ``i`` layers,
+    ``best[k][i] = min_j max(best[k-1][j], sum(costs[j:i]))``; O(k n^2) (Zheng et al. 2022, Sec. 5).
+    Ties go to the split with the earliest stages longest."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {stages} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]

@@ -1,0 +1,125 @@
+"""minipar.cost.planner: stage slicing by dynamic programming (against brute force), the layout
+search (against an independent enumeration), the no-fit shortfall (by hand), GPT-3 175B on 3072
+A100s against the 6 x 8 x 64 grid, and ``minipar plan``."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from minipar.cli import main
+from minipar.cost.cluster import Cluster, Link
+from minipar.cost.perf import Layout, ModelSpec, predict
+from minipar.cost.planner import NoFit, layer_costs, partition_layers, plan
+from minipar.cost.presets import CLUSTERS, MODELS
+
+SELENE = CLUSTERS["a100-selene"]
+TOY = Cluster(name="toy", gpus_per_node=4, peak_flops=1e12, efficiency=0.5, memory_bytes=2e8,
+              intra=Link(alpha=1e-6, beta=1e-10), inter=Link(alpha=1e-5, beta=1e-9), gamma=1e-11)
+
+
+def _brute_force(costs: list[float], stages: int) -> float:
+    """The smallest slowest stage over every way to cut ``costs`` into ``stages`` non-empty pieces."""
+    n, best = len(costs), float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_partition_layers_matches_brute_force() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        costs = [float(rng.randint(0, 20)) for _ in range(n)]
+        counts = partition_layers(costs, stages)
+        assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
+        bounds = list(itertools.accumulate([0, *counts]))
+        slowest = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        assert slowest == _brute_force(costs, stages), (costs, stages, counts)
+    assert partition_layers([5, 1, 1, 1, 1, 5], 3) == [1, 4, 1]
+    with pytest.raises(ValueError, match="3 layers into 4"):
+        partition_layers([1, 2, 3], 4)
+
+
+def test_layer_costs_and_an_embedding_heavy_split() -> None:
+    model = ModelSpec(layers=4, hidden=8, heads=2, seq=4, vocab=1000)
+    s, h, V = 4, 8, 1000
+    block = 3 * s * (24 * h * h + 4 * s * h)
+    head = 3 * 2 * s * h * V
+    assert layer_costs(model) == [2 * s * h, block, block, block, block, head]
+    assert head > 6 * block  # a big vocabulary: the head alone is the slowest stage
+    assert partition_layers(layer_costs(model), 3) == [3, 2, 1]  # 2 blocks per stage before the head
+
+
+def _independent_search(model: ModelSpec, gpus: int, cluster: Cluster, batch: int) -> float:
+    """The fastest fitting step by trying every degree tuple and option, letting predict refuse."""
+    best = float("inf")
+    for tp, sp, pp in itertools.product(range(1, gpus + 1), repeat=3):
+        if gpus % (tp * sp * pp) or tp > cluster.gpus_per_node:
+            continue
+        for v, b, z, r, seqp in itertools.product(range(1, model.layers + 1), (1, 2, 4, 8), (0, 1),
+                                                  ("none", "selective", "full"), (False, True)):
+            lay = Layout(dp=gpus // (tp * sp * pp), tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=batch,
+                         chunks=v, recompute=r, sequence_parallel=seqp)
+            try:
+                p = predict(model, lay, cluster)
+            except ValueError:
+                continue
+            if p.fits:
+                best = min(best, p.step_seconds)
+    return best
+
+
+def test_plan_finds_the_fastest_fitting_layout() -> None:
+    model = ModelSpec(layers=4, hidden=256, heads=8, seq=256, vocab=4096)
+    result = plan(model, 8, TOY, global_batch=16, top=4)
+    steps = [c.prediction.step_seconds for c in result]
+    assert steps == sorted(steps) and len(result) == 4
+    for c in result:
+        lay = c.layout
+        assert lay.world == 8 and lay.tp <= 4 and c.prediction.fits and lay.check(model) == []
+    assert steps[0] == pytest.approx(_independent_search(model, 8, TOY, 16), rel=1e-12)
+    assert all("faster than the next" in c.why() for c in result)  # the last against the first not shown
+
+
+def test_nothing_fits_names_the_shortfall() -> None:
+    # one GPU: the least memory is full recomputation with micro-batch 1 (ZeRO does nothing on one
+    # GPU): 16 bytes per parameter + 2 s b h bytes per layer
+    model = ModelSpec(layers=2, hidden=512, heads=8, seq=128, vocab=1000)
+    psi = 1000 * 512 + 128 * 512 + 2 * (12 * 512 * 512 + 13 * 512) + 2 * 512 + 512 * 1000
+    need = 16 * psi + 2 * 2 * 128 * 512
+    small = Cluster(name="small", gpus_per_node=1, peak_flops=1e12, efficiency=0.5, memory_bytes=1e6,
+                    intra=TOY.intra, inter=TOY.inter, gamma=0.0)
+    with pytest.raises(NoFit) as err:
+        plan(model, 1, small, global_batch=4)
+    assert err.value.shortfall == pytest.approx(need - 1e6)
+    assert f"{(need - 1e6) / 2**30:.1f} GiB" in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_gpt3_175b_on_3072_gpus_against_the_6_8_64_grid() -> None:
+    """The 6 x 8 x 64 grid is Narayanan et al.'s 1T layout (128 layers on 64 stages); GPT-3 has 96
+    layers, which Megatron cannot split evenly over 64 stages: half the stages get 2 blocks."""
+    model = MODELS["gpt3-175b"]
+    grid = Layout(dp=6, tp=8, pp=64, micro_batch=1, global_batch=1536, recompute="full")
+    assert any("96 is not divisible by pp x chunks=64" in q for q in grid.check(model))
+    uneven = predict(model, grid, SELENE, uneven_stages=True)
+    assert uneven.fits
+    best = plan(model, 3072, SELENE, global_batch=1536, top=3)
+    assert best[0].prediction.step_seconds <= uneven.step_seconds
+    assert best[0].layout.world == 3072 and best[0].layout.tp <= 8 and best[0].prediction.fits
+    # the grid's bubble: (p-1)/m of its busy time, m = 1536 / 6 = 256 micro-batches
+    assert uneven.bubble_seconds == pytest.approx(uneven.compute_seconds * 63 / 256)
+
+
+def test_cli_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "3072", "--preset", "a100-selene", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TFLOP/s" in out and "dp" in out and "faster than the next" in out
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "8", "--preset", "a100-selene"]) == 1
+    assert "GiB" in capsys.readouterr().err
+    assert main(["plan", "--model", "nope", "--gpus", "8"]) == 2
