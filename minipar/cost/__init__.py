@@ -11,6 +11,10 @@
 - ``zero.py``: ZeRO stages 0-3 and FSDP: model states per rank (the paper's Table 1, and exactly for
   the flat padded shards), bytes sent per step, gathered units alive at once.
 - ``offload.py``: the modelled time of a move between memory tiers; ZeRO-Offload's bytes per step.
+- ``cluster.py``: a cluster (FLOP/s, memory, alpha-beta links inside and across nodes, gamma) and its file.
+- ``perf.py``: a GPT's step time, TFLOP/s per GPU and memory per GPU under a dp x tp x pp x sp layout.
+- ``presets.py``: published models (GPT-3 175B, Narayanan et al. 2021 Table 1) and clusters (a100-selene).
+- ``planner.py``: every layout of a GPU count ranked by predicted step time; pipeline stage slicing.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
 ``docs/formulas.md``.
@@ -19,6 +23,8 @@ Traces, tests and lessons import from here; the derivations are in each module's
 from minipar.cost import sequence, zero
 from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
 from minipar.cost.offload import transfer_seconds, zero_offload_bytes
+from minipar.cost.perf import Layout, ModelSpec, Prediction, predict
+from minipar.cost.planner import Candidate, NoFit, layer_costs, partition_layers, plan
 from minipar.cost.zero import (
     fsdp_gathered_peak,
     hsdp_traffic_bytes,
@@ -31,4 +37,6 @@ from minipar.cost.zero import (
 __all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "fsdp_gathered_peak", "hsdp_traffic_bytes",
            "paper_table",
            "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_bytes",
-           "transfer_seconds", "zero_offload_bytes"]
+           "transfer_seconds", "zero_offload_bytes",
+           "Candidate", "Layout", "ModelSpec", "NoFit", "Prediction", "layer_costs", "partition_layers", "plan",
+           "predict"]
