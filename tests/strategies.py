@@ -179,3 +179,39 @@ def zero_configs(draw: st.DrawFn, world: int | None = None) -> dict:
             "seq": draw(st.integers(1, 4)), "d": heads * draw(st.integers(2 if heads == 1 else 1, 3)), "heads": heads,
             "layers": draw(st.integers(1, 2)), "batch": world * draw(st.integers(1, 2)),
             "steps": draw(st.integers(2, 3)), "seed": draw(st.integers(0, 2**16))}
+
+
+def _factor(draw: st.DrawFn, n: int, axes: tuple[str, ...]) -> dict[str, int]:
+    """Degrees for ``axes`` whose product is ``n`` (each drawn among the divisors left)."""
+    out = {}
+    for a in axes[:-1]:
+        out[a] = draw(st.sampled_from([k for k in range(1, n + 1) if n % k == 0]))
+        n //= out[a]
+    out[axes[-1]] = n
+    return out
+
+
+@st.composite
+def hybrid_configs(draw: st.DrawFn, world: int) -> dict:
+    """One ``HybridGPT`` run on ``world`` ranks: every mesh whose product is ``world`` (tensor or
+    sequence parallelism per stage, not both), a schedule (interleaved when the blocks allow two
+    chunks per rank), Megatron-SP on or off, a sequence-parallel method, DDP or ZeRO-1 on dp x sp.
+    Heads, widths, vocabulary and sequence are multiples of tp and sp by construction."""
+    inner = draw(st.sampled_from(["tp", "sp"]))
+    degrees = _factor(draw, world, ("pp", "dp", inner))
+    t, s, pp = degrees.get("tp", 1), degrees.get("sp", 1), degrees["pp"]
+    split = t * s
+    heads = split * draw(st.integers(1, 2))
+    d = heads * draw(st.sampled_from([2, 4]))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved"] if pp > 1 else ["1f1b", "gpipe"]))
+    chunks = 2 if schedule == "interleaved" else 1
+    m = draw(st.sampled_from([pp, 2 * pp])) if schedule == "interleaved" else draw(st.integers(1, 3))
+    layers = pp * chunks + draw(st.integers(0, 1))
+    method = draw(st.sampled_from(["ulysses", "ring", "hybrid"])) if s > 1 else "ulysses"
+    if method == "hybrid" and s < 4:
+        method = "ring"
+    return {"degrees": degrees, "vocab": split * draw(st.integers(3, 5)), "seq": 2 * split, "d": d, "heads": heads,
+            "layers": layers, "batch": degrees["dp"] * m * draw(st.integers(1, 2)), "schedule": schedule,
+            "microbatches": m, "chunks": chunks, "sequence_parallel": t > 1 and draw(st.booleans()),
+            "sp_method": method, "ulysses": 2 if method == "hybrid" else None,
+            "zero_stage": draw(st.sampled_from([0, 1])), "seed": draw(st.integers(0, 2**16))}

@@ -10,6 +10,7 @@ from strategies import budget
 from minipar.cost import collective_time
 from minipar.cost import data as data_cost
 from minipar.cost import pipeline as pipe_cost
+from minipar.cost.collectives import tree_broadcast_bytes
 from minipar.parallel.pipeline import make_schedule, simulate
 
 
@@ -68,3 +69,11 @@ def test_alpha_beta_gamma_by_hand() -> None:
     assert collective_time("allreduce", "ring", n, 1, alpha, beta) == 0.0
     with pytest.raises(ValueError, match="no alpha-beta-gamma formula"):
         collective_time("all_to_all", "pairwise", n, 4, alpha, beta)
+
+
+def test_tree_broadcast_bytes_by_hand() -> None:
+    # binomial tree from root 0 on 8 ranks: 0 -> 4, 2, 1; 4 -> 6, 5; 2 -> 3; 6 -> 7
+    assert [tree_broadcast_bytes(10, 8, r) for r in range(8)] == [30, 0, 10, 0, 20, 0, 10, 0]
+    # 3 ranks from root 2: relative 0 (rank 2) -> 2 (rank 1), 1 (rank 0)
+    assert [tree_broadcast_bytes(8, 3, r, root=2) for r in range(3)] == [0, 0, 16]
+    assert tree_broadcast_bytes(8, 1, 0) == 0

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 
 def broadcast_tree(comm: Communicator, arr: np.ndarray | None, root: int) -> np.ndarray:
-    """Binomial-tree broadcast: in round k every rank that already has the data (v < 2^k) sends it
-    to v + 2^k. lg p rounds; the root sends lg p messages, a leaf receives one.
+    """Binomial-tree broadcast (MPICH's): relative rank v receives from v minus its lowest set bit,
+    then sends to v + 2^k for every 2^k below that bit, largest first (the root: every 2^k < p).
+    ceil(lg p) rounds; the root sends ceil(lg p) messages, a leaf none.
     Cost: ceil(lg p) (alpha + n beta). Shape and dtype travel with the data (non-roots pass None)."""
     p = comm.size
     v = (comm.rank - root) % p

@@ -54,6 +54,16 @@ def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str
     return lg * n
 
 
+def tree_broadcast_bytes(nbytes: int, p: int, rank: int, root: int = 0) -> int:
+    """Bytes ``rank`` sends in a binomial-tree broadcast of ``nbytes`` from ``root`` (MPICH's
+    ``MPIR_Bcast_intra_binomial``): with ``v = (rank - root) mod p``, rank ``v``'s children are
+    ``v + 2^k`` for every ``2^k`` below the lowest set bit of ``v`` (every ``2^k < p`` for the root)
+    that is a rank: the root sends ``ceil(lg p)`` messages, a leaf none."""
+    v = (rank - root) % p
+    low = v & -v if v else 1 << max(p - 1, 1).bit_length()
+    return nbytes * sum(1 for k in range(low.bit_length()) if (1 << k) < low and v + (1 << k) < p)
+
+
 def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float, beta: float,
                     gamma: float = 0.0) -> float:
     """Time of one collective of ``nbytes`` on ``p`` ranks on its critical path (alpha: latency per

@@ -208,6 +208,16 @@ class HybridGPT:
                 whole[shard if shard is not None else ...] = array
         return out
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model states this rank holds now: parameters, gradients, optimizer state
+        (``minipar.cost.hybrid.model_state_bytes`` predicts them)."""
+        if self.zero is not None:
+            return self.zero.state_bytes()
+        params = self.parameters()
+        return {"parameters": sum(p.data.nbytes for p in params),
+                "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
+                "optimizer state": self.optimizer.state_bytes()}
+
     def parameters(self) -> list[Parameter]:
         return self.module.parameters()
 

@@ -1,0 +1,191 @@
+"""What one step of the tiny GPT on a ``pp x dp x sp x tp`` mesh should send on each axis, and what
+each rank should hold: the per-paradigm formulas composed, rank by rank (``docs/formulas.md``,
+section 8). Exact for minipar's ``HybridGPT`` (ring collectives, float64); the large-scale model
+with the same terms is ``minipar.cost.perf``.
+
+A rank at coordinates ``(pp_i, dp_i, sp_i, tp_i)`` owns the virtual stages ``s`` with
+``s mod pp = pp_i`` (``pipeline.stage_owner``); ``b = B / (dp m)`` sequences per micro-batch, ``A =
+S b d e`` one micro-batch's residual stream (``e = 8`` bytes). Per step it sends:
+
+- ``tp`` (Shoeybi et al. 2019; Korthikanti et al. 2022), per micro-batch and stage: each block 2
+  all-reduces of ``A`` forward and 2 backward, the embedding's ``g`` forward, the head input's ``f``
+  backward, the loss's 3 all-reduces of ``S b`` numbers; with Megatron-SP each block 6 all-gathers
+  and 4 reduce-scatters of ``A`` (``tensor.collectives_per_block``), the embedding a reduce-scatter
+  and its backward all-gather, the head input an all-gather, its re-gather and its gradient's
+  reduce-scatter; then once per step one all-reduce of the replicated parameters' gradients
+  (``6 d`` per block, ``2 d`` for ln_f, ``S d`` for the position embedding).
+- ``sp`` (Ulysses / Ring Attention / USP): ``sequence.attention_bytes`` forward and backward per
+  block and micro-batch, on the ``(b, S/P, d)`` shard.
+- ``pp``: ``pipeline.send_bytes`` with one micro-batch's stage output, ``A`` (``A/t`` under
+  Megatron-SP, ``A/sp`` under sequence parallelism), then the loss broadcast from the last stage's
+  rank: a binomial tree of ``1 + m`` numbers (``collectives.tree_broadcast_bytes``).
+- the replicas (``dp x sp``): DDP's one ring all-reduce of the rank's gradients (``collectives.
+  allreduce_bytes``), or ZeRO-1's reduce-scatter and all-gather of the padded buckets
+  (``zero.zero_traffic_bytes``). A ring sends to its successor only, so these bytes go on the axis
+  in which the rank and its successor in the group differ (``dp``, ``sp`` or ``dp+sp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.cost import sequence, zero
+from minipar.cost.collectives import allreduce_bytes, ring_bytes, tree_broadcast_bytes
+from minipar.cost.pipeline import send_bytes, stage_owner
+from minipar.cost.tensor import collectives_per_block
+
+
+@dataclass(frozen=True)
+class TinyLayout:
+    """A ``HybridGPT`` configuration: the model, the mesh degrees and the step's batch."""
+
+    vocab: int
+    seq: int
+    d: int
+    heads: int
+    layers: int
+    d_ff: int
+    batch: int  # the global batch B
+    pp: int = 1
+    dp: int = 1
+    sp: int = 1
+    tp: int = 1
+    microbatches: int = 1
+    chunks: int = 1  # v: virtual stages per rank (interleaved)
+    sequence_parallel: bool = False
+    sp_method: str = "ulysses"
+    ulysses: int | None = None
+    zero_stage: int = 0
+    stage_layers: tuple[int, ...] | None = None  # layers (embed, blocks, head) per virtual stage
+    itemsize: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.sp * self.tp
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch // (self.dp * self.microbatches)
+
+    def stage_counts(self) -> list[int]:
+        """Layers per virtual stage: given, or the blocks spread evenly with the embedding on the first
+        stage and the head on the last (``pipeline.partition.gpt_layer_counts``'s rule, restated)."""
+        if self.stage_layers is not None:
+            return list(self.stage_layers)
+        n = self.pp * self.chunks
+        base, extra = divmod(self.layers, n)
+        return [base + (s < extra) + (s == 0) + (s == n - 1) for s in range(n)]
+
+    def stages_of(self, pp_rank: int) -> list[tuple[bool, int, bool]]:
+        """This pipeline rank's stages as (has the embedding, blocks, has the head)."""
+        counts, owner, out, start = self.stage_counts(), stage_owner(self.pp, self.chunks), [], 0
+        last = self.layers + 1
+        for s, c in enumerate(counts):
+            layers = range(start, start + c)
+            start += c
+            if owner[s] == pp_rank:
+                embed, head = 0 in layers, last in layers
+                out.append((embed, c - embed - head, head))
+        return out
+
+    def coords(self, rank: int) -> dict[str, int]:
+        pp_i, rest = divmod(rank, self.dp * self.sp * self.tp)
+        dp_i, rest = divmod(rest, self.sp * self.tp)
+        sp_i, tp_i = divmod(rest, self.tp)
+        return {"pp": pp_i, "dp": dp_i, "sp": sp_i, "tp": tp_i}
+
+
+def parameters_per_rank(c: TinyLayout, pp_rank: int) -> int:
+    """Numbers of parameters a rank of pipeline rank ``pp_rank`` holds: its stages' layers, the
+    tensor-parallel ones split by ``t`` (``nn.GPT``'s shapes)."""
+    t, d, f, v, s = c.tp, c.d, c.d_ff, c.vocab, c.seq
+    block = 2 * d + 3 * (d * d // t + d // t) + (d // t) * d + d + 2 * d + d * f // t + f // t + (f // t) * d + d
+    total = 0
+    for embed, blocks, head in c.stages_of(pp_rank):
+        total += embed * (v // t * d + s * d) + blocks * block + head * (2 * d + d * v // t)
+    return total
+
+
+def _tp_bytes(c: TinyLayout, rank: int) -> int:
+    t, tp_i = c.tp, c.coords(rank)["tp"]
+    if t == 1:
+        return 0
+    b, e = c.micro_batch, c.itemsize
+    a_numel = c.seq * b * c.d
+    a = a_numel * e
+
+    def allreduce(numel: int) -> int:
+        return allreduce_bytes(numel, e, t, tp_i, "ring")
+
+    total, replicated = 0, 0
+    for embed, blocks, head in c.stages_of(c.coords(rank)["pp"]):
+        per_mb = 0
+        if c.sequence_parallel:
+            calls = collectives_per_block(True)
+            gathers = blocks * (calls["forward"]["allgather"] + calls["backward"]["allgather"]) + embed + 2 * head
+            scatters = blocks * (calls["forward"]["reduce_scatter"] + calls["backward"]["reduce_scatter"]) \
+                + embed + head
+            per_mb += round((gathers + scatters) * ring_bytes("allgather", a, t))
+            replicated += blocks * 6 * c.d + head * 2 * c.d + embed * c.seq * c.d
+        else:
+            per_mb += (4 * blocks + embed + head) * allreduce(a_numel)
+        per_mb += head * 3 * allreduce(c.seq * b)  # the vocabulary-parallel loss: max, sum, target logit
+        total += c.microbatches * per_mb
+    return total + (allreduce(replicated) if replicated else 0)
+
+
+def _sp_bytes(c: TinyLayout, rank: int) -> int:
+    if c.sp == 1:
+        return 0
+    blocks = sum(n for _, n, _ in c.stages_of(c.coords(rank)["pp"]))
+    b = c.micro_batch
+    per_block = sum(sequence.attention_bytes(c.sp_method, b, c.seq, c.d, c.sp, c.ulysses, c.itemsize, backward)
+                    for backward in (False, True))
+    return c.microbatches * blocks * per_block
+
+
+def _pp_bytes(c: TinyLayout, rank: int) -> int:
+    if c.pp == 1:
+        return 0
+    pp_i = c.coords(rank)["pp"]
+    shard = c.tp if c.sequence_parallel else c.sp
+    boundary = c.seq // shard * c.micro_batch * c.d * c.itemsize
+    p2p = send_bytes(stage_owner(c.pp, c.chunks), c.microbatches, boundary)[pp_i]
+    root = stage_owner(c.pp, c.chunks)[-1]
+    return p2p + tree_broadcast_bytes((1 + c.microbatches) * c.itemsize, c.pp, pp_i, root)
+
+
+def _replica_bytes(c: TinyLayout, rank: int) -> tuple[str, int]:
+    """(axis, bytes) of the gradient reduction over the ``dp x sp`` replicas."""
+    n = c.dp * c.sp
+    if n == 1:
+        return "", 0
+    co = c.coords(rank)
+    me = co["dp"] * c.sp + co["sp"]  # this rank's index in its replica group
+    nxt = (me + 1) % n
+    axis = "+".join(a for a, (x, y) in (("dp", (co["dp"], nxt // c.sp)), ("sp", (co["sp"], nxt % c.sp))) if x != y)
+    numel = parameters_per_rank(c, co["pp"])
+    if c.zero_stage == 0:
+        return axis, allreduce_bytes(numel, c.itemsize, n, me, "ring")
+    return axis, zero.zero_traffic_bytes([numel], c.zero_stage, n, c.itemsize, me)  # one bucket: tiny models
+
+
+def traffic_by_axis(c: TinyLayout, rank: int) -> dict[str, int]:
+    """Bytes ``rank`` sends in one step, by the mesh axes its messages cross (module docstring)."""
+    out = {"tp": _tp_bytes(c, rank), "sp": _sp_bytes(c, rank), "pp": _pp_bytes(c, rank)}
+    axis, nbytes = _replica_bytes(c, rank)
+    if nbytes:
+        out[axis] = out.get(axis, 0) + nbytes
+    return {a: v for a, v in out.items() if v}
+
+
+def model_state_bytes(c: TinyLayout, rank: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW state a rank holds after a step: DDP keeps all
+    three for its parameters (8 + 8 + 16 bytes each); ZeRO-1 shards the optimizer state over the
+    ``dp x sp`` replicas (``zero.zero_state_bytes``, one bucket)."""
+    numel = parameters_per_rank(c, c.coords(rank)["pp"])
+    if c.zero_stage == 0:
+        return {"parameters": 8 * numel, "gradients": 8 * numel, "optimizer state": 16 * numel}
+    co = c.coords(rank)
+    return zero.zero_state_bytes([numel], c.zero_stage, c.dp * c.sp, co["dp"] * c.sp + co["sp"])
+

@@ -1,0 +1,203 @@
+"""HybridGPT on a pp x dp x sp x tp mesh equals one process, and sends on each axis what the formulas say.
+
+Property: for every mesh with product 2, 4 or 8 (tensor or sequence parallelism per stage; pipeline
+schedules gpipe, 1f1b, interleaved; Megatron-SP on or off; Ulysses, ring or USP; DDP or ZeRO-1 on the
+dp x sp replicas), two AdamW steps on a global batch give the single-process ``nn.GPT``'s losses,
+gradients (DDP) and parameters; every rank's bytes on each mesh axis, read from the trace, equal
+``minipar.cost.hybrid.traffic_by_axis`` (so no collective runs on the wrong communicator or twice),
+and its parameters, gradients and optimizer state equal ``model_state_bytes``. Bad configurations are
+refused on every rank with the same message before any message is sent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import budget, hybrid_configs
+
+from minipar import nn, trace
+from minipar.cost.hybrid import TinyLayout, model_state_bytes, traffic_by_axis
+from minipar.mesh import DeviceMesh, MeshShape
+from minipar.optim import AdamW
+from minipar.parallel.hybrid import HybridGPT
+from minipar.testing import run, run_each
+
+LR = 1e-2
+STEPS = 2
+# Tolerances and why: tests/test_sequence_parallel.py (GRAD_TOL ... LOSS_REL): the same sums taken in
+# another order, then two AdamW steps whose slope is large only where |g| < 1e-4.
+GRAD_TOL = {"rtol": 1e-10, "atol": 1e-12}
+PARAM_TOL, SMALL_GRAD, SMALL_GRAD_TOL = {"rtol": 1e-10, "atol": 1e-11}, 1e-4, {"rtol": 0, "atol": 2e-8}
+LOSS_REL = [1e-12, 1e-10]
+
+
+def config(degrees: dict, **kw: object) -> dict:
+    base = {"degrees": degrees, "vocab": 16, "seq": 8, "d": 16, "heads": 4, "layers": 4, "batch": 8,
+            "schedule": "1f1b", "microbatches": 2, "chunks": 1, "sequence_parallel": False, "sp_method": "ulysses",
+            "ulysses": None, "zero_stage": 0, "seed": 3}
+    return {**base, **kw}
+
+
+EXAMPLES = [
+    config({"pp": 2, "dp": 2, "tp": 2}),
+    config({"pp": 2, "dp": 2, "tp": 2}, sequence_parallel=True, zero_stage=1),
+    config({"pp": 2, "dp": 2, "sp": 2}, sp_method="ring", schedule="interleaved", chunks=2),
+    config({"dp": 2, "sp": 4}, sp_method="hybrid", ulysses=2, microbatches=1, zero_stage=1),
+    config({"pp": 4}, schedule="gpipe", microbatches=4),
+    config({"dp": 2, "tp": 2}, sequence_parallel=True, microbatches=1),
+]
+
+
+def tokens(c: dict, step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([c["seed"], step])
+    return tuple(rng.integers(0, c["vocab"], (c["batch"], c["seq"])) for _ in range(2))
+
+
+def build(comm, c: dict) -> HybridGPT:
+    mesh = DeviceMesh(comm, **c["degrees"])
+    return HybridGPT(mesh, c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], schedule=c["schedule"],
+                     microbatches=c["microbatches"], chunks=c["chunks"], sequence_parallel=c["sequence_parallel"],
+                     sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"], lr=LR,
+                     seed=c["seed"])
+
+
+def hybrid_run(comm, c: dict, path: str) -> dict:
+    model = build(comm, c)
+    out: dict = {"losses": []}
+    with trace.record(path, comm=comm, **model.trace_meta()):
+        for step in range(STEPS):
+            out["losses"].append(model.forward_backward(*tokens(c, step)))
+            if step == 0 and c["zero_stage"] == 0:
+                out["grads"] = model.full_grads()
+            if step == STEPS - 1:
+                out["states"] = model.state_bytes()
+            model.optimizer_step()
+    out["final"] = model.full_state_dict()
+    return out
+
+
+def hybrid_reference(c: dict) -> dict:
+    model = nn.GPT(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], seed=c["seed"])
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    out: dict = {"losses": []}
+    for step in range(STEPS):
+        model.zero_grad()
+        loss = model.loss(*tokens(c, step))
+        loss.backward()
+        out["losses"].append(loss.item())
+        if step == 0:
+            out["grads"] = {n: p.grad.copy() for n, p in model.named_parameters()}
+        opt.step()
+    out["final"] = model.state_dict()
+    return out
+
+
+def layout_of(c: dict) -> TinyLayout:
+    return TinyLayout(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], 4 * c["d"], c["batch"],
+                      microbatches=c["microbatches"], chunks=c["chunks"], sequence_parallel=c["sequence_parallel"],
+                      sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"], **c["degrees"])
+
+
+def sent_by_axis(path: str, shape: MeshShape) -> dict[int, dict[str, int]]:
+    """Bytes each rank sent, by the mesh axes between sender and receiver (from the sender's events)."""
+    out: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for e in trace.load(path).events:
+        if e.kind == "comm" and e.rank == e.src:
+            out[e.rank][shape.axis_of(e.src, e.dst)] += e.nbytes
+    return out
+
+
+def check_hybrid(c: dict, results: list[dict], path: str) -> None:
+    ref = hybrid_reference(c)
+    for step, want in enumerate(ref["losses"]):
+        for r, got in enumerate(results):
+            assert got["losses"][step] == pytest.approx(want, rel=LOSS_REL[step]), (step, r)
+    got = results[0]  # full_grads / full_state_dict: assembled on every rank alike
+    assert all(res["final"].keys() == ref["final"].keys() for res in results)
+    if c["zero_stage"] == 0:
+        for name, want in ref["grads"].items():
+            np.testing.assert_allclose(got["grads"][name], want, err_msg=f"grads {name}", **GRAD_TOL)
+    for name, want in ref["final"].items():
+        small = np.abs(ref["grads"][name]) < SMALL_GRAD
+        for part, tol in ((~small, PARAM_TOL), (small, SMALL_GRAD_TOL)):
+            np.testing.assert_allclose(got["final"][name][part], want[part], err_msg=f"final {name}", **tol)
+    shape, layout = MeshShape(**c["degrees"]), layout_of(c)
+    sent = sent_by_axis(path, shape)
+    for r, res in enumerate(results):
+        want = {a: STEPS * n for a, n in traffic_by_axis(layout, r).items()}
+        assert dict(sent[r]) == want, (r, c["degrees"])
+        assert res["states"] == model_state_bytes(layout, r), r
+
+
+@pytest.mark.parametrize("c", EXAMPLES, ids=[str(MeshShape(**c["degrees"])) for c in EXAMPLES])
+def test_examples_equal_single_process_threads(c: dict, tmp_path) -> None:
+    path = str(tmp_path / "t.json")
+    check_hybrid(c, run(hybrid_run, MeshShape(**c["degrees"]).size, "threads", c=c, path=path), path)
+
+
+@budget(8)
+@given(c=st.sampled_from([2, 4, 8]).flatmap(lambda w: hybrid_configs(w)))
+def test_drawn_meshes_equal_single_process_threads(c: dict, tmp_path_factory) -> None:
+    path = str(tmp_path_factory.mktemp("hy") / "t.json")
+    check_hybrid(c, run(hybrid_run, MeshShape(**c["degrees"]).size, "threads", c=c, path=path), path)
+
+
+def _mpi_job(world: int, fixed: list[dict], drawn: list[dict], tmp: str) -> None:
+    cs = fixed + drawn
+    paths = [os.path.join(tmp, f"t{i}.json") for i in range(len(cs))]
+    jobs = [{"c": c, "path": p} for c, p in zip(cs, paths, strict=True)]
+    for c, p, results in zip(cs, paths, run_each(hybrid_run, world, jobs, timeout=240, comm_timeout=60), strict=True):
+        check_hybrid(c, results, p)
+
+
+@pytest.mark.mpi
+@budget(1)
+@given(drawn=st.lists(hybrid_configs(4), min_size=1, max_size=2))
+@example(drawn=[])
+def test_meshes_of_4_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
+    fixed = [config({"pp": 2, "tp": 2}, sequence_parallel=True), config({"dp": 2, "sp": 2}, sp_method="ring",
+                                                                        zero_stage=1)]
+    _mpi_job(4, fixed, drawn, str(tmp_path_factory.mktemp("hy4")))
+
+
+@pytest.mark.mpi
+@budget(1)
+@given(drawn=st.lists(hybrid_configs(8), min_size=1, max_size=1))
+@example(drawn=[])
+def test_meshes_of_8_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
+    _mpi_job(8, [EXAMPLES[0], EXAMPLES[1]], drawn, str(tmp_path_factory.mktemp("hy8")))
+
+
+# ---- bad configurations: the same message on every rank, no message sent ------------------------------
+BAD = [
+    (config({"dp": 2, "tp": 2}, heads=3, d=12), "n_heads=3 is not divisible by t=2"),
+    (config({"tp": 2, "sp": 2}), "either tensor-parallel"),
+    (config({"pp": 4}, layers=2), "2 blocks cannot give each of 4 stages a block"),
+    (config({"dp": 4}, sequence_parallel=True), "it needs tp > 1"),
+    (config({"sp": 4}, heads=2, d=8), "n_heads=2"),
+    (config({"pp": 2, "dp": 2}, zero_stage=2), "zero_stage=2"),
+    (config({"pp": 2, "dp": 2}, schedule="interleaved", chunks=2, microbatches=3), "multiple of"),
+    (config({"dp": 4}, batch=6), "global batch of 6 is not divisible by dp x m = 4 x 2; use a multiple of 8"),
+]
+
+
+def bad_run(comm, c: dict, path: str) -> str:
+    with trace.record(path, comm=comm):
+        try:
+            build(comm, c).step(*tokens(c, 0))
+        except ValueError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(("c", "needle"), BAD, ids=[n[:24] for _, n in BAD])
+def test_bad_configurations_refused_on_every_rank(c: dict, needle: str, tmp_path) -> None:
+    path = str(tmp_path / "t.json")
+    msgs = run(bad_run, MeshShape(**c["degrees"]).size, "threads", c=c, path=path)
+    assert len(set(msgs)) == 1 and needle in msgs[0], msgs[0]
+    assert [e for e in trace.load(path).events if e.kind == "comm"] == []
