@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from strategies import budget, hybrid_configs
 
 from minipar import nn, trace
-from minipar.cost.hybrid import TinyLayout, model_state_bytes, traffic_by_axis
+from minipar.cost.hybrid import TinyLayout, activation_peak_bytes, model_state_bytes, traffic_by_axis
 from minipar.mesh import DeviceMesh, MeshShape
 from minipar.optim import AdamW
 from minipar.parallel.hybrid import HybridGPT
@@ -103,13 +103,17 @@ def layout_of(c: dict) -> TinyLayout:
                       sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"], **c["degrees"])
 
 
-def sent_by_axis(path: str, shape: MeshShape) -> dict[int, dict[str, int]]:
-    """Bytes each rank sent, by the mesh axes between sender and receiver (from the sender's events)."""
+def sent_by_axis(path: str, shape: MeshShape) -> tuple[dict[int, dict[str, int]], dict[int, int]]:
+    """Bytes each rank sent, by the mesh axes between sender and receiver (from the sender's events),
+    and each rank's peak "activations" memory sample (the pipeline's stash)."""
     out: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    peak: dict[int, int] = defaultdict(int)
     for e in trace.load(path).events:
         if e.kind == "comm" and e.rank == e.src:
             out[e.rank][shape.axis_of(e.src, e.dst)] += e.nbytes
-    return out
+        if e.kind == "memory" and e.name == "activations":
+            peak[e.rank] = max(peak[e.rank], e.nbytes)
+    return out, peak
 
 
 def check_hybrid(c: dict, results: list[dict], path: str) -> None:
@@ -127,11 +131,13 @@ def check_hybrid(c: dict, results: list[dict], path: str) -> None:
         for part, tol in ((~small, PARAM_TOL), (small, SMALL_GRAD_TOL)):
             np.testing.assert_allclose(got["final"][name][part], want[part], err_msg=f"final {name}", **tol)
     shape, layout = MeshShape(**c["degrees"]), layout_of(c)
-    sent = sent_by_axis(path, shape)
+    sent, peak = sent_by_axis(path, shape)
     for r, res in enumerate(results):
         want = {a: STEPS * n for a, n in traffic_by_axis(layout, r).items()}
         assert dict(sent[r]) == want, (r, c["degrees"])
         assert res["states"] == model_state_bytes(layout, r), r
+        if layout.sp == 1 and layout.chunks == 1:
+            assert peak[r] == activation_peak_bytes(layout, r, c["schedule"]), r
 
 
 @pytest.mark.parametrize("c", EXAMPLES, ids=[str(MeshShape(**c["degrees"])) for c in EXAMPLES])

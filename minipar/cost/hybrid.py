@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from minipar.cost import sequence, zero
 from minipar.cost.collectives import allreduce_bytes, ring_bytes, tree_broadcast_bytes
-from minipar.cost.pipeline import send_bytes, stage_owner
-from minipar.cost.tensor import collectives_per_block
+from minipar.cost.pipeline import peak_stash, send_bytes, stage_owner
+from minipar.cost.tensor import collectives_per_block, layer_terms
 
 
 @dataclass(frozen=True)
@@ -189,3 +189,28 @@ def model_state_bytes(c: TinyLayout, rank: int) -> dict[str, int]:
     co = c.coords(rank)
     return zero.zero_state_bytes([numel], c.zero_stage, c.dp * c.sp, co["dp"] * c.sp + co["sp"])
 
+
+def activation_peak_bytes(c: TinyLayout, rank: int, schedule: str = "1f1b") -> int:
+    """The most activation bytes ``rank`` keeps at once: ``pipeline.peak_stash`` micro-batches of its
+    stage, each keeping (``tensor.layer_terms`` and the terms around the blocks, Korthikanti et al.
+    2022 Sec. 4.1 without dropout; ``S_ = A/t`` under Megatron-SP, else ``A``):
+
+    - per block ``sum(layer_terms)``; a stage after the first also keeps its received input, ``S_``;
+    - the embedding: its vocabulary-parallel rows and their masked copy, ``2A``, its reduced output
+      and the position sum, ``2 S_``;
+    - the head: ln_f's output ``S_``, the logits and the loss's saved softmax ``2 S b V e / t``, the
+      targets' int64 indices and mask ``9 S b``, the loss and the pipeline's ``loss / m``, ``2e``.
+
+    Tensor-parallel stages, one stage per rank (``chunks == 1``); sequence-parallel blocks are
+    ``sequence.activation_terms``, measured in ``tests/test_sequence_parallel.py``."""
+    if c.sp > 1 or c.chunks > 1:
+        raise ValueError("activation_peak_bytes models tensor-parallel stages, one per rank (sp = 1, chunks = 1)")
+    t, b, e = c.tp, c.micro_batch, c.itemsize
+    a = c.seq * b * c.d * e
+    s_ = a // t if c.sequence_parallel else a
+    pp_i = c.coords(rank)["pp"]
+    ((embed, blocks, head),) = c.stages_of(pp_i)
+    block = sum(layer_terms(t, b, c.seq, c.d, c.heads, c.d_ff, e, c.sequence_parallel).values())
+    per_mb = blocks * block + (s_ if not embed else 2 * a + 2 * s_)
+    per_mb += head * (s_ + 2 * c.seq * b * (c.vocab // t) * e + 9 * c.seq * b + 2 * e)
+    return peak_stash(schedule, c.pp, c.microbatches, pp_i) * per_mb
