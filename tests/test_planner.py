@@ -117,9 +117,11 @@ def test_gpt3_175b_on_3072_gpus_against_the_6_8_64_grid() -> None:
 
 
 def test_cli_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--model", "gpt3-175b", "--gpus", "3072", "--preset", "a100-selene", "--top", "2"]) == 0
+    assert main(["plan", "--model", "narayanan-18b", "--gpus", "256", "--preset", "a100-selene", "--top", "2",
+                 "--global-batch", "1024"]) == 0
     out = capsys.readouterr().out
     assert "TFLOP/s" in out and "dp" in out and "faster than the next" in out
     assert main(["plan", "--model", "gpt3-175b", "--gpus", "8", "--preset", "a100-selene"]) == 1
     assert "GiB" in capsys.readouterr().err
     assert main(["plan", "--model", "nope", "--gpus", "8"]) == 2
+    assert "no model preset 'nope'" in capsys.readouterr().err

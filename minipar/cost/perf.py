@@ -48,7 +48,9 @@ rank, ``m = B / (d b)`` micro-batches per step.
 
 The mesh is ``(pp, dp, sp, tp)`` with tp innermost (``minipar.mesh``; Megatron-LM's order): a tp
 group spans ``t`` consecutive ranks, sp ``t u``, dp ``t u d``; neighbouring pipeline stages sit
-``t u d`` ranks apart. ``Cluster.link`` picks NVLink inside a node, the network across nodes.
+``t u d`` ranks apart, and as the stages move in lockstep the slowest boundary (across nodes once
+the world spans several) sets the pace. ``group_link``: NVLink when every such group fits inside a
+node, the network otherwise.
 """
 
 from __future__ import annotations
@@ -288,6 +290,12 @@ def _all_to_all_time(nbytes: float, p: int, link: Link) -> float:
     return 0.0 if p == 1 else (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
 
 
+def group_link(cluster: Cluster, span: int) -> Link:
+    """The link of a group covering ``span`` consecutive ranks, groups tiling the world from rank 0:
+    inside a node only when every such group fits in one (``span`` divides ``gpus_per_node``)."""
+    return cluster.intra if span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0 else cluster.inter
+
+
 def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str, float]:
     """Exposed communication seconds per step on each mesh axis (module docstring)."""
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
@@ -296,7 +304,7 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
     act = model.seq // u * b * h * w  # one residual-stream activation on this rank's sequence shard
     out = {"tp": 0.0, "sp": 0.0, "pp": 0.0, "dp": 0.0}
     if t > 1:
-        link, calls = cluster.link(t), collectives_per_block(layout.sequence_parallel)
+        link, calls = group_link(cluster, t), collectives_per_block(layout.sequence_parallel)
         forward = sum(n * collective_time(op, "ring", act, t, link.alpha, link.beta, cluster.gamma)
                       for op, n in calls["forward"].items())
         backward = sum(n * collective_time(op, "ring", act, t, link.alpha, link.beta, cluster.gamma)
@@ -306,13 +314,13 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
     if u > 1:
         shard = act / t  # q, k, v and the output on this rank's heads
         passes = 3 if layout.recompute == "full" else 2
-        out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, cluster.link(t * u))
+        out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, group_link(cluster, t * u))
     if p > 1:
-        link = cluster.link(t * u * d + 1)
+        link = group_link(cluster, layout.world)  # stages move in lockstep: the slowest boundary sets the pace
         out["pp"] = 2 * (v * m + p - 1) * link.seconds(act / t)
     if d * u > 1:
         grads = w * _stage_parameters(model, p) / t
-        n, link = d * u, cluster.link(t * u * d)
+        n, link = d * u, group_link(cluster, t * u * d)
         ar = collective_time("allreduce", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
         rs = collective_time("reduce_scatter", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
         ag = collective_time("allgather", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
