@@ -11,6 +11,8 @@ Reads trace files through ``minipar.trace.load`` only; imports nothing else of m
   overlapping the next block's transfer); the report adds it to every trace with ``ring_kv`` messages.
 - ``viz.memory_stack``: model states per rank stacked as ZeRO's Fig. 1 (parameters, gradients, optimizer
   state, gathered units) and FSDP's gathered units over time; the report adds them when sampled.
+- ``viz.mesh``: a hybrid run's device mesh (which rank holds which stage, slice and replica; one colour per
+  sub-communicator) and the bytes each rank sent per mesh axis; the report adds them to a trace with a mesh.
 - ``viz.tiers``: bytes per memory tier (device, cpu, nvme) over time per rank and the moves between tiers as
   links; the report adds them to every trace with "transfer" events.
 - ``viz.analysis``: the numbers behind them (bubble/idle definition, traffic, memory);
@@ -24,8 +26,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_MODULES = ("analysis", "figures", "memory_stack", "messages", "pipeline_grid", "report", "ring", "style", "terminal",
-            "tiers", "timeline")
+_MODULES = ("analysis", "figures", "memory_stack", "mesh", "messages", "pipeline_grid", "report", "ring", "style",
+            "terminal", "tiers", "timeline")
 __all__ = [*_MODULES, "print_timeline", "write_report"]
 
 

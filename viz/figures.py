@@ -9,6 +9,7 @@
   bytes each rank sent (one colour per rank) with the formula drawn as an outline over each rank's
   own bar (the rank's offset group, so it sits exactly over the measured bar it predicts). A bare
   ``"op"`` formula key sits on the one measured ``"op/algorithm"`` of that op (``analysis.traffic_rows``).
+  ``group="axis"``: per mesh axis instead (a hybrid run's trace: ``viz.mesh.axis_rows``).
 - ``memory``: bytes held per rank over time, stacked by the labels of the memory samples (stashed
   micro-batches, not bytes, for the simulator's counts: ``analysis.memory_counts``).
 
@@ -24,7 +25,7 @@ from plotly.subplots import make_subplots
 
 from minipar.trace import Trace
 from viz import analysis as A
-from viz import style
+from viz import mesh, style
 from viz.pipeline_grid import schedule_grid
 from viz.style import FORMULA_COLOR, MEMORY_COLORS, rank_color
 from viz.timeline import add_timeline, compare, timeline
@@ -32,14 +33,19 @@ from viz.timeline import add_timeline, compare, timeline
 __all__ = ["add_timeline", "compare", "memory", "schedule_grid", "timeline", "traffic"]
 
 
-def traffic(trace: Trace, title: str | None = None) -> go.Figure:
-    """Heat map of bytes sent src -> dst, and bytes per op/algorithm per rank with the formula."""
+def traffic(trace: Trace, title: str | None = None, group: str = "op") -> go.Figure:
+    """Heat map of bytes sent src -> dst, and bytes per op/algorithm (``group="axis"``: per mesh axis,
+    ``ValueError`` for a trace without a mesh) per rank with the formula."""
+    if group not in ("op", "axis"):
+        raise ValueError(f"traffic: group={group!r}; choose 'op' (op/algorithm) or 'axis' (mesh axis)")
     p = trace.world_size
     m = A.traffic_matrix(trace)
-    rows = [row for row in A.traffic_rows(trace) if any(row[1]) or row[2] is not None]  # no empty category
+    every = mesh.axis_rows(trace) if group == "axis" else A.traffic_rows(trace)
+    rows = [row for row in every if any(row[1]) or row[2] is not None]  # no empty category
+    per = "mesh axis" if group == "axis" else "op/algorithm"
     fig = make_subplots(rows=1, cols=2, column_widths=[0.42, 0.58], horizontal_spacing=0.16,
                         subplot_titles=("bytes sent (row = sender, column = receiver)",
-                                        "bytes sent per rank, per op/algorithm"))
+                                        f"bytes sent per rank, per {per}"))
     names = [f"rank {r}" for r in range(p)]
     fig.add_trace(go.Heatmap(
         z=m, x=names, y=names, colorscale="Blues", colorbar={"x": 0.36, "title": "bytes"},

@@ -3,16 +3,17 @@
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size, paradigm, step
 time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank), then the caller's
 ``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step by step
-(``viz.ring``; the others' in their sections), then the first trace with moves between memory tiers: bytes per
-tier over time and the moves as links (``viz.tiers``; the others' in their sections), then the model states
-per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline
-over its gathered units (``viz.memory_stack``), then, when there are several traces, their timelines on one
-shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
-timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its traffic (left
-out when no message carries a byte), its memory (with moves between memory tiers: ``viz.tiers``' two figures
-instead) and, for FSDP, its gathered units over time. The page records JavaScript errors into the
-``data-js-errors`` attribute of ``<html>`` (a JSON list) so a headless browser can check that it rendered
-cleanly.
+(``viz.ring``; the others' in their sections), then the first trace of a run on a device mesh: the grid and
+the bytes each rank sent stacked by mesh axis (``viz.mesh``), then the first trace with moves between memory
+tiers: bytes per tier over time and the moves as links (``viz.tiers``; the others' in their sections), then
+the model states per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP
+trace's timeline over its gathered units (``viz.memory_stack``), then, when there are several traces, their
+timelines on one shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers
+rounded), its timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its
+traffic (left out when no message carries a byte; per mesh axis when the trace has a mesh), its memory (with
+moves between memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over time.
+The page records JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a JSON list) so a
+headless browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -30,6 +31,7 @@ from minipar.trace import Trace, load
 from viz import analysis as A
 from viz import figures, style
 from viz.memory_stack import fsdp_step_figure, gathered_figure, has_gathered, has_model_states, stacks_figure
+from viz.mesh import axis_traffic_figure, grid_figure, mesh_of
 from viz.pipeline_grid import is_grid
 from viz.ring import is_ring, ring_figure
 from viz.tiers import has_transfers, residency_figure, transfers_figure
@@ -158,7 +160,8 @@ def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True
         out.append(("ring", ring_figure(trace, title), ""))
     moved = sum(e.nbytes or 0 for e in A.sends(trace))
     if moved:
-        out.append(("traffic", figures.traffic(trace, f"traffic: {title}"), ""))
+        group = "axis" if mesh_of(trace) else "op"
+        out.append(("traffic", figures.traffic(trace, f"traffic: {title}", group=group), ""))
     elif A.sends(trace):
         why = " (a simulated schedule)" if A.is_simulated(trace) else ""
         out.append(("traffic", None, f"Its messages carry no bytes{why}: no traffic panel."))
@@ -200,6 +203,13 @@ def render(traces: Sequence[Trace], titles: Sequence[str],
     if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
         parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
         parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
+    first_mesh = next((i for i, t in enumerate(traces) if mesh_of(t)), None)
+    if first_mesh is not None:  # a hybrid run: where each rank sits, and what each axis carried
+        parts.append(f"<h2>device mesh: {html.escape(titles[first_mesh])}</h2>")
+        parts.append(_fig_html(grid_figure(traces[first_mesh]), "fig-mesh-grid"))
+        if A.sends(traces[first_mesh]):
+            parts.append(_fig_html(axis_traffic_figure(traces[first_mesh], f"bytes sent per rank, by mesh axis: "
+                                                       f"{titles[first_mesh]}"), "fig-mesh-traffic"))
     first_tiers = next((i for i, t in enumerate(traces) if has_transfers(t)), None)
     if first_tiers is not None:  # offload: where the bytes live, tier by tier, and what moved between tiers
         parts.append(f"<h2>memory tiers: {html.escape(titles[first_tiers])}</h2>")
