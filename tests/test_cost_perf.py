@@ -166,3 +166,16 @@ def test_cluster_file_with_missing_fields_is_refused(tmp_path) -> None:
         Cluster.load(str(path))
     path.write_text(SELENE.to_json())
     assert Cluster.load(str(path)) == SELENE
+
+
+def test_memory_bound_term_by_hand() -> None:
+    """4 moves of every byte Korthikanti et al. count (5 with full recomputation), gamma / 3 each."""
+    s, b, h, a, L = 256, 2, 128, 4, 3
+    model = ModelSpec(layers=L, hidden=h, heads=a, seq=s, vocab=64)
+    cluster = replace(TOY, gamma=3e-12)  # 1e-12 s per byte moved
+    kept = s * b * h * (34 + 5 * a * s / h)
+    for recompute, moves, forwards in (("none", 4, 3), ("full", 5, 4)):
+        p = predict(model, Layout(micro_batch=b, global_batch=2 * b, recompute=recompute), cluster)
+        assert p.memory_bound_seconds == pytest.approx(2 * L * moves * kept * 1e-12)
+        matmuls = 2 * (L * forwards * s * b * (24 * h * h + 4 * s * h) + 3 * 2 * s * b * h * 64) / 1e12
+        assert p.compute_seconds == pytest.approx(matmuls + p.memory_bound_seconds)

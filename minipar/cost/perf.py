@@ -203,6 +203,7 @@ class Prediction:
     memory: dict[str, float]
     fits: bool
     model_tflops_per_gpu: float = 0.0
+    memory_bound_seconds: float = 0.0  # the part of compute_seconds outside the matmuls
     memory_limit: float = 0.0
     layout: Layout | None = field(default=None, repr=False)
 
@@ -211,6 +212,8 @@ class Prediction:
         parts = {"compute": self.compute_seconds, "bubble": self.bubble_seconds,
                  **{f"{k} communication": v for k, v in self.comm_seconds.items()}}
         shown = ", ".join(f"{k} {v:.3g} s ({v / self.step_seconds:.0%})" for k, v in parts.items() if v > 0)
+        if self.memory_bound_seconds > 0:
+            shown += f"; of the compute, {self.memory_bound_seconds:.3g} s is memory-bound (softmax, masks, GeLU)"
         top = max(parts, key=parts.get)
         mem = {k: v for k, v in self.memory.items() if k != "total"}
         big = max(mem, key=mem.get)
@@ -360,7 +363,8 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
     if layout.recompute == "selective":
         block += 4.0 * tokens * model.seq * model.hidden
     # a byte moved costs gamma / 3: reducing a byte (gamma) reads two and writes one
-    layer = block / (t * u) / cluster.flops + memory_traffic_bytes(model, layout) * cluster.gamma / 3
+    bound = memory_traffic_bytes(model, layout) * cluster.gamma / 3
+    layer = block / (t * u) / cluster.flops + bound
     head = 3 * model.head_flops(tokens) / (t * u) / cluster.flops
     if model.layers % p:
         from minipar.cost.planner import partition_layers
@@ -383,4 +387,5 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
                       tflops_per_gpu=executed / step / world / 1e12, memory=memory,
                       fits=memory["total"] <= cluster.memory_bytes,
                       model_tflops_per_gpu=useful / step / world / 1e12, memory_limit=cluster.memory_bytes,
+                      memory_bound_seconds=m * -(-model.layers // p) * bound,
                       layout=layout)

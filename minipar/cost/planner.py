@@ -51,7 +51,8 @@ class Candidate:
         won = sorted(((v, k) for k, v in gains.items() if v > 1e-12 * other.step_seconds), reverse=True)
         lost = sorted(((-v, k) for k, v in gains.items() if v < -1e-12 * other.step_seconds), reverse=True)
         saved = other.step_seconds - me.step_seconds
-        text = f"{saved:.3g} s faster than the next ({self.runner_up.label()})"
+        pace = "as fast as" if saved <= 1e-9 * me.step_seconds else f"{saved:.3g} s faster than"
+        text = f"{pace} the next ({self.runner_up.label()})"
         if won:
             text += ": less " + ", ".join(f"{k} (-{v:.3g} s)" for v, k in won[:3])
         if lost:
