@@ -125,3 +125,14 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "GiB" in capsys.readouterr().err
     assert main(["plan", "--model", "nope", "--gpus", "8"]) == 2
     assert "no model preset 'nope'" in capsys.readouterr().err
+
+
+def test_cli_plan_cluster_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.json"
+    SELENE.save(str(path))
+    assert main(["plan", "--model", "narayanan-1.7b", "--gpus", "32", "--cluster", str(path), "--top", "1",
+                 "--global-batch", "512"]) == 0
+    assert "a100-selene" in capsys.readouterr().out
+    path.write_text('{"name": "x"}')
+    assert main(["plan", "--model", "narayanan-1.7b", "--gpus", "32", "--cluster", str(path)]) == 2
+    assert "missing fields" in capsys.readouterr().err
