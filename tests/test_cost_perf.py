@@ -179,3 +179,17 @@ def test_memory_bound_term_by_hand() -> None:
         assert p.memory_bound_seconds == pytest.approx(2 * L * moves * kept * 1e-12)
         matmuls = 2 * (L * forwards * s * b * (24 * h * h + 4 * s * h) + 3 * 2 * s * b * h * 64) / 1e12
         assert p.compute_seconds == pytest.approx(matmuls + p.memory_bound_seconds)
+
+
+def test_zero_stage_traffic_by_hand() -> None:
+    """Per step, N = 4 ranks inside a node, m = 2 micro-batches, no latency, no reduction cost:
+    ZeRO-0/1 one all-reduce 2 (N-1)/N n; ZeRO-2 a reduce-scatter per micro-batch and one all-gather;
+    ZeRO-3 two all-gathers and a reduce-scatter per micro-batch: (N-1)/N n each."""
+    cluster = replace(TOY, intra=Link(alpha=0.0, beta=1e-9), gamma=0.0)
+    model = ModelSpec(layers=2, hidden=32, heads=2, seq=8, vocab=40)
+    n = 2 * model.parameters
+    dp = {z: predict(model, Layout(dp=4, zero=z, global_batch=8), cluster).comm_seconds["dp"] for z in range(4)}
+    unit = 3 / 4 * n * 1e-9
+    assert dp[0] == dp[1] == pytest.approx(2 * unit)
+    assert dp[2] == pytest.approx((2 + 1) * unit)
+    assert dp[3] == pytest.approx(2 * 3 * unit)
