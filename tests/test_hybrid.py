@@ -172,6 +172,7 @@ def test_meshes_of_4_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.mpi8
 @budget(1)
 @given(drawn=st.lists(hybrid_configs(8), min_size=1, max_size=1))
 @example(drawn=[])

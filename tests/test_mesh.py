@@ -88,6 +88,7 @@ def test_device_mesh_threads(degrees: dict[str, int]) -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.mpi8
 def test_device_mesh_mpiexec() -> None:
     results = run(mesh_rank, 8, "mpi", timeout=120, degrees={"pp": 2, "dp": 2, "tp": 2})
     assert [r["tp"][0] for r in results] == [[2 * (r // 2), 2 * (r // 2) + 1] for r in range(8)]
