@@ -193,3 +193,20 @@ def test_zero_stage_traffic_by_hand() -> None:
     assert dp[0] == dp[1] == pytest.approx(2 * unit)
     assert dp[2] == pytest.approx((2 + 1) * unit)
     assert dp[3] == pytest.approx(2 * 3 * unit)
+
+
+def test_tp_with_megatron_sp_and_ulysses_seconds_by_hand() -> None:
+    s, b, h, L = 64, 1, 32, 2
+    model = ModelSpec(layers=L, hidden=h, heads=4, seq=s, vocab=40)
+    cluster = replace(TOY, gamma=0.0)  # intra: alpha 1e-6, beta 1e-10
+    A = s * b * h * 2
+    one = 1e-6 + 1 / 2 * A * 1e-10  # a ring all-gather or reduce-scatter on t = 2
+    # forward 2 all-gathers + 2 reduce-scatters, backward 4 all-gathers (2 re-gathers) + 2 reduce-scatters
+    p = predict(model, Layout(tp=2, sequence_parallel=True, global_batch=1), cluster)
+    assert p.comm_seconds["tp"] == pytest.approx(L * 10 * one)
+    # Ulysses on u = 2: 4 all-to-alls of the (b, s/2, h) shard forward, 4 backward; pairwise, 1 step
+    shard = s // 2 * b * h * 2
+    p = predict(model, Layout(sp=2, global_batch=1), cluster)
+    assert p.comm_seconds["sp"] == pytest.approx(L * 8 * (1e-6 + shard / 2 * 1e-10))
+    p = predict(model, Layout(sp=2, global_batch=1, recompute="full"), cluster)
+    assert p.comm_seconds["sp"] == pytest.approx(L * 12 * (1e-6 + shard / 2 * 1e-10))
