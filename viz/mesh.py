@@ -36,7 +36,7 @@ from minipar.trace import Trace
 from viz import analysis as A
 from viz import style
 
-AXIS_COLORS = {"tp": "#4C78A8", "sp": "#72B7B2", "dp": "#F58518", "pp": "#54A24B"}
+AXIS_COLORS = {"tp": "#B279A2", "sp": "#72B7B2", "dp": "#F58518", "pp": "#54A24B"}  # compute keeps blue elsewhere
 GROUP_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#FF9DA6",
                 "#BAB0AC", "#79706E", "#D6616B", "#5254A3"]
 ROLES = {"tp": "Megatron's all-reduces inside every layer", "sp": "attention's all-to-alls or K/V ring",

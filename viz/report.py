@@ -1,19 +1,19 @@
 """One self-contained HTML report for one or more traces.
 
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size, paradigm, step
-time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank), then the caller's
-``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step by step
-(``viz.ring``; the others' in their sections), then the first trace of a run on a device mesh: the grid and
-the bytes each rank sent stacked by mesh axis (``viz.mesh``), then the first trace with moves between memory
-tiers: bytes per tier over time and the moves as links (``viz.tiers``; the others' in their sections), then
-the model states per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP
-trace's timeline over its gathered units (``viz.memory_stack``), then, when there are several traces, their
-timelines on one shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers
-rounded), its timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its
-traffic (left out when no message carries a byte; per mesh axis when the trace has a mesh), its memory (with
-moves between memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over time.
-The page records JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a JSON list) so a
-headless browser can check that it rendered cleanly.
+time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank), then the first trace of a
+run on a device mesh: the grid and the bytes each rank sent stacked by mesh axis (``viz.mesh``), then the
+caller's ``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step
+by step (``viz.ring``; the others' in their sections), then the first trace with moves between memory tiers:
+bytes per tier over time and the moves as links (``viz.tiers``; the others' in their sections), then the model
+states per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's
+timeline over its gathered units (``viz.memory_stack``), then, when there are several traces, their timelines
+on one shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
+timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its traffic (left
+out when no message carries a byte; per mesh axis when the trace has a mesh), its memory (with moves between
+memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over time. The page
+records JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a JSON list) so a headless
+browser can check that it rendered cleanly.
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -190,19 +190,12 @@ def tier_figures(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, 
 
 def render(traces: Sequence[Trace], titles: Sequence[str],
            extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
-    """The whole HTML page as a string; ``extra_figures`` (title, figure) follow the summary table,
-    each as its own section."""
+    """The whole HTML page as a string; ``extra_figures`` (title, figure) follow the summary table (and
+    the mesh, for a hybrid run), each as its own section."""
     parts = ["<!DOCTYPE html>", "<html data-js-errors=\"[]\"><head><meta charset=\"utf-8\">",
              "<title>minipar report</title>", _ERROR_HOOK, _STYLE,
              f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head><body>",
              "<h1>minipar report</h1>", _table(summary_rows(traces, titles))]
-    for j, (heading, fig) in enumerate(extra_figures):  # figures the caller made: right after the summary
-        parts.append(f"<h2>{html.escape(heading)}</h2>")
-        parts.append(_fig_html(fig, f"fig-extra-{j}"))
-    first_ring = next((i for i, t in enumerate(traces) if is_ring(t)), None)
-    if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
-        parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
-        parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
     first_mesh = next((i for i, t in enumerate(traces) if mesh_of(t)), None)
     if first_mesh is not None:  # a hybrid run: where each rank sits, and what each axis carried
         parts.append(f"<h2>device mesh: {html.escape(titles[first_mesh])}</h2>")
@@ -210,6 +203,13 @@ def render(traces: Sequence[Trace], titles: Sequence[str],
         if A.sends(traces[first_mesh]):
             parts.append(_fig_html(axis_traffic_figure(traces[first_mesh], f"bytes sent per rank, by mesh axis: "
                                                        f"{titles[first_mesh]}"), "fig-mesh-traffic"))
+    for j, (heading, fig) in enumerate(extra_figures):  # figures the caller made: after the summary and the mesh
+        parts.append(f"<h2>{html.escape(heading)}</h2>")
+        parts.append(_fig_html(fig, f"fig-extra-{j}"))
+    first_ring = next((i for i, t in enumerate(traces) if is_ring(t)), None)
+    if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
+        parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
+        parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
     first_tiers = next((i for i, t in enumerate(traces) if has_transfers(t)), None)
     if first_tiers is not None:  # offload: where the bytes live, tier by tier, and what moved between tiers
         parts.append(f"<h2>memory tiers: {html.escape(titles[first_tiers])}</h2>")

@@ -1,0 +1,387 @@
+"""Lesson 8: hybrid parallelism. The tiny GPT on a pp x dp x tp device mesh (Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3, PTD-P):
+a pipeline of tensor-parallel stages, replicated by data parallelism.
+
+    mpiexec -n 8 python lessons/08_hybrid/lesson.py [--steps 5] [--cluster FILE]
+    python lessons/08_hybrid/lesson.py [--ranks 8]      # same, ranks as threads in one process
+    mpiexec -n 8 python lessons/08_hybrid/lesson.py --pp 2 --dp 2 --sp 2 --tp 1   # another mesh
+
+The world's ranks form a grid ``arange(world).reshape(pp, dp, sp, tp)``, tp innermost
+(``minipar/mesh.py``): rank = ((pp_i dp + dp_i) sp + sp_i) tp + tp_i. Each rank gets one
+sub-communicator per axis, and each axis carries one kind of traffic: tp Megatron's f / g
+all-reduces inside every layer (Shoeybi et al. 2019), pp the activations between stages, point to
+point, dp the gradients once per step (one ring all-reduce of the rank's slice). The model is
+``minipar.parallel.hybrid.HybridGPT``; its bytes per axis per rank are ``minipar.cost.hybrid``,
+its step time on a cluster ``minipar.cost.perf.predict``, the layout search ``minipar.cost.planner``.
+
+Printed: 1. the mesh: every rank's coordinates and what it holds (its stage's layers, its tp slice
+of the weights: heads, MLP columns, vocabulary rows; its replica's rows of the batch; parameters
+held, measured vs ``cost.hybrid.parameters_per_rank``). 2. the losses of a few AdamW steps next to
+one process's ``nn.GPT`` + ``AdamW`` on the whole batch, and the largest parameter difference after
+them: the mesh computes the same model. 3. bytes each rank sent in one step per mesh axis, summed
+from the trace by the axis its two ranks differ in (``MeshShape.axis_of``), next to
+``cost.hybrid.traffic_by_axis``. 4. the measured step time next to ``perf.predict`` with a
+calibrated cluster file (this machine; ``minipar calibrate``), both including the time-sharing of
+the cores. 5. the planner on GPT-3 175B with 3072 A100s (Selene): the fastest predicted layouts and
+why each beats the next, and the 6 x 8 x 64 (d x t x p) grid for comparison. Then the terminal
+timeline; the HTML report draws the grid (one colour per sub-communicator), the bytes per rank
+stacked by mesh axis with the formula, and where each layout's predicted step goes.
+Writes runs/08_hybrid/hybrid.json, report.html (and a cluster file when it calibrates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from rich.table import Table
+
+from lessons.common import console as make_console
+from lessons.common import finish, run_ranks, time_sharing
+from minipar import datasets
+from minipar import trace as mtrace
+from minipar.calibrate import FIT_FROM, calibrate, quick_options
+from minipar.cost import hybrid as formulas
+from minipar.cost import perf, planner, presets
+from minipar.cost.cluster import Cluster
+from minipar.mesh import DeviceMesh, MeshShape
+from minipar.nn import GPT
+from minipar.optim import AdamW
+from minipar.parallel.hybrid import HybridGPT
+from viz.mesh import AXIS_COLORS
+
+VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, MICRO, LR, WD = 32, 16, 32, 4, 4, 64, 8, 2, 3e-3, 0.01
+MESH = {"pp": 2, "dp": 2, "sp": 1, "tp": 2}  # change with --pp/--dp/--sp/--tp (product = ranks; tp or sp, not both)
+SCHEDULE, STEPS = "1f1b", 5  # step 0 warms up, the last is traced, the others are timed
+GPT3, GPUS, GPT3_BATCH, CLUSTER = "gpt3-175b", 3072, 1536, "a100-selene"
+GRID = {"dp": 6, "tp": 8, "pp": 64}  # the d x t x p grid attributed to GPT-3 (Narayanan et al.'s 1T layout)
+OUT = Path("runs/08_hybrid")
+
+
+def tiny_layout(mesh: dict[str, int]) -> formulas.TinyLayout:
+    return formulas.TinyLayout(vocab=VOCAB, seq=SEQ, d=D_MODEL, heads=HEADS, layers=LAYERS, d_ff=D_FF, batch=BATCH,
+                               microbatches=MICRO, **mesh)
+
+
+def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    stream = datasets.token_stream(20_000, VOCAB, seed=0)
+    return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
+
+
+# ---- 1. the mesh ------------------------------------------------------------------------------------
+def _cols(sl: Any) -> str:
+    return f"{sl.start}:{sl.stop}"
+
+
+def holdings(model: HybridGPT) -> dict[str, Any]:
+    """What this rank holds: its stage's layers, its tensor slice (from the parameters' declared
+    ``shard``), its replica's batch rows, and how many parameters."""
+    params = dict(model.pipe.named_parameters())
+    layers = [n for s in sorted(model.pipe.stages) for n in model.pipe.stages[s].layer_names]
+    slices = []
+    for suffix, what, axis in (("attn.q.weight", "q/k/v columns", 1), ("mlp.fc.weight", "MLP columns", 1),
+                               ("tok_emb.weight", "vocab rows", 0), ("head.weight", "head columns", 1)):
+        name = next((n for n in params if n.endswith(suffix)), None)
+        if name is not None and params[name].shard is not None:
+            slices.append(f"{what} {_cols(params[name].shard[axis])}")
+    dp, i = model.mesh.degree("dp"), model.mesh.coords["dp"]
+    rows = BATCH // dp
+    return {"layers": layers, "slices": slices or ["whole weights"], "rows": f"{i * rows}:{(i + 1) * rows}",
+            "params": sum(p.data.size for p in params.values())}
+
+
+def mesh_table(shape: MeshShape, held: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"the mesh {shape}: rank = ((pp_i x {shape.dp} + dp_i) x {shape.sp} + sp_i) x {shape.tp} "
+                        "+ tp_i (tp innermost)", title_justify="left",
+                  caption="parameters: float64 numbers this rank holds, measured; formula: "
+                          "cost.hybrid.parameters_per_rank. Groups: the ranks of this rank's sub-communicator "
+                          "on each axis (mesh['tp'], ...).", caption_justify="left")
+    for col in ("rank", *(a for a, d in shape.degrees().items() if d > 1), "stage layers", "tensor slice",
+                "batch rows", "parameters", "formula", "groups"):
+        table.add_column(col, justify="left" if col in ("stage layers", "tensor slice", "groups") else "right")
+    c = tiny_layout(shape.degrees())
+    for r, h in enumerate(held):
+        coords = shape.coords(r)
+        groups = ", ".join(f"{a} {shape.group(r, a)}" for a, d in shape.degrees().items() if d > 1)
+        table.add_row(str(r), *(str(coords[a]) for a, d in shape.degrees().items() if d > 1), " ".join(h["layers"]),
+                      ", ".join(h["slices"]), h["rows"], f"{h['params']:,}",
+                      f"{formulas.parameters_per_rank(c, coords['pp']):,}", groups)
+    return table
+
+
+# ---- 2. training ------------------------------------------------------------------------------------
+def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
+          trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``steps`` AdamW steps of the tiny GPT on ``mesh`` (every rank, the same global batches); the
+    last step traced into ``trace_path`` with the formula's bytes per axis in its metadata. Each step
+    starts after a barrier; its time is the slowest rank's. Returns (on every rank) the losses, the
+    step times, the whole model's parameters after the steps and what each rank holds."""
+    mesh = mesh or MESH
+    dm = DeviceMesh(comm, **mesh)
+    model = HybridGPT(dm, VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, schedule=SCHEDULE, microbatches=MICRO, lr=LR,
+                      weight_decay=WD, seed=0)
+    held = comm.allgather_object(holdings(model))
+    c = tiny_layout(mesh)
+    expected = {a: [formulas.traffic_by_axis(c, r).get(a, 0) for r in range(comm.size)]
+                for a in dict.fromkeys(a for r in range(comm.size) for a in formulas.traffic_by_axis(c, r))}
+    meta = {**model.trace_meta(), "time_unit": "s", "expected_bytes_by_axis": expected,
+            "config": {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS,
+                       "d_ff": D_FF, "batch": BATCH, "microbatches": MICRO, **mesh}}
+    losses, seconds = [], []
+    for step, (x, y) in enumerate(batches(steps)):
+        comm.barrier()
+        t0 = time.perf_counter()
+        with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
+            losses.append(model.step(x, y))
+        seconds.append(max(comm.allgather_object(time.perf_counter() - t0)))
+    return {"losses": losses, "seconds": seconds, "state": model.full_state_dict(), "held": held,
+            "trace": trace_path, "mesh": mesh}
+
+
+def single_process(steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
+    """One process: ``nn.GPT`` and ``AdamW`` on the whole batch, the same initialisation."""
+    model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for x, y in batches(steps):
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+# ---- 3. traffic per axis ------------------------------------------------------------------------------
+def bytes_by_axis(trace: mtrace.Trace, shape: MeshShape) -> dict[int, dict[str, int]]:
+    """Bytes each rank sent, per mesh axis: every message counted once, on its sender, on the axes in
+    which its two ranks differ (the sub-communicator that carried it)."""
+    out: dict[int, dict[str, int]] = {r: {} for r in range(shape.size)}
+    for e in trace.events:
+        if e.kind == "comm" and e.rank == e.src and e.dst is not None:
+            axis = shape.axis_of(e.src, e.dst)
+            out[e.src][axis] = out[e.src].get(axis, 0) + (e.nbytes or 0)
+    return out
+
+
+def traffic_table(trace: mtrace.Trace, shape: MeshShape) -> tuple[Table, bool]:
+    got, c = bytes_by_axis(trace, shape), tiny_layout(shape.degrees())
+    axes = list(dict.fromkeys(a for r in range(shape.size) for a in [*got[r], *formulas.traffic_by_axis(c, r)]))
+    table = Table(title="bytes each rank sent in one step, by mesh axis: measured (the trace) / formula "
+                        "(cost.hybrid.traffic_by_axis)", title_justify="left",
+                  caption="tp: per micro-batch and block 2 all-reduces of the b x S x d activation forward and 2 "
+                          "backward, the embedding's g and the head's f, the loss's 3 small all-reduces; pp: one "
+                          "activation per micro-batch forward and its gradient back, and the loss broadcast; dp: "
+                          "the ring all-reduce of this rank's gradients, 2 (N-1)/N x 8 bytes x its parameters.",
+                  caption_justify="left")
+    for col in ("rank", "coords", *axes, "total"):
+        table.add_column(col, justify="right")
+    equal = True
+    for r in range(shape.size):
+        want = formulas.traffic_by_axis(c, r)
+        equal &= got[r] == want
+        table.add_row(str(r), " ".join(f"{a}{i}" for a, i in shape.coords(r).items() if shape.degrees()[a] > 1),
+                      *(f"{got[r].get(a, 0):,} / {want.get(a, 0):,}" for a in axes),
+                      f"{sum(got[r].values()):,} / {sum(want.values()):,}")
+    return table, equal
+
+
+# ---- 4. predicted vs measured ---------------------------------------------------------------------------
+def tiny_spec() -> perf.ModelSpec:
+    return perf.ModelSpec(layers=LAYERS, hidden=D_MODEL, heads=HEADS, seq=SEQ, vocab=VOCAB, ffn=D_FF,
+                          bytes_per_number=8, name="the tiny GPT (float64)")
+
+
+def tiny_perf_layout(mesh: dict[str, int]) -> perf.Layout:
+    return perf.Layout(dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], sp=mesh["sp"],
+                       micro_batch=BATCH // (mesh["dp"] * MICRO), global_batch=BATCH, schedule=SCHEDULE)
+
+
+def this_cluster(comm: Any, path: str | None) -> tuple[Cluster | None, str]:
+    """The cluster file at ``path``; without one, ``OUT/cluster-<backend>-<P>.json`` if an earlier run
+    wrote it, else this machine calibrated now on these ranks (``minipar calibrate --quick``'s
+    measurements, a few seconds) and saved there. Rank 0 gets the Cluster and a sentence on its origin."""
+    default = OUT / f"cluster-{comm.backend}-{comm.size}.json"
+    if path is None and not default.exists():
+        cluster = calibrate(comm, **quick_options(True))
+        if cluster is not None:
+            cluster.save(str(default))
+        return cluster, (f"calibrated now on these {comm.size} ranks (quick), saved to {default}; "
+                         f"`minipar calibrate -n {comm.size} -o FILE` measures longer, then --cluster FILE")
+    chosen = path or str(default)
+    return (Cluster.load(chosen) if comm.rank == 0 else None), f"cluster file {chosen}"
+
+
+def parts(p: perf.Prediction) -> dict[str, float]:
+    """A prediction's step in parts: compute, bubble, exposed communication per axis (seconds)."""
+    return {"compute": p.compute_seconds, "bubble": p.bubble_seconds,
+            **{f"{k} comm": v for k, v in p.comm_seconds.items() if v > 0}}
+
+
+def prediction_table(pred: perf.Prediction, measured: list[float], cluster: Cluster, origin: str) -> Table:
+    table = Table(title=f"one step, predicted (perf.predict on {cluster.name}) vs measured (median of the timed "
+                        "steps, the slowest rank)", title_justify="left",
+                  caption=f"{origin}. alpha {cluster.intra.alpha * 1e6:.0f} us, 1/beta "
+                          f"{1 / cluster.intra.beta / 1e9:.2f} GB/s, {cluster.flops / 1e9:.2f} GFLOP/s per rank "
+                          "with every rank computing.", caption_justify="left")
+    for col in ("", *parts(pred), "step", "measured", "predicted / measured"):
+        table.add_column(col, justify="right")
+    got = float(np.median(measured))
+    table.add_row("ms", *(f"{v * 1e3:.1f}" for v in parts(pred).values()), f"{pred.step_seconds * 1e3:.1f}",
+                  f"{got * 1e3:.1f}", f"{pred.step_seconds / got:.2f}")
+    return table
+
+
+def small_messages(trace: mtrace.Trace, shape: MeshShape) -> str:
+    """Which axes' messages are smaller than the sizes alpha and beta were fitted on (``FIT_FROM``)."""
+    sizes: dict[str, list[int]] = {}
+    for e in trace.events:
+        if e.kind == "comm" and e.rank == e.src and e.dst is not None and e.nbytes:
+            sizes.setdefault(shape.axis_of(e.src, e.dst), []).append(e.nbytes)
+    text = "Messages of one step, median size per axis: " + ", ".join(
+        f"{a} {int(np.median(v)):,} B ({len(v)} messages)" for a, v in sizes.items()) + "."
+    small = [a for a, v in sizes.items() if np.median(v) < FIT_FROM]
+    if small:
+        text += (f" The {' and '.join(small)} messages are below the {FIT_FROM:,} B from which the calibration fits "
+                 "alpha and beta: MPICH sends them eagerly, without the handshake that makes alpha large when ranks "
+                 "wait for a core, so the prediction overestimates their time.")
+    return text
+
+
+# ---- 5. the planner at scale ------------------------------------------------------------------------------
+def grid_prediction() -> perf.Prediction:
+    """The 6 x 8 x 64 grid on GPT-3: 96 layers on 64 stages do not split evenly (``Layout.check``
+    refuses it), so predicted with ``uneven_stages`` (the slowest stage: 2 blocks), full recomputation
+    as Narayanan et al.'s Table 1 runs."""
+    layout = perf.Layout(**GRID, micro_batch=1, global_batch=GPT3_BATCH, recompute="full")
+    return perf.predict(presets.MODELS[GPT3], layout, presets.CLUSTERS[CLUSTER], uneven_stages=True)
+
+
+def plan_table(ranked: list[planner.Candidate], grid: perf.Prediction) -> Table:
+    model, cluster = presets.MODELS[GPT3], presets.CLUSTERS[CLUSTER]
+    table = Table(title=f"{model.name}: {GPUS} GPUs on {cluster.name}, global batch {GPT3_BATCH}: the planner's "
+                        "fastest predicted layouts, and the 6 x 8 x 64 grid", title_justify="left")
+    for col in ("", "dp", "tp", "pp", "sp", "v", "b", "ZeRO", "recompute", "step s", "TFLOP/s/GPU", "GiB/GPU"):
+        table.add_column(col, justify="left" if col in ("", "recompute") else "right")
+    rows = [(str(i + 1), c.layout, c.prediction) for i, c in enumerate(ranked)] + [("grid", grid.layout, grid)]
+    for name, lay, pr in rows:
+        table.add_row(name, str(lay.dp), str(lay.tp), str(lay.pp), str(lay.sp), str(lay.chunks), str(lay.micro_batch),
+                      str(lay.zero), lay.recompute + (" +SP" if lay.sequence_parallel else ""),
+                      f"{pr.step_seconds:.2f}", f"{pr.tflops_per_gpu:.0f}", f"{pr.memory['total'] / 2**30:.1f}",
+                      style="bold" if name == "grid" else None)
+    return table
+
+
+def parts_figure(rows: dict[str, dict[str, float]], title: str) -> go.Figure:
+    """Each row's step as a horizontal bar stacked by its parts (compute, bubble, communication per
+    axis in ``viz.mesh``'s axis colours; a measured total in black)."""
+    names = list(rows)
+    kinds = list(dict.fromkeys(k for r in rows.values() for k in r))
+    colors = {"compute": "#4C78A8", "bubble": "#BAB0AC", "measured": "#333333",
+              **{f"{a} comm": c for a, c in AXIS_COLORS.items()}}
+    fig = go.Figure([go.Bar(y=names, x=[rows[n].get(k, 0.0) for n in names], name=k, orientation="h",
+                            marker={"color": colors.get(k, "#9D755D")}) for k in kinds])
+    fig.update_layout(title=title, barmode="stack", xaxis_title="seconds per step",
+                      height=max(300, 160 + 45 * len(names)), yaxis={"autorange": "reversed"}, margin={"l": 280})
+    return fig
+
+
+# ---- the lesson ------------------------------------------------------------------------------------------
+def check_ranks(p: int, mesh: dict[str, int] | None = None) -> str | None:
+    shape = MeshShape(**(mesh or MESH))
+    if p != shape.size:
+        return (f"lesson 8 runs the mesh {shape} on {shape.size} ranks: run it on {shape.size}, or change the "
+                f"degrees with --pp/--dp/--sp/--tp (got {p})")
+    return None
+
+
+def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -> None:
+    console = make_console()
+    lead = comm.rank == 0
+    if lead:
+        OUT.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    res = train(comm, mesh, steps, OUT / "hybrid.json")
+    cluster, origin = this_cluster(comm, cluster_path)
+    if not lead:
+        return
+    shape = MeshShape(**mesh)
+    console.rule(f"[bold]1. the mesh {shape}: who holds what")
+    console.print(mesh_table(shape, res["held"]))
+    console.print("Change the mesh with --pp, --dp, --sp and --tp (their product is the number of ranks; a stage is "
+                  "tensor- or sequence-parallel, so tp or sp).", highlight=False)
+    console.rule(f"[bold]2. {steps} AdamW steps, global batch {BATCH} ({MICRO} micro-batches per replica)")
+    ref, ref_state = single_process(steps)
+    table = Table(title="loss per step", title_justify="left")
+    for col in ("step", "one process (nn.GPT + AdamW)", f"mesh {shape}"):
+        table.add_column(col, justify="right")
+    for s in range(steps):
+        table.add_row(str(s), f"{ref[s]:.12f}", f"{res['losses'][s]:.12f}")
+    console.print(table)
+    loss_diff = max(abs(a - b) for a, b in zip(ref, res["losses"], strict=True))
+    param_diff = max_difference(res["state"], ref_state)
+    console.print(f"The mesh computes one process's model: losses equal to {loss_diff:.1e}, every parameter after "
+                  f"{steps} steps to {param_diff:.1e} (float64 rounding: sums in another order).", highlight=False)
+    trace = mtrace.load(res["trace"])
+    console.rule("[bold]3. bytes per mesh axis (the last step)")
+    table, equal = traffic_table(trace, shape)
+    console.print(table)
+    console.print("Every rank's bytes on every axis equal the formula." if equal else
+                  "[red]measured and formula differ[/red] (see the table)", highlight=False)
+    console.rule("[bold]4. predicted vs measured step time")
+    note = time_sharing(comm.size)
+    if note:
+        console.print(f"[yellow]note:[/yellow] {note}. The calibrated cluster measured this sharing too "
+                      "(its FLOP/s is per rank with all ranks busy), so both columns include it.", highlight=False)
+    pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
+    timed = res["seconds"][1:-1] or res["seconds"]
+    console.print(prediction_table(pred, timed, cluster, origin))
+    console.print(small_messages(trace, shape), highlight=False)
+    console.rule(f"[bold]5. the planner on GPT-3 175B, {GPUS} A100s")
+    ranked = planner.plan(presets.MODELS[GPT3], GPUS, presets.CLUSTERS[CLUSTER], GPT3_BATCH)
+    grid = grid_prediction()
+    console.print(plan_table(ranked, grid))
+    for i, c in enumerate(ranked):
+        console.print(f"{i + 1}. {c.why()}", highlight=False)
+    console.print(f"\nplanner's first: {ranked[0].prediction.explain()}\n\n6 x 8 x 64 grid (96 layers on 64 stages: "
+                  f"Layout.check refuses the uneven split, predicted with uneven_stages=True and full recomputation, "
+                  f"as Narayanan et al.'s Table 1 runs): {grid.explain()}", highlight=False)
+    console.rule("[bold]the traced step's timeline (F / B per stage and micro-batch, sync, opt)")
+    figures = [("predicted vs measured: the tiny GPT's step on this machine",
+                parts_figure({"predicted (perf.predict)": parts(pred),
+                              "measured (median step, slowest rank)": {"measured": float(np.median(timed))}},
+                             f"one step of the tiny GPT on {shape}: predicted on {cluster.name} vs measured")),
+               ("the planner on GPT-3 175B: where each layout's predicted step goes",
+                parts_figure({**{c.label(): parts(c.prediction) for c in ranked[:3]},
+                              "6 x 8 x 64 grid (dp6 tp8 pp64, full recompute)": parts(grid)},
+                             f"GPT-3 175B on {GPUS} A100s: predicted seconds per step"))]
+    finish([trace], OUT / "report.html", console, titles=[f"hybrid {shape}, {SCHEDULE}, m = {MICRO}"],
+           extra_figures=figures)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    for axis, degree in MESH.items():
+        parser.add_argument(f"--{axis}", type=int, default=degree, help=f"{axis} degree (default {degree})")
+    parser.add_argument("--cluster", help="a cluster file for the prediction (default: calibrate this machine once)")
+    parser.add_argument("--ranks", type=int, default=None, help="ranks when not under mpiexec (threads; default: "
+                                                                 "the mesh's size)")
+    args = parser.parse_args()
+    mesh = {a: getattr(args, a) for a in MESH}
+    ranks = args.ranks or MeshShape(**mesh).size
+    run_ranks(run, ranks, lambda p: check_ranks(p, mesh), steps=args.steps, mesh=mesh, cluster_path=args.cluster)
+
+
+if __name__ == "__main__":
+    main()
