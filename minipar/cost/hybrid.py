@@ -1,7 +1,7 @@
 """What one step of the tiny GPT on a ``pp x dp x sp x tp`` mesh should send on each axis, and what
 each rank should hold: the per-paradigm formulas composed, rank by rank (``docs/formulas.md``,
-section 8, "The tiny hybrid step, exactly"). Exact for minipar's ``HybridGPT`` (ring collectives, float64); the large-scale model
-with the same terms is ``minipar.cost.perf``.
+section 8, "The tiny hybrid step, exactly"). Exact for minipar's ``HybridGPT`` (ring collectives,
+float64); the large-scale model with the same terms is ``minipar.cost.perf``.
 
 A rank at coordinates ``(pp_i, dp_i, sp_i, tp_i)`` owns the virtual stages ``s`` with
 ``s mod pp = pp_i`` (``pipeline.stage_owner``); ``b = B / (dp m)`` sequences per micro-batch, ``A =
