@@ -177,6 +177,9 @@ class HybridGPT:
         else:
             with trace.span("opt", args={"iteration": self.pipe.iteration - 1}):
                 self.optimizer.step()
+            if trace.current() is not None:  # ZeRO samples its own
+                for label, nbytes in self.state_bytes().items():
+                    trace.memory(label, nbytes)
 
     def step(self, idx: np.ndarray, targets: np.ndarray) -> float:
         loss = self.forward_backward(idx, targets)
