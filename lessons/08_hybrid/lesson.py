@@ -347,6 +347,11 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
     timed = res["seconds"][1:-1] or res["seconds"]
     console.print(prediction_table(pred, timed, cluster, origin))
     console.print(small_messages(trace, shape), highlight=False)
+    if comm.backend == "threads":
+        console.print("[yellow]threads:[/yellow] the ranks share one Python interpreter, so its per-operation "
+                      "overhead (autograd, the schedule, the collectives' loops) runs one rank at a time and is in no "
+                      "term of the model; under mpiexec each rank is a process and the comparison means more.",
+                      highlight=False)
     console.rule(f"[bold]5. the planner on GPT-3 175B, {GPUS} A100s")
     ranked = planner.plan(presets.MODELS[GPT3], GPUS, presets.CLUSTERS[CLUSTER], GPT3_BATCH)
     grid = grid_prediction()
