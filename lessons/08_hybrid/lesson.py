@@ -74,44 +74,75 @@ def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 # ---- 1. the mesh ------------------------------------------------------------------------------------
-def _cols(sl: Any) -> str:
-    return f"{sl.start}:{sl.stop}"
+def _span(names: list[str]) -> str:
+    """``["embed", "blocks.0", "blocks.1"]`` -> ``"embed, blocks 0-1"``."""
+    blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
+    parts = [n for n in names if not n.startswith("blocks.")]
+    if blocks:
+        parts.insert(1 if names[0] == "embed" else 0,
+                     f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
+    return ", ".join(parts)
 
 
 def holdings(model: HybridGPT) -> dict[str, Any]:
-    """What this rank holds: its stage's layers, its tensor slice (from the parameters' declared
-    ``shard``), its replica's batch rows, and how many parameters."""
+    """What this rank holds: its stage's layers, its tensor slice (read from the parameters' declared
+    ``shard``: heads, MLP columns, vocabulary rows or head columns), its replica's rows of the batch (and
+    positions under sequence parallelism, contiguous), and how many parameters."""
     params = dict(model.pipe.named_parameters())
     layers = [n for s in sorted(model.pipe.stages) for n in model.pipe.stages[s].layer_names]
-    slices = []
-    for suffix, what, axis in (("attn.q.weight", "q/k/v columns", 1), ("mlp.fc.weight", "MLP columns", 1),
-                               ("tok_emb.weight", "vocab rows", 0), ("head.weight", "head columns", 1)):
+
+    def shard(suffix: str, axis: int) -> slice | None:
         name = next((n for n in params if n.endswith(suffix)), None)
-        if name is not None and params[name].shard is not None:
-            slices.append(f"{what} {_cols(params[name].shard[axis])}")
-    dp, i = model.mesh.degree("dp"), model.mesh.coords["dp"]
-    rows = BATCH // dp
-    return {"layers": layers, "slices": slices or ["whole weights"], "rows": f"{i * rows}:{(i + 1) * rows}",
+        return None if name is None or params[name].shard is None else params[name].shard[axis]
+
+    slices, head_dim = [], D_MODEL // HEADS
+    q, fc, vocab, head = shard("attn.q.weight", 1), shard("mlp.fc.weight", 1), shard("tok_emb.weight", 0), \
+        shard("head.weight", 1)
+    if q is not None:
+        slices.append(f"heads {q.start // head_dim}-{q.stop // head_dim - 1}")
+    if fc is not None:
+        slices.append(f"fc {fc.start}:{fc.stop}")
+    for what, sl in (("vocab", vocab), ("vocab", head)):
+        if sl is not None:
+            slices.append(f"{what} {sl.start}:{sl.stop}")
+    coords, degree = model.mesh.coords, model.mesh.degree
+    rows, positions = BATCH // degree("dp"), SEQ // degree("sp")
+    data = f"rows {coords['dp'] * rows}:{(coords['dp'] + 1) * rows}"
+    if degree("sp") > 1:
+        data += f", positions {coords['sp'] * positions}:{(coords['sp'] + 1) * positions}"
+    return {"layers": _span(layers), "slices": ", ".join(slices) or "whole weights", "data": data,
             "params": sum(p.data.size for p in params.values())}
 
 
 def mesh_table(shape: MeshShape, held: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"the mesh {shape}: rank = ((pp_i x {shape.dp} + dp_i) x {shape.sp} + sp_i) x {shape.tp} "
-                        "+ tp_i (tp innermost)", title_justify="left",
-                  caption="parameters: float64 numbers this rank holds, measured; formula: "
-                          "cost.hybrid.parameters_per_rank. Groups: the ranks of this rank's sub-communicator "
-                          "on each axis (mesh['tp'], ...).", caption_justify="left")
-    for col in ("rank", *(a for a, d in shape.degrees().items() if d > 1), "stage layers", "tensor slice",
-                "batch rows", "parameters", "formula", "groups"):
-        table.add_column(col, justify="left" if col in ("stage layers", "tensor slice", "groups") else "right")
     c = tiny_layout(shape.degrees())
+    same = all(h["params"] == formulas.parameters_per_rank(c, shape.coords(r)["pp"]) for r, h in enumerate(held))
+    table = Table(title=f"the mesh {shape}: rank = ((pp_i x {shape.dp} + dp_i) x {shape.sp} + sp_i) x {shape.tp} "
+                        "+ tp_i", title_justify="left",
+                  caption="tp varies fastest (Megatron-LM's order). pp: the rank's pipeline stage and its "
+                          "layers; tp: its slice of every weight matrix (Megatron: q, k, v and the MLP's fc by "
+                          "columns, the projections by rows, the vocabulary split); dp: its replica's rows of the "
+                          "global batch; parameters: float64 numbers held, "
+                          + ("equal on every rank to" if same else "[red]NOT equal[/red] to")
+                          + " cost.hybrid.parameters_per_rank.", caption_justify="left")
+    for col in ("rank", "pp: stage", "tp: tensor slice", "dp: batch", "parameters"):
+        table.add_column(col, justify="left" if ":" in col else "right")
     for r, h in enumerate(held):
-        coords = shape.coords(r)
-        groups = ", ".join(f"{a} {shape.group(r, a)}" for a, d in shape.degrees().items() if d > 1)
-        table.add_row(str(r), *(str(coords[a]) for a, d in shape.degrees().items() if d > 1), " ".join(h["layers"]),
-                      ", ".join(h["slices"]), h["rows"], f"{h['params']:,}",
-                      f"{formulas.parameters_per_rank(c, coords['pp']):,}", groups)
+        co = shape.coords(r)
+        table.add_row(str(r), f"{co['pp']}: {h['layers']}", f"{co['tp']}: {h['slices']}",
+                      f"{co['dp']}: {h['data']}" if shape.sp == 1 else f"{co['dp']}, sp {co['sp']}: {h['data']}",
+                      f"{h['params']:,}")
     return table
+
+
+def groups_text(shape: MeshShape) -> str:
+    """Every sub-communicator of every axis of degree > 1, as rank sets."""
+    lines = []
+    for axis, degree in shape.degrees().items():
+        if degree > 1:
+            groups = sorted({tuple(shape.group(r, axis)) for r in range(shape.size)})
+            lines.append(f"{axis}: " + " ".join("{" + ",".join(map(str, g)) + "}" for g in groups))
+    return "sub-communicators (one per group, mesh[axis] on each member): " + "; ".join(lines)
 
 
 # ---- 2. training ------------------------------------------------------------------------------------
@@ -318,6 +349,7 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
     shape = MeshShape(**mesh)
     console.rule(f"[bold]1. the mesh {shape}: who holds what")
     console.print(mesh_table(shape, res["held"]))
+    console.print(groups_text(shape), highlight=False, markup=False)
     console.print("Change the mesh with --pp, --dp, --sp and --tp (their product is the number of ranks; a stage is "
                   "tensor- or sequence-parallel, so tp or sp).", highlight=False)
     console.rule(f"[bold]2. {steps} AdamW steps, global batch {BATCH} ({MICRO} micro-batches per replica)")
