@@ -20,47 +20,46 @@ held, measured vs ``cost.hybrid.parameters_per_rank``). 2. the losses of a few A
 one process's ``nn.GPT`` + ``AdamW`` on the whole batch, and the largest parameter difference after
 them: the mesh computes the same model. 3. bytes each rank sent in one step per mesh axis, summed
 from the trace by the axis its two ranks differ in (``MeshShape.axis_of``), next to
-``cost.hybrid.traffic_by_axis``. 4. the measured step time next to ``perf.predict`` with a
-calibrated cluster file (this machine; ``minipar calibrate``), both including the time-sharing of
-the cores. 5. the planner on GPT-3 175B with 3072 A100s (Selene): the fastest predicted layouts and
-why each beats the next, and the 6 x 8 x 64 (d x t x p) grid for comparison. Then the terminal
-timeline; the HTML report draws the grid (one colour per sub-communicator), the bytes per rank
-stacked by mesh axis with the formula, and where each layout's predicted step goes.
+``cost.hybrid.traffic_by_axis``. 4. each rank's model states when its optimizer step begins and its
+activation peak (1F1B keeps more micro-batches on the first stage), measured vs ``cost.hybrid``. 5.
+the measured step time next to ``perf.predict`` with a calibrated cluster file (this machine;
+``minipar calibrate``), both including the time-sharing of the cores. 6. the planner on GPT-3 175B
+with 3072 A100s (Selene): the fastest predicted layouts and why each beats the next, and the 6 x 8 x
+64 (d x t x p) grid for comparison. Then the terminal timeline; the HTML report draws the grid (one
+colour per sub-communicator), the bytes per rank stacked by mesh axis with the formula, and where
+each layout's predicted step goes.
 Writes runs/08_hybrid/hybrid.json, report.html (and a cluster file when it calibrates).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import plotly.graph_objects as go
 from rich.table import Table
 
 from lessons.common import console as make_console
 from lessons.common import finish, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
-from minipar.calibrate import FIT_FROM, calibrate, quick_options
 from minipar.cost import hybrid as formulas
 from minipar.cost import perf, planner, presets
-from minipar.cost.cluster import Cluster
 from minipar.mesh import DeviceMesh, MeshShape
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.hybrid import HybridGPT
-from viz.mesh import AXIS_COLORS
+from viz.memory_stack import before_step
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, MICRO, LR, WD = 32, 16, 32, 4, 4, 64, 8, 2, 3e-3, 0.01
 MESH = {"pp": 2, "dp": 2, "sp": 1, "tp": 2}  # change with --pp/--dp/--sp/--tp (product = ranks; tp or sp, not both)
 SCHEDULE, STEPS = "1f1b", 5  # step 0 warms up, the last is traced, the others are timed
-GPT3, GPUS, GPT3_BATCH, CLUSTER = "gpt3-175b", 3072, 1536, "a100-selene"
-GRID = {"dp": 6, "tp": 8, "pp": 64}  # the d x t x p grid attributed to GPT-3 (Narayanan et al.'s 1T layout)
 OUT = Path("runs/08_hybrid")
+scale = importlib.import_module("lessons.08_hybrid.predict")  # sections 5 and 6: perf.predict and the planner
 
 
 def tiny_layout(mesh: dict[str, int]) -> formulas.TinyLayout:
@@ -168,7 +167,10 @@ def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
         comm.barrier()
         t0 = time.perf_counter()
         with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
-            losses.append(model.step(x, y))
+            losses.append(model.forward_backward(x, y))
+            for label, nbytes in model.state_bytes().items():  # what the rank holds when its step begins
+                mtrace.memory(label, nbytes)
+            model.optimizer_step()
         seconds.append(max(comm.allgather_object(time.perf_counter() - t0)))
     return {"losses": losses, "seconds": seconds, "state": model.full_state_dict(), "held": held,
             "trace": trace_path, "mesh": mesh}
@@ -227,7 +229,30 @@ def traffic_table(trace: mtrace.Trace, shape: MeshShape) -> tuple[Table, bool]:
     return table, equal
 
 
-# ---- 4. predicted vs measured ---------------------------------------------------------------------------
+# ---- 4. memory per rank ----------------------------------------------------------------------------------
+def memory_table(trace: mtrace.Trace, shape: MeshShape) -> tuple[Table, bool]:
+    """Model states when the optimizer step begins and the activation peak, per rank, measured (the
+    trace's memory samples) / formula (``cost.hybrid.model_state_bytes``, ``activation_peak_bytes``)."""
+    c = tiny_layout(shape.degrees())
+    table = Table(title="bytes each rank holds: model states when the optimizer step begins, and the most activations "
+                        "kept at once; measured (the trace) / formula (cost.hybrid)", title_justify="left",
+                  caption="float64 AdamW: 8 bytes per parameter, 8 per gradient, 16 of state (m, v). Activations: "
+                          "1F1B keeps p - s micro-batches in flight on stage s (here all of them on stage 0, one "
+                          "on stage 1), each the Korthikanti et al. terms of its tensor-parallel blocks.",
+                  caption_justify="left")
+    for col in ("rank", "parameters", "gradients", "optimizer state", "activation peak"):
+        table.add_column(col, justify="right")
+    equal = True
+    for r in range(shape.size):
+        got, want = before_step(trace, r), formulas.model_state_bytes(c, r)
+        peak = max((e.nbytes or 0 for e in trace.select("memory", rank=r, name="activations")), default=0)
+        want_peak = formulas.activation_peak_bytes(c, r, SCHEDULE)
+        equal &= all(got.get(k) == v for k, v in want.items()) and peak == want_peak
+        table.add_row(str(r), *(f"{got.get(k, 0):,} / {v:,}" for k, v in want.items()), f"{peak:,} / {want_peak:,}")
+    return table, equal
+
+
+# ---- 5. predicted vs measured ---------------------------------------------------------------------------
 def tiny_spec() -> perf.ModelSpec:
     return perf.ModelSpec(layers=LAYERS, hidden=D_MODEL, heads=HEADS, seq=SEQ, vocab=VOCAB, ffn=D_FF,
                           bytes_per_number=8, name="the tiny GPT (float64)")
@@ -236,95 +261,6 @@ def tiny_spec() -> perf.ModelSpec:
 def tiny_perf_layout(mesh: dict[str, int]) -> perf.Layout:
     return perf.Layout(dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], sp=mesh["sp"],
                        micro_batch=BATCH // (mesh["dp"] * MICRO), global_batch=BATCH, schedule=SCHEDULE)
-
-
-def this_cluster(comm: Any, path: str | None) -> tuple[Cluster | None, str]:
-    """The cluster file at ``path``; without one, ``OUT/cluster-<backend>-<P>.json`` if an earlier run
-    wrote it, else this machine calibrated now on these ranks (``minipar calibrate --quick``'s
-    measurements, a few seconds) and saved there. Rank 0 gets the Cluster and a sentence on its origin."""
-    default = OUT / f"cluster-{comm.backend}-{comm.size}.json"
-    if path is None and not default.exists():
-        cluster = calibrate(comm, **quick_options(True))
-        if cluster is not None:
-            cluster.save(str(default))
-        return cluster, (f"calibrated now on these {comm.size} ranks (quick), saved to {default}; "
-                         f"`minipar calibrate -n {comm.size} -o FILE` measures longer, then --cluster FILE")
-    chosen = path or str(default)
-    return (Cluster.load(chosen) if comm.rank == 0 else None), f"cluster file {chosen}"
-
-
-def parts(p: perf.Prediction) -> dict[str, float]:
-    """A prediction's step in parts: compute, bubble, exposed communication per axis (seconds)."""
-    return {"compute": p.compute_seconds, "bubble": p.bubble_seconds,
-            **{f"{k} comm": v for k, v in p.comm_seconds.items() if v > 0}}
-
-
-def prediction_table(pred: perf.Prediction, measured: list[float], cluster: Cluster, origin: str) -> Table:
-    table = Table(title=f"one step, predicted (perf.predict on {cluster.name}) vs measured (median of the timed "
-                        "steps, the slowest rank)", title_justify="left",
-                  caption=f"{origin}. alpha {cluster.intra.alpha * 1e6:.0f} us, 1/beta "
-                          f"{1 / cluster.intra.beta / 1e9:.2f} GB/s, {cluster.flops / 1e9:.2f} GFLOP/s per rank "
-                          "with every rank computing.", caption_justify="left")
-    for col in ("", *parts(pred), "step", "measured", "predicted / measured"):
-        table.add_column(col, justify="right")
-    got = float(np.median(measured))
-    table.add_row("ms", *(f"{v * 1e3:.1f}" for v in parts(pred).values()), f"{pred.step_seconds * 1e3:.1f}",
-                  f"{got * 1e3:.1f}", f"{pred.step_seconds / got:.2f}")
-    return table
-
-
-def small_messages(trace: mtrace.Trace, shape: MeshShape) -> str:
-    """Which axes' messages are smaller than the sizes alpha and beta were fitted on (``FIT_FROM``)."""
-    sizes: dict[str, list[int]] = {}
-    for e in trace.events:
-        if e.kind == "comm" and e.rank == e.src and e.dst is not None and e.nbytes:
-            sizes.setdefault(shape.axis_of(e.src, e.dst), []).append(e.nbytes)
-    text = "Messages of one step, median size per axis: " + ", ".join(
-        f"{a} {int(np.median(v)):,} B ({len(v)} messages)" for a, v in sizes.items()) + "."
-    small = [a for a, v in sizes.items() if np.median(v) < FIT_FROM]
-    if small:
-        text += (f" The {' and '.join(small)} messages are below the {FIT_FROM:,} B from which the calibration fits "
-                 "alpha and beta: MPICH sends them eagerly, without the handshake that makes alpha large when ranks "
-                 "wait for a core, so the prediction overestimates their time.")
-    return text
-
-
-# ---- 5. the planner at scale ------------------------------------------------------------------------------
-def grid_prediction() -> perf.Prediction:
-    """The 6 x 8 x 64 grid on GPT-3: 96 layers on 64 stages do not split evenly (``Layout.check``
-    refuses it), so predicted with ``uneven_stages`` (the slowest stage: 2 blocks), full recomputation
-    as Narayanan et al.'s Table 1 runs."""
-    layout = perf.Layout(**GRID, micro_batch=1, global_batch=GPT3_BATCH, recompute="full")
-    return perf.predict(presets.MODELS[GPT3], layout, presets.CLUSTERS[CLUSTER], uneven_stages=True)
-
-
-def plan_table(ranked: list[planner.Candidate], grid: perf.Prediction) -> Table:
-    model, cluster = presets.MODELS[GPT3], presets.CLUSTERS[CLUSTER]
-    table = Table(title=f"{model.name}: {GPUS} GPUs on {cluster.name}, global batch {GPT3_BATCH}: the planner's "
-                        "fastest predicted layouts, and the 6 x 8 x 64 grid", title_justify="left")
-    for col in ("", "dp", "tp", "pp", "sp", "v", "b", "ZeRO", "recompute", "step s", "TFLOP/s/GPU", "GiB/GPU"):
-        table.add_column(col, justify="left" if col in ("", "recompute") else "right")
-    rows = [(str(i + 1), c.layout, c.prediction) for i, c in enumerate(ranked)] + [("grid", grid.layout, grid)]
-    for name, lay, pr in rows:
-        table.add_row(name, str(lay.dp), str(lay.tp), str(lay.pp), str(lay.sp), str(lay.chunks), str(lay.micro_batch),
-                      str(lay.zero), lay.recompute + (" +SP" if lay.sequence_parallel else ""),
-                      f"{pr.step_seconds:.2f}", f"{pr.tflops_per_gpu:.0f}", f"{pr.memory['total'] / 2**30:.1f}",
-                      style="bold" if name == "grid" else None)
-    return table
-
-
-def parts_figure(rows: dict[str, dict[str, float]], title: str) -> go.Figure:
-    """Each row's step as a horizontal bar stacked by its parts (compute, bubble, communication per
-    axis in ``viz.mesh``'s axis colours; a measured total in black)."""
-    names = list(rows)
-    kinds = list(dict.fromkeys(k for r in rows.values() for k in r))
-    colors = {"compute": "#4C78A8", "bubble": "#BAB0AC", "measured": "#333333",
-              **{f"{a} comm": c for a, c in AXIS_COLORS.items()}}
-    fig = go.Figure([go.Bar(y=names, x=[rows[n].get(k, 0.0) for n in names], name=k, orientation="h",
-                            marker={"color": colors.get(k, "#9D755D")}) for k in kinds])
-    fig.update_layout(title=title, barmode="stack", xaxis_title="seconds per step",
-                      height=max(300, 160 + 45 * len(names)), yaxis={"autorange": "reversed"}, margin={"l": 280})
-    return fig
 
 
 # ---- the lesson ------------------------------------------------------------------------------------------
@@ -343,7 +279,7 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
         OUT.mkdir(parents=True, exist_ok=True)
     comm.barrier()
     res = train(comm, mesh, steps, OUT / "hybrid.json")
-    cluster, origin = this_cluster(comm, cluster_path)
+    cluster, origin = scale.this_cluster(comm, cluster_path, OUT)
     if not lead:
         return
     shape = MeshShape(**mesh)
@@ -370,24 +306,32 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
     console.print(table)
     console.print("Every rank's bytes on every axis equal the formula." if equal else
                   "[red]measured and formula differ[/red] (see the table)", highlight=False)
-    console.rule("[bold]4. predicted vs measured step time")
+    console.rule("[bold]4. memory per rank (the last step)")
+    if shape.sp == 1:
+        table, equal = memory_table(trace, shape)
+        console.print(table)
+        console.print("Every rank holds what the formulas say." if equal else
+                      "[red]measured and formula differ[/red] (see the table)", highlight=False)
+    else:
+        console.print("(cost.hybrid.activation_peak_bytes models tensor-parallel stages; sp > 1 here.)")
+    console.rule("[bold]5. predicted vs measured step time")
     note = time_sharing(comm.size)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}. The calibrated cluster measured this sharing too "
                       "(its FLOP/s is per rank with all ranks busy), so both columns include it.", highlight=False)
     pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
     timed = res["seconds"][1:-1] or res["seconds"]
-    console.print(prediction_table(pred, timed, cluster, origin))
-    console.print(small_messages(trace, shape), highlight=False)
+    console.print(scale.prediction_table(pred, timed, cluster, origin))
+    console.print(scale.small_messages(trace, shape), highlight=False)
     if comm.backend == "threads":
         console.print("[yellow]threads:[/yellow] the ranks share one Python interpreter, so its per-operation "
                       "overhead (autograd, the schedule, the collectives' loops) runs one rank at a time and is in no "
                       "term of the model; under mpiexec each rank is a process and the comparison means more.",
                       highlight=False)
-    console.rule(f"[bold]5. the planner on GPT-3 175B, {GPUS} A100s")
-    ranked = planner.plan(presets.MODELS[GPT3], GPUS, presets.CLUSTERS[CLUSTER], GPT3_BATCH)
-    grid = grid_prediction()
-    console.print(plan_table(ranked, grid))
+    console.rule(f"[bold]6. the planner on GPT-3 175B, {scale.GPUS} A100s")
+    ranked = planner.plan(presets.MODELS[scale.GPT3], scale.GPUS, presets.CLUSTERS[scale.CLUSTER], scale.GPT3_BATCH)
+    grid = scale.grid_prediction()
+    console.print(scale.plan_table(ranked, grid))
     for i, c in enumerate(ranked):
         console.print(f"{i + 1}. {c.why()}", highlight=False)
     console.print(f"\nplanner's first: {ranked[0].prediction.explain()}\n\n6 x 8 x 64 grid (96 layers on 64 stages: "
@@ -395,13 +339,13 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
                   f"as Narayanan et al.'s Table 1 runs): {grid.explain()}", highlight=False)
     console.rule("[bold]the traced step's timeline (F / B per stage and micro-batch, sync, opt)")
     figures = [("predicted vs measured: the tiny GPT's step on this machine",
-                parts_figure({"predicted (perf.predict)": parts(pred),
-                              "measured (median step, slowest rank)": {"measured": float(np.median(timed))}},
-                             f"one step of the tiny GPT on {shape}: predicted on {cluster.name} vs measured")),
+                scale.parts_figure({"predicted (perf.predict)": scale.parts(pred),
+                                    "measured (median step, slowest rank)": {"measured": float(np.median(timed))}},
+                                   f"one step of the tiny GPT on {shape}: predicted on {cluster.name} vs measured")),
                ("the planner on GPT-3 175B: where each layout's predicted step goes",
-                parts_figure({**{c.label(): parts(c.prediction) for c in ranked[:3]},
-                              "6 x 8 x 64 grid (dp6 tp8 pp64, full recompute)": parts(grid)},
-                             f"GPT-3 175B on {GPUS} A100s: predicted seconds per step"))]
+                scale.parts_figure({**{c.label(): scale.parts(c.prediction) for c in ranked[:3]},
+                                    "6 x 8 x 64 grid (dp6 tp8 pp64, full recompute)": scale.parts(grid)},
+                                   f"GPT-3 175B on {scale.GPUS} A100s: predicted seconds per step"))]
     finish([trace], OUT / "report.html", console, titles=[f"hybrid {shape}, {SCHEDULE}, m = {MICRO}"],
            extra_figures=figures)
 
