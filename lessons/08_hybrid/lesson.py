@@ -145,6 +145,12 @@ def groups_text(shape: MeshShape) -> str:
 
 
 # ---- 2. training ------------------------------------------------------------------------------------
+def sample(model: HybridGPT) -> None:
+    """The rank's model states (parameters, gradients, optimizer state) as memory samples of the trace."""
+    for label, nbytes in model.state_bytes().items():
+        mtrace.memory(label, nbytes)
+
+
 def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
           trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """``steps`` AdamW steps of the tiny GPT on ``mesh`` (every rank, the same global batches); the
@@ -167,9 +173,9 @@ def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
         comm.barrier()
         t0 = time.perf_counter()
         with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
+            sample(model)  # held through the step (the report's peak adds the activations to it)
             losses.append(model.forward_backward(x, y))
-            for label, nbytes in model.state_bytes().items():  # what the rank holds when its step begins
-                mtrace.memory(label, nbytes)
+            sample(model)  # when the optimizer step begins
             model.optimizer_step()
         seconds.append(max(comm.allgather_object(time.perf_counter() - t0)))
     return {"losses": losses, "seconds": seconds, "state": model.full_state_dict(), "held": held,
