@@ -21,12 +21,22 @@ each is a warm-up and dropped; medians over repetitions and ranks):
    waiting rank spinning for ``minipar.comm.watchdog.SPIN`` = 1 ms before it sleeps). The two
    regimes are two lines; a training step's messages (activations, gradient chunks) are on the
    second. The smaller sizes are timed and shown beside the fit, not fitted.
-2. gamma from the ring all-reduce's time minus its alpha-beta part (``collective_time``'s
-   ``2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma``, solved for gamma by least squares over
-   several sizes), not from ``np.add`` alone: the all-reduce also copies the input into its work
-   buffer, slices chunks and streams arrays larger than the caches, and a training step pays all of
-   that; the bare ``np.add`` (also timed, ``add_gamma``) is 3-10x faster. The fit is never below
-   ``add_gamma`` (the kernel is a lower bound; noise can make the residual negative).
+2. gamma: the cost of memory-bound work, which ``minipar.cost.perf`` charges as ``gamma / 3`` per
+   byte moved (reducing a byte reads two and writes one) both for reductions and for the
+   non-matmul work of a layer (softmax, masks, GeLU, layer norms: ``perf.memory_traffic_bytes``).
+   It is measured on a small GPT (``nn.GPT``, the ``GPT`` shape below) trained forward and backward
+   on ALL ranks at once, as ``perf.predict`` would charge it: ``gamma = 3 (step time - step FLOPs /
+   FLOP/s) / (layers x memory_traffic_bytes)``, i.e. the time the FLOP term leaves over (layer
+   norms, softmax, GeLU, the loss, the autograd's bookkeeping) per byte the model counts. A whole
+   model, not one block: with 4 ranks on 2 cores the element-wise work slows ~4x against one rank
+   alone (caches shared and flushed by the switches; matmuls slow 2x), more with a model's working
+   set than with one block's (one block gave gamma ~2x too small for the GPT's own step). The
+   optimizer step is not in it (``perf`` has no optimizer term; AdamW streams its arrays and costs
+   far less per byte). Two other estimates are timed and shown, not used: the bare ``np.add``
+   (``add_gamma``, a floor for gamma; 40 GB/s here, 10-50x below what numpy's unfused element-wise
+   ops cost per counted byte), and the ring all-reduce's time minus its alpha-beta part
+   (``reduce_gamma``; on 4 ranks on 2 cores that residual is ~10% of a time dominated by 6 alpha,
+   and swung from 0.2 to 47 GB/s between runs).
 3. FLOP/s: the matmuls of a small GPT's forward and backward (``gpt_matmul_shapes``: q, k, v,
    output projections, the MLP and the vocabulary head, and their gradients) timed on ALL ranks at
    once, so the time-sharing of the cores is in the number (4 ranks on 2 cores get about half a
@@ -58,12 +68,13 @@ import numpy as np
 
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
+from minipar.cost.perf import Layout, ModelSpec, memory_traffic_bytes
 
 SIZES = tuple(8 * 4**k for k in range(11))  # 8 B .. 8 MiB, x4
 QUICK_SIZES = tuple(8 * 16**k for k in range(6))  # 8 B .. 8 MiB, x16
 ALLREDUCE_SIZES = (2**16, 2**18, 2**20, 2**22)  # bytes of float64
 QUICK_ALLREDUCE_SIZES = (2**16, 2**20)
-GPT = {"tokens": 256, "d_model": 128, "vocab": 256}  # a small GPT's matmuls (per rank)
+GPT = {"batch": 4, "seq": 64, "d_model": 128, "heads": 4, "layers": 4, "vocab": 256}  # a small GPT (per rank)
 SQUARE = 384  # the large square matmul of the solo peak
 FIT_FROM = 8192  # bytes: alpha and beta are fitted on the exchanges of at least this size
 
@@ -77,6 +88,8 @@ class Measurements:
     exchange: tuple[tuple[int, float], ...]  # (bytes, median seconds of one neighbour exchange)
     allreduce: tuple[tuple[int, float], ...]  # (bytes, median seconds of a ring all-reduce)
     add_gamma: float  # seconds per byte of np.add alone
+    reduce_gamma: float  # seconds per byte reduced: the ring all-reduce's time minus its alpha-beta part
+    gpt_seconds: float  # the GPT's forward + backward, every rank at once
     matmul_solo: float  # FLOP/s of one rank alone, square matmuls
     matmul_shared: float  # FLOP/s per rank, GPT shapes, every rank at once
     cluster: Cluster
@@ -86,8 +99,8 @@ class Measurements:
         c = self.cluster
         rows = [("alpha", f"{c.intra.alpha * 1e6:.1f} us", "per message"),
                 ("beta", f"{1 / c.intra.beta / 1e9:.2f} GB/s" if c.intra.beta else "inf", "1 / beta"),
-                ("gamma", f"{1 / c.gamma / 1e9:.2f} GB/s" if c.gamma else "inf",
-                 f"1 / gamma (np.add alone: {1 / self.add_gamma / 1e9:.1f} GB/s)"),
+                ("gamma", f"{1 / c.gamma / 1e9:.2f} GB/s", f"1 / gamma, from a GPT step (np.add alone: "
+                 f"{1 / self.add_gamma / 1e9:.1f} GB/s, all-reduce residual: {_rate(self.reduce_gamma)})"),
                 ("GFLOP/s per rank", f"{c.flops / 1e9:.2f}",
                  f"all {self.ranks} ranks at once; one alone: {self.matmul_solo / 1e9:.2f}"),
                 ("memory per rank", f"{c.memory_bytes / 2**30:.1f} GiB", "MemTotal / ranks")]
@@ -99,6 +112,10 @@ class Measurements:
             model = collective_time("allreduce", "ring", n, self.ranks, c.intra.alpha, c.intra.beta, c.gamma)
             lines.append(f"    {n:>9}: {t * 1e6:9.1f} / {model * 1e6:9.1f}")
         return "\n".join(lines)
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1 / seconds_per_byte / 1e9:.2f} GB/s" if seconds_per_byte > 0 else "inf"
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
@@ -132,7 +149,8 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
 
 def fit_gamma(sizes: Sequence[float], seconds: Sequence[float], p: int, link: Link, floor: float = 0.0) -> float:
     """Seconds per byte reduced: ``(p-1)/p n gamma`` fitted (relative least squares, through zero)
-    to a ring all-reduce's measured time minus ``2(p-1) alpha + 2(p-1)/p n beta``; at least ``floor``."""
+    to a ring all-reduce's measured time minus ``2(p-1) alpha + 2(p-1)/p n beta``; at least ``floor``
+    (``reduce_gamma`` in ``Measurements``: shown, not written to the cluster file)."""
     n = np.asarray(sizes, dtype=float)
     t = np.asarray(seconds, dtype=float)
     x = (p - 1) / p * n
@@ -210,6 +228,41 @@ def _matmul_rate(shapes: Sequence[tuple[int, int, int]], repeats: int, seed: int
     return _median_time(once, repeats)
 
 
+def gpt_spec(gpt: dict[str, int]) -> tuple[ModelSpec, Layout]:
+    """The ``ModelSpec`` and ``Layout`` (float64, one micro-batch, one rank) of the ``GPT`` shape."""
+    model = ModelSpec(layers=gpt["layers"], hidden=gpt["d_model"], heads=gpt["heads"], seq=gpt["seq"],
+                      vocab=gpt["vocab"], bytes_per_number=8)
+    return model, Layout(micro_batch=gpt["batch"], global_batch=gpt["batch"])
+
+
+def gamma_from_gpt(seconds: float, flops: float, gpt: dict[str, int], floor: float = 0.0) -> float:
+    """``3 (seconds - step FLOPs / flops) / (layers x memory_traffic_bytes)`` of the GPT ``gpt``
+    trained forward and backward in ``seconds``: the gamma with which ``perf.predict`` charges that
+    step its measured time; at least ``floor``."""
+    model, layout = gpt_spec(gpt)
+    left = seconds - model.step_flops(gpt["batch"]) / flops
+    return max(3 * left / (model.layers * memory_traffic_bytes(model, layout)), floor)
+
+
+def _gpt_times(gpt: dict[str, int], repeats: int, seed: int) -> list[float]:
+    """Seconds of one forward and backward of ``nn.GPT`` on a ``(batch, seq)`` batch of tokens."""
+    from minipar.nn import GPT as Model
+
+    model = Model(gpt["vocab"], gpt["seq"], gpt["d_model"], gpt["heads"], gpt["layers"], seed=seed)
+    params = model.parameters()
+    rng = np.random.default_rng(seed)
+    for q in params:
+        q.data[...] = rng.standard_normal(q.data.shape) * 0.05
+    idx = rng.integers(0, gpt["vocab"], (gpt["batch"], gpt["seq"]))
+    targets = np.roll(idx, -1, axis=1)
+
+    def once() -> None:
+        model.zero_grad()
+        model.loss(idx, targets).backward()
+
+    return _median_time(once, repeats)
+
+
 def _add_gamma(repeats: int) -> float:
     x, y = np.ones(2**17), np.ones(2**17)  # 1 MiB each
     return float(np.median(_median_time(lambda: np.add(x, y, out=x), repeats))) / x.nbytes
@@ -230,11 +283,15 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
     link = fit_alpha_beta([n for n, _ in fitted], [t for _, t in fitted])
     allreduce = tuple((int(n), _allreduce(comm, int(n), max(3, repeats // 2))) for n in allreduce_sizes)
     add_gamma = _add_gamma(repeats)
-    gamma = fit_gamma([n for n, _ in allreduce], [t for _, t in allreduce], p, link, floor=add_gamma)
-    shapes = gpt_matmul_shapes(**(gpt or GPT))
+    reduce_gamma = fit_gamma([n for n, _ in allreduce], [t for _, t in allreduce], p, link, floor=add_gamma)
+    gpt = gpt or GPT
+    shapes = gpt_matmul_shapes(gpt["batch"] * gpt["seq"], gpt["d_model"], gpt["vocab"])
     comm.barrier()
     shared_t = _matmul_rate(shapes, max(3, repeats // 2), seed=comm.rank)
     shared = matmul_flops(shapes) / _pooled_median(comm, shared_t)
+    comm.barrier()
+    gpt_seconds = _pooled_median(comm, _gpt_times(gpt, max(3, repeats // 2), seed=comm.rank))
+    gamma = gamma_from_gpt(gpt_seconds, shared, gpt, floor=add_gamma)
     comm.barrier()
     solo = _matmul_rate([(square, square, square)], max(3, repeats // 2), seed=0) if comm.rank == 0 else []
     comm.barrier()
@@ -246,12 +303,13 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
                       peak_flops=peak, efficiency=shared / peak, memory_bytes=memtotal_bytes() / p, intra=link,
                       inter=link, gamma=gamma,
                       source=f"minipar calibrate {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
-                             f"neighbour exchanges of {min(sizes)}-{max(sizes)} B, ring all-reduces, "
-                             f"GPT-shaped matmuls on all {p} ranks at once (see minipar/calibrate.py)")
-    for v in (link.alpha, link.beta, gamma, peak):
+                             f"neighbour exchanges of {min(sizes)}-{max(sizes)} B; GPT-shaped matmuls and "
+                             f"the GPT {gpt} on all {p} ranks at once (see minipar/calibrate.py)")
+    for v in (link.alpha, link.beta, gamma, peak, gpt_seconds):
         if not math.isfinite(v):
             raise ValueError(f"calibrate: a non-finite measurement ({v}); rerun on a quieter machine")
-    return Measurements(p, comm.backend, exchange, allreduce, add_gamma, solo_rate, shared, cluster)
+    return Measurements(p, comm.backend, exchange, allreduce, add_gamma, reduce_gamma, gpt_seconds, solo_rate,
+                        shared, cluster)
 
 
 def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwargs: Any) -> Cluster | None:

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from minipar.calibrate import (
+    GPT,
     calibrate,
     fit_alpha_beta,
     fit_gamma,
+    gamma_from_gpt,
     gpt_matmul_shapes,
     matmul_flops,
     measure,
@@ -74,6 +76,20 @@ def test_fit_gamma_recovers_the_ring_allreduce_residual():
     assert fit_gamma(sizes, seconds, p, Link(alpha, beta), floor=3e-9) == 3e-9
 
 
+def test_gamma_from_gpt_charges_the_step_what_it_took():
+    gpt = {"batch": 2, "seq": 8, "d_model": 16, "heads": 2, "layers": 3, "vocab": 32}
+    b, s, h, a, f, layers, v = 2, 8, 16, 2, 64, 3, 32
+    tokens = b * s
+    # forward: q k v proj, fc and proj, q k^T and att v per layer, the head; backward twice that
+    step_flops = 3 * (layers * tokens * (8 * h * h + 4 * h * f + 4 * s * h) + 2 * tokens * h * v)
+    # Korthikanti et al.'s bytes kept per layer (2-byte counts scaled to 8 bytes: x 4), moved 4 times
+    traffic = 4 * (10 * s * b * h + 8 * s * b * h + 4 * s * b * f + 5 * a * s * s * b) * 4
+    rate, gamma = 1e9, 2e-9
+    seconds = step_flops / rate + layers * traffic * gamma / 3
+    assert gamma_from_gpt(seconds, rate, gpt) == pytest.approx(gamma, rel=1e-12)
+    assert gamma_from_gpt(step_flops / rate, rate, gpt, floor=1e-11) == 1e-11  # nothing left: the floor
+
+
 def test_gpt_matmul_shapes_and_flops_by_hand():
     shapes = gpt_matmul_shapes(tokens=2, d_model=1, vocab=3)
     # forward: q, k, v, proj (2,1,1); fc (2,1,4); proj (2,4,1); head (2,1,3); each with 2 gradient matmuls
@@ -124,7 +140,8 @@ def test_calibrate_two_thread_ranks(tmp_path):
     mine = _my_matmul_rate()
     assert 0.2 * mine <= c.flops <= 5 * mine, (c.flops, mine)
     assert [n for n, _ in m0.exchange] == list(QUICK["sizes"])
-    assert c.gamma >= m0.add_gamma
+    assert c.gamma == gamma_from_gpt(m0.gpt_seconds, m0.matmul_shared, GPT, floor=m0.add_gamma)
+    assert m0.reduce_gamma >= m0.add_gamma > 0
     path = tmp_path / "cluster.json"
     c.save(str(path))
     assert Cluster.load(str(path)) == c
