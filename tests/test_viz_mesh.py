@@ -6,7 +6,11 @@ boxes placed by stage, replica and tp slice with one colour per sub-communicator
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
+from test_viz_browser import CHROMIUM, _chromium, _errors, _figures
 
 from minipar.trace import Event, Trace
 from viz import figures, report
@@ -122,3 +126,22 @@ def test_report_draws_the_mesh_and_groups_traffic_by_axis() -> None:
     assert "device mesh: hand-made mesh" in page and "per mesh axis" in page
     plain = report.render([Trace({"world_size": 2}, message(0, 1, 10, 0.0))], ["plain"])
     assert "fig-mesh" not in plain and "per mesh axis" not in plain and "bytes sent per rank, per op" in plain
+
+
+def test_the_mesh_comes_before_the_callers_figures() -> None:
+    extra = [("grid again", V.grid_figure({"pp": 1, "dp": 2, "sp": 1, "tp": 2}))]
+    page = report.render([mesh_trace()], ["m"], extra_figures=extra)
+    assert page.index('id="fig-mesh-grid"') < page.index('id="fig-mesh-traffic"') < page.index('id="fig-extra-0"')
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM) and not os.environ.get("CI"), reason="Debian chromium not installed")
+def test_mesh_figures_render_in_chromium(tmp_path) -> None:
+    out = tmp_path / "report.html"
+    report.write_report([mesh_trace(expected_bytes_by_axis={"tp": TP})], out, titles=["hand-made mesh"])
+    dom = _chromium(tmp_path, out.as_uri(), "--window-size=1280,3000", "--dump-dom")
+    assert _errors(dom) == []
+    figs = _figures(dom)
+    for name in ("fig-mesh-grid", "fig-mesh-traffic", "fig-0-traffic"):
+        assert 'class="main-svg"' in figs[name], f"{name} drew no plot SVG"
+    # the grid's boxes carry their ranks: 3 panels (pp, dp, tp) x 8 ranks
+    assert sorted(re.findall(r">rank (\d)<", figs["fig-mesh-grid"])) == sorted(str(r) for r in range(8) for _ in "pdt")
