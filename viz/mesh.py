@@ -21,7 +21,7 @@ the viewer needs: it rebuilds the coordinates itself and imports nothing of mini
 - ``axis_traffic_figure(trace)``: bytes per rank stacked by axis, the formula as a tick at the top of
   each axis's segment.
 
-Cost: O(E) for E events, O(P) shapes for P ranks.
+Cost: O(E) for E events, O(P) shapes per panel for P ranks.
 """
 
 from __future__ import annotations
