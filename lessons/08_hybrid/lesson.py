@@ -221,7 +221,9 @@ def traffic_table(trace: mtrace.Trace, shape: MeshShape) -> tuple[Table, bool]:
                   caption="tp: per micro-batch and block 2 all-reduces of the b x S x d activation forward and 2 "
                           "backward, the embedding's g and the head's f, the loss's 3 small all-reduces; pp: one "
                           "activation per micro-batch forward and its gradient back, and the loss broadcast; dp: "
-                          "the ring all-reduce of this rank's gradients, 2 (N-1)/N x 8 bytes x its parameters.",
+                          "the ring all-reduce of this rank's gradients, 2 (N-1)/N x 8 bytes x its parameters (with "
+                          "sp > 1 the ring runs over the dp x sp replicas; a rank's hop to its successor lands on "
+                          "sp or dp+sp; sp itself carries Ulysses' all-to-alls).",
                   caption_justify="left")
     for col in ("rank", "coords", *axes, "total"):
         table.add_column(col, justify="right")
