@@ -273,11 +273,20 @@ def tiny_perf_layout(mesh: dict[str, int]) -> perf.Layout:
 
 # ---- the lesson ------------------------------------------------------------------------------------------
 def check_ranks(p: int, mesh: dict[str, int] | None = None) -> str | None:
-    shape = MeshShape(**(mesh or MESH))
+    """What is wrong with running ``mesh`` on ``p`` ranks (None when nothing): the world size, then the
+    layout's own problems (``perf.Layout.check``: degrees dividing heads, layers, the batch)."""
+    mesh = mesh or MESH
+    shape = MeshShape(**mesh)
     if p != shape.size:
         return (f"lesson 8 runs the mesh {shape} on {shape.size} ranks: run it on {shape.size}, or change the "
                 f"degrees with --pp/--dp/--sp/--tp (got {p})")
-    return None
+    if BATCH % (mesh["dp"] * MICRO):
+        return (f"the mesh {shape}: the global batch of {BATCH} does not split into dp x micro-batches = "
+                f"{mesh['dp']} x {MICRO}: choose dp dividing {BATCH // MICRO}")
+    problems = tiny_perf_layout(mesh).check(tiny_spec())
+    if mesh["tp"] > 1 and mesh["sp"] > 1:
+        problems.insert(0, "a stage is tensor- or sequence-parallel: set --tp 1 or --sp 1")
+    return f"the mesh {shape}: " + "; ".join(problems) if problems else None
 
 
 def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -> None:
