@@ -174,8 +174,7 @@ def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
         t0 = time.perf_counter()
         with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
             sample(model)  # held through the step (the report's peak adds the activations to it)
-            losses.append(model.forward_backward(x, y))
-            sample(model)  # when the optimizer step begins
+            losses.append(model.forward_backward(x, y))  # samples them again when the optimizer step begins
             model.optimizer_step()
         seconds.append(max(comm.allgather_object(time.perf_counter() - t0)))
     return {"losses": losses, "seconds": seconds, "state": model.full_state_dict(), "held": held,

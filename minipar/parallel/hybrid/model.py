@@ -169,6 +169,7 @@ class HybridGPT:
                 sync_sequence_parallel_grads(self.module, self.mesh["tp"])
             if self.zero is None:
                 average_grads(self.module.parameters(), self.replicas)
+        self._sample()  # when the optimizer step begins
         return float(np.mean(self.replicas.allgather_object(loss)))  # control plane: not traffic
 
     def optimizer_step(self) -> None:
@@ -177,9 +178,12 @@ class HybridGPT:
         else:
             with trace.span("opt", args={"iteration": self.pipe.iteration - 1}):
                 self.optimizer.step()
-            if trace.current() is not None:  # ZeRO samples its own
-                for label, nbytes in self.state_bytes().items():
-                    trace.memory(label, nbytes)
+            self._sample()  # ZeRO samples its own
+
+    def _sample(self) -> None:
+        if trace.current() is not None:
+            for label, nbytes in self.state_bytes().items():
+                trace.memory(label, nbytes)
 
     def step(self, idx: np.ndarray, targets: np.ndarray) -> float:
         loss = self.forward_backward(idx, targets)
