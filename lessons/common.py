@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,19 @@ def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str |
     print(f"(no mpiexec: {ranks} ranks run as threads of this process; --ranks N to change, "
           f"or mpiexec -n N for real processes)")
     return launch(body, ranks, "threads", **kwargs)[0]
+
+
+def one_process(model: Any, optimizer: Any, batches: Iterable[tuple[Any, Any]]) -> list[float]:
+    """The reference every lesson compares with: ``model`` trained by ``optimizer`` in one process on
+    each ``(x, y)`` of ``batches`` (the whole global batch); the losses, step by step."""
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = model.loss(x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def time_sharing(ranks: int) -> str | None:

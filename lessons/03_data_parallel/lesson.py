@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from lessons.common import console, finish, run_ranks, time_sharing
+from lessons.common import console, finish, one_process, run_ranks, time_sharing
 from minipar import datasets, trace
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.nn import GPT, Module
@@ -64,14 +64,7 @@ def single_process(steps: int) -> list[float]:
     """The reference: one process, the whole global batch, plain SGD."""
     m = model()
     opt = SGD(m.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = m.loss(*batch(step))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process(m, opt, (batch(step) for step in range(steps)))
 
 
 def sent_matrix(t: trace.Trace) -> np.ndarray:

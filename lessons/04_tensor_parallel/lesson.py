@@ -31,7 +31,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, run_ranks
+from lessons.common import finish, one_process, run_ranks
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import ring_bytes
@@ -125,14 +125,7 @@ def train(comm: Any, sequence_parallel: bool, steps: int = 4,
 def single_process_losses(steps: int, layers: int = LAYERS, batch: int = BATCH) -> list[float]:
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, layers, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    losses = []
-    for x, y in batches(steps, batch):
-        loss = model.loss(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process(model, opt, batches(steps, batch))
 
 
 # ---- 3. measured vs formula -----------------------------------------------------------------------

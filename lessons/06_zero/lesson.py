@@ -43,7 +43,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, run_ranks, time_sharing
+from lessons.common import finish, one_process, run_ranks, time_sharing
 from minipar import datasets, nn
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
@@ -163,14 +163,7 @@ def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[s
 def single_process_losses(steps: int) -> list[float]:
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in batches(steps):
-        loss = model.loss(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return one_process(model, opt, batches(steps))
 
 
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[tuple[int, int], dict[str, Any]]:

@@ -44,7 +44,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, run_ranks, time_sharing
+from lessons.common import finish, one_process, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import hybrid as formulas
@@ -185,14 +185,7 @@ def single_process(steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
     """One process: ``nn.GPT`` and ``AdamW`` on the whole batch, the same initialisation."""
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses = []
-    for x, y in batches(steps):
-        loss = model.loss(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return one_process(model, opt, batches(steps)), model.state_dict()
 
 
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
