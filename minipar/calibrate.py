@@ -287,10 +287,10 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
     gpt = gpt or GPT
     shapes = gpt_matmul_shapes(gpt["batch"] * gpt["seq"], gpt["d_model"], gpt["vocab"])
     comm.barrier()
-    shared_t = _matmul_rate(shapes, max(3, repeats // 2), seed=comm.rank)
+    shared_t = _matmul_rate(shapes, repeats, seed=comm.rank)
     shared = matmul_flops(shapes) / _pooled_median(comm, shared_t)
     comm.barrier()
-    gpt_seconds = _pooled_median(comm, _gpt_times(gpt, max(3, repeats // 2), seed=comm.rank))
+    gpt_seconds = _pooled_median(comm, _gpt_times(gpt, repeats, seed=comm.rank))
     gamma = gamma_from_gpt(gpt_seconds, shared, gpt, floor=add_gamma)
     comm.barrier()
     solo = _matmul_rate([(square, square, square)], max(3, repeats // 2), seed=0) if comm.rank == 0 else []
