@@ -52,12 +52,6 @@ class Cluster:
         """Achievable FLOP/s per GPU."""
         return self.peak_flops * self.efficiency
 
-    def link(self, group_span: int) -> Link:
-        """The slowest link a group of ranks uses when its members sit ``group_span`` ranks apart in
-        the world at most (consecutive ranks share a node): ``intra`` while the group fits in one
-        node, else ``inter``."""
-        return self.intra if group_span <= self.gpus_per_node else self.inter
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
@@ -70,39 +64,49 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "cluster") -> Cluster:
-        """A ``Cluster`` from a dict like ``to_json``'s; ``ValueError`` naming every problem."""
+        """A ``Cluster`` from a dict like ``to_json``'s; ``ValueError`` naming every problem (a missing
+        or unknown field, a value of the wrong type, not finite, or out of range)."""
         problems = []
         names = {f.name for f in fields(cls)}
-        need = names - {"source"}
-        missing = sorted(need - data.keys())
+        missing = sorted(names - {"source"} - data.keys())
         unknown = sorted(data.keys() - names)
         if missing:
             problems.append(f"missing fields {missing}")
         if unknown:
             problems.append(f"unknown fields {unknown}")
+
+        def number(key: str, value: Any, low: float, strict: bool) -> bool:
+            ok = (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                  and (value > low if strict else value >= low))
+            if not ok:
+                problems.append(f"{key} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+            return ok
+
         links = {}
         for key in ("intra", "inter"):
-            link = data.get(key)
-            if key in data and (not isinstance(link, dict) or set(link) != {"alpha", "beta"}):
+            if key not in data:
+                continue
+            link = data[key]
+            if not isinstance(link, dict) or set(link) != {"alpha", "beta"}:
                 problems.append(f"{key} must be {{\"alpha\": seconds, \"beta\": seconds per byte}}, got {link!r}")
-            elif key in data:
+            elif number(f"{key}.alpha", link["alpha"], 0, False) & number(f"{key}.beta", link["beta"], 0, False):
                 links[key] = Link(float(link["alpha"]), float(link["beta"]))
-                if not all(math.isfinite(v) and v >= 0 for v in (link["alpha"], link["beta"])):
-                    problems.append(f"{key} alpha and beta must be finite and >= 0")
-        positive = ("gpus_per_node", "peak_flops", "efficiency", "memory_bytes")
-        for key in positive:
-            if key in data and not (isinstance(data[key], int | float) and data[key] > 0):
-                problems.append(f"{key} must be a number > 0, got {data[key]!r}")
-        if isinstance(data.get("efficiency"), int | float) and data["efficiency"] > 1:
-            problems.append(f"efficiency is a fraction of the peak (0 < efficiency <= 1), got {data['efficiency']}")
-        if "gamma" in data and not (isinstance(data["gamma"], int | float) and data["gamma"] >= 0):
-            problems.append(f"gamma must be a number >= 0, got {data['gamma']!r}")
+        gpus = data.get("gpus_per_node")
+        if "gpus_per_node" in data and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
+            problems.append(f"gpus_per_node must be a whole number >= 1, got {gpus!r}")
+        for key in ("peak_flops", "efficiency", "memory_bytes"):
+            if key in data and number(key, data[key], 0, True) and key == "efficiency" and data[key] > 1:
+                problems.append(f"efficiency is a fraction of the peak (0 < efficiency <= 1), got {data[key]}")
+        if "gamma" in data:
+            number("gamma", data["gamma"], 0, False)
+        if "name" in data and not isinstance(data["name"], str):
+            problems.append(f"name must be a string, got {data['name']!r}")
         if problems:
             raise ValueError(f"{where}: " + "; ".join(problems))
-        return cls(name=str(data["name"]), gpus_per_node=int(data["gpus_per_node"]),
-                   peak_flops=float(data["peak_flops"]), efficiency=float(data["efficiency"]),
-                   memory_bytes=float(data["memory_bytes"]), intra=links["intra"], inter=links["inter"],
-                   gamma=float(data["gamma"]), source=str(data.get("source", "")))
+        return cls(name=data["name"], gpus_per_node=gpus, peak_flops=float(data["peak_flops"]),
+                   efficiency=float(data["efficiency"]), memory_bytes=float(data["memory_bytes"]),
+                   intra=links["intra"], inter=links["inter"], gamma=float(data["gamma"]),
+                   source=str(data.get("source", "")))
 
     @classmethod
     def load(cls, path: str) -> Cluster:
