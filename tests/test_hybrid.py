@@ -39,7 +39,7 @@ LOSS_REL = [1e-12, 1e-10]
 def config(degrees: dict, **kw: object) -> dict:
     base = {"degrees": degrees, "vocab": 16, "seq": 8, "d": 16, "heads": 4, "layers": 4, "batch": 8,
             "schedule": "1f1b", "microbatches": 2, "chunks": 1, "sequence_parallel": False, "sp_method": "ulysses",
-            "ulysses": None, "zero_stage": 0, "seed": 3}
+            "ulysses": None, "zero_stage": 0, "seed": 3, "layer_counts": None, "zigzag": False}
     return {**base, **kw}
 
 
@@ -50,12 +50,14 @@ EXAMPLES = [
     config({"dp": 2, "sp": 4}, sp_method="hybrid", ulysses=2, microbatches=1, zero_stage=1),
     config({"pp": 4}, schedule="gpipe", microbatches=4),
     config({"dp": 2, "tp": 2}, sequence_parallel=True, microbatches=1),
+    config({"pp": 2, "dp": 2}, schedule="naive", layer_counts=(2, 4)),
+    config({"dp": 2, "sp": 2}, sp_method="ring", zigzag=True, zero_stage=1),
 ]
 
 
 def tokens(c: dict, step: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng([c["seed"], step])
-    return tuple(rng.integers(0, c["vocab"], (c["batch"], c["seq"])) for _ in range(2))
+    return tuple(rng.integers(0, c.get("token_vocab", c["vocab"]), (c["batch"], c["seq"])) for _ in range(2))
 
 
 def build(comm, c: dict) -> HybridGPT:
@@ -63,7 +65,13 @@ def build(comm, c: dict) -> HybridGPT:
     return HybridGPT(mesh, c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], schedule=c["schedule"],
                      microbatches=c["microbatches"], chunks=c["chunks"], sequence_parallel=c["sequence_parallel"],
                      sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"], lr=LR,
-                     seed=c["seed"])
+                     seed=c["seed"], layers=c.get("layer_counts"), zigzag=c.get("zigzag", False))
+
+
+def slices(model: HybridGPT, attr: str) -> dict[str, tuple[np.ndarray, tuple | None]]:
+    """This rank's own piece of every parameter it holds (or of its gradient), with where it sits."""
+    return {n: (np.array(getattr(p, attr) if getattr(p, attr) is not None else np.zeros_like(p.data)), p.shard)
+            for n, p in model.pipe.named_parameters()}
 
 
 def hybrid_run(comm, c: dict, path: str) -> dict:
@@ -73,11 +81,11 @@ def hybrid_run(comm, c: dict, path: str) -> dict:
         for step in range(STEPS):
             out["losses"].append(model.forward_backward(*tokens(c, step)))
             if step == 0 and c["zero_stage"] == 0:
-                out["grads"] = model.full_grads()
+                out["grads"], out["grad_slices"] = model.full_grads(), slices(model, "grad")
             if step == STEPS - 1:
                 out["states"] = model.state_bytes()
             model.optimizer_step()
-    out["final"] = model.full_state_dict()
+    out["final"], out["final_slices"] = model.full_state_dict(), slices(model, "data")
     return out
 
 
@@ -100,7 +108,8 @@ def hybrid_reference(c: dict) -> dict:
 def layout_of(c: dict) -> TinyLayout:
     return TinyLayout(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], 4 * c["d"], c["batch"],
                       microbatches=c["microbatches"], chunks=c["chunks"], sequence_parallel=c["sequence_parallel"],
-                      sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"], **c["degrees"])
+                      sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"],
+                      stage_layers=c.get("layer_counts"), **c["degrees"])
 
 
 def sent_by_axis(path: str, shape: MeshShape) -> tuple[dict[int, dict[str, int]], dict[int, int]]:
@@ -121,8 +130,18 @@ def check_hybrid(c: dict, results: list[dict], path: str) -> None:
     for step, want in enumerate(ref["losses"]):
         for r, got in enumerate(results):
             assert got["losses"][step] == pytest.approx(want, rel=LOSS_REL[step]), (step, r)
-    got = results[0]  # full_grads / full_state_dict: assembled on every rank alike
-    assert all(res["final"].keys() == ref["final"].keys() for res in results)
+    for r, got in enumerate(results):  # every rank's own pieces, every replica
+        assert got["final"].keys() == ref["final"].keys()
+        if c["zero_stage"] == 0:
+            for name, (piece, where) in got["grad_slices"].items():
+                want = ref["grads"][name][where if where is not None else ...]
+                np.testing.assert_allclose(piece, want, err_msg=f"rank {r} grads {name}", **GRAD_TOL)
+        for name, (piece, where) in got["final_slices"].items():
+            at = where if where is not None else ...
+            want, small = ref["final"][name][at], np.abs(ref["grads"][name][at]) < SMALL_GRAD
+            for part, tol in ((~small, PARAM_TOL), (small, SMALL_GRAD_TOL)):
+                np.testing.assert_allclose(piece[part], want[part], err_msg=f"rank {r} final {name}", **tol)
+    got = results[0]  # and the whole model as full_grads / full_state_dict assemble it
     if c["zero_stage"] == 0:
         for name, want in ref["grads"].items():
             np.testing.assert_allclose(got["grads"][name], want, err_msg=f"grads {name}", **GRAD_TOL)
@@ -190,6 +209,9 @@ BAD = [
     (config({"pp": 2, "dp": 2}, zero_stage=2), "zero_stage=2"),
     (config({"pp": 2, "dp": 2}, schedule="interleaved", chunks=2, microbatches=3), "multiple of"),
     (config({"dp": 4}, batch=6), "global batch of 6 is not divisible by dp x m = 4 x 2; use a multiple of 8"),
+    (config({"pp": 2}, vocab=12, token_vocab=16), "must lie in [0, 12)"),  # on every rank, not one stage
+    (config({"dp": 2}, sp_method="foo"), "sp_method='foo'"),
+    (config({"pp": 2}, layer_counts=(3, 2)), "layers=[3, 2] (per virtual stage, counting the embedding"),
 ]
 
 

@@ -181,11 +181,12 @@ def traffic_by_axis(c: TinyLayout, rank: int) -> dict[str, int]:
 
 def model_state_bytes(c: TinyLayout, rank: int) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state a rank holds after a step: DDP keeps all
-    three for its parameters (8 + 8 + 16 bytes each); ZeRO-1 shards the optimizer state over the
-    ``dp x sp`` replicas (``zero.zero_state_bytes``, one bucket)."""
-    numel = parameters_per_rank(c, c.coords(rank)["pp"])
+    three for its parameters (``e + e + 2e`` bytes each: AdamW's two moments in the parameters'
+    type); ZeRO-1 (float64) shards the optimizer state over the ``dp x sp`` replicas
+    (``zero.zero_state_bytes``, one bucket)."""
+    numel, e = parameters_per_rank(c, c.coords(rank)["pp"]), c.itemsize
     if c.zero_stage == 0:
-        return {"parameters": 8 * numel, "gradients": 8 * numel, "optimizer state": 16 * numel}
+        return {"parameters": e * numel, "gradients": e * numel, "optimizer state": 2 * e * numel}
     co = c.coords(rank)
     return zero.zero_state_bytes([numel], c.zero_stage, c.dp * c.sp, co["dp"] * c.sp + co["sp"])
 

@@ -34,9 +34,10 @@ from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
 from minipar.parallel.ddp import average_grads
 from minipar.parallel.pipeline import Pipeline, make_schedule
-from minipar.parallel.pipeline.partition import gpt_layer_counts
+from minipar.parallel.pipeline.partition import gpt_layer_counts, split_layers
 from minipar.parallel.sequence.layout import check_sequence_config
 from minipar.parallel.sequence.model import SequenceGroup
+from minipar.parallel.tensor.layers import check_tokens
 from minipar.parallel.tensor.model import check_tp_config, sync_sequence_parallel_grads
 from minipar.parallel.zero import ZeroDataParallel
 
@@ -48,7 +49,7 @@ SP_METHODS = ("ulysses", "ring", "hybrid")
 def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
                         n_layers: int, d_ff: int, schedule: str, microbatches: int, chunks: int,
                         sequence_parallel: bool, sp_method: str, ulysses: int | None, zero_stage: int,
-                        layers: Sequence[int] | None) -> None:
+                        layers: Sequence[int] | None, dtype: Any = np.float64) -> None:
     """``ValueError`` listing every problem (the same on every rank, before any message)."""
     tp, sp, pp = (mesh.degree(a) for a in ("tp", "sp", "pp"))
     problems = []
@@ -69,10 +70,21 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
         problems.append(f"Megatron-SP splits the sequence of {seq_len} over tp={tp}: use a multiple of {tp}")
     if sp > 1:
         collect(check_sequence_config, mesh["sp"], seq_len, n_heads, d_model, sp_method, ulysses)
+    if sp_method not in SP_METHODS:
+        problems.append(f"sp_method={sp_method!r}; choose one of {SP_METHODS}")
     collect(make_schedule, schedule, pp, microbatches, chunks)
     stages = pp * max(1, chunks if schedule == "interleaved" else 1)
     if layers is None:
         collect(gpt_layer_counts, n_layers, stages)
+    else:
+        try:
+            split_layers(n_layers + 2, stages, layers)
+        except ValueError as exc:
+            problems.append(f"layers={list(layers)} (per virtual stage, counting the embedding and the head as "
+                            f"layers: {n_layers} blocks + 2): {exc}")
+    if zero_stage == 1 and np.dtype(dtype) != np.float64:
+        problems.append(f"zero_stage=1 trains in float64 here (ZeroDataParallel's precision='fp64'); got dtype "
+                        f"{np.dtype(dtype)}: use float64 or zero_stage=0")
     if zero_stage not in (0, 1):
         problems.append(f"zero_stage={zero_stage}: on a mesh the data-parallel axis runs DDP (0) or ZeRO stage 1 "
                         "(Megatron-LM's distributed optimizer); stages 2 and 3 reduce or gather once per "
@@ -111,7 +123,7 @@ class HybridGPT:
                  eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0, dtype: Any = np.float64) -> None:
         d_ff = d_ff or 4 * d_model
         check_hybrid_config(mesh, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, schedule, microbatches,
-                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers)
+                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype)
         self.mesh, self.seq_len, self.vocab_size = mesh, seq_len, vocab_size
         self.sequence_parallel, self.zero_stage, self.microbatches = sequence_parallel, zero_stage, microbatches
         self.replicas = mesh.group("dp", "sp")  # ranks holding the same parameter slices
@@ -151,6 +163,11 @@ class HybridGPT:
             problems.append(f"sequences of {idx.shape[1]} tokens; the model takes seq_len={self.seq_len}")
         elif self.sequence_parallel and idx.shape[1] % self.mesh.degree("tp"):
             problems.append(f"Megatron-SP splits the {idx.shape[1]} positions over tp={self.mesh.degree('tp')}")
+        for what, a in (("token ids", idx), ("targets", targets)):  # each stage checks only what it reads
+            try:
+                check_tokens(a, self.vocab_size, what)
+            except ValueError as exc:
+                problems.append(str(exc))
         if problems:
             raise ValueError("hybrid: " + "; ".join(problems))
         rows = np.split(np.arange(idx.shape[0]), dp)[self.mesh.coords["dp"]]
