@@ -203,7 +203,7 @@ def hybrid_configs(draw: st.DrawFn, world: int) -> dict:
     split = t * s
     heads = split * draw(st.integers(1, 2))
     d = heads * draw(st.sampled_from([2, 4]))
-    schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved"] if pp > 1 else ["1f1b", "gpipe"]))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "naive", "interleaved"] if pp > 1 else ["1f1b", "gpipe"]))
     chunks = 2 if schedule == "interleaved" else 1
     m = draw(st.sampled_from([pp, 2 * pp])) if schedule == "interleaved" else draw(st.integers(1, 3))
     layers = pp * chunks + draw(st.integers(0, 1))
@@ -214,4 +214,5 @@ def hybrid_configs(draw: st.DrawFn, world: int) -> dict:
             "layers": layers, "batch": degrees["dp"] * m * draw(st.integers(1, 2)), "schedule": schedule,
             "microbatches": m, "chunks": chunks, "sequence_parallel": t > 1 and draw(st.booleans()),
             "sp_method": method, "ulysses": 2 if method == "hybrid" else None,
-            "zero_stage": draw(st.sampled_from([0, 1])), "seed": draw(st.integers(0, 2**16))}
+            "zero_stage": draw(st.sampled_from([0, 1])), "seed": draw(st.integers(0, 2**16)),
+            "zigzag": s > 1 and draw(st.booleans())}
