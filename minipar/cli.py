@@ -229,6 +229,8 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     where.add_argument("--preset", default="a100-selene", help="a cluster preset (default a100-selene)")
     p.add_argument("--global-batch", type=int, default=1536, help="sequences per step (default 1536)")
     p.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    p.add_argument("--zero", type=int, nargs="+", choices=range(4), default=[0, 1, 2, 3], metavar="STAGE",
+                   help="ZeRO stages to try (default 0 1 2 3; 2 and 3 only with pp = 1, as DeepSpeed requires)")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -254,7 +256,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"no cluster preset {args.preset!r}; choose one of {', '.join(CLUSTERS)} or --cluster FILE")
     model = MODELS[args.model]
     try:
-        ranked = plan(model, args.gpus, cluster, args.global_batch, top=args.top)
+        ranked = plan(model, args.gpus, cluster, args.global_batch, zero_stages=tuple(sorted(set(args.zero))),
+                      top=args.top)
     except NoFit as exc:
         print(f"minipar: {exc}", file=sys.stderr)
         return 1
@@ -265,7 +268,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col in ("recompute", "why") else "right")
     for c in ranked:
         lay, pr = c.layout, c.prediction
-        table.add_row(str(lay.dp), str(lay.tp), str(lay.pp), str(lay.sp), str(lay.chunks), str(lay.micro_batch),
+        pp = str(lay.pp) + (" uneven" if c.label().endswith(" uneven") else "")
+        table.add_row(str(lay.dp), str(lay.tp), pp, str(lay.sp), str(lay.chunks), str(lay.micro_batch),
                       str(lay.zero), lay.recompute + (" +SP" if lay.sequence_parallel else ""),
                       f"{pr.step_seconds:.2f}", f"{pr.tflops_per_gpu:.0f}", f"{pr.memory['total'] / 2**30:.1f}",
                       c.why())

@@ -201,12 +201,72 @@ def test_tp_with_megatron_sp_and_ulysses_seconds_by_hand() -> None:
     cluster = replace(TOY, gamma=0.0)  # intra: alpha 1e-6, beta 1e-10
     A = s * b * h * 2
     one = 1e-6 + 1 / 2 * A * 1e-10  # a ring all-gather or reduce-scatter on t = 2
-    # forward 2 all-gathers + 2 reduce-scatters, backward 4 all-gathers (2 re-gathers) + 2 reduce-scatters
+    # Korthikanti et al. 2022 Sec. 4.2.2: forward 2 all-gathers + 2 reduce-scatters, backward the same
+    # (the 2 re-gathers of the column-parallel inputs overlap the input-gradient GEMM): 8 per layer,
+    # the volume of 4 all-reduces of A
     p = predict(model, Layout(tp=2, sequence_parallel=True, global_batch=1), cluster)
-    assert p.comm_seconds["tp"] == pytest.approx(L * 10 * one)
+    assert p.comm_seconds["tp"] == pytest.approx(L * 8 * one)
+    allreduce = 2 * 1e-6 + 2 * 1 / 2 * A * 1e-10
+    assert p.comm_seconds["tp"] - L * 4 * allreduce == pytest.approx(0.0, abs=1e-18)
+    # full recomputation runs the forward's 2 + 2 again: 12 per layer
+    p = predict(model, Layout(tp=2, sequence_parallel=True, global_batch=1, recompute="full"), cluster)
+    assert p.comm_seconds["tp"] == pytest.approx(L * 12 * one)
     # Ulysses on u = 2: 4 all-to-alls of the (b, s/2, h) shard forward, 4 backward; pairwise, 1 step
     shard = s // 2 * b * h * 2
     p = predict(model, Layout(sp=2, global_batch=1), cluster)
     assert p.comm_seconds["sp"] == pytest.approx(L * 8 * (1e-6 + shard / 2 * 1e-10))
     p = predict(model, Layout(sp=2, global_batch=1, recompute="full"), cluster)
     assert p.comm_seconds["sp"] == pytest.approx(L * 12 * (1e-6 + shard / 2 * 1e-10))
+
+
+def test_megatron_sp_needs_seq_divisible_by_tp() -> None:
+    """HybridGPT splits the sequence over tp under Megatron-SP: seq 1026 on tp 4 is refused."""
+    model = ModelSpec(layers=2, hidden=64, heads=4, seq=1026, vocab=128)
+    assert Layout(tp=4, sequence_parallel=True).check(model) == [
+        "sequence_parallel (Megatron-SP) splits the sequence over tp: tp=4 does not divide seq=1026; choose tp "
+        "dividing the sequence length or turn it off"]
+    assert Layout(tp=4).check(model) == []
+    assert Layout(tp=2, sequence_parallel=True).check(model) == []  # 1026 = 2 x 513
+
+
+def test_a_world_inside_one_node_uses_nvlink_for_every_axis() -> None:
+    """World 6 (tp 3 x pp 2) on an 8-GPU node: 3 does not divide 8, but every rank is in node 0."""
+    from minipar.cost.perf import group_link
+
+    assert group_link(TOY, 3, 6) == TOY.intra and group_link(TOY, 6, 6) == TOY.intra
+    assert group_link(TOY, 3, 12) == TOY.inter  # ranks 6-8 straddle two nodes
+    assert group_link(TOY, 4, 16) == TOY.intra and group_link(TOY, 16, 16) == TOY.inter
+    model = ModelSpec(layers=2, hidden=48, heads=3, seq=16, vocab=30)
+    p = predict(model, Layout(tp=3, pp=2, global_batch=4), replace(TOY, gamma=0.0))
+    A = 16 * 1 * 48 * 2
+    send = 1e-6 + A / 3 * 1e-10  # s b h w / t on the intra link
+    assert p.comm_seconds["pp"] == pytest.approx(2 * (4 + 2 - 1) * send)
+    allreduce = 2 * 2 * 1e-6 + 2 * 2 / 3 * A * 1e-10  # ring on 3 ranks, intra
+    assert p.comm_seconds["tp"] == pytest.approx(4 * 1 * 4 * allreduce)  # m x 1 block per stage x 4
+
+
+def test_uneven_stages_memory_and_compute_follow_the_partition() -> None:
+    """5 blocks on 2 stages with a head 12 times a block's FLOPs: the DP puts the embedding and all 5
+    blocks on stage 0 and the head alone on stage 1 (any other cut leaves the head plus a block
+    last). Stage 0 then holds 5 blocks' parameters and 2 micro-batches of 5 blocks (not ceil(5/2) = 3)."""
+    s, h, a = 8, 16, 2
+    V = 144 * h + 24 * s  # 2 h V = 12 (24 h^2 + 4 s h): the head is 12 blocks
+    model = ModelSpec(layers=5, hidden=h, heads=a, seq=s, vocab=V)
+    block_fwd, head_fwd = s * (24 * h * h + 4 * s * h), 2 * s * h * V
+    assert head_fwd == 12 * block_fwd
+    p = predict(model, Layout(pp=2, global_batch=2), TOY, uneven_stages=True)
+    emb, block = V * h + s * h, 12 * h * h + 13 * h
+    per_layer = s * h * (34 + 5 * a * s / h)  # b = 1
+    assert p.memory["activations"] == pytest.approx(2 * 5 * per_layer)
+    assert p.memory["parameters"] == pytest.approx(2 * (emb + 5 * block))
+    assert p.memory["total"] == pytest.approx(16 * (emb + 5 * block) + 2 * 5 * per_layer)
+    assert p.compute_seconds == pytest.approx(2 * 3 * head_fwd / 1e12)  # m = 2, the head's stage, gamma = 0
+    assert p.memory_bound_seconds == 0.0
+    # tp = 2: the stage with the most blocks (5) sets the tp communication: m x 5 x 4 all-reduces
+    p = predict(model, Layout(tp=2, pp=2, global_batch=2), TOY, uneven_stages=True)
+    A = s * h * 2
+    assert p.comm_seconds["tp"] == pytest.approx(2 * 5 * 4 * (2 * 1e-6 + A * 1e-10))
+
+
+def test_selene_a100_holds_80_gib() -> None:
+    assert SELENE.memory_bytes == 81920 * 2**20 == 85_899_345_920  # nvidia-smi: 81920MiB

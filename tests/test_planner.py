@@ -12,8 +12,8 @@ import pytest
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.perf import Layout, ModelSpec, predict
-from minipar.cost.planner import NoFit, layer_costs, partition_layers, plan
-from minipar.cost.presets import CLUSTERS, MODELS
+from minipar.cost.planner import NoFit, layer_costs, layouts, partition_layers, plan
+from minipar.cost.presets import CLUSTERS, MODELS, narayanan_row
 
 SELENE = CLUSTERS["a100-selene"]
 TOY = Cluster(name="toy", gpus_per_node=4, peak_flops=1e12, efficiency=0.5, memory_bytes=2e8,
@@ -61,12 +61,14 @@ def _independent_search(model: ModelSpec, gpus: int, cluster: Cluster, batch: in
     for tp, sp, pp in itertools.product(range(1, gpus + 1), repeat=3):
         if gpus % (tp * sp * pp) or tp > cluster.gpus_per_node:
             continue
-        for v, b, z, r, seqp in itertools.product(range(1, model.layers + 1), (1, 2, 4, 8), (0, 1),
+        for v, b, z, r, seqp in itertools.product(range(1, model.layers + 1), (1, 2, 4, 8, 16), (0, 1, 2, 3),
                                                   ("none", "selective", "full"), (False, True)):
+            if z >= 2 and pp > 1:  # DeepSpeed refuses ZeRO-2/3 with pipelining
+                continue
             lay = Layout(dp=gpus // (tp * sp * pp), tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=batch,
                          chunks=v, recompute=r, sequence_parallel=seqp)
             try:
-                p = predict(model, lay, cluster)
+                p = predict(model, lay, cluster, uneven_stages=True)
             except ValueError:
                 continue
             if p.fits:
@@ -125,6 +127,12 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "GiB" in capsys.readouterr().err
     assert main(["plan", "--model", "nope", "--gpus", "8"]) == 2
     assert "no model preset 'nope'" in capsys.readouterr().err
+    assert main(["plan", "--model", "narayanan-1.7b", "--gpus", "32", "--global-batch", "512", "--top", "3",
+                 "--zero", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSpeed refuses ZeRO-2/3 with pipelining" in out and "zero2" in out and "zero1" not in out
+    assert main(["plan", "--model", "narayanan-1.7b", "--gpus", "32", "--zero", "4"]) == 2
+    assert "invalid choice: 4" in capsys.readouterr().err
 
 
 def test_cli_plan_cluster_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,3 +144,54 @@ def test_cli_plan_cluster_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> 
     path.write_text('{"name": "x"}')
     assert main(["plan", "--model", "narayanan-1.7b", "--gpus", "32", "--cluster", str(path)]) == 2
     assert "missing fields" in capsys.readouterr().err
+
+
+def test_a_model_that_fits_only_with_zero_3() -> None:
+    """One layer, one head: tp, sp and pp are all 1, so 4 GPUs are dp = 4 and only ZeRO shrinks the
+    model states: 16 Psi (ZeRO-0), 2 + 2 + 12/4 = 7 Psi (1), 2 + 14/4 = 5.5 Psi (2), 16/4 = 4 Psi (3)."""
+    h, s, V = 256, 8, 64
+    model = ModelSpec(layers=1, hidden=h, heads=1, seq=s, vocab=V)
+    psi = V * h + s * h + 12 * h * h + 13 * h + 2 * h + h * V
+    assert psi == 825_088
+    small = Cluster(name="small", gpus_per_node=4, peak_flops=1e12, efficiency=0.5, memory_bytes=4e6,
+                    intra=TOY.intra, inter=TOY.inter, gamma=0.0)
+    with pytest.raises(NoFit) as err:  # the least: ZeRO-2 and full recomputation (2 s b h of activations)
+        plan(model, 4, small, global_batch=4, zero_stages=(0, 1, 2))
+    assert err.value.shortfall == pytest.approx(5.5 * psi + 2 * s * h - 4e6)
+    best = plan(model, 4, small, global_batch=4)
+    assert {(c.layout.dp, c.layout.zero) for c in best} == {(4, 3)}
+    # the fastest: no recomputation, s b h (34 + 5 a s / h) bytes of activations
+    assert best[0].layout.recompute == "none"
+    assert best[0].prediction.memory["total"] == pytest.approx(4 * psi + s * h * (34 + 5 * s / h))
+    assert "ZeRO-3 with pp = 1 (DeepSpeed refuses ZeRO-2/3 with pipelining)" in best[0].why()
+
+
+def test_zero_2_and_3_are_not_paired_with_pipelining() -> None:
+    model = ModelSpec(layers=4, hidden=64, heads=4, seq=16, vocab=64)
+    found = layouts(model, 8, TOY, global_batch=16)
+    assert {lay.zero for lay in found if lay.pp == 1} == {0, 1, 2, 3}
+    assert {lay.zero for lay in found if lay.pp > 1} == {0, 1}
+    assert {lay.micro_batch for lay in found if lay.dp == 8} == {1, 2}  # dp x b divides the batch, 16
+    assert {lay.micro_batch for lay in found if lay.dp == 1} == {1, 2, 4, 8, 16}
+
+
+def test_table_1_small_rows_micro_batch_16_is_enumerated() -> None:
+    model, row, _ = narayanan_row("1.7B")
+    assert row.micro_batch == 16 and row in layouts(model, 32, CLUSTERS["a100-selene"], global_batch=512)
+
+
+def test_plan_tries_uneven_stages() -> None:
+    """3 blocks on 2 stages: [embedding, block | block, block, head] leaves its slowest stage at 2
+    blocks plus the head, [embedding, block, block | block, head] at 2 blocks plus the embedding (2 s h
+    FLOPs, less than the head's 6 s h V): the DP cuts 2 blocks + 1 block."""
+    h, s, V = 16, 8, 32
+    model = ModelSpec(layers=3, hidden=h, heads=1, seq=s, vocab=V)
+    assert partition_layers(layer_costs(model), 2) == [3, 2]
+    ranked = plan(model, 2, TOY, global_batch=4, top=10_000)
+    uneven = [c for c in ranked if c.layout.pp == 2]
+    assert uneven and all(c.label().endswith(" uneven") for c in uneven)
+    c = next(c for c in uneven if (c.layout.micro_batch, c.layout.zero, c.layout.recompute) == (1, 0, "none"))
+    # stage 0: embedding + 2 blocks, 1F1B holds min(p, m) = 2 micro-batches of its 2 blocks
+    emb, block, per_layer = V * h + s * h, 12 * h * h + 13 * h, s * h * (34 + 5 * s / h)
+    assert c.prediction.memory["total"] == pytest.approx(16 * (emb + 2 * block) + 2 * 2 * per_layer)
+    assert "uneven stages (blocks per stage 2,1)" in c.why()

@@ -16,8 +16,9 @@ rank, ``m = B / (d b)`` micro-batches per step.
   attention over ``V``: ``72 B s l h^2 (1 + 2s/(9h) + V/(12 l h))``. ``tflops_per_gpu`` divides the
   FLOPs executed (recomputation included: the paper's accounting, Eq. 3 with full recomputation,
   used for its Table 1) by the step time; ``model_tflops_per_gpu`` the FLOPs without recomputation.
-- Compute: the slowest pipeline stage (its ``l/p`` layers, plus the logits on the last stage) per
-  micro-batch, divided by ``t u`` and ``cluster.flops``, times ``m``; plus the memory-bound work
+- Compute: the slowest pipeline stage (its ``l/p`` layers, plus the logits on the last stage; uneven
+  stages cut by ``stage_blocks``) per micro-batch, divided by ``t u`` and the cluster's
+  ``peak_flops x efficiency``, times ``m``; plus the memory-bound work
   outside the matmuls (softmax, masks, GeLU, layer norms: ``memory_traffic_bytes``, 4 moves of
   every byte Korthikanti et al. count, 5 with full recomputation), a byte moved costing
   ``gamma / 3`` (reducing a byte reads two and writes one). That term makes small-``h`` models
@@ -26,8 +27,11 @@ rank, ``m = B / (d b)`` micro-batches per step.
   so ``bubble = busy phi / (1 - phi) = busy (p-1)/(v m)``.
 - Communication, exposed seconds per mesh axis (``collectives.collective_time``, ring algorithms):
   ``tp``: per layer and micro-batch ``tensor.collectives_per_block`` (2 all-reduces of ``s b h w``
-  forward and 2 backward; with Megatron-SP all-gathers and reduce-scatters), the forward's again
-  under full recomputation; on the critical path (Shoeybi et al. 2019, Sec. 3). ``sp``: Ulysses'
+  forward and 2 backward; with Megatron-SP 2 all-gathers and 2 reduce-scatters each way, the same
+  volume: Korthikanti et al. 2022, Sec. 4.2.2; the 2 backward re-gathers of the column-parallel
+  inputs ``collectives_per_block`` also lists are overlapped with the input-gradient GEMM in
+  Megatron-LM, so off the critical path), the forward's again under full recomputation; on the
+  critical path (Shoeybi et al. 2019, Sec. 3). ``sp``: Ulysses'
   4 all-to-alls of the ``(b, s/u, h/t)`` shard forward and 4 backward per layer (Jacobs et al. 2023,
   Sec. 3.2), on the critical path. ``pp``: one activation of ``s b h w / t`` per boundary (Narayanan
   et al. 2021, Sec. 4.1, scatter/gather), forward and gradient back: Megatron's blocking p2p puts
@@ -35,7 +39,7 @@ rank, ``m = B / (d b)`` micro-batches per step.
   transfers. ``dp``: the gradient all-reduce of this GPU's parameters after the pipeline flush,
   not overlapped (Narayanan et al. 2021, Sec. 3: the all-reduce runs at the end of the batch);
   ZeRO-2 reduce-scatters every micro-batch and ZeRO-3 also all-gathers the parameters twice per
-  micro-batch (Rajbhandari et al. 2020, Sec. 7.2).
+  micro-batch (Rajbhandari et al. 2020, Sec. 7.2); the planner pairs them with ``pp = 1`` only.
 - Memory per GPU: model states of the largest pipeline stage's parameters over ``t``, per ZeRO
   stage (Rajbhandari et al. 2020, Sec. 3.1 and 5: ``w + w + K`` bytes per parameter, K = 12 with
   mixed-precision Adam, ``2 w`` (Adam's m and v) otherwise); activations per layer by Korthikanti
@@ -49,8 +53,8 @@ rank, ``m = B / (d b)`` micro-batches per step.
 The mesh is ``(pp, dp, sp, tp)`` with tp innermost (``minipar.mesh``; Megatron-LM's order): a tp
 group spans ``t`` consecutive ranks, sp ``t u``, dp ``t u d``; neighbouring pipeline stages sit
 ``t u d`` ranks apart, and as the stages move in lockstep the slowest boundary (across nodes once
-the world spans several) sets the pace. ``group_link``: NVLink when every such group fits inside a
-node, the network otherwise.
+the world spans several) sets the pace. ``group_link``: NVLink when the world fits in one node or
+every such group does, the network otherwise.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from minipar.cost.zero import zero_model_states
 
 RECOMPUTE = ("none", "selective", "full")
 UNEVEN = "layers="  # how Layout.check's uneven-split message starts
+OVERLAPPED_REGATHERS = 2  # Megatron-SP's backward all-gathers hidden behind the input-gradient GEMM
 GiB = 2**30
 
 
@@ -184,6 +189,9 @@ class Layout:
                        f"change the batch or micro_batch")
         if self.sequence_parallel and t == 1:
             out.append("sequence_parallel (Megatron-SP) needs tp > 1: set tp or turn it off")
+        elif self.sequence_parallel and model.seq % t:
+            out.append(f"sequence_parallel (Megatron-SP) splits the sequence over tp: tp={t} does not divide "
+                       f"seq={model.seq}; choose tp dividing the sequence length or turn it off")
         if self.zero not in (0, 1, 2, 3):
             out.append(f"zero={self.zero!r}: choose a ZeRO stage 0..3")
         if self.recompute not in RECOMPUTE:
@@ -206,6 +214,7 @@ class Prediction:
     memory_bound_seconds: float = 0.0  # the part of compute_seconds outside the matmuls
     memory_limit: float = 0.0
     layout: Layout | None = field(default=None, repr=False)
+    model: ModelSpec | None = field(default=None, repr=False)
 
     def explain(self) -> str:
         """One paragraph: where the step's time goes and what fills the memory."""
@@ -225,14 +234,31 @@ class Prediction:
                 + ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.items()) + " GiB).")
 
 
-def _stage_parameters(model: ModelSpec, pp: int) -> int:
-    """Parameters of the heaviest pipeline stage: its ``l/p`` blocks plus the embeddings (first
-    stage) or the final layer norm and the head (last stage); everything when ``pp = 1``."""
-    if pp == 1:
-        return model.parameters
-    blocks = -(-model.layers // pp) * model.block_parameters
-    h = model.hidden
-    return blocks + max(model.vocab * h + model.seq * h, 2 * h + h * model.vocab)
+def stage_blocks(model: ModelSpec, layout: Layout) -> list[int]:
+    """Blocks on each pipeline rank (all its chunks): ``l/p`` each when ``p`` divides ``l`` (or
+    ``ceil(l/p)`` with interleaving, which ``Layout.check`` refuses anyway); otherwise (``v = 1``)
+    the contiguous stages ``planner.partition_layers`` cuts from ``planner.layer_costs``, embedding,
+    blocks and head as entries (an entry is the embedding or the head, not a block)."""
+    p, n = layout.pp, model.layers
+    if n % p == 0 or layout.chunks > 1 or p > n:
+        return [-(-n // p)] * p
+    from minipar.cost.planner import uneven_stage_blocks
+
+    return list(uneven_stage_blocks(model, p, layout.recompute))
+
+
+def _stage_parameters(model: ModelSpec, layout: Layout) -> list[int]:
+    """Parameters of each pipeline stage: its blocks plus the embeddings (first stage) and the final
+    layer norm with the head (last stage); everything when ``pp = 1``. Megatron's even split is
+    counted as every stage holding ``l/p`` blocks and the larger of the two ends."""
+    if layout.pp == 1:
+        return [model.parameters]
+    h, blocks = model.hidden, stage_blocks(model, layout)
+    first, last = model.vocab * h + model.seq * h, 2 * h + h * model.vocab
+    if model.layers % layout.pp == 0 or layout.chunks > 1:
+        return [blocks[0] * model.block_parameters + max(first, last)]
+    ends = [first] + [0] * (layout.pp - 2) + [last]
+    return [n * model.block_parameters + e for n, e in zip(blocks, ends)]
 
 
 def _optimizer_bytes(w: int) -> int:
@@ -274,17 +300,24 @@ def memory_traffic_bytes(model: ModelSpec, layout: Layout) -> float:
 
 def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     """Bytes per GPU on the heaviest stage: parameters, gradients, optimizer state (ZeRO stage),
-    activations (the first stage's in-flight micro-batches), total."""
-    w, psi = model.bytes_per_number, _stage_parameters(model, layout.pp) / layout.tp
-    k, d, z = _optimizer_bytes(w), layout.dp * layout.sp, layout.zero  # ZeRO shards over dp x sp
-    states = {"parameters": w * psi / (d if z >= 3 else 1), "gradients": w * psi / (d if z >= 2 else 1),
-              "optimizer": k * psi / (d if z >= 1 else 1)}
-    assert abs(sum(states.values()) - zero_model_states(psi, z, d, k, w, w)) <= 1e-6 * sum(states.values())
+    activations (the stage's in-flight micro-batches of its blocks: the first stage's under an even
+    split; every stage's own under ``stage_blocks``' uneven one), total."""
+    w, k, d, z = model.bytes_per_number, _optimizer_bytes(model.bytes_per_number), layout.dp * layout.sp, layout.zero
     p, v, m = layout.pp, layout.chunks, layout.microbatches
-    layers_in_flight = peak_stash(layout.kind, p, m, 0, v) * -(-model.layers // p) / v
-    out = {**states, "activations": layers_in_flight * activation_bytes_per_layer(model, layout)}
-    out["total"] = sum(out.values())
-    return out
+    per_layer = activation_bytes_per_layer(model, layout)
+    stages = _stage_parameters(model, layout)
+    blocks = stage_blocks(model, layout) if len(stages) == p else [-(-model.layers // p)]
+    best: dict[str, float] = {}
+    for rank, (params, n) in enumerate(zip(stages, blocks)):
+        psi = params / layout.tp  # ZeRO shards over dp x sp
+        states = {"parameters": w * psi / (d if z >= 3 else 1), "gradients": w * psi / (d if z >= 2 else 1),
+                  "optimizer": k * psi / (d if z >= 1 else 1)}
+        assert abs(sum(states.values()) - zero_model_states(psi, z, d, k, w, w)) <= 1e-6 * sum(states.values())
+        out = {**states, "activations": peak_stash(layout.kind, p, m, rank, v) * n / v * per_layer}
+        out["total"] = sum(out.values())
+        if out["total"] > best.get("total", -1.0):
+            best = out
+    return best
 
 
 def _all_to_all_time(nbytes: float, p: int, link: Link) -> float:
@@ -293,37 +326,47 @@ def _all_to_all_time(nbytes: float, p: int, link: Link) -> float:
     return 0.0 if p == 1 else (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
 
 
-def group_link(cluster: Cluster, span: int) -> Link:
-    """The link of a group covering ``span`` consecutive ranks, groups tiling the world from rank 0:
-    inside a node only when every such group fits in one (``span`` divides ``gpus_per_node``)."""
-    return cluster.intra if span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0 else cluster.inter
+def group_link(cluster: Cluster, span: int, world: int) -> Link:
+    """The link of a group covering ``span`` consecutive ranks, groups tiling a world of ``world``
+    ranks from rank 0: inside a node when the whole world fits in one, or when every such group
+    does (``span`` divides ``gpus_per_node``); the network otherwise."""
+    g = cluster.gpus_per_node
+    return cluster.intra if world <= g or (span <= g and g % span == 0) else cluster.inter
+
+
+def _seconds(link: Link, nbytes: float) -> float:
+    """One point-to-point message on ``link``: ``alpha + n beta``."""
+    return link.alpha + nbytes * link.beta
 
 
 def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str, float]:
     """Exposed communication seconds per step on each mesh axis (module docstring)."""
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
-    w, b, h = model.bytes_per_number, layout.micro_batch, model.hidden
-    layers_here = -(-model.layers // p)  # on the busiest pipeline rank (all its chunks)
+    w, b, h, world = model.bytes_per_number, layout.micro_batch, model.hidden, layout.world
+    layers_here = max(stage_blocks(model, layout))  # on the pipeline rank with the most blocks (all its chunks)
     act = model.seq // u * b * h * w  # one residual-stream activation on this rank's sequence shard
     out = {"tp": 0.0, "sp": 0.0, "pp": 0.0, "dp": 0.0}
     if t > 1:
-        link, calls = group_link(cluster, t), collectives_per_block(layout.sequence_parallel)
+        link, calls = group_link(cluster, t, world), collectives_per_block(layout.sequence_parallel)
+        back = dict(calls["backward"])
+        if layout.sequence_parallel:  # the 2 re-gathers overlap the input-gradient GEMM (Megatron-LM)
+            back["allgather"] -= OVERLAPPED_REGATHERS
         forward = sum(n * collective_time(op, "ring", act, t, link.alpha, link.beta, cluster.gamma)
                       for op, n in calls["forward"].items())
         backward = sum(n * collective_time(op, "ring", act, t, link.alpha, link.beta, cluster.gamma)
-                       for op, n in calls["backward"].items())
+                       for op, n in back.items())
         per_layer = forward * (2 if layout.recompute == "full" else 1) + backward
         out["tp"] = m * layers_here * per_layer
     if u > 1:
         shard = act / t  # q, k, v and the output on this rank's heads
         passes = 3 if layout.recompute == "full" else 2
-        out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, group_link(cluster, t * u))
+        out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, group_link(cluster, t * u, world))
     if p > 1:
-        link = group_link(cluster, layout.world)  # stages move in lockstep: the slowest boundary sets the pace
-        out["pp"] = 2 * (v * m + p - 1) * link.seconds(act / t)
+        link = group_link(cluster, world, world)  # stages move in lockstep: the slowest boundary sets the pace
+        out["pp"] = 2 * (v * m + p - 1) * _seconds(link, act / t)
     if d * u > 1:
-        grads = w * _stage_parameters(model, p) / t
-        n, link = d * u, group_link(cluster, t * u * d)
+        grads = w * max(_stage_parameters(model, layout)) / t
+        n, link = d * u, group_link(cluster, t * u * d, world)
         ar = collective_time("allreduce", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
         rs = collective_time("reduce_scatter", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
         ag = collective_time("allgather", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
@@ -349,9 +392,10 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
     (module docstring); ``ValueError`` listing every problem ``layout.check`` finds.
 
     ``uneven_stages=True`` (``chunks = 1`` only) accepts layers not divisible by ``pp`` (Megatron-LM
-    of 2021 refuses them): the stages are cut by ``planner.partition_layers`` (embedding, blocks,
-    head as entries) and the pipeline runs at the pace of the slowest; the busiest rank holds
-    ``ceil(l/p)`` blocks."""
+    of 2021 refuses them): ``stage_blocks`` cuts the stages (Alpa's DP over the FLOPs of the
+    embedding, each block and the head) and the pipeline runs at the pace of the slowest; memory
+    counts each stage's own blocks and in-flight micro-batches, tp and sp communication the stage
+    with the most blocks."""
     problems = layout.check(model)
     if uneven_stages and layout.chunks == 1:
         problems = [q for q in problems if not q.startswith(UNEVEN)]
@@ -364,17 +408,17 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
         block += 4.0 * tokens * model.seq * model.hidden
     # a byte moved costs gamma / 3: reducing a byte (gamma) reads two and writes one
     bound = memory_traffic_bytes(model, layout) * cluster.gamma / 3
-    layer = block / (t * u) / cluster.flops + bound
-    head = 3 * model.head_flops(tokens) / (t * u) / cluster.flops
-    if model.layers % p:
-        from minipar.cost.planner import partition_layers
-
-        costs = [0.0] + [layer] * model.layers + [head]
-        counts = partition_layers(costs, p)
-        ends = [sum(counts[:i + 1]) for i in range(p)]
-        compute = m * max(sum(costs[e - c:e]) for c, e in zip(counts, ends))
+    flops = cluster.peak_flops * cluster.efficiency
+    layer = block / (t * u) / flops + bound
+    head = 3 * model.head_flops(tokens) / (t * u) / flops
+    if model.layers % p:  # uneven stages: the slowest, the head on the last
+        blocks = stage_blocks(model, layout)
+        times = [n * layer + (head if i == p - 1 else 0.0) for i, n in enumerate(blocks)]
+        slowest = blocks[times.index(max(times))]
+        compute = m * max(times)
     else:
-        compute = m * (model.layers // p * layer + head)  # Megatron's even split: the logits on the last stage
+        slowest = model.layers // p
+        compute = m * (slowest * layer + head)  # Megatron's even split: the logits on the last stage
     phi = bubble_fraction(layout.kind, p, m, v)
     bubble = compute * phi / (1 - phi)
     comm = comm_seconds(model, layout, cluster)
@@ -387,5 +431,5 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
                       tflops_per_gpu=executed / step / world / 1e12, memory=memory,
                       fits=memory["total"] <= cluster.memory_bytes,
                       model_tflops_per_gpu=useful / step / world / 1e12, memory_limit=cluster.memory_bytes,
-                      memory_bound_seconds=m * -(-model.layers // p) * bound,
-                      layout=layout)
+                      memory_bound_seconds=m * slowest * bound,
+                      layout=layout, model=model)

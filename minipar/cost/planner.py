@@ -4,8 +4,13 @@ memory, rank them by predicted step time (``minipar.cost.perf.predict``), and sa
 - ``plan``: every (dp, tp, pp, sp, chunks, micro-batch, ZeRO stage, recomputation, Megatron-SP)
   with ``dp tp pp sp = gpus`` that ``Layout.check`` accepts, tensor parallelism kept inside a node
   (``tp <= gpus_per_node``: its all-reduces sit on the critical path, Narayanan et al. 2021 Sec.
-  3.3, Takeaway #1); fastest first. A plan is a ranking of *predictions*: its first row is the
-  model's opinion, as good as the terms of ``perf``.
+  3.3, Takeaway #1); fastest first. ZeRO-2 and ZeRO-3 only with ``pp = 1``: DeepSpeed's pipeline
+  engine refuses them ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
+  ``deepspeed/runtime/pipe/engine.py``: gradients accumulate over the micro-batches, which a
+  sharded gradient would reduce-scatter every one of) and Megatron-LM's distributed optimizer
+  shards only the optimizer state. A ``pp`` not dividing the layers is tried with ``v = 1`` and
+  uneven stages (``perf.stage_blocks``, cut by ``partition_layers``). A plan is a ranking of
+  *predictions*: its first row is the model's opinion, as good as the terms of ``perf``.
 - ``NoFit``: raised when no layout fits, naming what the least hungry layout lacks (bytes, GiB).
 - ``partition_layers``: the contiguous split of per-layer costs into ``stages`` stages that
   minimises the slowest stage, by dynamic programming (Alpa's inter-operator pass, Zheng et al.
@@ -17,12 +22,17 @@ memory, rank them by predicted step time (``minipar.cost.perf.predict``), and sa
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minipar.cost.cluster import Cluster
-from minipar.cost.perf import GiB, Layout, ModelSpec, Prediction, memory_bytes, predict
+from minipar.cost.perf import UNEVEN, GiB, Layout, ModelSpec, Prediction, memory_bytes, predict, stage_blocks
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: Table 1's small rows (Narayanan et al. 2021, run_table_1.sh)
+ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 with pp = 1 only (module docstring)
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -35,9 +45,20 @@ class Candidate:
 
     def label(self) -> str:
         lay = self.layout
-        extra = " SP" if lay.sequence_parallel else ""
+        extra = (" SP" if lay.sequence_parallel else "") + (" uneven" if _uneven(self.prediction) else "")
         return (f"dp{lay.dp} tp{lay.tp} pp{lay.pp} sp{lay.sp} v{lay.chunks} b{lay.micro_batch} "
                 f"zero{lay.zero} {lay.recompute}{extra}")
+
+    def notes(self) -> str:
+        """What the layout relies on that Megatron-LM's defaults do not give: uneven stages, ZeRO-2/3."""
+        lay, out = self.layout, []
+        if _uneven(self.prediction):
+            model = self.prediction.model
+            assert model is not None
+            out.append(f"uneven stages (blocks per stage {_stages_text(stage_blocks(model, lay))})")
+        if lay.zero >= 2:
+            out.append(f"ZeRO-{lay.zero} with pp = 1 (DeepSpeed refuses ZeRO-2/3 with pipelining)")
+        return "; ".join(out)
 
     def why(self) -> str:
         """What this layout wins on against the next one: bubble, communication per axis, memory."""
@@ -58,7 +79,20 @@ class Candidate:
         if lost:
             text += "; pays more " + ", ".join(f"{k} (+{v:.3g} s)" for v, k in lost[:2])
         dm = me.memory["total"] - other.memory["total"]
-        return text + f"; {abs(dm) / GiB:.1f} GiB {'more' if dm > 0 else 'less'} memory"
+        text += f"; {abs(dm) / GiB:.1f} GiB {'more' if dm > 0 else 'less'} memory"
+        return text + (f"; {self.notes()}" if self.notes() else "")
+
+
+def _uneven(p: Prediction | None) -> bool:
+    return p is not None and p.model is not None and p.layout is not None and p.model.layers % p.layout.pp != 0
+
+
+def _stages_text(blocks: list[int]) -> str:
+    """``[2, 2, 1]`` as ``2,2,1``; long lists run-length coded: ``2 x32, 1 x32``."""
+    if len(blocks) <= 8:
+        return ",".join(map(str, blocks))
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(blocks)]
+    return ", ".join(f"{n} x{k}" for n, k in runs)
 
 
 def _dominant(p: Prediction) -> str:
@@ -81,9 +115,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
-            micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1),
-            recompute: Sequence[str] = ("none", "selective", "full")) -> list[Layout]:
-    """Every layout of ``gpus`` GPUs ``Layout.check`` accepts, with ``tp`` inside a node."""
+            micro_batches: Sequence[int] = MICRO_BATCHES, zero_stages: Sequence[int] = ZERO_STAGES,
+            recompute: Sequence[str] = RECOMPUTE) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs ``Layout.check`` accepts, with ``tp`` inside a node, ZeRO-2/3
+    only without pipelining; a ``pp`` not dividing the layers with ``v = 1`` (uneven stages)."""
     out = []
     for tp in _divisors(gpus):
         if tp > cluster.gpus_per_node:
@@ -91,19 +126,20 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
         for sp in _divisors(gpus // tp):
             for pp in _divisors(gpus // (tp * sp)):
                 dp = gpus // (tp * sp * pp)
-                chunks = [1] if pp == 1 else [v for v in _divisors(model.layers // pp) if model.layers % pp == 0]
-                for v, b, z, r, seqp in itertools.product(chunks, micro_batches, zero_stages, recompute,
+                chunks = [1] if pp == 1 or model.layers % pp else _divisors(model.layers // pp)
+                stages = [z for z in zero_stages if pp == 1 or z < 2]
+                for v, b, z, r, seqp in itertools.product(chunks, micro_batches, stages, recompute,
                                                           (False, True) if tp > 1 else (False,)):
                     lay = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=global_batch,
                                  chunks=v, recompute=r, sequence_parallel=seqp)
-                    if not lay.check(model):
+                    if not [q for q in lay.check(model) if not (v == 1 and q.startswith(UNEVEN))]:
                         out.append(lay)
     return out
 
 
 def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
-         micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1),
-         recompute: Sequence[str] = ("none", "selective", "full"), top: int = 5) -> list[Candidate]:
+         micro_batches: Sequence[int] = MICRO_BATCHES, zero_stages: Sequence[int] = ZERO_STAGES,
+         recompute: Sequence[str] = RECOMPUTE, top: int = 5) -> list[Candidate]:
     """The ``top`` fastest layouts that fit, fastest first (ties: less memory first); ``NoFit``
     (a ``ValueError``) naming the shortfall when none fits, ``ValueError`` when none is valid."""
     valid = layouts(model, gpus, cluster, global_batch, micro_batches, zero_stages, recompute)
@@ -120,7 +156,7 @@ def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
                     f"{need / GiB:.1f} GiB per GPU ({Candidate(valid[i], None).label()}), {short / GiB:.1f} GiB "
                     f"({short:.4g} bytes) more than the {cluster.memory_bytes / GiB:.1f} GiB a GPU holds",
                     valid[i], short)
-    ranked = sorted((predict(model, lay, cluster) for lay in fitting),
+    ranked = sorted((predict(model, lay, cluster, uneven_stages=True) for lay in fitting),
                     key=lambda p: (p.step_seconds, p.memory["total"]))
     out = [Candidate(p.layout, p) for p in ranked[:top + 1]]
     for a, b in zip(out, out[1:]):
@@ -128,13 +164,25 @@ def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
     return out[:top]
 
 
-def layer_costs(model: ModelSpec, batch: int = 1) -> list[float]:
+def layer_costs(model: ModelSpec, batch: int = 1, recompute: str = "none") -> list[float]:
     """Training FLOPs (forward + backward, 3 forwards) of each layer for ``batch`` sequences:
     the embedding (no matmul: its gather and the backward's scatter-add, ``2 s h`` additions), the
-    blocks, then the final layer norm with the head (``3 x 2 s h V``)."""
+    blocks (4 forwards with full recomputation; selective adds ``Q K^T`` and the attention over
+    ``V`` again, ``4 s^2 h``), then the final layer norm with the head (``3 x 2 s h V``)."""
     tokens = batch * model.seq
-    return [2.0 * tokens * model.hidden] + [3 * model.layer_flops(tokens)] * model.layers + \
-        [3 * model.head_flops(tokens)]
+    block = {"none": 3 * model.layer_flops(tokens), "full": 4 * model.layer_flops(tokens),
+             "selective": 3 * model.layer_flops(tokens) + 4.0 * tokens * model.seq * model.hidden}[recompute]
+    return [2.0 * tokens * model.hidden] + [block] * model.layers + [3 * model.head_flops(tokens)]
+
+
+@functools.lru_cache(maxsize=256)
+def uneven_stage_blocks(model: ModelSpec, stages: int, recompute: str = "none") -> tuple[int, ...]:
+    """Blocks on each of ``stages`` contiguous pipeline stages, cut by ``partition_layers`` over
+    ``layer_costs`` (the embedding and the head are entries of their own, not blocks). Every entry's
+    FLOPs scale with the batch, so the cut does not depend on it."""
+    counts = partition_layers(layer_costs(model, 1, recompute), stages)
+    ends = [0] * (stages - 1) + [1]
+    return tuple(c - (i == 0) - e for i, (c, e) in enumerate(zip(counts, ends)))
 
 
 def partition_layers(costs: Sequence[float], stages: int) -> list[int]:
@@ -142,7 +190,8 @@ def partition_layers(costs: Sequence[float], stages: int) -> list[int]:
 
     ``best[k][i]``: the smallest possible maximum over ``k`` stages of the first ``i`` layers,
     ``best[k][i] = min_j max(best[k-1][j], sum(costs[j:i]))``; O(k n^2) (Zheng et al. 2022, Sec. 5).
-    Ties go to the split with the earliest stages longest."""
+    Ties go to the split with the last stages longest: under 1F1B the first stages hold the most
+    micro-batches in flight, so they get the fewer layers."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} layers into {stages} non-empty stages")

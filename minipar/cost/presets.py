@@ -61,15 +61,21 @@ MODELS: dict[str, ModelSpec] = {
 # cluster, 137) with this cluster gives 0.5933 (tests/test_cost_perf.py checks it).
 SELENE_EFFICIENCY = 0.5933
 
+# An "80 GB" A100 holds 80 GiB: nvidia-smi reports its memory total as 81920 MiB, not 80e9 bytes (74.5
+# GiB). What PyTorch can allocate is a little less (the CUDA context and the driver keep some): the
+# planner's "fits" is an upper bound.
+A100_80GB_BYTES = 80 * 2**30
+
 CLUSTERS: dict[str, Cluster] = {
     "a100-selene": Cluster(
         name="a100-selene", gpus_per_node=8, peak_flops=312e12, efficiency=SELENE_EFFICIENCY,
-        memory_bytes=80e9,
+        memory_bytes=A100_80GB_BYTES,
         intra=Link(alpha=5.7e-6, beta=1 / 300e9), inter=Link(alpha=6.6e-6, beta=1 / 25e9),
         gamma=1.5e-12,
         source=("Narayanan et al. 2021 Sec. 5 (Selene: DGX A100, 8 x 80 GB A100 per node, NVLink/NVSwitch, "
                 "8 x 200 Gb/s HDR InfiniBand per node); NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 80 GB, "
-                "NVLink 600 GB/s both directions: 300 GB/s each way; HBM2e 2039 GB/s, gamma = 3 bytes moved "
+                "80 GiB = 81920 MiB as nvidia-smi reports it; NVLink 600 GB/s both directions: 300 GB/s each way; "
+                "HBM2e 2039 GB/s, gamma = 3 bytes moved "
                 "per byte reduced / 2039 GB/s); inter beta: one 200 Gb/s HDR port per GPU = 25 GB/s; alpha: "
                 "NCCL's ring/Simple per-step latencies (src/graph/tuning.cc hwLat: NVLink 5.7 us, network "
                 "6.6 us); efficiency calibrated on Table 1's 1.7B row (presets.SELENE_EFFICIENCY)"),
