@@ -77,6 +77,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from minipar.calibrate import busy_cpu_seconds  # noqa: E402
 from minipar.cost.cluster import Cluster  # noqa: E402
 from minipar.cost.perf import Layout, ModelSpec, predict  # noqa: E402
 
@@ -137,13 +138,6 @@ class _CommClock:
         Communicator._run, Request.wait = timed(run), timed(wait)
 
 
-def _busy_cpu_seconds() -> float:
-    """CPU seconds every program on the machine has used since boot (``/proc/stat``: all but idle, iowait)."""
-    with open("/proc/stat") as fh:
-        ticks = [int(v) for v in fh.readline().split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def quiet_rounds(rounds: list[dict[str, Any]], limit: float = QUIET) -> list[dict[str, Any]]:
     """The rounds during which other programs used at most ``limit`` cores, else the quietest one."""
     quiet = [r for r in rounds if r["others"] <= limit]
@@ -175,7 +169,7 @@ def inner(steps: int, rounds: int, out: str) -> None:
         for name, model in models.items():
             times, comms = [], []
             comm.barrier()
-            busy0, own0, wall0 = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+            busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
             for _ in range(steps + 1):
                 comm.barrier()
                 clock.seconds = 0.0
@@ -184,7 +178,7 @@ def inner(steps: int, rounds: int, out: str) -> None:
                 times.append(time.perf_counter() - t0)
                 comms.append(clock.seconds)
             comm.barrier()
-            busy, wall = _busy_cpu_seconds() - busy0, time.perf_counter() - wall0
+            busy, wall = busy_cpu_seconds() - busy0, time.perf_counter() - wall0
             everyone = comm.allgather_object((times[1:], comms[1:], time.process_time() - own0))
             own = sum(o for _, _, o in everyone)
             others = max(0.0, busy - own) / wall  # cores used by other programs

@@ -58,6 +58,7 @@ collectives); the ring all-reduce is Patarasuk and Yuan 2009's.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,7 @@ QUICK_ALLREDUCE_SIZES = (2**16, 2**20)
 GPT = {"batch": 4, "seq": 64, "d_model": 128, "heads": 4, "layers": 4, "vocab": 256}  # a small GPT (per rank)
 SQUARE = 384  # the large square matmul of the solo peak
 FIT_FROM = 8192  # bytes: alpha and beta are fitted on the exchanges of at least this size
+QUIET_CORES = 0.1  # other programs using more cores than this during a calibration: a warning
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Measurements:
     matmul_solo: float  # FLOP/s of one rank alone, square matmuls
     matmul_shared: float  # FLOP/s per rank, GPT shapes, every rank at once
     cluster: Cluster
+    others_cores: float = 0.0  # cores other programs kept busy meanwhile (``busy_cpu_seconds``), nan if unknown
 
     def table(self) -> str:
         """The numbers as a small text table (what ``minipar calibrate`` prints)."""
@@ -111,6 +114,9 @@ class Measurements:
         for n, t in self.allreduce:
             model = collective_time("allreduce", "ring", n, self.ranks, c.intra.alpha, c.intra.beta, c.gamma)
             lines.append(f"    {n:>9}: {t * 1e6:9.1f} / {model * 1e6:9.1f}")
+        if self.others_cores > QUIET_CORES:
+            lines.append(f"  warning: other programs kept {self.others_cores:.2f} cores busy while this ran; every "
+                         "number above is slower than this machine alone: rerun when it is quiet")
         return "\n".join(lines)
 
 
@@ -263,6 +269,17 @@ def _gpt_times(gpt: dict[str, int], repeats: int, seed: int) -> list[float]:
     return _median_time(once, repeats)
 
 
+def busy_cpu_seconds(path: str = "/proc/stat") -> float:
+    """CPU seconds every program on the machine has used since boot (``/proc/stat``'s first line: all
+    but idle and iowait); nan where there is no such file."""
+    try:
+        with open(path) as fh:
+            ticks = [int(v) for v in fh.readline().split()[1:]]
+    except OSError:
+        return math.nan
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def _add_gamma(repeats: int) -> float:
     x, y = np.ones(2**17), np.ones(2**17)  # 1 MiB each
     return float(np.median(_median_time(lambda: np.add(x, y, out=x), repeats))) / x.nbytes
@@ -275,6 +292,8 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
     p = comm.size
     if p < 2:
         raise ValueError("calibrate needs at least 2 ranks: alpha and beta are timed on messages between ranks")
+    comm.barrier()
+    busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     exchange = tuple((int(n), _exchange(comm, int(n), repeats)) for n in sizes)
     fitted = [(n, t) for n, t in exchange if n >= fit_from]
     if len(fitted) < 2:
@@ -295,8 +314,11 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
     comm.barrier()
     solo = _matmul_rate([(square, square, square)], max(3, repeats // 2), seed=0) if comm.rank == 0 else []
     comm.barrier()
+    busy, wall = busy_cpu_seconds() - busy0, time.perf_counter() - wall0
+    own = comm.gather_object(time.process_time() - own0)  # threads: each is the whole process's
     if comm.rank != 0:
         return None
+    others = max(0.0, busy - (own[0] if comm.backend == "threads" else sum(own))) / wall
     solo_rate = matmul_flops([(square, square, square)]) / float(np.median(solo))
     peak = max(solo_rate, shared)
     cluster = Cluster(name=f"this machine ({socket.gethostname()}), {p} ranks, {comm.backend}", gpus_per_node=p,
@@ -309,7 +331,7 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
         if not math.isfinite(v):
             raise ValueError(f"calibrate: a non-finite measurement ({v}); rerun on a quieter machine")
     return Measurements(p, comm.backend, exchange, allreduce, add_gamma, reduce_gamma, gpt_seconds, solo_rate,
-                        shared, cluster)
+                        shared, cluster, others)
 
 
 def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwargs: Any) -> Cluster | None:

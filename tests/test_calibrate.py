@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,8 @@ import pytest
 
 from minipar.calibrate import (
     GPT,
+    Measurements,
+    busy_cpu_seconds,
     calibrate,
     fit_alpha_beta,
     fit_gamma,
@@ -108,6 +111,27 @@ def test_memtotal_reads_kilobytes(tmp_path):
         memtotal_bytes(str(tmp_path / "empty"))
 
 
+def test_busy_cpu_seconds_leaves_out_idle_and_iowait(tmp_path):
+    f = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    f.write_text("cpu  100 20 30 400 50 5 6 7 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert busy_cpu_seconds(str(f)) == (100 + 20 + 30 + 5 + 6 + 7) / os.sysconf("SC_CLK_TCK")
+    assert math.isnan(busy_cpu_seconds(str(tmp_path / "missing")))
+
+
+def test_table_warns_when_other_programs_ran():
+    link = Link(2e-3, 2.5e-10)
+    c = Cluster("x", 4, 5e10, 0.4, 6e9, link, link, 2e-9)
+    m = Measurements(4, "mpi", ((8, 3e-5), (8192, 2e-3)), ((65536, 0.013),), 2.5e-11, 3e-10, 0.13, 5e10, 2e10, c)
+    assert "warning" not in m.table()
+    assert " 20.00 " in m.table()  # GFLOP/s per rank: 5e10 x 0.4
+    assert "alpha" in m.table() and "2000.0 us" in m.table() and "4.00 GB/s" in m.table()  # 1 / 2.5e-10
+    busy = Measurements(*[getattr(m, f) for f in ("ranks", "backend", "exchange", "allreduce", "add_gamma",
+                                                  "reduce_gamma", "gpt_seconds", "matmul_solo", "matmul_shared",
+                                                  "cluster")], others_cores=0.8)
+    assert "warning: other programs kept 0.80 cores busy" in busy.table()
+
+
 def _my_matmul_rate() -> float:
     """FLOP/s of the GPT's MLP matmul (256 x 128) @ (128 x 512), timed here (best of 20)."""
     rng = np.random.default_rng(1)
@@ -142,6 +166,7 @@ def test_calibrate_two_thread_ranks(tmp_path):
     assert [n for n, _ in m0.exchange] == list(QUICK["sizes"])
     assert c.gamma == gamma_from_gpt(m0.gpt_seconds, m0.matmul_shared, GPT, floor=m0.add_gamma)
     assert m0.reduce_gamma >= m0.add_gamma > 0
+    assert m0.others_cores >= 0
     path = tmp_path / "cluster.json"
     c.save(str(path))
     assert Cluster.load(str(path)) == c
