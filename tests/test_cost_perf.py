@@ -9,8 +9,15 @@ from dataclasses import replace
 import pytest
 
 from minipar.cost.cluster import Cluster, Link
-from minipar.cost.perf import Layout, ModelSpec, calibrate_efficiency, predict
-from minipar.cost.presets import CLUSTERS, MODELS, NARAYANAN_TABLE_1, SELENE_EFFICIENCY, narayanan_row
+from minipar.cost.perf import Layout, ModelSpec, predict
+from minipar.cost.presets import (
+    CLUSTERS,
+    MODELS,
+    NARAYANAN_TABLE_1,
+    SELENE_EFFICIENCY,
+    calibrate_efficiency,
+    narayanan_row,
+)
 
 SELENE = CLUSTERS["a100-selene"]
 # a cluster with round numbers, for hand-computed times: 1 TFLOP/s, 8 GPUs per node

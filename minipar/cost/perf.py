@@ -59,7 +59,7 @@ every such group does, the network otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
@@ -334,11 +334,6 @@ def group_link(cluster: Cluster, span: int, world: int) -> Link:
     return cluster.intra if world <= g or (span <= g and g % span == 0) else cluster.inter
 
 
-def _seconds(link: Link, nbytes: float) -> float:
-    """One point-to-point message on ``link``: ``alpha + n beta``."""
-    return link.alpha + nbytes * link.beta
-
-
 def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str, float]:
     """Exposed communication seconds per step on each mesh axis (module docstring)."""
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
@@ -363,7 +358,7 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
         out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, group_link(cluster, t * u, world))
     if p > 1:
         link = group_link(cluster, world, world)  # stages move in lockstep: the slowest boundary sets the pace
-        out["pp"] = 2 * (v * m + p - 1) * _seconds(link, act / t)
+        out["pp"] = 2 * (v * m + p - 1) * (link.alpha + act / t * link.beta)
     if d * u > 1:
         grads = w * max(_stage_parameters(model, layout)) / t
         n, link = d * u, group_link(cluster, t * u * d, world)
@@ -372,19 +367,6 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
         ag = collective_time("allgather", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
         out["dp"] = {0: ar, 1: ar, 2: m * rs + ag, 3: m * (2 * ag + rs)}[layout.zero]
     return out
-
-
-def calibrate_efficiency(model: ModelSpec, layout: Layout, cluster: Cluster, tflops_per_gpu: float) -> float:
-    """The ``cluster.efficiency`` at which ``predict`` gives ``tflops_per_gpu`` (TFLOP/s, e.g. a
-    published row) for ``model`` under ``layout``: bisection, the throughput rising with it."""
-    lo, hi = 1e-6, 1.0
-    if predict(model, layout, replace(cluster, efficiency=hi)).tflops_per_gpu < tflops_per_gpu:
-        raise ValueError(f"{tflops_per_gpu} TFLOP/s per GPU is above what the model predicts at the full peak")
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predict(model, layout, replace(cluster, efficiency=mid)).tflops_per_gpu < \
-            tflops_per_gpu else (lo, mid)
-    return (lo + hi) / 2
 
 
 def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: bool = False) -> Prediction:

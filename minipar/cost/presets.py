@@ -9,6 +9,7 @@
   README; the micro-batch sizes and interleaving (layers per virtual stage) the paper does not
   print are those of ``examples/sc21/run_table_1.sh`` in NVIDIA/Megatron-LM (the script that
   reproduces the table: full recomputation, "--recompute-method uniform", on every row).
+- ``calibrate_efficiency``: the efficiency at which ``perf.predict`` matches a published row.
 - ``CLUSTERS``: ``a100-selene``, NVIDIA Selene's DGX A100 nodes as Narayanan et al. 2021 Sec. 5
   describe them (8 x 80 GB A100 per node, NVLink/NVSwitch inside, 8 x 200 Gb/s HDR InfiniBand per
   node).
@@ -16,8 +17,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minipar.cost.cluster import Cluster, Link
-from minipar.cost.perf import Layout, ModelSpec
+from minipar.cost.perf import Layout, ModelSpec, predict
 
 NARAYANAN = "Narayanan et al. 2021, SC21, Table 1"
 MEGATRON_VOCAB = 51200  # GPT-2's 50257 padded (Narayanan et al. 2021, Sec. 5: "vocabulary size of 51,200")
@@ -57,7 +60,7 @@ MODELS: dict[str, ModelSpec] = {
 
 # The efficiency: the fraction of the bf16 peak Megatron-LM's step sustains in its matmuls, measured
 # on Table 1's smallest row (1.7B on 32 GPUs, 137 TFLOP/s per GPU = 44% of peak) with this model's
-# communication for that row taken out: perf.calibrate_efficiency(*narayanan_row("1.7B")[:2],
+# communication for that row taken out: calibrate_efficiency(*narayanan_row("1.7B")[:2],
 # cluster, 137) with this cluster gives 0.5933 (tests/test_cost_perf.py checks it).
 SELENE_EFFICIENCY = 0.5933
 
@@ -81,3 +84,16 @@ CLUSTERS: dict[str, Cluster] = {
                 "6.6 us); efficiency calibrated on Table 1's 1.7B row (presets.SELENE_EFFICIENCY)"),
     ),
 }
+
+
+def calibrate_efficiency(model: ModelSpec, layout: Layout, cluster: Cluster, tflops_per_gpu: float) -> float:
+    """The ``cluster.efficiency`` at which ``predict`` gives ``tflops_per_gpu`` (TFLOP/s, e.g. a
+    published row) for ``model`` under ``layout``: bisection, the throughput rising with it."""
+    lo, hi = 1e-6, 1.0
+    if predict(model, layout, replace(cluster, efficiency=hi)).tflops_per_gpu < tflops_per_gpu:
+        raise ValueError(f"{tflops_per_gpu} TFLOP/s per GPU is above what the model predicts at the full peak")
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predict(model, layout, replace(cluster, efficiency=mid)).tflops_per_gpu < \
+            tflops_per_gpu else (lo, mid)
+    return (lo + hi) / 2
