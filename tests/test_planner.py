@@ -158,6 +158,7 @@ def test_a_model_that_fits_only_with_zero_3() -> None:
     with pytest.raises(NoFit) as err:  # the least: ZeRO-2 and full recomputation (2 s b h of activations)
         plan(model, 4, small, global_batch=4, zero_stages=(0, 1, 2))
     assert err.value.shortfall == pytest.approx(5.5 * psi + 2 * s * h - 4e6)
+    assert str(err.value).endswith("; ZeRO 3 not tried (zero_stages, --zero)")
     best = plan(model, 4, small, global_batch=4)
     assert {(c.layout.dp, c.layout.zero) for c in best} == {(4, 3)}
     # the fastest: no recomputation, s b h (34 + 5 a s / h) bytes of activations

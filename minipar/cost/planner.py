@@ -152,9 +152,11 @@ def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
     if not fitting:
         need, i = min(needs)
         short = need - cluster.memory_bytes
+        untried = sorted({2, 3} - set(zero_stages))
+        hint = f"; ZeRO {' and '.join(map(str, untried))} not tried (zero_stages, --zero)" if untried else ""
         raise NoFit(f"{model.name or 'the model'} fits in no layout of {gpus} GPUs: the least memory is "
                     f"{need / GiB:.1f} GiB per GPU ({Candidate(valid[i], None).label()}), {short / GiB:.1f} GiB "
-                    f"({short:.4g} bytes) more than the {cluster.memory_bytes / GiB:.1f} GiB a GPU holds",
+                    f"({short:.4g} bytes) more than the {cluster.memory_bytes / GiB:.1f} GiB a GPU holds{hint}",
                     valid[i], short)
     ranked = sorted((predict(model, lay, cluster, uneven_stages=True) for lay in fitting),
                     key=lambda p: (p.step_seconds, p.memory["total"]))
