@@ -237,8 +237,8 @@ class Prediction:
 def stage_blocks(model: ModelSpec, layout: Layout) -> list[int]:
     """Blocks on each pipeline rank (all its chunks): ``l/p`` each when ``p`` divides ``l`` (or
     ``ceil(l/p)`` with interleaving, which ``Layout.check`` refuses anyway); otherwise (``v = 1``)
-    the contiguous stages ``planner.partition_layers`` cuts from ``planner.layer_costs``, embedding,
-    blocks and head as entries (an entry is the embedding or the head, not a block)."""
+    the contiguous stages ``planner.partition_layers`` cuts from ``planner.layer_costs``, where the
+    embedding and the head are entries of their own (the first and last stage's, not blocks)."""
     p, n = layout.pp, model.layers
     if n % p == 0 or layout.chunks > 1 or p > n:
         return [-(-n // p)] * p
