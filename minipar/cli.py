@@ -6,7 +6,7 @@
     minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
-    minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE]   layouts, fastest first
+    minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE] [--zero 0 1]   fastest first
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
 output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
