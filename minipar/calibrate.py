@@ -3,6 +3,7 @@
     cluster = calibrate(comm)                    # on every rank (collective); rank 0 gets the Cluster
     m = measure(comm)                            # the same, with every raw measurement (``Measurements``)
     m = run_calibration(4, "mpi", quick=True)    # launches the ranks itself (what the CLI calls)
+    time_shared_seconds(perf.predict(model, layout, cluster))   # the step with ranks sharing this machine's cores
 
 What is timed (``time.perf_counter``; a barrier before every measurement; the first repetition of
 each is a warm-up and dropped; medians over repetitions and ranks):
@@ -69,7 +70,7 @@ import numpy as np
 
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
-from minipar.cost.perf import Layout, ModelSpec, memory_traffic_bytes
+from minipar.cost.perf import Layout, ModelSpec, Prediction, memory_traffic_bytes
 
 SIZES = tuple(8 * 4**k for k in range(11))  # 8 B .. 8 MiB, x4
 QUICK_SIZES = tuple(8 * 16**k for k in range(6))  # 8 B .. 8 MiB, x16
@@ -338,6 +339,33 @@ def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwar
     """This machine as a ``Cluster`` (collective); rank 0 gets it, the others None. See ``measure``."""
     m = measure(comm, sizes=sizes, repeats=repeats, **kwargs)
     return None if m is None else m.cluster
+
+
+def time_shared_seconds(prediction: Prediction, cores: int | None = None) -> float:
+    """The step ``prediction`` (``perf.predict``'s, on a calibrated cluster) takes when its ranks
+    time-share ``cores`` cores (default: this machine's), i.e. a local run with more ranks than cores.
+
+    ``perf`` charges each rank its compute at the all-ranks-busy rate (what ``calibrate`` measures)
+    and adds its waits (bubble, communication) as idle time, as on dedicated devices. On shared cores
+    a waiting rank's core goes to the others, so the step is the larger of two bounds, with ``k`` =
+    ranks / cores: the cores' throughput, every rank's compute at the shared rate plus the
+    collectives whose group is the whole world (no rank computes meanwhile), and one rank's path,
+    its compute on a core of its own (``k`` times faster) plus all its waits::
+
+        max(compute + whole-world communication, compute / k + bubble + communication)
+
+    With ``k <= 1`` (a core per rank) it is ``prediction.step_seconds``. No fitted constant."""
+    layout = prediction.layout
+    if layout is None:
+        raise ValueError("time_shared_seconds needs the Prediction's layout (perf.predict sets it)")
+    k = layout.world / (cores or os.cpu_count() or 1)
+    if k <= 1:
+        return prediction.step_seconds
+    members = {"tp": layout.tp, "sp": layout.sp, "dp": layout.dp * layout.sp}  # ranks in one group of the axis
+    comm = prediction.comm_seconds
+    whole = sum(v for axis, v in comm.items() if members.get(axis) == layout.world)
+    compute = prediction.compute_seconds
+    return max(compute + whole, compute / k + prediction.bubble_seconds + sum(comm.values()))
 
 
 def quick_options(quick: bool) -> dict[str, Any]:
