@@ -16,50 +16,75 @@ bytes_per_number=8), Layout(...), Cluster.load(path))`` and their ratio. The 4 r
 cores: every time, measured and predicted, includes that time-sharing (the calibrated FLOP/s is
 per rank with all 4 ranks computing).
 
-Measured (2026-11-23 ~15:00 UTC, this 2-core VM, OPENBLAS_NUM_THREADS=1, cluster file from ``minipar
-calibrate -n 4`` a few minutes before; ``--steps 3 --rounds 5``)::
+Measured (2026-11-23 15:07-15:10 UTC, this 2-core VM, OPENBLAS_NUM_THREADS=1, a quiet run: other
+programs used <= 0.05 cores in every round; defaults ``--steps 3 --rounds 5``)::
+
+    this machine (vm), 4 ranks, mpi
+      alpha               2276.0 us   per message
+      beta                2.71 GB/s   1 / beta
+      gamma               0.49 GB/s   1 / gamma, a GPT step (np.add alone: 38.0 GB/s, all-reduce residual: 2.80 GB/s)
+      GFLOP/s per rank        20.67   all 4 ranks at once; one alone: 43.65
+      memory per rank       5.9 GiB   MemTotal / ranks
+      exchange step (bytes: measured us / alpha + n beta us; fitted from 8192 B)
+                8:      42.5 /    2276.0
+               32:      44.4 /    2276.0
+              128:      63.3 /    2276.0
+              512:      81.5 /    2276.2
+             2048:      43.2 /    2276.7
+             8192:    2278.4 /    2279.0
+            32768:    2211.5 /    2288.1
+           131072:    2234.9 /    2324.4
+           524288:    2578.5 /    2469.5
+          2097152:    3313.1 /    3050.0
+          8388608:    5192.0 /    5372.0
+      ring all-reduce (bytes: measured us / model us)
+            65536:   12315.6 /   13792.4
+           262144:   12502.9 /   14202.0
+          1048576:   13573.5 /   15840.0
+          4194304:   17722.5 /   22392.2
 
     GPT: vocab 256, seq 64, d_model 128, 4 heads, 4 layers; batch 16; float64; 4 ranks share 2 cores (both columns)
-    cluster: this machine (vm), 4 ranks, mpi: alpha 1972 us, 1/beta 3.67 GB/s, 1/gamma 0.42 GB/s, 18.8 GFLOP/s per rank
+    cluster: this machine (vm), 4 ranks, mpi: alpha 2276 us, 1/beta 2.71 GB/s, 1/gamma 0.49 GB/s, 20.7 GFLOP/s per rank
     step: the slowest rank's, median over the rounds (r) in which other programs used <= 0.1 cores
       (else the quietest round; 'others': the most they used in those); ratio = predicted / measured step
     comm: seconds inside collectives and point-to-point waits (mean over ranks; a pipeline's waits hold
       its bubble too), measured beside the sum of the prediction's communication terms
     cores: CPU time of the 4 ranks over the wall time (2.0: both cores busy all along)
-    layout              step  pred ratio  comm  pred cores r/others   predicted parts (ms)
-    dp4                  168   172  1.02    21    27  1.95   5/0.05   compute 145, bubble 0, dp 27
-    tp4                  431   420  0.98   284   226  1.89   5/0.05   compute 194, bubble 0, tp 226
-    pp4 1f1b m8          177   254  1.44    56    44  1.90   5/0.04   compute 153, bubble 57, pp 44
-    dp2 x tp2            198   246  1.24    69    84  1.97   3/0.03   compute 161, bubble 0, tp 75, dp 9
-    dp2 x pp2 m4         166   214  1.29    36    29  1.94   5/0.06   compute 148, bubble 37, pp 20, dp 9
-    pp2 x tp2 m4         221   364  1.64   108   159  1.95   5/0.06   compute 164, bubble 41, tp 138, pp 20
-    tp4 + SP             462   371  0.80   375   226  1.91   5/0.02   compute 145, bubble 0, tp 226
-    sp4 ulysses          350   363  1.04   238   218  1.91   5/0.02   compute 145, bubble 0, sp 191, dp 27
-    dp2 x sp2 ulysses    216   236  1.09   115    91  1.96   5/0.04   compute 145, bubble 0, sp 64, dp 27
+    shared: time_shared_seconds (perf's terms on 2 time-shared cores) and its ratio to the step
+    layout              step  pred ratio  comm  pred cores r/others shared ratio   predicted parts (ms)
+    dp4                  156   157  1.00    21    28  1.96   5/0.04    157  1.00   compute 128, bubble 0, dp 28
+    tp4                  411   425  1.03   280   253  1.92   5/0.03    425  1.03   compute 171, bubble 0, tp 253
+    pp4 1f1b m8          173   238  1.38    53    51  1.91   5/0.04    170  0.98   compute 136, bubble 51, pp 51
+    dp2 x tp2            180   237  1.32    56    94  1.97   5/0.03    165  0.92   compute 143, bubble 0, tp 84, dp 9
+    dp2 x pp2 m4         166   196  1.19    36    33  1.96   5/0.05    131  0.79   compute 131, bubble 33, pp 23, dp 9
+    pp2 x tp2 m4         198   362  1.83    93   181  1.96   5/0.03    289  1.46   compute 145, bubble 36, tp 157, pp 23
+    tp4 + SP             458   382  0.83   372   253  1.91   5/0.03    382  0.83   compute 128, bubble 0, tp 253
+    sp4 ulysses          334   377  1.13   228   249  1.91   5/0.04    377  1.13   compute 128, bubble 0, sp 221, dp 28
+    dp2 x sp2 ulysses    168   231  1.37    50   102  1.96   5/0.04    167  0.99   compute 128, bubble 0, sp 74, dp 28
 
 What it shows:
 
-- Layouts whose every collective spans all 4 ranks and whose 4 ranks compute at once (dp4, tp4,
-  sp4 Ulysses; dp2 x sp2 reduces over all 4 too) are predicted within 10%: that is the situation
-  ``minipar calibrate`` measures (FLOP/s and gamma with all ranks computing, alpha on all ranks
-  exchanging at once). The calibrated alpha (~2 ms) is not a wire latency: MPICH's rendezvous
-  handshake (messages from 8 KiB) waits for the peer to be scheduled while the waiting ranks spin
-  for 1 ms (``minipar.comm.watchdog.SPIN``); 2 ranks on 2 cores give ~13 us.
-- tp4 + SP is under-predicted (0.80), its communication most (375 ms measured against 226):
-  ``perf`` takes Megatron-LM's 2 re-gathers per layer as overlapped with the input-gradient GEMM
-  (``OVERLAPPED_REGATHERS``), which minipar runs one after the other, and ``perf`` leaves out the
-  tensor-parallel collectives outside the blocks that ``cost.tensor.expected_bytes`` counts (the
-  embedding's, the head input's, the loss's 3 and Megatron-SP's gradient all-reduce): 5 more
-  all-reduces per micro-batch for tp4 (measured 284 ms against 226), 9 more collectives for
-  tp4 + SP.
-- Pipelines and two independent groups (pp4, dp2 x pp2, pp2 x tp2, dp2 x tp2) are over-predicted
-  (1.2-1.6x). The ranks keep both cores busy all along (``cores`` 1.9-2.0): a rank waiting in its
-  bubble or in its 2-rank group's collective hands its core to ranks of the other group, which then
-  compute faster than the all-ranks-busy rate, and a 2-rank collective costs less than the 4-rank
-  alpha while the other two ranks compute instead of spinning. ``perf`` models dedicated devices
-  (a wait is idle time, a bubble is lost); an oversubscribed node would need the node's core count,
-  which the cluster file does not hold.
-
+- Layouts whose collectives span all 4 ranks, all 4 ranks computing at once (dp4, tp4, sp4
+  Ulysses) are predicted within 15% by ``perf.predict`` itself: that is the situation ``minipar
+  calibrate`` measures (FLOP/s and gamma with all ranks computing, alpha with all ranks exchanging).
+  The calibrated alpha (~2.3 ms) is not a wire latency: MPICH's rendezvous handshake (messages from
+  8 KiB; 40 us below) waits for the peer to be scheduled while the waiting ranks spin for 1 ms
+  (``minipar.comm.watchdog.SPIN``); 2 ranks on 2 cores give ~13 us.
+- Pipelines and independent groups (pp4, dp2 x tp2, dp2 x pp2, pp2 x tp2, dp2 x sp2) are over-
+  predicted by ``perf`` (1.2-1.8x): it charges a rank's waits (bubble, its group's collectives) as
+  idle time, as on dedicated devices, but here the ranks keep both cores busy all along (``cores``
+  1.9-2.0): a waiting rank's core goes to the other ranks. ``calibrate.time_shared_seconds`` (the
+  larger of the cores' throughput and one rank's path, ``k`` = ranks / cores; no fitted constant)
+  brings them to 0.79-0.99, except pp2 x tp2 (1.46): its 2-rank tensor-parallel all-reduces run
+  while the other stage's ranks compute instead of spinning, so they cost far less than the alpha
+  calibrated with all 4 ranks exchanging (measured waits, bubble included, 93 ms; predicted 216).
+- tp4 + SP is under-predicted (0.83), its communication most (372 ms measured, 253 predicted):
+  ``perf`` takes Megatron-LM's 2 re-gathers per layer as hidden behind the input-gradient GEMM
+  (``OVERLAPPED_REGATHERS``), which minipar runs one after the other, and it leaves out the
+  tensor-parallel collectives outside the blocks that ``cost.tensor.expected_bytes`` counts (per
+  micro-batch the embedding's, the head input's and the loss's 3 all-reduces; Megatron-SP's
+  gradient all-reduce per step): with them tp4 + SP predicts 0.90-0.98 on earlier runs (tp4
+  1.09-1.15, pp2 x tp2 worse).
 """
 
 from __future__ import annotations

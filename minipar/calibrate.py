@@ -103,7 +103,7 @@ class Measurements:
         c = self.cluster
         rows = [("alpha", f"{c.intra.alpha * 1e6:.1f} us", "per message"),
                 ("beta", f"{1 / c.intra.beta / 1e9:.2f} GB/s" if c.intra.beta else "inf", "1 / beta"),
-                ("gamma", f"{1 / c.gamma / 1e9:.2f} GB/s", f"1 / gamma, from a GPT step (np.add alone: "
+                ("gamma", f"{1 / c.gamma / 1e9:.2f} GB/s", f"1 / gamma, a GPT step (np.add alone: "
                  f"{1 / self.add_gamma / 1e9:.1f} GB/s, all-reduce residual: {_rate(self.reduce_gamma)})"),
                 ("GFLOP/s per rank", f"{c.flops / 1e9:.2f}",
                  f"all {self.ranks} ranks at once; one alone: {self.matmul_solo / 1e9:.2f}"),
