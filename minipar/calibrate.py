@@ -19,7 +19,8 @@ each is a warm-up and dropped; medians over repetitions and ranks):
    (8 KiB) up: MPICH sends a message up to its eager limit at once and a larger one after a
    handshake that needs both ranks inside MPI, and with more ranks than cores that handshake waits
    for the peer to be scheduled (4 ranks on 2 cores: ~30 us below 8 KiB, ~2 ms from 8 KiB, the
-   waiting rank spinning for ``minipar.comm.watchdog.SPIN`` = 1 ms before it sleeps). The two
+   waiting rank spinning for ``minipar.comm.watchdog.SPIN`` = 1 ms before it sleeps; with a 20 us
+   spin the same exchange took ~0.3 ms; the cluster's ``source`` records the spin). The two
    regimes are two lines; a training step's messages (activations, gradient chunks) are on the
    second. The smaller sizes are timed and shown beside the fit, not fitted.
 2. gamma: the cost of memory-bound work, which ``minipar.cost.perf`` charges as ``gamma / 3`` per
@@ -327,7 +328,9 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
                       inter=link, gamma=gamma,
                       source=f"minipar calibrate {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
                              f"neighbour exchanges of {min(sizes)}-{max(sizes)} B; GPT-shaped matmuls and "
-                             f"the GPT {gpt} on all {p} ranks at once (see minipar/calibrate.py)")
+                             f"the GPT {gpt} on all {p} ranks at once (see minipar/calibrate.py)"
+                             + (f"; a waiting rank spun {comm.spin * 1e3:g} ms before sleeping (comm.spin)"
+                                if isinstance(getattr(comm, "spin", None), float) else ""))
     for v in (link.alpha, link.beta, gamma, peak, gpt_seconds):
         if not math.isfinite(v):
             raise ValueError(f"calibrate: a non-finite measurement ({v}); rerun on a quieter machine")
