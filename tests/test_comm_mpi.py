@@ -15,6 +15,7 @@ from test_comm_collectives import check_movers, check_reductions, run_movers, ru
 from test_comm_p2p import check_grid, grid
 
 from minipar import trace
+from minipar.comm.watchdog import SPIN, spin_for
 from minipar.testing import HarnessError, run, run_each
 
 pytestmark = pytest.mark.mpi
@@ -108,3 +109,8 @@ def test_debug_mode_mismatch_under_mpiexec(monkeypatch):
         run(mismatched, 2, backend="mpi", timeout=60, comm_timeout=10)
     msg = str(info.value)
     assert "CollectiveMismatch" in msg and "shape=(3,)" in msg and "shape=(4,)" in msg
+
+
+def test_waits_do_not_spin_when_ranks_outnumber_cores() -> None:
+    assert spin_for(2, cores=2) == SPIN == 1e-3
+    assert spin_for(4, cores=2) == 0.0 and spin_for(1, cores=1) == SPIN

@@ -31,7 +31,7 @@ from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
 from minipar.comm.errors import CommTimeout
 from minipar.comm.ring import chunk_bounds
-from minipar.comm.watchdog import PACE, SPIN, RankState, default_timeout, poll
+from minipar.comm.watchdog import PACE, RankState, default_timeout, poll, spin_for
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
                                 "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
@@ -99,10 +99,11 @@ class _HeaderRecv:
 
 
 class MpiCommunicator(Communicator):
-    """A communicator over an mpi4py ``MPI.Comm``. ``spin`` (seconds a wait spins before it sleeps)
-    and ``pace`` (each sleep over the time waited so far) tune ``watchdog.poll``; the non-blocking
-    collectives' worker sets 0 and 1/2 on its communicator: it shares the cores with the compute it
-    overlaps, and every wake-up of its thread preempts that compute."""
+    """A communicator over an mpi4py ``MPI.Comm``. ``spin`` (seconds a wait spins before it sleeps:
+    ``watchdog.spin_for`` the ranks on this machine) and ``pace`` (each sleep over the time waited
+    so far) tune ``watchdog.poll``; the non-blocking collectives' worker sets 0 and 1/2 on its
+    communicator: it shares the cores with the compute it overlaps, and every wake-up of its thread
+    preempts that compute."""
 
     backend = "mpi"
 
@@ -116,7 +117,7 @@ class MpiCommunicator(Communicator):
         ranks = MPI.Group.Translate_ranks(group, list(range(mpicomm.Get_size())), world_group)
         super().__init__(mpicomm.Get_rank(), mpicomm.Get_size(), [int(r) for r in ranks], state)
         self._fifo: dict[tuple[int, int], deque[_HeaderRecv]] = {}
-        self.spin, self.pace = SPIN, PACE
+        self.spin, self.pace = spin_for(int(os.environ.get("MPI_LOCALNRANKS", "1"))), PACE  # Hydra sets it
 
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
         MPI, c = self.MPI, self.mpicomm
