@@ -16,75 +16,71 @@ bytes_per_number=8), Layout(...), Cluster.load(path))`` and their ratio. The 4 r
 cores: every time, measured and predicted, includes that time-sharing (the calibrated FLOP/s is
 per rank with all 4 ranks computing).
 
-Measured (2026-11-23 15:07-15:10 UTC, this 2-core VM, OPENBLAS_NUM_THREADS=1, a quiet run: other
-programs used <= 0.05 cores in every round; defaults ``--steps 3 --rounds 5``)::
+Measured (2026-11-23 15:16 UTC, this 2-core VM, OPENBLAS_NUM_THREADS=1, a quiet run: other programs
+used <= 0.08 cores in every round; defaults ``--steps 3 --rounds 5``)::
 
     this machine (vm), 4 ranks, mpi
-      alpha               2276.0 us   per message
-      beta                2.71 GB/s   1 / beta
-      gamma               0.49 GB/s   1 / gamma, a GPT step (np.add alone: 38.0 GB/s, all-reduce residual: 2.80 GB/s)
-      GFLOP/s per rank        20.67   all 4 ranks at once; one alone: 43.65
+      alpha                215.4 us   per message
+      beta                4.00 GB/s   1 / beta
+      gamma               0.50 GB/s   1 / gamma, a GPT step (np.add alone: 39.2 GB/s, all-reduce residual: 1.80 GB/s)
+      GFLOP/s per rank        20.71   all 4 ranks at once; one alone: 48.33
       memory per rank       5.9 GiB   MemTotal / ranks
       exchange step (bytes: measured us / alpha + n beta us; fitted from 8192 B)
-                8:      42.5 /    2276.0
-               32:      44.4 /    2276.0
-              128:      63.3 /    2276.0
-              512:      81.5 /    2276.2
-             2048:      43.2 /    2276.7
-             8192:    2278.4 /    2279.0
-            32768:    2211.5 /    2288.1
-           131072:    2234.9 /    2324.4
-           524288:    2578.5 /    2469.5
-          2097152:    3313.1 /    3050.0
-          8388608:    5192.0 /    5372.0
+                8:      51.8 /     215.4
+               32:      43.2 /     215.4
+              128:     101.7 /     215.4
+              512:      86.8 /     215.5
+             2048:      39.9 /     215.9
+             8192:     244.1 /     217.4
+            32768:     209.7 /     223.6
+           131072:     244.7 /     248.1
+           524288:     327.0 /     346.4
+          2097152:     824.6 /     739.4
+          8388608:    2221.0 /    2311.3
       ring all-reduce (bytes: measured us / model us)
-            65536:   12315.6 /   13792.4
-           262144:   12502.9 /   14202.0
-          1048576:   13573.5 /   15840.0
-          4194304:   17722.5 /   22392.2
+            65536:    1642.5 /    1414.7
+           262144:    1657.9 /    1781.8
+          1048576:    2100.9 /    3250.0
+          4194304:    4528.7 /    9122.9
 
     GPT: vocab 256, seq 64, d_model 128, 4 heads, 4 layers; batch 16; float64; 4 ranks share 2 cores (both columns)
-    cluster: this machine (vm), 4 ranks, mpi: alpha 2276 us, 1/beta 2.71 GB/s, 1/gamma 0.49 GB/s, 20.7 GFLOP/s per rank
+    cluster: this machine (vm), 4 ranks, mpi: alpha 215 us, 1/beta 4.00 GB/s, 1/gamma 0.50 GB/s, 20.7 GFLOP/s per rank
     step: the slowest rank's, median over the rounds (r) in which other programs used <= 0.1 cores
       (else the quietest round; 'others': the most they used in those); ratio = predicted / measured step
     comm: seconds inside collectives and point-to-point waits (mean over ranks; a pipeline's waits hold
       its bubble too), measured beside the sum of the prediction's communication terms
     cores: CPU time of the 4 ranks over the wall time (2.0: both cores busy all along)
-    shared: time_shared_seconds (perf's terms on 2 time-shared cores) and its ratio to the step
-    layout              step  pred ratio  comm  pred cores r/others shared ratio   predicted parts (ms)
-    dp4                  156   157  1.00    21    28  1.96   5/0.04    157  1.00   compute 128, bubble 0, dp 28
-    tp4                  411   425  1.03   280   253  1.92   5/0.03    425  1.03   compute 171, bubble 0, tp 253
-    pp4 1f1b m8          173   238  1.38    53    51  1.91   5/0.04    170  0.98   compute 136, bubble 51, pp 51
-    dp2 x tp2            180   237  1.32    56    94  1.97   5/0.03    165  0.92   compute 143, bubble 0, tp 84, dp 9
-    dp2 x pp2 m4         166   196  1.19    36    33  1.96   5/0.05    131  0.79   compute 131, bubble 33, pp 23, dp 9
-    pp2 x tp2 m4         198   362  1.83    93   181  1.96   5/0.03    289  1.46   compute 145, bubble 36, tp 157, pp 23
-    tp4 + SP             458   382  0.83   372   253  1.91   5/0.03    382  0.83   compute 128, bubble 0, tp 253
-    sp4 ulysses          334   377  1.13   228   249  1.91   5/0.04    377  1.13   compute 128, bubble 0, sp 221, dp 28
-    dp2 x sp2 ulysses    168   231  1.37    50   102  1.96   5/0.04    167  0.99   compute 128, bubble 0, sp 74, dp 28
+    layout              step  pred ratio  comm  pred cores r/others   predicted parts (ms)
+    dp4                  137   141  1.03    10    14  1.96   5/0.03   compute 127, bubble 0, dp 14
+    tp4                  208   221  1.06   100    52  1.85   5/0.00   compute 169, bubble 0, tp 52
+    pp4 1f1b m8          157   190  1.21    47     5  1.89   5/0.01   compute 134, bubble 50, pp 5
+    dp2 x tp2            144   163  1.13    51    22  1.96   5/0.01   compute 141, bubble 0, tp 17, dp 5
+    dp2 x pp2 m4         152   169  1.11    29     7  1.95   5/0.00   compute 129, bubble 32, pp 2, dp 5
+    pp2 x tp2 m4         173   206  1.19    85    27  1.88   5/0.08   compute 143, bubble 36, tp 24, pp 2
+    tp4 + SP             214   179  0.83   134    52  1.84   5/0.00   compute 127, bubble 0, tp 52
+    sp4 ulysses          162   163  1.01    71    36  1.86   5/0.00   compute 127, bubble 0, sp 22, dp 14
+    dp2 x sp2 ulysses    142   149  1.05    50    22  1.95   5/0.05   compute 127, bubble 0, sp 8, dp 14
 
-What it shows:
+Every layout's prediction is within 25% of its measured step (0.83-1.21 here; two more runs the same
+minute: 0.89-1.15 and 0.84-1.21), with one cluster file and no per-layout constant. What it shows:
 
-- Layouts whose collectives span all 4 ranks, all 4 ranks computing at once (dp4, tp4, sp4
-  Ulysses) are predicted within 15% by ``perf.predict`` itself: that is the situation ``minipar
-  calibrate`` measures (FLOP/s and gamma with all ranks computing, alpha with all ranks exchanging).
-  The calibrated alpha (~2.3 ms) is not a wire latency: MPICH's rendezvous handshake (messages from
-  8 KiB; 40 us below) waits for the peer to be scheduled while the waiting ranks spin for 1 ms
-  (``minipar.comm.watchdog.SPIN``); 2 ranks on 2 cores give ~13 us.
-- Pipelines and independent groups (pp4, dp2 x tp2, dp2 x pp2, pp2 x tp2, dp2 x sp2) are over-
-  predicted by ``perf`` (1.2-1.8x): it charges a rank's waits (bubble, its group's collectives) as
-  idle time, as on dedicated devices, but here the ranks keep both cores busy all along (``cores``
-  1.9-2.0): a waiting rank's core goes to the other ranks. ``calibrate.time_shared_seconds`` (the
-  larger of the cores' throughput and one rank's path, ``k`` = ranks / cores; no fitted constant)
-  brings them to 0.79-0.99, except pp2 x tp2 (1.46): its 2-rank tensor-parallel all-reduces run
-  while the other stage's ranks compute instead of spinning, so they cost far less than the alpha
-  calibrated with all 4 ranks exchanging (measured waits, bubble included, 93 ms; predicted 216).
-- tp4 + SP is under-predicted (0.83), its communication most (372 ms measured, 253 predicted):
-  ``perf`` takes Megatron-LM's 2 re-gathers per layer as hidden behind the input-gradient GEMM
-  (``OVERLAPPED_REGATHERS``), which minipar runs one after the other, and it leaves out the
-  tensor-parallel collectives outside the blocks that ``cost.tensor.expected_bytes`` counts (per
-  micro-batch the embedding's, the head input's and the loss's 3 all-reduces; Megatron-SP's
-  gradient all-reduce per step): with them tp4 + SP predicts 0.90-0.98 on earlier runs (tp4
-  1.09-1.15, pp2 x tp2 worse).
+- Compute dominates at this size (127-169 ms of 140-220), at the FLOP/s measured with all 4 ranks
+  computing (20.7 GFLOP/s per rank against 48 alone: the 2 cores are shared) plus the memory-bound
+  term ``perf`` charges through the calibrated gamma. tp4 computes more than dp4 (169 against 127 ms):
+  each rank's matmuls are a quarter the size and run slower per FLOP, which the calibrated rate (GPT
+  shapes at the full width) does not see, and the vocabulary-parallel head is small.
+- Pipelines are over-predicted most (pp4 1.21, pp2 x tp2 1.19): ``perf`` charges the bubble as idle
+  time, as on dedicated devices, but here a rank waiting in the bubble gives its core to the ranks that
+  compute (``cores`` stays 1.8-1.9 of 2), so part of the bubble is hidden.
+- tp4 + SP is under-predicted (0.83), in its communication (134 ms measured, 52 predicted): at scale
+  ``perf`` charges Megatron-SP's critical path with 4 all-gathers and 4 reduce-scatters per layer (the
+  2 backward re-gathers overlap the input-gradient GEMM in Megatron-LM, Korthikanti et al. Sec.
+  4.2.2), while minipar runs those re-gathers one after the other, and the tensor-parallel collectives
+  around the blocks (the embedding's, the head input's, the loss's 3 small all-reduces per
+  micro-batch, ``cost.tensor.expected_bytes``) are not in the large-scale model.
+- alpha is ~0.2 ms, not a wire latency: MPICH's rendezvous handshake (messages from 8 KiB; ~40 us
+  below) waits for the peer to be scheduled on a shared core. Before waits stopped spinning on an
+  oversubscribed machine (``minipar.comm.watchdog.spin_for``) it was ~2.3 ms and tp4 took 411 ms.
 """
 
 from __future__ import annotations
@@ -103,14 +99,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minipar.calibrate import busy_cpu_seconds, time_shared_seconds  # noqa: E402
+from minipar.calibrate import busy_cpu_seconds  # noqa: E402
 from minipar.cost.cluster import Cluster  # noqa: E402
 from minipar.cost.perf import Layout, ModelSpec, predict  # noqa: E402
 
 GPT = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 4}
 BATCH = 16
 QUIET = 0.1  # cores other programs may use during a round that counts
-CORES = os.cpu_count() or 1
 # name: mesh degrees and HybridGPT options (world 4)
 LAYOUTS = {
     "dp4": {"dp": 4},
@@ -263,10 +258,9 @@ def main() -> None:
           "  (else the quietest round; 'others': the most they used in those); ratio = predicted / measured step\n"
           "comm: seconds inside collectives and point-to-point waits (mean over ranks; a pipeline's waits hold\n"
           "  its bubble too), measured beside the sum of the prediction's communication terms\n"
-          "cores: CPU time of the 4 ranks over the wall time (2.0: both cores busy all along)\n"
-          f"shared: time_shared_seconds (perf's terms on {CORES} time-shared cores) and its ratio to the step")
+          "cores: CPU time of the 4 ranks over the wall time (2.0: both cores busy all along)")
     print(f"{'layout':<18}{'step':>6}{'pred':>6}{'ratio':>6}{'comm':>6}{'pred':>6}{'cores':>6}{'r/others':>9}"
-          f"{'shared':>7}{'ratio':>6}   predicted parts (ms)")
+          "   predicted parts (ms)")
     for name, opts in LAYOUTS.items():
         p = predict(spec(), layout_of(opts), cluster)
         used = quiet_rounds(measured_times[name])
@@ -274,10 +268,8 @@ def main() -> None:
         others = max(r["others"] for r in used)
         cores = float(np.median([r.get("cores", float("nan")) for r in used]))
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p.comm_seconds.items() if v > 0)
-        shared = time_shared_seconds(p, CORES)
         print(f"{name:<18}{got * 1e3:6.0f}{p.step_seconds * 1e3:6.0f}{p.step_seconds / got:6.2f}"
               f"{comm_got * 1e3:6.0f}{sum(p.comm_seconds.values()) * 1e3:6.0f}{cores:6.2f}{len(used):4d}/{others:.2f}"
-              f"{shared * 1e3:7.0f}{shared / got:6.2f}"
               f"   compute {p.compute_seconds * 1e3:.0f}, bubble {p.bubble_seconds * 1e3:.0f}"
               + (f", {parts}" if parts else ""))
 

@@ -3,7 +3,6 @@
     cluster = calibrate(comm)                    # on every rank (collective); rank 0 gets the Cluster
     m = measure(comm)                            # the same, with every raw measurement (``Measurements``)
     m = run_calibration(4, "mpi", quick=True)    # launches the ranks itself (what the CLI calls)
-    time_shared_seconds(perf.predict(model, layout, cluster))   # the step with ranks sharing this machine's cores
 
 What is timed (``time.perf_counter``; a barrier before every measurement; the first repetition of
 each is a warm-up and dropped; medians over repetitions and ranks):
@@ -18,9 +17,9 @@ each is a warm-up and dropped; medians over repetitions and ranks):
    (weights ``1/t^2``), so every fitted size weighs the same, over the sizes from ``FIT_FROM``
    (8 KiB) up: MPICH sends a message up to its eager limit at once and a larger one after a
    handshake that needs both ranks inside MPI, and with more ranks than cores that handshake waits
-   for the peer to be scheduled (4 ranks on 2 cores: ~30 us below 8 KiB, ~2 ms from 8 KiB, the
-   waiting rank spinning for ``minipar.comm.watchdog.SPIN`` = 1 ms before it sleeps; with a 20 us
-   spin the same exchange took ~0.3 ms; the cluster's ``source`` records the spin). The two
+   for the peer to be scheduled (4 ranks on 2 cores: ~40 us below 8 KiB, ~0.2 ms from 8 KiB with
+   waits that do not spin, ``watchdog.spin_for``; ~2 ms when a waiting rank spun 1 ms before
+   sleeping and took the core from its peer; the cluster's ``source`` records the spin). The two
    regimes are two lines; a training step's messages (activations, gradient chunks) are on the
    second. The smaller sizes are timed and shown beside the fit, not fitted.
 2. gamma: the cost of memory-bound work, which ``minipar.cost.perf`` charges as ``gamma / 3`` per
@@ -71,7 +70,7 @@ import numpy as np
 
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
-from minipar.cost.perf import Layout, ModelSpec, Prediction, memory_traffic_bytes
+from minipar.cost.perf import Layout, ModelSpec, memory_traffic_bytes
 
 SIZES = tuple(8 * 4**k for k in range(11))  # 8 B .. 8 MiB, x4
 QUICK_SIZES = tuple(8 * 16**k for k in range(6))  # 8 B .. 8 MiB, x16
@@ -342,33 +341,6 @@ def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwar
     """This machine as a ``Cluster`` (collective); rank 0 gets it, the others None. See ``measure``."""
     m = measure(comm, sizes=sizes, repeats=repeats, **kwargs)
     return None if m is None else m.cluster
-
-
-def time_shared_seconds(prediction: Prediction, cores: int | None = None) -> float:
-    """The step ``prediction`` (``perf.predict``'s, on a calibrated cluster) takes when its ranks
-    time-share ``cores`` cores (default: this machine's), i.e. a local run with more ranks than cores.
-
-    ``perf`` charges each rank its compute at the all-ranks-busy rate (what ``calibrate`` measures)
-    and adds its waits (bubble, communication) as idle time, as on dedicated devices. On shared cores
-    a waiting rank's core goes to the others, so the step is the larger of two bounds, with ``k`` =
-    ranks / cores: the cores' throughput, every rank's compute at the shared rate plus the
-    collectives whose group is the whole world (no rank computes meanwhile), and one rank's path,
-    its compute on a core of its own (``k`` times faster) plus all its waits::
-
-        max(compute + whole-world communication, compute / k + bubble + communication)
-
-    With ``k <= 1`` (a core per rank) it is ``prediction.step_seconds``. No fitted constant."""
-    layout = prediction.layout
-    if layout is None:
-        raise ValueError("time_shared_seconds needs the Prediction's layout (perf.predict sets it)")
-    k = layout.world / (cores or os.cpu_count() or 1)
-    if k <= 1:
-        return prediction.step_seconds
-    members = {"tp": layout.tp, "sp": layout.sp, "dp": layout.dp * layout.sp}  # ranks in one group of the axis
-    comm = prediction.comm_seconds
-    whole = sum(v for axis, v in comm.items() if members.get(axis) == layout.world)
-    compute = prediction.compute_seconds
-    return max(compute + whole, compute / k + prediction.bubble_seconds + sum(comm.values()))
 
 
 def quick_options(quick: bool) -> dict[str, Any]:

@@ -26,11 +26,9 @@ from minipar.calibrate import (
     measure,
     memtotal_bytes,
     quick_options,
-    time_shared_seconds,
 )
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
-from minipar.cost.perf import Layout, ModelSpec, predict
 from minipar.testing import ROOT, run
 
 QUICK = quick_options(True)
@@ -132,30 +130,6 @@ def test_table_warns_when_other_programs_ran():
                                                   "reduce_gamma", "gpt_seconds", "matmul_solo", "matmul_shared",
                                                   "cluster")], others_cores=0.8)
     assert "warning: other programs kept 0.80 cores busy" in busy.table()
-
-
-def test_time_shared_step_takes_the_larger_bound():
-    link = Link(2e-3, 2.5e-10)
-    cluster = Cluster("x", 4, 5e10, 0.4, 6e9, link, link, 2e-9)
-    model = ModelSpec(layers=4, hidden=64, heads=4, seq=32, vocab=128, bytes_per_number=8)
-    # pp2 x tp2: no group is the whole world; 4 ranks on 2 cores: k = 2
-    p = predict(model, Layout(pp=2, tp=2, micro_batch=2, global_batch=8), cluster)
-    c, b, tp, pp = p.compute_seconds, p.bubble_seconds, p.comm_seconds["tp"], p.comm_seconds["pp"]
-    assert b > 0 and tp > 0 and pp > 0
-    assert time_shared_seconds(p, cores=2) == pytest.approx(max(c, c / 2 + b + tp + pp), rel=1e-12)
-    # dp4: the all-reduce spans the world, so nobody computes during it: compute + dp
-    q = predict(model, Layout(dp=4, global_batch=8), cluster)
-    assert time_shared_seconds(q, cores=2) == pytest.approx(q.compute_seconds + q.comm_seconds["dp"], rel=1e-12)
-    # dp2 x tp2: two dp groups of 2 ranks, two tp groups: none is the world; the bubble-free path wins
-    r = predict(model, Layout(dp=2, tp=2, global_batch=8), cluster)
-    rc, rtp, rdp = r.compute_seconds, r.comm_seconds["tp"], r.comm_seconds["dp"]
-    assert rc / 2 + rtp + rdp > rc + rdp  # so counting dp as the world's would give a different answer
-    assert time_shared_seconds(r, cores=2) == pytest.approx(rc / 2 + rtp + rdp, rel=1e-12)
-    # dp2 x sp2: the gradient all-reduce runs over dp x sp = all 4 ranks, the all-to-alls over 2
-    u = predict(model, Layout(dp=2, sp=2, global_batch=8), cluster)
-    uc, usp, udp = u.compute_seconds, u.comm_seconds["sp"], u.comm_seconds["dp"]
-    assert time_shared_seconds(u, cores=2) == pytest.approx(max(uc + udp, uc / 2 + usp + udp), rel=1e-12)
-    assert time_shared_seconds(p, cores=4) == p.step_seconds  # a core per rank: perf's step
 
 
 def _my_matmul_rate() -> float:
