@@ -113,8 +113,10 @@ class Tensor:
         self._retain = True
         return self
 
-    def backward(self, grad: ArrayLike | None = None) -> None:
-        """Reverse-mode sweep from this tensor; leaf gradients accumulate into ``.grad``."""
+    def backward(self, grad: ArrayLike | None = None, weights: Any = None) -> None:
+        """Reverse-mode sweep from this tensor; leaf gradients accumulate into ``.grad``. With
+        ``weights`` (a ``split_backward.WeightGradients``) the gradients of its weights are left for
+        its ``run()`` (zero-bubble's B now, W later)."""
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad")
         if grad is None:
@@ -144,8 +146,9 @@ class Tensor:
                 if node.is_leaf:
                     continue
             done: list[Tensor] = []
-            for p, pg in zip(node._parents, node._backward(g), strict=True):
-                if not p.requires_grad:
+            parent_grads = node._backward(g) if weights is None else weights.split(node, g)
+            for p, pg in zip(node._parents, parent_grads, strict=True):
+                if not p.requires_grad or (weights is not None and weights.defers(p)):
                     continue
                 if pg is not None:
                     prev = grads.get(id(p))
