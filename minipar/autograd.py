@@ -415,13 +415,16 @@ class Function:
         ctx._refer_to_leaves(args)
         slots = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
         parents = tuple(args[i] for i in slots)
+        ctx.tensor_slots = tuple(slots)  # forward argument of each parent (split_backward masks by it)
+
+        n_args = len(args)  # not ``args``: the closure must not keep the inputs' graph alive
 
         def backward(g: np.ndarray) -> list[np.ndarray | None]:
             grads = cls.backward(ctx, g)
             if not isinstance(grads, tuple | list):
                 grads = (grads,)
-            if len(grads) != len(args):
-                raise RuntimeError(f"{cls.__name__}.backward returned {len(grads)} gradients for {len(args)} inputs")
+            if len(grads) != n_args:
+                raise RuntimeError(f"{cls.__name__}.backward returned {len(grads)} gradients for {n_args} inputs")
             return [grads[i] for i in slots]
 
         result = Tensor._make(out, parents, backward)

@@ -77,3 +77,22 @@ def test_tree_broadcast_bytes_by_hand() -> None:
     # 3 ranks from root 2: relative 0 (rank 2) -> 2 (rank 1), 1 (rank 0)
     assert [tree_broadcast_bytes(8, 3, r, root=2) for r in range(3)] == [0, 0, 16]
     assert tree_broadcast_bytes(8, 1, 0) == 0
+
+
+@budget(20)
+@given(p=st.integers(1, 6), extra=st.integers(0, 6), costs=st.sampled_from(
+    [(1.0, 1.0, 1.0), (2.0, 3.0, 1.0), (3.0, 4.0, 2.0), (1.0, 2.0, 0.5), (2.0, 2.0, 1.0)]))
+def test_zero_bubble_formulas_equal_the_simulated_schedules(p: int, extra: int, costs: tuple) -> None:
+    """Qi et al. 2024, Table 2 (m >= p, W <= F): ZB-H1 idles (p-1)(F + I - W) per rank, 1F1B with the
+    same work (p-1)(F + I + W); ZB-H1 keeps min(p, m) micro-batches on every rank, 1F1B's most."""
+    f, i, w = costs
+    m = p + extra
+    zb = simulate(make_schedule("zb-h1", p, m), forward=f, backward=i + w, weight=w)
+    one = simulate(make_schedule("1f1b", p, m), forward=f, backward=i + w)
+    assert zb.idle == pytest.approx(dict.fromkeys(range(p), pipe_cost.bubble_time("zb-h1", p, f, i, w)), abs=1e-12)
+    assert one.idle == pytest.approx(dict.fromkeys(range(p), pipe_cost.bubble_time("1f1b", p, f, i, w)), abs=1e-12)
+    assert zb.idle[0] == pytest.approx((p - 1) * (f + i - w)) and one.idle[0] == pytest.approx((p - 1) * (f + i + w))
+    assert zb.peak_stash == {r: pipe_cost.peak_stash("zb-h1", p, m, r) for r in range(p)}
+    assert max(zb.peak_stash.values()) == max(one.peak_stash.values()) == min(p, m)
+    unit = simulate(make_schedule("zb-h1", p, m), forward=1.0, backward=2.0)  # I = W = 1 by default
+    assert pipe_cost.bubble_fraction("zb-h1", p, m) == pytest.approx(unit.bubble_fraction, rel=1e-12)

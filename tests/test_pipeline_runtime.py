@@ -185,9 +185,10 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
     for r in range(p):  # activation bytes: held while micro-batches are stashed, all freed by the end
         held = results[r][index]["held"]
         assert max(held) > 0 and held[-1] == 0
-    stages = p * cfg["v"]
-    every = sorted(s for r in range(p) for s in results[r][index]["spans"] if s[0] in "FB")
-    assert every == sorted((op, s, i) for op in "FB" for s in range(stages) for i in range(cfg["m"])
+    stages = p * cfg["v"]  # one span per compute action: F, and B (or I and W for a split backward)
+    every = sorted(s for r in range(p) for s in results[r][index]["spans"] if s[0] in "FBIW")
+    backward = ("I", "W") if cfg["kind"].startswith("zb") else ("B",)
+    assert every == sorted((op, s, i) for op in ("F", *backward) for s in range(stages) for i in range(cfg["m"])
                            for _ in range(STEPS))
 
 

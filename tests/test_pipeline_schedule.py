@@ -227,3 +227,34 @@ def test_blocking_sends_deadlock_1f1b_but_not_gpipe():
         "but rank 0 is stuck at step 3 (0SEND_F1->1)",
     ]
     validate(make_schedule("gpipe", 3, 4), sends="rendezvous")
+
+
+# --- zero bubble: the backward split into I and W ---------------------------------------------------
+# Qi et al. 2024, Figure 3 top (ZB-H1), p = 4, m = 6, written out: rank r runs F_x, I_{x-(3-r)}, W_{x-3}.
+ZB_H1_4_6 = {
+    0: words("0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0I3 0W3 0I4 0W4 0I5 0W5"),
+    1: words("1F0 1F1 1F2 1I0 1F3 1I1 1W0 1F4 1I2 1W1 1F5 1I3 1W2 1I4 1W3 1I5 1W4 1W5"),
+    2: words("2F0 2F1 2I0 2F2 2I1 2F3 2I2 2W0 2F4 2I3 2W1 2F5 2I4 2W2 2I5 2W3 2W4 2W5"),
+    3: words("3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3W3 3W4 3W5"),
+}
+
+
+def test_zb_h1_order_p4_m6():
+    assert format_schedule(make_schedule("zb-h1", 4, 6)) == ZB_H1_4_6
+
+
+def test_lowering_sends_the_gradient_after_i_and_nothing_after_w():
+    assert format_schedule(lower(make_schedule("zb-h1", 2, 1))) == {
+        0: ["0F0", "0SEND_F0->1", "0RECV_B0<-1", "0I0", "0W0"],
+        1: ["1RECV_F0<-0", "1F0", "1I0", "1SEND_B0->0", "1W0"]}
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ({0: ["0F0", "0W0", "0I0"]}, "0W0 comes before 0I0"),
+    ({0: ["0F0", "0I0"]}, "missing 0W0"),
+    ({0: ["0F0", "0W0"]}, "missing 0I0"),
+    ({0: ["0F0", "0I0", "0W0", "0B0"]}, "has both a B and an I/W pair"),
+])
+def test_rejects_bad_split_backwards(spec, needle):
+    with pytest.raises(ScheduleError, match=needle):
+        validate(spec)

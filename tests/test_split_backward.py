@@ -92,8 +92,8 @@ def test_weight_ops_asked_for_one_side_each_time() -> None:
     out.backward(np.ones((4, 5)), weights=later)
     assert Spy.calls == [(True, False)] and w.grad is None
     np.testing.assert_array_equal(x.grad, np.tile(np.arange(15.0).reshape(3, 5).sum(axis=1), (4, 1)))
-    # held until W, by hand: the output's gradient (4 x 5), the output (4 x 5), the saved x (4 x 3); not w
-    assert later.nbytes() == (20 + 20 + 12) * 8
+    # held until W, by hand: the output's gradient (4 x 5) and the saved x (4 x 3); not w, not the output
+    assert later.nbytes() == (20 + 12) * 8
     later.run()
     assert Spy.calls == [(True, False), (False, True)]
     np.testing.assert_array_equal(w.grad, np.full((3, 5), 4.0))
@@ -107,3 +107,54 @@ def test_an_op_of_weights_alone_waits_for_w() -> None:
     assert table.grad is None
     later.run()
     np.testing.assert_array_equal(table.grad, [[0, 0], [2, 2], [0, 0], [0, 0], [1, 1], [0, 0]])
+
+
+def test_between_b_and_w_only_what_w_needs_stays_alive() -> None:
+    import gc
+    import weakref
+
+    w1, w2 = nn.Parameter((3, 4), ("normal", 1.0)), nn.Parameter((4, 2), ("normal", 1.0))
+    w1.data[...], w2.data[...] = np.full((3, 4), 0.5), np.full((4, 2), -0.25)
+    x = Tensor(np.ones((5, 3)), requires_grad=True)
+    h = F.linear(x, w1)
+    y = F.gelu(h)  # GELU keeps h for its backward: needed by B, not by W
+    z = F.linear(y, w2)
+    gone = [weakref.ref(t) for t in (h, y, z)]
+    later = WeightGradients([w1, w2])
+    z.backward(np.ones((5, 2)), weights=later)
+    del h, y, z
+    gc.collect()
+    assert [r() for r in gone] == [None, None, None]  # the graph's nodes are freed after B
+    # what stays, by hand: per linear its output's gradient and its saved input: (5x2 + 5x4) + (5x4 + 5x3)
+    assert later.nbytes() == (10 + 20 + 20 + 15) * 8
+    later.run()
+    assert w1.grad.shape == (3, 4) and w2.grad.shape == (4, 2)
+
+
+def zb_pipeline(comm, widths: list[int], mb: int, path: str) -> None:
+    from minipar import trace
+    from minipar.optim import SGD
+    from minipar.parallel.pipeline import Pipeline, mlp
+
+    pipe = Pipeline(comm, mlp(widths, seed=1), "zb-h1", microbatches=2)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(2 * mb, widths[0])), rng.normal(size=(2 * mb, widths[-1]))
+    with trace.record(path, comm=comm):
+        pipe.step(x, y, SGD(pipe.parameters(), lr=0.1))
+
+
+def test_pipeline_holds_what_w_needs_between_i_and_w(tmp_path) -> None:
+    """A 2-stage MLP pipeline under ZB-H1: right after ``0I1`` (rank 0's last I; ``0W0`` ran), rank
+    0 holds only what ``0W1`` needs: per linear layer its saved input and its output's gradient."""
+    from minipar import trace
+    from minipar.testing import run
+
+    widths, mb = [3, 5, 4, 2, 6], 2  # stage 0: layers 0, 1 (3 -> 5 -> 4); stage 1: layers 2, 3
+    path = str(tmp_path / "zb.json")
+    run(zb_pipeline, 2, "threads", widths=widths, mb=mb, path=path)
+    events = trace.load(path).events
+    i1 = next(e for e in events if e.rank == 0 and e.kind == "compute" and e.name == "I" and e.microbatch == 1)
+    after = [e for e in events if e.rank == 0 and e.kind == "memory" and e.name == "activations" and e.t0 >= i1.t1]
+    # layer 0: its input, a view of the whole batch (np.split), which keeps the 4 x 3 batch, and its
+    # output's gradient 2 x 5; layer 1: its input 2 x 5 (the ReLU's output) and its output's gradient 2 x 4
+    assert after[0].nbytes == 8 * (2 * mb * 3) + 8 * mb * (5 + 5 + 4) and after[0].args["stashed"] == 1

@@ -204,8 +204,10 @@ def activation_peak_bytes(c: TinyLayout, rank: int, schedule: str = "1f1b") -> i
 
     Tensor-parallel stages, one stage per rank (``chunks == 1``); sequence-parallel blocks are
     ``sequence.activation_terms``, measured in ``tests/test_sequence_parallel.py``."""
-    if c.sp > 1 or c.chunks > 1:
-        raise ValueError("activation_peak_bytes models tensor-parallel stages, one per rank (sp = 1, chunks = 1)")
+    if c.sp > 1 or c.chunks > 1 or schedule.startswith("zb"):
+        raise ValueError("activation_peak_bytes models tensor-parallel stages, one per rank (sp = 1, chunks = 1), "
+                         "whose backward is not split (between a split backward's I and W the kept bytes are the "
+                         "weight ops' inputs and output gradients: split_backward.WeightGradients.nbytes)")
     t, b, e = c.tp, c.micro_batch, c.itemsize
     a = c.seq * b * c.d * e
     s_ = a // t if c.sequence_parallel else a

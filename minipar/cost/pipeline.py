@@ -6,6 +6,9 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
 - ``bubble_fraction``: the idle share of the step. Naive model parallelism ``(p-1)/p``; GPipe
   (Huang et al. 2018) and 1F1B (Narayanan et al. 2021, Sec. 2.2.1) ``(p-1)/(m+p-1)``; interleaved
   1F1B (Sec. 2.2.2) ``(p-1)/(vm+p-1)``.
+- ZB-H1 (Qi et al. 2024, Sec. 2.1): the backward split into I and W; ``bubble_time`` (p-1)(F + I - W)
+  against 1F1B's (p-1)(F + I + W); every rank keeps ``min(p, m)`` micro-batches until their W, the
+  most any 1F1B rank keeps (its first).
 - ``peak_stash``: micro-batches whose activations rank ``r`` holds at once: naive 1, GPipe ``m``,
   1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunk-micro-batches
   (Megatron-LM's warm-up count ``2 (p - r - 1) + (v - 1) p`` forwards, plus the one in flight; with
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Integral
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def _check(kind: str) -> None:
@@ -29,11 +32,26 @@ def _check(kind: str) -> None:
 
 
 def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of the step for uniform stages (Huang et al. 2018; Narayanan et al. 2021)."""
+    """Idle share of the step for uniform stages with a backward twice a forward (Huang et al. 2018;
+    Narayanan et al. 2021); ZB-H1 (m >= p) splits that backward into equal I and W halves:
+    ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``."""
     _check(kind)
     if kind == "naive":
         return (p - 1) / p
+    if kind == "zb-h1":
+        idle = bubble_time(kind, p, 1.0, 1.0, 1.0)
+        return idle / (3 * m + idle)
     return (p - 1) / ((v if kind == "interleaved" else 1) * m + p - 1)
+
+
+def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_grad: float) -> float:
+    """Idle time of every rank in one step, for 1F1B and ZB-H1 with the backward split into the
+    input-gradient part ``I`` and the weight-gradient part ``W`` (Qi et al. 2024, Table 2; m >= p):
+    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down."""
+    if kind not in ("1f1b", "zb-h1"):
+        raise ValueError(f"bubble_time has the formulas of '1f1b' and 'zb-h1', not {kind!r}")
+    sign = 1 if kind == "1f1b" else -1
+    return (p - 1) * (forward + input_grad + sign * weight_grad)
 
 
 def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
@@ -41,14 +59,14 @@ def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
     _check(kind)
     if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
         return v * m if m == p else min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
-    return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m)}[kind]
+    return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m), "zb-h1": min(p, m)}[kind]
 
 
 def bubble_formula(kind: str) -> str:
     """The bubble formula as text, for printing next to its value."""
     _check(kind)
     return {"naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
-            "interleaved": "(p-1)/(v m+p-1)"}[kind]
+            "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}[kind]
 
 
 def stage_owner(p: int, v: int = 1) -> list[int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .schedule import Action, Schedule, bwd, fwd
 
-KINDS = ("naive", "gpipe", "1f1b", "interleaved")
+KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def naive(p: int, m: int) -> dict[int, list[Action]]:
@@ -97,6 +97,29 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
     return out
 
 
+def zb_h1(p: int, m: int) -> dict[int, list[Action]]:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2.1, Figure 3 top): 1F1B's
+    order of forwards and input-gradient backwards (``I``: p - 1 - r warm-up forwards on rank r), with
+    each weight-gradient ``W`` started late enough that every rank keeps p micro-batches in flight
+    (1F1B's first rank's peak): rank r runs, for x = 0, 1, ..., m + p - 2,
+
+        F_x,  I_{x - (p - 1 - r)},  W_{x - (p - 1)}       (each when its index is in 0..m-1)
+
+    so W of micro-batch i runs right after I of micro-batch i + r, and the last r W's fill the
+    cool-down, where 1F1B idles. With F, I, W the times of one stage's forward, input-gradient and
+    weight-gradient backward, the bubble per rank is (p - 1)(F + I - W), against 1F1B's (p - 1)(F +
+    I + W) (the paper's Table 2): about a third of it when F = I = W."""
+    out = {}
+    for r in range(p):
+        acts = []
+        for x in range(m + p - 1):
+            for op, i in (("F", x), ("I", x - (p - 1 - r)), ("W", x - (p - 1))):
+                if 0 <= i < m:
+                    acts.append(Action(r, op, i))
+        out[r] = acts
+    return out
+
+
 def _check_int(name: str, value: object, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}; {hint}")
@@ -104,7 +127,7 @@ def _check_int(name: str, value: object, hint: str) -> int:
 
 
 def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """``{rank: [action, ...]}`` for ``kind`` in "naive" | "gpipe" | "1f1b" | "interleaved".
+    """``{rank: [action, ...]}`` for ``kind`` in "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1".
 
     ``stages`` is the number of pipeline ranks p, ``microbatches`` is m, ``chunks`` is v (model
     chunks per rank, interleaved only). Bad configurations raise ``ValueError`` saying what to change.
@@ -135,6 +158,8 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
         acts = gpipe(p, m)
     elif kind_l == "1f1b":
         acts = one_f_one_b(p, m)
+    elif kind_l == "zb-h1":
+        acts = zb_h1(p, m)
     else:
         acts = interleaved(p, m, v)
     return Schedule(acts, kind=kind_l, stages=p, microbatches=m, chunks=v)

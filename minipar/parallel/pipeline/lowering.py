@@ -2,7 +2,8 @@
 
 For every forward ``sFi`` whose previous stage lives on another rank, a ``sRECV_Fi<-q`` is put just
 before it; when the next stage lives on another rank, a ``sSEND_Fi->q`` just after it. Backwards
-mirror this with gradients (``RECV_B`` before, ``SEND_B`` after). Stages on the same rank (p = 1,
+mirror this with gradients (``RECV_B`` before, ``SEND_B`` after; an ``I`` like a ``B``, a ``W`` with
+no message). Stages on the same rank (p = 1,
 or hand-written layouts) hand tensors over in memory and need no messages.
 
 Contract for the runtime executor (and what ``validate`` checks against):
@@ -59,7 +60,10 @@ def lower_with_index(schedule: Mapping[int, Sequence[Action]]) -> tuple[Schedule
                 prog.append(a)
                 if next_remote:
                     prog.append(Action(s, "SEND_F", mb, owner[s + 1]))
-            else:
+            elif a.op == "W":  # the weights' gradient: nothing to send or receive
+                index[(rank, i)] = len(prog)
+                prog.append(a)
+            else:  # B, or I: the backward that sends the input's gradient upstream
                 if next_remote:
                     prog.append(Action(s, "RECV_B", mb, owner[s + 1]))
                 index[(rank, i)] = len(prog)

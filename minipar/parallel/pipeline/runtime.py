@@ -16,6 +16,9 @@ it interprets the lowered program (``lowering.py``) of its rank, action by actio
 ``sB i``        ``output.backward(received gradient)`` (last stage: ``loss.backward()``);
                 parameter gradients accumulate over micro-batches; input.grad is what goes
                 upstream; the stash entry is freed.
+``sI i``        the same backward without the weights' gradient (``split_backward``: zero
+                bubble's B); what the weights' gradient needs is kept for ``sW i``.
+``sW i``        the weights' gradient of micro-batch i, accumulated; frees what ``sI i`` kept.
 ``sSEND_F i``   non-blocking ``isend`` of the activation (``SEND_B``: of the input gradient).
 ``sRECV_F i``   blocking ``recv`` of stage s's input (``RECV_B``: of its output's gradient).
 ==============  ===========================================================================
@@ -59,6 +62,7 @@ from minipar.cost import pipeline as cost
 from minipar.memory import activation_bytes
 from minipar.nn import Parameter
 from minipar.optim import Optimizer
+from minipar.split_backward import WeightGradients
 
 from .generators import make_schedule
 from .partition import LayeredModel, Stage, split_layers
@@ -201,6 +205,7 @@ class Pipeline:
         self.microbatch_losses = [0.0] * m
         self.peak_stash = 0
         self._stash_bytes: dict[tuple[int, int], int] = {}
+        self._later: dict[tuple[int, int], WeightGradients] = {}  # (stage, mb) -> its W, after its I
         trace.memory("activations", 0, args={"stashed": 0})
         for action in self.actions:
             getattr(self, "_" + action.op)(action)
@@ -232,7 +237,7 @@ class Pipeline:
         return 2 * (edge * self.microbatches + mb) + (direction == "B")
 
     def _sample(self) -> None:
-        n = len(self._stash)
+        n = len(self._stash) + len(self._later)  # a split backward's micro-batch is held until its W
         self.peak_stash = max(self.peak_stash, n)
         if trace.current() is not None:
             trace.memory("activations", sum(self._stash_bytes.values()), args={"stashed": n})
@@ -262,16 +267,30 @@ class Pipeline:
 
     def _B(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
-        with trace.span("B", **self._where(a)):
+        with trace.span(a.op, **self._where(a)):
             inp, out = self._stash.pop((s, i))
             self._stash_bytes.pop((s, i), None)
-            out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)))
+            later = WeightGradients(self.stages[s].parameters()) if a.op == "I" else None
+            out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)), weights=later)
+            if later is not None:  # kept until this micro-batch's W
+                self._later[(s, i)] = later
+                if trace.current() is not None:  # what W needs (the input too, where a weight op saved it)
+                    self._stash_bytes[(s, i)] = later.nbytes()
             if s > 0:
                 grad = inp.grad if inp.grad is not None else np.zeros_like(inp.data)
                 if self.owner[s - 1] == self.comm.rank:
                     self._inbox[("B", s - 1, i)] = grad
                 else:
                     self._outbox[("B", s, i)] = grad
+        self._sample()
+
+    _I = _B  # the backward without the weights' gradient (zero bubble's B): ``_B`` with a WeightGradients
+
+    def _W(self, a: Action) -> None:
+        """The weights' gradient of (stage, micro-batch), whose I ran earlier; frees what it kept."""
+        with trace.span("W", **self._where(a)):
+            self._later.pop((a.stage, a.microbatch)).run()
+            self._stash_bytes.pop((a.stage, a.microbatch), None)
         self._sample()
 
     def _labels(self, a: Action) -> dict[str, int]:

@@ -17,9 +17,10 @@ Measures (uniform stages, F/B per action, zero latency: see ``generators.py`` fo
   (Narayanan et al. 2021, eq. in 2.2.1/2.2.2): (p - 1)/m for GPipe and 1F1B, (p - 1)/(v m)
   interleaved, i.e. exactly the 1F1B ratio divided by v.
 - ``peak_stash[r]``: the most (stage, micro-batch) pairs whose forward had ended and backward had
-  not, on rank r: m for GPipe, p - r for 1F1B.
+  not, on rank r: m for GPipe, p - r for 1F1B. A split backward holds its activations until its W
+  (what the W needs is most of them: Qi et al. 2024 count a micro-batch's memory until W).
 
-The trace has the format of a real run (``minipar.trace``): compute events "F"/"B" with stage,
+The trace has the format of a real run (``minipar.trace``): compute events "F"/"B"/"I"/"W" with stage,
 micro-batch and chunk; one comm event per message on the sender ("send", from posting to arrival)
 and on the receiver ("recv", from reaching the RECV to its end), ``op`` "send"/"recv",
 ``args["carries"]`` "activation"/"gradient"; memory events labelled "activations" whose ``nbytes``
@@ -69,10 +70,14 @@ def _per_stage(name: str, value: float | Sequence[float], n_stages: int) -> list
 def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[str] | str],
              forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
              latency: float = 0.0, trace_path: str | os.PathLike[str] | None = None,
-             activation_bytes: int = 1, message_bytes: int = 0) -> SimResult:
+             activation_bytes: int = 1, message_bytes: int = 0,
+             weight: float | Sequence[float] | None = None) -> SimResult:
     """Simulate ``schedule`` (validated first: raises ``ScheduleError`` if it cannot run).
 
     ``forward``/``backward``: time of one action, one number or a list per (virtual) stage.
+    ``weight``: the part of ``backward`` that computes the weights' gradient: a ``W`` takes it, an
+    ``I`` the rest (``backward - weight``), a ``B`` all of it; default half (a linear layer's two
+    backward GEMMs cost the same: Qi et al. 2024 Sec. 2 count T_B = T_W for them).
     ``latency``: time from posting a send to its arrival. ``activation_bytes``: bytes per stashed
     micro-batch in the memory events (1 = count micro-batches). ``message_bytes``: ``nbytes`` of
     each comm event. Writes the trace to ``trace_path`` when given."""
@@ -83,6 +88,10 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     bwd = _per_stage("backward", backward, n_stages)
     if not latency >= 0:
         raise ValueError(f"latency must be >= 0, got {latency}")
+    wgt = [b / 2 for b in bwd] if weight is None else _per_stage("weight", weight, n_stages)
+    if any(w > b for w, b in zip(wgt, bwd, strict=True)):
+        raise ValueError(f"weight {wgt} must not exceed backward {bwd}: it is a part of it")
+    duration = {"F": fwd, "B": bwd, "I": [b - w for b, w in zip(bwd, wgt, strict=True)], "W": wgt}
     chunk_of = {}
     for acts in program.values():
         held = sorted({a.stage for a in acts if a.is_compute})
@@ -99,11 +108,11 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
         where = {"stage": a.stage, "microbatch": a.microbatch, "chunk": chunk_of.get(a.stage, 0)}
         if a.is_compute:
             t0 = clock[r]
-            t1 = t0 + (fwd if a.op == "F" else bwd)[a.stage]
+            t1 = t0 + duration[a.op][a.stage]
             clock[r] = t1
             busy[r] += t1 - t0
             events.append(Event(r, "compute", a.op, t0, t1, args={"action": str(a)}, **where))
-            stash[r] += 1 if a.op == "F" else -1
+            stash[r] += {"F": 1, "B": -1, "I": 0, "W": -1}[a.op]  # kept until the weights' gradient
             peak[r] = max(peak[r], stash[r])
             events.append(Event(r, "memory", "activations", t1, t1, nbytes=stash[r] * activation_bytes,
                                 args={"stashed": stash[r]}, **where))
@@ -128,7 +137,7 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     meta = {
         "paradigm": "pipeline", "schedule": sched.kind, "p": len(program), "m": sched.microbatches,
         "v": sched.chunks, "backend": "simulator", "world_size": len(program), "forward": fwd,
-        "backward": bwd, "latency": latency, "activation_unit": "microbatches" if activation_bytes == 1
+        "backward": bwd, "weight": wgt, "latency": latency, "activation_unit": "microbatches" if activation_bytes == 1
         else f"{activation_bytes} bytes per micro-batch", "makespan": makespan, "bubble_fraction": fraction,
         "actions": {str(r): [str(a) for a in acts] for r, acts in program.items()},
     }

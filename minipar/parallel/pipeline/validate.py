@@ -3,16 +3,17 @@
 Checks, on the schedule as written:
 
 1. every stage lives on exactly one rank (all of its actions are on that rank);
-2. every (stage, micro-batch) has exactly one forward and one backward, and no action repeats;
-3. on each rank a backward comes after its own forward;
+2. every (stage, micro-batch) has exactly one forward and one backward (a ``B``, or an ``I`` and a
+   ``W``), and no action repeats;
+3. on each rank a backward comes after its own forward, a ``W`` after its ``I``;
 4. for a schedule that already has SEND/RECV actions: every send names the rank of the next
    (forward) or previous (backward) stage, a rank only sends/receives for its own stages, and every
    send has its receive on the peer.
 
 Then the lowered program (``lowering.py``) runs through a symbolic executor: each rank advances
 through its list while the head action's inputs are there: a forward of stage s needs the
-forward of s - 1 (in memory on the same rank, else its ``RECV_F``), a backward of s needs its own
-forward and the backward of s + 1, a send needs the compute that produced its tensor, and a receive
+forward of s - 1 (in memory on the same rank, else its ``RECV_F``), a backward (B or I) of s needs
+its own forward and the backward of s + 1, a W its I, a send needs the compute that produced its tensor, and a receive
 needs its send to have been posted on the peer. With ``sends="eager"`` (the runtime contract:
 non-blocking ``isend``) a send never blocks; with ``sends="rendezvous"`` a send and its receive
 must be at the head of both ranks at once, as with an unbuffered blocking ``MPI_Ssend``: this shows
@@ -28,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .lowering import lower_with_index
-from .schedule import Action, Schedule, ScheduleError, format_table, parse_schedule, stage_ranks
+from .schedule import BACKWARD_OPS, Action, Schedule, ScheduleError, format_table, parse_schedule, stage_ranks
 
 SENDS = ("eager", "rendezvous")
 _MAX_LISTED = 8
@@ -89,16 +90,26 @@ def check_structure(sched: Schedule, index: Mapping[tuple[int, int], int] | None
     n_stages, n_mb = sched.virtual_stages, 1 + max((a.microbatch for acts in sched.values() for a in acts),
                                                    default=-1)
     missing = [f"{s}{op}{i}" for s in range(n_stages) for i in range(n_mb) for op in ("F", "B")
-               if (op, s, i) not in seen]
+               if (op, s, i) not in seen and (op == "F" or not {("I", s, i), ("W", s, i)} & seen.keys())]
+    missing += [f"{s}{op}{i}" for s in range(n_stages) for i in range(n_mb) for op, other in (("I", "W"), ("W", "I"))
+                if (op, s, i) not in seen and (other, s, i) in seen]
+    for s, i in sorted({(s, i) for (op, s, i) in seen if op == "B"} & {(s, i) for (op, s, i) in seen if op == "I"}):
+        problems.append(f"stage {s} micro-batch {i} has both a B and an I/W pair; a backward is one B, or an I "
+                        "and a W")
     if missing:
         shown = ", ".join(missing[:_MAX_LISTED]) + (f" and {len(missing) - _MAX_LISTED} more"
                                                      if len(missing) > _MAX_LISTED else "")
-        problems.append(f"missing {shown}: every stage 0..{n_stages - 1} runs a forward and a backward of "
-                        f"every micro-batch 0..{n_mb - 1}")
+        problems.append(f"missing {shown}: every stage 0..{n_stages - 1} runs a forward and a backward (B, or I "
+                        f"and W) of every micro-batch 0..{n_mb - 1}")
     for r, acts in sched.items():
         pos = {a.key: i for i, a in enumerate(acts)}
         for i, a in enumerate(acts):
-            if a.op == "B" and pos.get(("F", a.stage, a.microbatch), -1) > i:
+            if a.op == "W" and pos.get(("I", a.stage, a.microbatch), -1) > i:
+                j = at(r, pos[("I", a.stage, a.microbatch)])
+                marks.setdefault((r, at(r, i)), f"before its I (step {j})")
+                problems.append(f"rank {r} step {at(r, i)}: {a} comes before {a.stage}I{a.microbatch} (step {j}); "
+                                "the weights' gradient needs the gradient of the layer outputs the I computes")
+            if a.op in BACKWARD_OPS and pos.get(("F", a.stage, a.microbatch), -1) > i:
                 j = at(r, pos[("F", a.stage, a.microbatch)])
                 marks.setdefault((r, at(r, i)), f"before its forward (step {j})")
                 problems.append(f"rank {r} step {at(r, i)}: {a} comes before its forward "
@@ -129,7 +140,13 @@ def _comm_problem(sched: Schedule, r: int, a: Action, owner: dict[int, int], n_r
     return None
 
 
-def _local_needs(a: Action, rank: int, owner: dict[int, int], n_stages: int) -> list[Action]:
+def backward_ops(sched: Mapping[int, Sequence[Action]]) -> dict[tuple[int, int], str]:
+    """(stage, micro-batch) -> the op of its gradient-sending backward: "B", or "I" (then a W follows)."""
+    return {(a.stage, a.microbatch): a.op for acts in sched.values() for a in acts if a.op in BACKWARD_OPS}
+
+
+def _local_needs(a: Action, rank: int, owner: dict[int, int], n_stages: int,
+                 grad_op: Mapping[tuple[int, int], str]) -> list[Action]:
     """What must already be done on ``rank`` before ``a`` runs there."""
     s, i = a.stage, a.microbatch
     if a.op == "F":
@@ -137,14 +154,16 @@ def _local_needs(a: Action, rank: int, owner: dict[int, int], n_stages: int) -> 
             return []
         return [Action(s - 1, "F", i)] if owner.get(s - 1) == rank else \
             [Action(s, "RECV_F", i, owner.get(s - 1, 0))]
-    if a.op == "B":
+    if a.op in BACKWARD_OPS:
         need = [Action(s, "F", i)]
         if s < n_stages - 1:
-            need.append(Action(s + 1, "B", i) if owner.get(s + 1) == rank else
+            need.append(Action(s + 1, grad_op.get((s + 1, i), "B"), i) if owner.get(s + 1) == rank else
                         Action(s, "RECV_B", i, owner.get(s + 1, 0)))
         return need
+    if a.op == "W":
+        return [Action(s, "I", i)]
     if a.is_send:
-        return [Action(s, a.op[-1], i)]
+        return [Action(s, "F" if a.op == "SEND_F" else grad_op.get((s, i), "B"), i)]
     return []
 
 
@@ -153,7 +172,7 @@ def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, in
     can all complete (every receive after its send), and the ranks stuck for ever (empty if none)."""
     if sends not in SENDS:
         raise ValueError(f"sends must be one of {SENDS}, got {sends!r}")
-    owner, n_stages = _owners(lowered), lowered.virtual_stages
+    owner, n_stages, grad_op = _owners(lowered), lowered.virtual_stages, backward_ops(lowered)
     ranks = sorted(lowered)
     pos = dict.fromkeys(ranks, 0)
     done: dict[int, set[tuple[str, int, int]]] = {r: set() for r in ranks}
@@ -164,7 +183,7 @@ def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, in
         return lowered[r][pos[r]] if r in pos and pos[r] < len(lowered[r]) else None
 
     def inputs_ready(r: int, a: Action) -> bool:
-        return all(n.key in done[r] for n in _local_needs(a, r, owner, n_stages))
+        return all(n.key in done[r] for n in _local_needs(a, r, owner, n_stages, grad_op))
 
     def advance(r: int) -> None:
         a = lowered[r][pos[r]]
@@ -193,15 +212,15 @@ def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, in
                     continue
                 advance(r)
                 progress = True
-    stuck = [Stuck(r, pos[r], a, _why(lowered, r, a, pos, done, owner, n_stages, sends))
+    stuck = [Stuck(r, pos[r], a, _why(lowered, r, a, pos, done, owner, n_stages, grad_op))
              for r in ranks if (a := head(r)) is not None]
     return order, stuck
 
 
 def _why(lowered: Schedule, r: int, a: Action, pos: dict[int, int], done: dict[int, set],
-         owner: dict[int, int], n_stages: int, sends: str) -> str:
+         owner: dict[int, int], n_stages: int, grad_op: Mapping[tuple[int, int], str]) -> str:
     """What the stuck head action ``a`` of rank ``r`` waits for, in words."""
-    for need in _local_needs(a, r, owner, n_stages):
+    for need in _local_needs(a, r, owner, n_stages, grad_op):
         if need.key in done[r]:
             continue
         later = [j for j, b in enumerate(lowered[r]) if b.key == need.key]
