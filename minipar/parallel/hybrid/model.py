@@ -76,8 +76,11 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
                         "use it with tp = sp = 1, or another schedule")
     if sp_method not in SP_METHODS:
         problems.append(f"sp_method={sp_method!r}; choose one of {SP_METHODS}")
-    collect(make_schedule, schedule, pp, microbatches, chunks)
-    stages = pp * max(1, chunks if schedule == "interleaved" else 1)
+    try:
+        stages = make_schedule(schedule, pp, microbatches, chunks).virtual_stages
+    except ValueError as exc:
+        problems.append(str(exc))
+        stages = pp
     if layers is None:
         collect(gpt_layer_counts, n_layers, stages)
     else:
@@ -140,7 +143,7 @@ class HybridGPT:
         else:
             layered = tensor_parallel_layers(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, mesh["tp"],
                                              sequence_parallel, seed, dtype)
-        stages = mesh.degree("pp") * (chunks if schedule == "interleaved" else 1)
+        stages = make_schedule(schedule, mesh.degree("pp"), microbatches, chunks).virtual_stages
         counts = list(layers) if layers is not None else gpt_layer_counts(n_layers, stages)
         self.pipe = Pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
         self.module = _Stages(self.pipe)

@@ -1,23 +1,26 @@
 """Pipeline parallelism: schedules as data, a validator and a simulator.
 
 GPipe (Huang et al. 2018), 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), DAPPLE.
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), DAPPLE, and
+zero-bubble schedules (Qi et al. 2024).
 
 - ``schedule.py``: the action IR (``Action``, ``"1F3"``), ``Schedule``, parse/print, tables.
-- ``generators.py``: ``make_schedule(kind, stages, microbatches, chunks=1)``.
+- ``generators.py``: ``make_schedule(kind, stages, microbatches, chunks=1)``, ``GENERATORS`` (kind ->
+  generator); naive, GPipe, 1F1B, interleaved.
+- ``zero_bubble.py``: ZB-H1 (backwards split into I and W, Qi et al. 2024).
 - ``lowering.py``: ``lower`` inserts the SEND/RECV actions a runtime executes.
 - ``validate.py``: ``validate`` rejects schedules that cannot run, with a step-by-rank table.
 - ``simulate.py``: ``simulate`` gives makespan, bubble, idle time, stash and a trace.
 """
 
-from .generators import KINDS, gpipe, interleaved, make_schedule, naive, one_f_one_b
+from .generators import GENERATORS, KINDS, gpipe, interleaved, make_schedule, naive, one_f_one_b
 from .lowering import is_lowered, lower
 from .schedule import Action, Schedule, ScheduleError, format_schedule, format_table, parse_schedule
 from .simulate import SimResult, simulate
 from .validate import Stuck, execute, validate
 
 __all__ = [
-    "KINDS", "Action", "Schedule", "ScheduleError", "SimResult", "Stuck", "execute", "format_schedule",
+    "GENERATORS", "KINDS", "Action", "Schedule", "ScheduleError", "SimResult", "Stuck", "execute", "format_schedule",
     "format_table", "gpipe", "interleaved", "is_lowered", "lower", "make_schedule", "naive", "one_f_one_b",
     "parse_schedule", "simulate", "validate",
 ]

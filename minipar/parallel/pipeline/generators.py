@@ -20,9 +20,10 @@ Narayanan et al. 2021, section 2.2.2.) Building a schedule costs O(p v m).
 
 from __future__ import annotations
 
-from .schedule import Action, Schedule, bwd, fwd
+from collections.abc import Callable
 
-KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+from . import zero_bubble
+from .schedule import Action, Schedule, bwd, fwd
 
 
 def naive(p: int, m: int) -> dict[int, list[Action]]:
@@ -97,27 +98,17 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Action]]:
     return out
 
 
-def zb_h1(p: int, m: int) -> dict[int, list[Action]]:
-    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2.1, Figure 3 top): 1F1B's
-    order of forwards and input-gradient backwards (``I``: p - 1 - r warm-up forwards on rank r), with
-    each weight-gradient ``W`` started late enough that every rank keeps p micro-batches in flight
-    (1F1B's first rank's peak): rank r runs, for x = 0, 1, ..., m + p - 2,
-
-        F_x,  I_{x - (p - 1 - r)},  W_{x - (p - 1)}       (each when its index is in 0..m-1)
-
-    so W of micro-batch i runs right after I of micro-batch i + r, and the last r W's fill the
-    cool-down, where 1F1B idles. With F, I, W the times of one stage's forward, input-gradient and
-    weight-gradient backward, the bubble per rank is (p - 1)(F + I - W), against 1F1B's (p - 1)(F +
-    I + W) (the paper's Table 2): about a third of it when F = I = W."""
-    out = {}
-    for r in range(p):
-        acts = []
-        for x in range(m + p - 1):
-            for op, i in (("F", x), ("I", x - (p - 1 - r)), ("W", x - (p - 1))):
-                if 0 <= i < m:
-                    acts.append(Action(r, op, i))
-        out[r] = acts
-    return out
+# kind -> generator(p, m, v): a new schedule is a function and one entry here (its own checks raise
+# ValueError inside it, saying what to change)
+GENERATORS: dict[str, Callable[[int, int, int], dict[int, list[Action]]]] = {
+    "naive": lambda p, m, v: naive(p, m),
+    "gpipe": lambda p, m, v: gpipe(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved": lambda p, m, v: interleaved(p, m, v),
+    "zb-h1": lambda p, m, v: zero_bubble.zb_h1(p, m),
+}
+KINDS = tuple(GENERATORS)
+CHUNKED = ("interleaved",)  # kinds that take chunks=v > 1
 
 
 def _check_int(name: str, value: object, hint: str) -> int:
@@ -127,7 +118,7 @@ def _check_int(name: str, value: object, hint: str) -> int:
 
 
 def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """``{rank: [action, ...]}`` for ``kind`` in "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1".
+    """``{rank: [action, ...]}`` for ``kind`` in ``KINDS`` ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", ...).
 
     ``stages`` is the number of pipeline ranks p, ``microbatches`` is m, ``chunks`` is v (model
     chunks per rank, interleaved only). Bad configurations raise ``ValueError`` saying what to change.
@@ -144,22 +135,13 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
         raise ValueError(f"microbatches must be >= 1, got {m}; split the batch into at least one micro-batch")
     if v < 1:
         raise ValueError(f"chunks must be >= 1, got {v}; each rank holds at least one model chunk")
-    if kind_l != "interleaved" and v != 1:
-        raise ValueError(f"chunks={v} only applies to the 'interleaved' schedule; use chunks=1 with "
-                         f"{kind!r}, or kind='interleaved'")
+    if kind_l not in CHUNKED and v != 1:
+        raise ValueError(f"chunks={v} only applies to the {', '.join(map(repr, CHUNKED))} schedule; use chunks=1 "
+                         f"with {kind!r}, or kind='interleaved'")
     if kind_l == "interleaved" and m % p != 0:
         lo, hi = (m // p) * p, (m // p + 1) * p
         hint = f"{lo} or {hi}" if lo > 0 else f"{hi}"
         raise ValueError(f"interleaved 1F1B needs microbatches to be a multiple of stages: m={m} with "
                          f"p={p}; use microbatches={hint}")
-    if kind_l == "naive":
-        acts = naive(p, m)
-    elif kind_l == "gpipe":
-        acts = gpipe(p, m)
-    elif kind_l == "1f1b":
-        acts = one_f_one_b(p, m)
-    elif kind_l == "zb-h1":
-        acts = zb_h1(p, m)
-    else:
-        acts = interleaved(p, m, v)
+    acts = GENERATORS[kind_l](p, m, v)
     return Schedule(acts, kind=kind_l, stages=p, microbatches=m, chunks=v)
