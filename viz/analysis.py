@@ -5,9 +5,10 @@ so the pictures and the tests agree on one definition of each quantity.
 
 Definitions
 -----------
-- **Kind of a compute span** (``kind_of``): name "F" -> forward; "B" or "W" (weight-gradient half
-  of a split backward, as in zero-bubble schedules) -> backward; "opt" / "step" -> optimizer;
-  anything else -> other.
+- **Kind of a compute span** (``kind_of``): name "F" -> forward; "B" -> backward; the two halves of
+  a split backward (zero-bubble schedules, Qi et al. 2024) apart: "I" -> input gradient (what the
+  previous stage waits for), "W" -> weight gradient (what nobody waits for); "opt" / "step" ->
+  optimizer; anything else -> other.
 - **Step window** (``window``): from the earliest start to the latest end of any *compute or comm*
   event on any rank. Memory samples and marks do not stretch it. One window for the whole trace,
   so every rank's bubble is measured against the same step time, as in GPipe's analysis
@@ -34,20 +35,24 @@ from typing import Any
 
 from minipar.trace import Event, Trace
 
-KINDS = ("forward", "backward", "optimizer", "other")
-_KIND_BY_NAME = {"F": "forward", "B": "backward", "W": "backward", "opt": "optimizer", "step": "optimizer"}
+KINDS = ("forward", "backward", "input gradient", "weight gradient", "optimizer", "other")
+PIPELINE_KINDS = ("forward", "backward", "input gradient", "weight gradient")  # a stage's work on a micro-batch
+_KIND_BY_NAME = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "opt": "optimizer",
+                 "step": "optimizer"}
 
 
 def kind_of(event: Event) -> str:
-    """forward / backward / optimizer / other for a compute span (by its name)."""
+    """forward / backward / input gradient / weight gradient / optimizer / other for a compute span
+    (by its name)."""
     return _KIND_BY_NAME.get(event.name, "other")
 
 
 def shows_chunks(trace: Trace) -> bool:
-    """True when forward / backward spans carry more than one model chunk (interleaved schedules);
+    """True when forward / backward spans (I and W too) carry more than one model chunk (interleaved
+    and V schedules);
     other spans' ``chunk`` (Ring Attention's K/V block) is no model chunk."""
     chunks = {e.chunk for e in trace.events if e.kind == "compute" and e.chunk is not None
-              and kind_of(e) in ("forward", "backward")}
+              and kind_of(e) in PIPELINE_KINDS}
     return len(chunks) > 1 or int(trace.meta.get("v", 1) or 1) > 1
 
 

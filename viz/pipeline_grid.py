@@ -1,19 +1,20 @@
 """A pipeline schedule as the papers draw it: one row per rank, time in unit cells, the micro-batch
-number in each cell, forward and backward in two colours, model chunks in shades (GPipe, Huang et
-al. 2019, Fig. 2; Narayanan et al. 2021, Fig. 4, where "dark colors show the first chunk and light
-colors show the second chunk").
+number in each cell, forward and backward in two colours (a split backward's input gradient I and
+weight gradient W in colours of their own, as Qi et al. 2024 draw zero bubble's Fig. 3), model
+chunks in shades (GPipe, Huang et al. 2019, Fig. 2; Narayanan et al. 2021, Fig. 4, where "dark
+colors show the first chunk and light colors show the second chunk").
 
 ``unit_cells`` replays the trace's own order of actions on each rank with the papers' unit times:
-forward 1 cell, backward 2 cells (1 + 1 when the trace splits it into B and W, as zero-bubble
+forward 1 cell, backward 2 cells (1 + 1 when the trace splits it into I and W, as zero-bubble
 schedules do). An action starts when its rank is free and its inputs exist: the forward of the
-previous stage (same micro-batch) for F; the backward of the next stage, or its own forward on
-the last stage, for B; its B for W. Stages are the events' (virtual) ``stage`` numbers. With equal
+previous stage (same micro-batch) for F; the backward (B or I) of the next stage, or its own
+forward on the last stage, for B or I; its I for W. Stages are the events' (virtual) ``stage`` numbers. With equal
 stage times this is the simulator's timing (``minipar.parallel.pipeline.simulate`` with forward 1,
 backward 2, zero latency), whatever durations the trace was recorded with, so the grid shows the
 schedule's shape and its bubble, e.g. (p - 1) of (m + p - 1) forward-plus-backward slots for 1F1B.
 
 Under the grid, each rank's stash on the same cells (``unit_stash``): the micro-batches whose
-forward ended and backward has not, m for GPipe against p - r for 1F1B (Narayanan et al. 2021,
+forward ended and backward (a split one's W) has not, m for GPipe against p - r for 1F1B (Narayanan et al. 2021,
 section 2.2.1).
 
 Cost: O(A * p) for A actions on p ranks (one pass per placed action at worst; usually O(A)).
@@ -32,7 +33,8 @@ from viz import analysis as A
 from viz import style
 from viz.style import COLORS, rank_color, shade
 
-KIND = {"F": "forward", "B": "backward", "W": "backward"}
+KIND = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+DEPENDS = {"F": "F", "B": "B", "I": "B", "W": "W"}  # I sends the input gradient as B does
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,13 @@ def _inputs(name: str, stage: int, microbatch: int, last: int) -> list[tuple[str
     """The (op, stage, micro-batch) actions whose end an action waits for (module docstring)."""
     if name == "F":
         return [("F", stage - 1, microbatch)] if stage > 0 else []
-    if name == "B":
+    if name in ("B", "I"):
         return [("B", stage + 1, microbatch)] if stage < last else [("F", stage, microbatch)]
-    return [("B", stage, microbatch)]
+    return [("B", stage, microbatch)]  # W after its own I
 
 
 def unit_cells(trace: Trace) -> list[Cell] | None:
-    """The trace's F/B/W actions replayed on unit time (see the module docstring), in placement
+    """The trace's F/B/I/W actions replayed on unit time (see the module docstring), in placement
     order; None when the trace is no single pipeline step (an action without stage or micro-batch,
     an action recorded twice, or an order that cannot run)."""
     events = [e for e in trace.events if e.kind == "compute" and e.name in KIND]
@@ -68,7 +70,7 @@ def unit_cells(trace: Trace) -> list[Cell] | None:
     actions = sorted((e.t0, e.rank, e.name, int(e.stage or 0), int(e.microbatch or 0), e.chunk or 0) for e in events)
     if len({a[2:5] for a in actions}) != len(actions):
         return None
-    length = {"F": 1, "B": 1 if any(a[2] == "W" for a in actions) else 2, "W": 1}
+    length = {"F": 1, "B": 2, "I": 1, "W": 1}
     last = max(a[3] for a in actions)
     order = {r: [a for a in actions if a[1] == r] for r in range(trace.world_size)}
     pos = dict.fromkeys(order, 0)
@@ -84,7 +86,7 @@ def unit_cells(trace: Trace) -> list[Cell] | None:
                 if any(n not in done for n in needs):
                     break
                 t0 = max([clock[r]] + [done[n] for n in needs])
-                clock[r] = done[(name, stage, mb)] = t0 + length[name]
+                clock[r] = done[(DEPENDS[name], stage, mb)] = t0 + length[name]
                 cells.append(Cell(r, name, stage, mb, chunk, t0, t0 + length[name]))
                 pos[r] += 1
         if len(cells) == placed:
@@ -94,10 +96,11 @@ def unit_cells(trace: Trace) -> list[Cell] | None:
 
 def unit_stash(cells: list[Cell], rank: int) -> tuple[list[int], list[int]]:
     """Stashed micro-batches on ``rank`` over the grid: (times, counts), a step function that
-    rises when a forward ends and falls when its backward ends (as the simulator counts them)."""
+    rises when a forward ends and falls when its backward (a split one's W) ends, as the simulator
+    counts them."""
     change: dict[int, int] = {0: 0}
     for c in cells:
-        if c.rank == rank and c.name in ("F", "B"):
+        if c.rank == rank and c.name in ("F", "B", "W"):
             change[c.t1] = change.get(c.t1, 0) + (1 if c.name == "F" else -1)
     times = sorted(change)
     counts, held = [], 0
@@ -117,8 +120,8 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
     n_chunks = max(int(trace.meta.get("v", 1) or 1), 1 + max(c.chunk for c in cells))
     end = max(c.t1 for c in cells)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.1,
-                        subplot_titles=("", "stashed micro-batches per rank (forward done, backward not yet)"))
-    for kind in ("forward", "backward"):
+                        subplot_titles=("", "stashed micro-batches per rank (forward done, backward or W not yet)"))
+    for kind in A.PIPELINE_KINDS:
         for chunk in range(n_chunks):
             group = [c for c in cells if KIND[c.name] == kind and c.chunk == chunk]
             if not group:
@@ -149,7 +152,7 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
                            font={"size": 11}, text=f" idle {end - busy} of {end} ({100 * (end - busy) / end:.0f}%)")
     meta = trace.meta
     what = ", ".join(f"{k}={meta[k]}" for k in ("p", "m", "v") if meta.get(k) is not None)
-    split = "B and W 1 cell each" if any(c.name == "W" for c in cells) else "backward = 2 cells"
+    split = "I and W 1 cell each" if any(c.name == "W" for c in cells) else "backward = 2 cells"
     height = 360 + 42 * p
     fig.update_layout(
         title={"text": title or style.title(trace, "schedule"), "yref": "container", "y": 1 - 12 / height,

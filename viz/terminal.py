@@ -11,7 +11,8 @@ Labels: a block gets its label (``F0``, ``B3.1`` with chunks, ``opt``; ``allredu
 collective call) only where the label fits inside it with at least one cell between it and the
 previous label; otherwise the label is shortened (chunk dropped; ``ring`` or ``allreduce``
 alone) or left out and the block is filled with its kind's character (``>`` forward,
-``<`` backward, ``*`` optimizer, ``#`` other, ``~`` communication). With colour each block is also
+``<`` backward, ``(`` input gradient and ``=`` weight gradient of a split backward, ``*`` optimizer,
+``#`` other, ``~`` communication). With colour each block is also
 painted by kind, so the lanes read with and without colour.
 
 Cell size (``layout``): a block needs a cell per character of its short label plus one, so a
@@ -39,8 +40,11 @@ from viz import messages as M
 from viz.style import ranks
 
 STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
+          "input gradient": "bold white on red3", "weight gradient": "bold black on dark_cyan",
           "optimizer": "bold white on green", "other": "bold white on grey50"}
-FILL = {"forward": ">", "backward": "<", "optimizer": "*", "other": "#"}
+FILL = {"forward": ">", "backward": "<", "input gradient": "(", "weight gradient": "=", "optimizer": "*", "other": "#"}
+LETTERS = {"forward": "F0", "backward": "B0", "input gradient": "I0", "weight gradient": "W0", "optimizer": "opt",
+           "other": "name"}  # a legend entry's sample label
 COMM_CHAR, IDLE_CHAR = "~", "."
 COMM_STYLE, CALL_STYLE, IDLE_STYLE, RULER_STYLE = "magenta", "bold magenta", "grey39", "dim"
 PREFIX_FMT = "rank {:<{w}} "
@@ -256,7 +260,7 @@ def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: t
     """What the blocks (of ``kinds``) and characters mean, and the time one cell covers, wrapped to
     ``width``; ``call`` (e.g. "allreduce ring") explains collective calls."""
     items = []
-    for kind, letters in (("forward", "F0"), ("backward", "B0"), ("optimizer", "opt"), ("other", "name")):
+    for kind, letters in LETTERS.items():
         if kind in kinds:
             items.append(Text.assemble((f" {letters} {FILL[kind] * 2}", STYLES[kind]), f" {kind}"))
     if kinds:

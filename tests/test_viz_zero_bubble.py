@@ -1,0 +1,110 @@
+"""The viewer tells a split backward's halves apart: on a hand-made ZB-H1 trace, the input-gradient
+spans ("I") and the weight-gradient spans ("W") each get their own kind, colour and legend entry in
+the Plotly timeline, the papers' unit grid and the terminal timeline, and the grid's stash falls
+when a micro-batch's W ends (Qi et al. 2024, Fig. 3: the W's fill 1F1B's cool-down).
+
+The trace is ZB-H1 for p = 2 ranks and m = 2 micro-batches with F = I = W = 1 time unit, written
+out by hand from the paper's rule (rank r runs, for x = 0, 1, 2: F_x, I_{x-(p-1-r)}, W_{x-(p-1)}):
+
+    rank 0: F0[0,1] F1[1,2] I0[3,4] W0[4,5] I1[5,6] W1[6,7]
+    rank 1: F0[1,2] I0[2,3] F1[3,4] I1[4,5] W0[5,6] W1[6,7]
+
+Makespan 7, each rank computes 6: idle 1 = (p - 1)(F + I - W).
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from minipar.parallel.pipeline import make_schedule, simulate
+from minipar.trace import Event, Trace
+from viz import analysis as A
+from viz import figures, pipeline_grid, terminal
+from viz.style import COLORS
+
+ZB_H1 = {
+    0: [("F", 0, 0, 1), ("F", 1, 1, 2), ("I", 0, 3, 4), ("W", 0, 4, 5), ("I", 1, 5, 6), ("W", 1, 6, 7)],
+    1: [("F", 0, 1, 2), ("I", 0, 2, 3), ("F", 1, 3, 4), ("I", 1, 4, 5), ("W", 0, 5, 6), ("W", 1, 6, 7)],
+}
+RED, TEAL = "#E45756", "#72B7B2"  # input gradient, weight gradient (viz/style.py)
+
+
+def zb_h1_trace() -> Trace:
+    events = [Event(r, "compute", name, float(t0), float(t1), stage=r, microbatch=mb, chunk=0)
+              for r, spans in ZB_H1.items() for name, mb, t0, t1 in spans]
+    meta = {"paradigm": "pipeline", "schedule": "zb-h1", "p": 2, "m": 2, "v": 1, "world_size": 2,
+            "backend": "simulator", "time_unit": "units"}
+    return Trace(meta, events)
+
+
+def test_the_hand_made_trace_is_the_simulators():
+    sim = simulate(make_schedule("zb-h1", 2, 2), forward=1.0, backward=2.0, weight=1.0)
+    got = {r: [(e.name, e.microbatch, e.t0, e.t1) for e in A.compute_spans(sim.trace, r)] for r in (0, 1)}
+    assert got == ZB_H1
+    assert sim.makespan == 7.0 and sim.idle == {0: 1.0, 1: 1.0}
+
+
+def test_each_half_has_its_kind_and_colour():
+    kinds = {e.name: A.kind_of(e) for e in zb_h1_trace().events}
+    assert kinds == {"F": "forward", "I": "input gradient", "W": "weight gradient"}
+    assert (COLORS["input gradient"], COLORS["weight gradient"]) == (RED, TEAL)
+    assert len(set(COLORS.values())) == len(COLORS)  # every kind its own colour
+
+
+def test_plotly_timeline_has_one_legend_entry_and_colour_per_half():
+    t = zb_h1_trace()
+    fig = figures.timeline(t)
+    bars = {tr.name: tr for tr in fig.data if tr.type == "bar"}
+    assert list(bars) == ["forward", "input gradient", "weight gradient"]  # A.KINDS order
+    assert [bars[k].marker.color for k in bars] == ["#4C78A8", RED, TEAL]
+    for kind, letter in (("input gradient", "I"), ("weight gradient", "W")):
+        got = sorted(zip(bars[kind].y, bars[kind].base, bars[kind].x, bars[kind].text, strict=True))
+        want = sorted((r, float(t0), 1.0, f"{letter}{mb}") for r, spans in ZB_H1.items()
+                      for name, mb, t0, _ in spans if name == letter)
+        assert got == want
+    assert sorted(a.text.strip() for a in fig.layout.annotations) == ["idle 1 units (14%)"] * 2  # 1 of 7
+
+
+def test_stacked_timelines_list_each_half_once():
+    fig = figures.compare([zb_h1_trace(), zb_h1_trace()], ["a", "b"])
+    shown = [tr.name for tr in fig.data if tr.type == "bar" and tr.showlegend]
+    assert shown == ["forward", "input gradient", "weight gradient"]
+    assert [tr.name for tr in fig.data if tr.type == "bar"] == shown * 2
+
+
+def test_unit_grid_places_I_and_W_and_frees_at_W():
+    t = zb_h1_trace()
+    cells = pipeline_grid.unit_cells(t)
+    got = sorted((c.rank, c.name, c.microbatch, c.t0, c.t1) for c in cells)
+    assert got == sorted((r, name, mb, t0, t1) for r, spans in ZB_H1.items() for name, mb, t0, t1 in spans)
+    # stash: +1 when a forward ends, -1 when the micro-batch's W ends (its I keeps what W needs)
+    assert pipeline_grid.unit_stash(cells, 0) == ([0, 1, 2, 5, 7], [0, 1, 2, 1, 0])
+    assert pipeline_grid.unit_stash(cells, 1) == ([0, 2, 4, 6, 7], [0, 1, 2, 1, 0])
+    fig = pipeline_grid.schedule_grid(t)
+    bars = {tr.name: tr.marker.color for tr in fig.data if tr.type == "bar"}
+    assert bars == {"forward": "#4C78A8", "input gradient": RED, "weight gradient": TEAL}
+    assert "I and W 1 cell each" in fig.layout.xaxis2.title.text
+
+
+def test_terminal_lanes_label_and_paint_each_half():
+    t = zb_h1_trace()
+    (lanes,) = terminal.lanes(t, 21)  # 3 cells per time unit: every label fits, one cell after the last
+    assert [lane.plain for lane in lanes] == ["F0 F1 ...I0 W0 I1 W1 ", "...F0 I0 F1 I1 W0 W1 "]
+    styles = [(s.start, s.end, s.style) for s in lanes[1].spans]
+    assert styles == [(0, 3, terminal.IDLE_STYLE), (3, 6, terminal.STYLES["forward"]),
+                      (6, 9, "bold white on red3"), (9, 12, terminal.STYLES["forward"]),
+                      (12, 15, "bold white on red3"), (15, 18, "bold black on dark_cyan"),
+                      (18, 21, "bold black on dark_cyan")]
+    (short,) = terminal.lanes(t, 7)  # 1 cell per unit: no label fits, each block shows its kind's character
+    assert [lane.plain for lane in short] == [">>.(=(=", ".>(>(=="]
+
+
+def test_terminal_legend_names_both_halves():
+    buf = io.StringIO()
+    terminal.print_timeline(zb_h1_trace(), console=Console(file=buf, width=100, color_system=None))
+    text = buf.getvalue()
+    assert " F0 >> forward   I0 (( input gradient   W0 == weight gradient" in text
+    assert "(>, (, =: too short for a label)" in text
+    assert "backward" not in text  # no B span: no backward entry
