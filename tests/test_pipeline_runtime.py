@@ -109,10 +109,19 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
     return out
 
 
+def placement(cfg: dict, p: int, s: int) -> tuple[int, int]:
+    """(rank, chunk) of stage s: rank s mod p, chunk s // p; ZB-V's V: rank r holds stages r (chunk 0)
+    and 2p - 1 - r (chunk 1)."""
+    if cfg["kind"] == "zb-v":
+        return (s, 0) if s < p else (2 * p - 1 - s, 1)
+    return s % p, s // p
+
+
 def expected_messages(cfg: dict, p: int) -> dict[int, list[int]]:
     """Sizes of the point-to-point messages each rank sends over ``STEPS`` steps: per micro-batch,
-    stage s (on rank s mod p) sends its output activation when s < S - 1 and its input's gradient
-    when s > 0, each of one micro-batch's activation at that stage boundary (float64)."""
+    stage s (on its rank, ``placement``) sends its output activation when s < S - 1 and its input's
+    gradient when s > 0, each of one micro-batch's activation at that stage boundary (float64), unless
+    the neighbouring stage is on the same rank (ZB-V's stages p - 1 and p hand over in memory)."""
     n_stages = p * cfg["v"]
     n_layers = sum(cfg["counts"])
     ranges = split_layers(n_layers, n_stages, cfg["counts"] if cfg["given_counts"] else None)
@@ -124,15 +133,16 @@ def expected_messages(cfg: dict, p: int) -> dict[int, list[int]]:
 
     out: dict[int, list[int]] = {r: [] for r in range(p)}
     for s, layers in enumerate(ranges):
-        sizes = [nbytes(layers.stop)] if s < n_stages - 1 else []  # activation to stage s + 1
-        sizes += [nbytes(layers.start)] if s > 0 else []  # gradient to stage s - 1
-        out[s % p] += sizes * cfg["m"] * STEPS
+        rank = placement(cfg, p, s)[0]
+        sizes = [nbytes(layers.stop)] if s < n_stages - 1 and placement(cfg, p, s + 1)[0] != rank else []
+        sizes += [nbytes(layers.start)] if s > 0 and placement(cfg, p, s - 1)[0] != rank else []
+        out[rank] += sizes * cfg["m"] * STEPS
     return {r: sorted(v) for r, v in out.items()}
 
 
 def expected_labels(cfg: dict, p: int) -> dict[int, list[tuple]]:
     """Each rank's message events per step, ``(name, src, dst, stage, microbatch, chunk, nbytes)``:
-    stage s lives on rank s mod p as chunk s // p. Activation of stage s, micro-batch i: the sender's
+    stage s lives on the rank and chunk ``placement`` says. Activation of stage s, micro-batch i: the sender's
     event says stage s (the stage it leaves), the receiver's says s + 1 (the stage it enters);
     the gradient stage s sends back: the sender's event says s, the receiver's s - 1."""
     n_stages = p * cfg["v"]
@@ -145,13 +155,15 @@ def expected_labels(cfg: dict, p: int) -> dict[int, list[tuple]]:
     out: dict[int, list[tuple]] = {r: [] for r in range(p)}
     for i in range(cfg["m"]):
         for s in range(n_stages - 1):  # activation s -> s + 1, size of stage s's output
-            a, b, size = s % p, (s + 1) % p, nbytes(ranges[s].stop)
-            out[a].append(("send", a, b, s, i, s // p, size))
-            out[b].append(("recv", a, b, s + 1, i, (s + 1) // p, size))
+            (a, ca), (b, cb), size = placement(cfg, p, s), placement(cfg, p, s + 1), nbytes(ranges[s].stop)
+            if a != b:
+                out[a].append(("send", a, b, s, i, ca, size))
+                out[b].append(("recv", a, b, s + 1, i, cb, size))
         for s in range(1, n_stages):  # gradient s -> s - 1, size of stage s's input
-            a, b, size = s % p, (s - 1) % p, nbytes(ranges[s].start)
-            out[a].append(("send", a, b, s, i, s // p, size))
-            out[b].append(("recv", a, b, s - 1, i, (s - 1) // p, size))
+            (a, ca), (b, cb), size = placement(cfg, p, s), placement(cfg, p, s - 1), nbytes(ranges[s].start)
+            if a != b:
+                out[a].append(("send", a, b, s, i, ca, size))
+                out[b].append(("recv", a, b, s - 1, i, cb, size))
     return {r: sorted(v * STEPS) for r, v in out.items()}
 
 

@@ -106,9 +106,11 @@ GENERATORS: dict[str, Callable[[int, int, int], dict[int, list[Action]]]] = {
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
     "interleaved": lambda p, m, v: interleaved(p, m, v),
     "zb-h1": lambda p, m, v: zero_bubble.zb_h1(p, m),
+    "zb-v": lambda p, m, v: zero_bubble.zb_v(p, m),
 }
 KINDS = tuple(GENERATORS)
 CHUNKED = ("interleaved",)  # kinds that take chunks=v > 1
+FIXED_CHUNKS = {"zb-v": 2}  # kinds whose placement fixes v (chunks=1, the default, means that v)
 
 
 def _check_int(name: str, value: object, hint: str) -> int:
@@ -121,7 +123,8 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
     """``{rank: [action, ...]}`` for ``kind`` in ``KINDS`` ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", ...).
 
     ``stages`` is the number of pipeline ranks p, ``microbatches`` is m, ``chunks`` is v (model
-    chunks per rank, interleaved only). Bad configurations raise ``ValueError`` saying what to change.
+    chunks per rank: interleaved; zb-v has 2, given 1 or 2). Bad configurations raise ``ValueError``
+    saying what to change.
     """
     kind_l = kind.lower() if isinstance(kind, str) else kind
     if kind_l not in KINDS:
@@ -135,7 +138,12 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
         raise ValueError(f"microbatches must be >= 1, got {m}; split the batch into at least one micro-batch")
     if v < 1:
         raise ValueError(f"chunks must be >= 1, got {v}; each rank holds at least one model chunk")
-    if kind_l not in CHUNKED and v != 1:
+    if kind_l in FIXED_CHUNKS:
+        if v not in (1, FIXED_CHUNKS[kind_l]):
+            raise ValueError(f"{kind!r} places exactly {FIXED_CHUNKS[kind_l]} model chunks on every rank, got "
+                             f"chunks={v}; use chunks={FIXED_CHUNKS[kind_l]} (or leave the default)")
+        v = FIXED_CHUNKS[kind_l]
+    elif kind_l not in CHUNKED and v != 1:
         raise ValueError(f"chunks={v} only applies to the {', '.join(map(repr, CHUNKED))} schedule; use chunks=1 "
                          f"with {kind!r}, or kind='interleaved'")
     if kind_l == "interleaved" and m % p != 0:
