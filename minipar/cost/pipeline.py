@@ -9,6 +9,10 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
 - ZB-H1 (Qi et al. 2024, Sec. 2.1): the backward split into I and W; ``bubble_time`` (p-1)(F + I - W)
   against 1F1B's (p-1)(F + I + W); every rank keeps ``min(p, m)`` micro-batches until their W, the
   most any 1F1B rank keeps (its first).
+- ZB-V (Qi et al. 2024, Sec. 6): two chunks per rank in a V (stages r and 2p-1-r), F, I, W per chunk;
+  with F = I = W and m >= 2p - 1 no rank has a gap between its first and last action (the paper's
+  zero bubble), a flushed step idles ``(p-1) F`` per rank at its edges; every rank keeps
+  ``min(2p, 2m, m + r + 1)`` chunk-micro-batches until their W, 2p = the paper's p M_B, 1F1B's.
 - ``peak_stash``: micro-batches whose activations rank ``r`` holds at once: naive 1, GPipe ``m``,
   1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunk-micro-batches
   (Megatron-LM's warm-up count ``2 (p - r - 1) + (v - 1) p`` forwards, plus the one in flight; with
@@ -20,10 +24,11 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from numbers import Integral
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def _check(kind: str) -> None:
@@ -34,10 +39,16 @@ def _check(kind: str) -> None:
 def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
     """Idle share of the step for uniform stages with a backward twice a forward (Huang et al. 2018;
     Narayanan et al. 2021); ZB-H1 (m >= p) splits that backward into equal I and W halves:
-    ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``."""
+    ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``; ZB-V (F = I = W = 1 per
+    chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1; with fewer micro-batches its
+    critical path grows by ``3p - 1 - 2m`` (m = 1: micro-batch 0's F and I through all 2p stages,
+    plus rank p-1's W of stage p between the I's of stages p and p-1, plus rank 0's last W: 4p + 2)."""
     _check(kind)
     if kind == "naive":
         return (p - 1) / p
+    if kind == "zb-v":
+        idle = (p - 1) + max(0, 3 * p - 1 - 2 * m)
+        return idle / (6 * m + idle)
     if kind == "zb-h1":
         idle = bubble_time(kind, p, 1.0, 1.0, 1.0)
         return idle / (3 * m + idle)
@@ -47,16 +58,27 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
 def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_grad: float) -> float:
     """Idle time of every rank in one step, for 1F1B and ZB-H1 with the backward split into the
     input-gradient part ``I`` and the weight-gradient part ``W`` (Qi et al. 2024, Table 2; m >= p):
-    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down."""
+    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down. ZB-V (Sec. 6;
+    F, I, W of one chunk, m >= 2p - 1) only for F = I = W, where it is ``(p-1) F``: rank r waits r F's
+    for the first micro-batch and ends r F's after rank 0, with no gap in between (other costs leave
+    gaps in this fixed order that have no closed form here: simulate them)."""
+    if kind == "zb-v":
+        if not (math.isclose(forward, input_grad) and math.isclose(forward, weight_grad)):
+            raise ValueError(f"ZB-V's bubble has a formula for F = I = W only (Qi et al. 2024, Sec. 6), got F "
+                             f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule('zb-v', p, m), "
+                             "forward=F, backward=I + W, weight=W) gives it for any costs")
+        return (p - 1) * forward
     if kind not in ("1f1b", "zb-h1"):
-        raise ValueError(f"bubble_time has the formulas of '1f1b' and 'zb-h1', not {kind!r}")
+        raise ValueError(f"bubble_time has the formulas of '1f1b', 'zb-h1' and 'zb-v', not {kind!r}")
     sign = 1 if kind == "1f1b" else -1
     return (p - 1) * (forward + input_grad + sign * weight_grad)
 
 
 def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
-    """Micro-batches (interleaved: chunk-micro-batches) stashed at once on ``rank``."""
+    """Micro-batches (interleaved, ZB-V: chunk-micro-batches) stashed at once on ``rank``."""
     _check(kind)
+    if kind == "zb-v":  # its two chunks whatever v says; 2p (m >= 2p - 1) = p whole stages = 1F1B's first rank
+        return min(2 * p, 2 * m, m + rank + 1)
     if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
         return v * m if m == p else min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
     return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m), "zb-h1": min(p, m)}[kind]
@@ -66,7 +88,7 @@ def bubble_formula(kind: str) -> str:
     """The bubble formula as text, for printing next to its value."""
     _check(kind)
     return {"naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
-            "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}[kind]
+            "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)"}[kind]
 
 
 def stage_owner(p: int, v: int = 1) -> list[int]:
