@@ -2,8 +2,8 @@
 
 For every forward ``sFi`` whose previous stage lives on another rank, a ``sRECV_Fi<-q`` is put just
 before it; when the next stage lives on another rank, a ``sSEND_Fi->q`` just after it. Backwards
-mirror this with gradients (``RECV_B`` before, ``SEND_B`` after; an ``I`` like a ``B``, a ``W`` with
-no message). Stages on the same rank (p = 1,
+mirror this with gradients (``RECV_B`` before, ``SEND_B`` after; an ``I`` like a ``B``, a ``W`` or a
+``U`` (the stage's optimizer update) with no message). Stages on the same rank (p = 1,
 or hand-written layouts) hand tensors over in memory and need no messages.
 
 Contract for the runtime executor (and what ``validate`` checks against):
@@ -60,7 +60,7 @@ def lower_with_index(schedule: Mapping[int, Sequence[Action]]) -> tuple[Schedule
                 prog.append(a)
                 if next_remote:
                     prog.append(Action(s, "SEND_F", mb, owner[s + 1]))
-            elif a.op == "W":  # the weights' gradient: nothing to send or receive
+            elif a.op in ("W", "U"):  # the weights' gradient, the stage's update: nothing to send or receive
                 index[(rank, i)] = len(prog)
                 prog.append(a)
             else:  # B, or I: the backward that sends the input's gradient upstream

@@ -19,6 +19,9 @@ it interprets the lowered program (``lowering.py``) of its rank, action by actio
 ``sI i``        the same backward without the weights' gradient (``split_backward``: zero
                 bubble's B); what the weights' gradient needs is kept for ``sW i``.
 ``sW i``        the weights' gradient of micro-batch i, accumulated; frees what ``sI i`` kept.
+``sU i``        the stage's own optimizer (``optimizer=`` factory) on its accumulated gradients,
+                inside the step; F/B/I/W then run on the weight version their micro-batch uses
+                (PipeDream's weight stashing, PipeDream-2BW: ``asynchronous.py``).
 ``sSEND_F i``   non-blocking ``isend`` of the activation (``SEND_B``: of the input gradient).
 ``sRECV_F i``   blocking ``recv`` of stage s's input (``RECV_B``: of its output's gradient).
 ==============  ===========================================================================
@@ -50,7 +53,8 @@ of p for interleaved, a batch not divisible by m.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -64,6 +68,7 @@ from minipar.nn import Parameter
 from minipar.optim import Optimizer
 from minipar.split_backward import WeightGradients
 
+from . import asynchronous
 from .generators import make_schedule
 from .partition import LayeredModel, Stage, split_layers
 from .schedule import Action, Schedule
@@ -83,7 +88,8 @@ class Pipeline:
 
     def __init__(self, comm: Any, model: LayeredModel, schedule: ScheduleLike = "1f1b",
                  microbatches: int | None = None, chunks: int = 1,
-                 layers: Sequence[int] | None = None) -> None:
+                 layers: Sequence[int] | None = None, optimizer: Callable[[list[Parameter]], Optimizer] | None = None,
+                 weights: str = "stash") -> None:
         self.comm, self.model = comm, model
         if isinstance(schedule, str):
             if microbatches is None:
@@ -121,6 +127,13 @@ class Pipeline:
         self.iteration = 0
         self.peak_stash = 0
         self.microbatch_losses: list[float] = []
+        self.versions: asynchronous.WeightVersions | None = None  # with U actions: per-stage updates
+        if asynchronous.has_updates(self.program) != (optimizer is not None):
+            raise ValueError(f"pipeline: a schedule with U actions (per-stage updates, {self.kind}) needs "
+                             "optimizer=lambda params: SGD(params, lr=...), and only such a schedule takes one; "
+                             "otherwise pass the optimizer to step()")
+        if optimizer is not None:
+            self.versions = asynchronous.WeightVersions(self.program, self.stages, optimizer, weights)
 
     # ---- parameters ---------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, Parameter]]:
@@ -193,7 +206,11 @@ class Pipeline:
             sizes = f"{lo} or {hi}" if lo else f"{hi}"
             raise ValueError(f"pipeline: batch of {n} samples is not divisible by m={m} micro-batches; "
                              f"use a batch of {sizes}, or another m")
+        if self.versions is not None and optimizer is not None:
+            raise ValueError("pipeline: this schedule updates each stage in its U actions; call step(x, y)")
         xs, ys = np.split(np.asarray(x), m), np.split(np.asarray(y), m)
+        if self.versions is not None:
+            self.versions.begin_step()
         for p in self.parameters():
             p.grad = None
         self._xs, self._ys = xs, ys
@@ -249,12 +266,14 @@ class Pipeline:
                 inp: Any = self._xs[i]
             else:
                 inp = Tensor(self._inbox.pop(("F", s, i)), requires_grad=True)
-            out = self.stages[s](inp)
+            with self._weights(a):
+                out = self.stages[s](inp)
             if s == self.last_stage:
                 loss = self.model.loss(out, self._ys[i])
                 self.microbatch_losses[i] = loss.item()
                 self._loss += loss.item() / self.microbatches
-                out = loss * (1.0 / self.microbatches)
+                v = self.versions  # asynchronous: 1 / micro-batches per update
+                out = loss * (1.0 / self.microbatches if v is None else v.loss_scale(i))
             elif self.owner[s + 1] == self.comm.rank:
                 self._inbox[("F", s + 1, i)] = out.data
             else:
@@ -271,7 +290,8 @@ class Pipeline:
             inp, out = self._stash.pop((s, i))
             self._stash_bytes.pop((s, i), None)
             later = WeightGradients(self.stages[s].parameters()) if a.op == "I" else None
-            out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)), weights=later)
+            with self._weights(a):
+                out.backward(None if s == self.last_stage else self._inbox.pop(("B", s, i)), weights=later)
             if later is not None:  # kept until this micro-batch's W
                 self._later[(s, i)] = later
                 if trace.current() is not None:  # what W needs (the input too, where a weight op saved it)
@@ -289,9 +309,18 @@ class Pipeline:
     def _W(self, a: Action) -> None:
         """The weights' gradient of (stage, micro-batch), whose I ran earlier; frees what it kept."""
         with trace.span("W", **self._where(a)):
-            self._later.pop((a.stage, a.microbatch)).run()
+            with self._weights(a):
+                self._later.pop((a.stage, a.microbatch)).run()
             self._stash_bytes.pop((a.stage, a.microbatch), None)
         self._sample()
+
+    def _weights(self, a: Action) -> AbstractContextManager[None]:
+        return nullcontext() if self.versions is None else self.versions.use(a)
+
+    def _U(self, a: Action) -> None:
+        """The stage's optimizer update inside the step (``asynchronous.WeightVersions.update``)."""
+        with trace.span("U", **self._where(a)):
+            self.versions.update(a)  # type: ignore[union-attr]
 
     def _labels(self, a: Action) -> dict[str, int]:
         """Trace labels of a SEND/RECV action's message on this rank (see the module docstring)."""

@@ -11,6 +11,8 @@ Compact text ``<stage><op><microbatch>[<arrow><rank>]``, e.g. with ranks = stage
 ``2B0``               stage 2 runs the backward of micro-batch 0
 ``2I0``               stage 2 runs the input-gradient half of that backward (zero bubble's B)
 ``2W0``               stage 2 runs its weight-gradient half, any time after ``2I0``
+``1U3``               stage 1 applies its optimizer update after micro-batch 3's backward
+                      (asynchronous PipeDream / PipeDream-2BW, ``asynchronous.py``)
 ``1SEND_F3->2``       stage 1 sends its output activation of micro-batch 3 to rank 2
 ``2RECV_F3<-1``       stage 2 receives its input activation of micro-batch 3 from rank 1
 ``2SEND_B3->1``       stage 2 sends the gradient w.r.t. its input of micro-batch 3 to rank 1
@@ -20,6 +22,9 @@ Compact text ``<stage><op><microbatch>[<arrow><rank>]``, e.g. with ranks = stage
 A backward is either one ``B`` or an ``I`` and a later ``W`` (Qi et al. 2024, "Zero Bubble Pipeline
 Parallelism": the gradient the previous stage waits for first, the weights' gradient when the rank
 would otherwise idle); the letters are ``torch.distributed.pipelining``'s, the paper calls I "B".
+A ``U`` (update) applies the gradients the stage accumulated since its previous ``U`` with the
+stage's own optimizer, inside the step: PipeDream (Narayanan et al. 2019) puts one after every
+backward, PipeDream-2BW (Narayanan et al. 2021, ICML) one per m micro-batches; no message goes with it.
 The leading number is always the (virtual) stage of the rank that performs the action; the number
 after the arrow is a *rank* (the peer), not a stage. With interleaving (Narayanan et al. 2021) rank
 r of p holds the virtual stages r, r + p, r + 2p, ..., so ``5F2`` on rank 1 with p = 4 is chunk 1.
@@ -34,13 +39,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-COMPUTE_OPS = ("F", "B", "I", "W")
+COMPUTE_OPS = ("F", "B", "I", "W", "U")  # U: the stage's optimizer update (asynchronous.py)
 BACKWARD_OPS = ("B", "I")  # the ops that send a gradient upstream (lowering, validation)
 SEND_OPS = ("SEND_F", "SEND_B")
 RECV_OPS = ("RECV_F", "RECV_B")
 OPS = COMPUTE_OPS + SEND_OPS + RECV_OPS
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|SEND_B|RECV_F|RECV_B|F|B|I|W)(\d+)(?:(->|<-)(\d+))?$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|SEND_B|RECV_F|RECV_B|F|B|I|W|U)(\d+)(?:(->|<-)(\d+))?$")
 
 
 class ScheduleError(ValueError):
@@ -82,13 +87,14 @@ class Action:
         m = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if m is None:
             raise ScheduleError(
-                f"cannot parse action {text!r}: write <stage><op><microbatch>, op one of F, B, I, W "
-                "(e.g. '1F3', '2B0', '2I0', '2W0'), or SEND_F/SEND_B with '->rank' / RECV_F/RECV_B with '<-rank' "
+                f"cannot parse action {text!r}: write <stage><op><microbatch>, op one of F, B, I, W, U "
+                "(e.g. '1F3', '2B0', '2I0', '2W0', '1U3'), or SEND_F/SEND_B with '->rank' / "
+                "RECV_F/RECV_B with '<-rank' "
                 "(e.g. '1SEND_F3->2', '2RECV_F3<-1')"
             )
         stage, op, mb, arrow, peer = m.groups()
         if op in COMPUTE_OPS and arrow is not None:
-            raise ScheduleError(f"cannot parse action {text!r}: compute actions (F, B, I, W) take no peer")
+            raise ScheduleError(f"cannot parse action {text!r}: compute actions (F, B, I, W, U) take no peer")
         if op not in COMPUTE_OPS:
             want = "->" if op in SEND_OPS else "<-"
             if arrow != want:
@@ -152,6 +158,11 @@ def igrad(stage: int, microbatch: int) -> Action:
 def wgrad(stage: int, microbatch: int) -> Action:
     """The weight-gradient half of a backward (zero bubble's W)."""
     return Action(stage, "W", microbatch)
+
+
+def update(stage: int, microbatch: int) -> Action:
+    """The stage's optimizer update after micro-batch ``microbatch``'s backward (asynchronous schedules)."""
+    return Action(stage, "U", microbatch)
 
 
 class Schedule(dict[int, list[Action]]):

@@ -19,6 +19,9 @@ Measures (uniform stages, F/B per action, zero latency: see ``generators.py`` fo
 - ``peak_stash[r]``: the most (stage, micro-batch) pairs whose forward had ended and backward had
   not, on rank r: m for GPipe, p - r for 1F1B. A split backward holds its activations until its W
   (what the W needs is most of them: Qi et al. 2024 count a micro-batch's memory until W).
+- ``peak_versions[s]``: with ``U`` actions (a stage's optimizer update, ``asynchronous.py``), the most
+  weight versions stage s holds at once: an update keeps the version it replaces while a pending
+  micro-batch uses it, the micro-batch's last use releases it (PipeDream: p - r, 2BW: 2).
 
 The trace has the format of a real run (``minipar.trace``): compute events "F"/"B"/"I"/"W" with stage,
 micro-batch and chunk; one comm event per message on the sender ("send", from posting to arrival)
@@ -32,10 +35,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minipar.trace import Event, Trace, save
 
+from .asynchronous import has_updates, peak_versions
 from .schedule import Action, Schedule
 from .validate import as_schedule, execute, validate
 
@@ -52,6 +56,7 @@ class SimResult:
     peak_stash: dict[int, int]
     trace: Trace
     program: Schedule
+    peak_versions: dict[int, int] = field(default_factory=dict)  # stage -> weight versions (schedules with U)
 
 
 def _per_stage(name: str, value: float | Sequence[float], n_stages: int) -> list[float]:
@@ -71,7 +76,7 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
              forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
              latency: float = 0.0, trace_path: str | os.PathLike[str] | None = None,
              activation_bytes: int = 1, message_bytes: int = 0,
-             weight: float | Sequence[float] | None = None) -> SimResult:
+             weight: float | Sequence[float] | None = None, update: float | Sequence[float] = 0.0) -> SimResult:
     """Simulate ``schedule`` (validated first: raises ``ScheduleError`` if it cannot run).
 
     ``forward``/``backward``: time of one action, one number or a list per (virtual) stage.
@@ -80,7 +85,8 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     backward GEMMs cost the same: Qi et al. 2024 Sec. 2 count T_B = T_W for them).
     ``latency``: time from posting a send to its arrival. ``activation_bytes``: bytes per stashed
     micro-batch in the memory events (1 = count micro-batches). ``message_bytes``: ``nbytes`` of
-    each comm event. Writes the trace to ``trace_path`` when given."""
+    each comm event. ``update``: time of a ``U`` (a stage's optimizer update), default 0. Writes the
+    trace to ``trace_path`` when given."""
     sched = as_schedule(schedule)
     program = validate(sched)
     n_stages = program.virtual_stages
@@ -91,7 +97,8 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     wgt = [b / 2 for b in bwd] if weight is None else _per_stage("weight", weight, n_stages)
     if any(w > b for w, b in zip(wgt, bwd, strict=True)):
         raise ValueError(f"weight {wgt} must not exceed backward {bwd}: it is a part of it")
-    duration = {"F": fwd, "B": bwd, "I": [b - w for b, w in zip(bwd, wgt, strict=True)], "W": wgt}
+    duration = {"F": fwd, "B": bwd, "I": [b - w for b, w in zip(bwd, wgt, strict=True)], "W": wgt,
+                "U": _per_stage("update", update, n_stages)}
     chunk_of = {}
     for acts in program.values():
         held = sorted({a.stage for a in acts if a.is_compute})
@@ -112,7 +119,7 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
             clock[r] = t1
             busy[r] += t1 - t0
             events.append(Event(r, "compute", a.op, t0, t1, args={"action": str(a)}, **where))
-            stash[r] += {"F": 1, "B": -1, "I": 0, "W": -1}[a.op]  # kept until the weights' gradient
+            stash[r] += {"F": 1, "B": -1, "I": 0, "W": -1, "U": 0}[a.op]  # kept until the weights' gradient
             peak[r] = max(peak[r], stash[r])
             events.append(Event(r, "memory", "activations", t1, t1, nbytes=stash[r] * activation_bytes,
                                 args={"stashed": stash[r]}, **where))
@@ -144,4 +151,5 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     trace = Trace(meta, events)
     if trace_path is not None:
         save(trace, trace_path)
-    return SimResult(makespan, fraction, ratio, idle, busy, peak, trace, program)
+    versions = peak_versions(program, "stash") if has_updates(program) else {}
+    return SimResult(makespan, fraction, ratio, idle, busy, peak, trace, program, versions)

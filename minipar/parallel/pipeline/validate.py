@@ -5,22 +5,24 @@ Checks, on the schedule as written:
 1. every stage lives on exactly one rank (all of its actions are on that rank);
 2. every (stage, micro-batch) has exactly one forward and one backward (a ``B``, or an ``I`` and a
    ``W``), and no action repeats;
-3. on each rank a backward comes after its own forward, a ``W`` after its ``I``;
+3. on each rank a backward comes after its own forward, a ``W`` after its ``I``, a ``U`` (the stage's
+   optimizer update) after the backward of its micro-batch (its ``B``, or its ``W``); with any ``U``,
+   every stage's last gradient is followed by a ``U`` (none is left unapplied);
 4. for a schedule that already has SEND/RECV actions: every send names the rank of the next
    (forward) or previous (backward) stage, a rank only sends/receives for its own stages, and every
    send has its receive on the peer.
 
 Then the lowered program (``lowering.py``) runs through a symbolic executor: each rank advances
-through its list while the head action's inputs are there: a forward of stage s needs the
-forward of s - 1 (in memory on the same rank, else its ``RECV_F``), a backward (B or I) of s needs
-its own forward and the backward of s + 1, a W its I, a send needs the compute that produced its tensor, and a receive
-needs its send to have been posted on the peer. With ``sends="eager"`` (the runtime contract:
-non-blocking ``isend``) a send never blocks; with ``sends="rendezvous"`` a send and its receive
-must be at the head of both ranks at once, as with an unbuffered blocking ``MPI_Ssend``: this shows
-why Megatron-LM fuses "send forward, receive backward" into one batched exchange. A rank that cannot
-advance while no rank can is stuck for ever: the error's step-by-rank table marks its head action
-``XX`` and says what it waits for. Cost: O(p + number of actions) per round, at most one round per
-action.
+through its list while the head action's inputs are there: a forward of stage s needs the forward of
+s - 1 (in memory on the same rank, else its ``RECV_F``), a backward (B or I) of s needs its own
+forward and the backward of s + 1, a W its I, a U its B (or W), a send needs the compute that
+produced its tensor, and a receive needs its send to have been posted on the peer. With
+``sends="eager"`` (the runtime contract: non-blocking ``isend``) a send never blocks; with
+``sends="rendezvous"`` a send and its receive must be at the head of both ranks at once, as with an
+unbuffered blocking ``MPI_Ssend``: this shows why Megatron-LM fuses "send forward, receive backward"
+into one batched exchange. A rank that cannot advance while no rank can is stuck for ever: the
+error's step-by-rank table marks its head action ``XX`` and says what it waits for. Cost: O(p +
+number of actions) per round, at most one round per action.
 """
 
 from __future__ import annotations
@@ -121,7 +123,35 @@ def check_structure(sched: Schedule, index: Mapping[tuple[int, int], int] | None
             if note:
                 marks.setdefault((r, at(r, i)), note)
                 problems.append(f"rank {r} step {at(r, i)}: {a} {note}")
+    for r, i, note in _update_problems(sched):
+        marks.setdefault((r, at(r, i)), note)
+        problems.append(f"rank {r} step {at(r, i)}: {sched[r][i]} {note}")
     return problems, marks
+
+
+def _update_problems(sched: Schedule) -> list[tuple[int, int, str]]:
+    """(rank, position, note) of ``U`` actions (the stage's optimizer update, ``asynchronous.py``) before
+    the backward of their micro-batch, and of a stage's last gradient never applied by a ``U``."""
+    if not any(a.op == "U" for acts in sched.values() for a in acts):
+        return []
+    out = []
+    for r, acts in sched.items():
+        done_at = {(a.stage, a.microbatch): i for i, a in enumerate(acts) if a.op in ("B", "W")}
+        last_u: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.op == "U":
+                last_u[a.stage] = i
+                if done_at.get((a.stage, a.microbatch), len(acts)) > i:
+                    out.append((r, i, f"comes before the backward of micro-batch {a.microbatch} "
+                                      f"({a.stage}B{a.microbatch} or {a.stage}W{a.microbatch}); an update applies it"))
+        last_grad: dict[int, int] = {}
+        for (s, _), i in done_at.items():
+            last_grad[s] = max(i, last_grad.get(s, -1))
+        for s, i in sorted(last_grad.items()):
+            if i > last_u.get(s, -1):
+                out.append((r, i, f"is the last gradient of stage {s} but no {s}U<microbatch> follows it; "
+                                  "with asynchronous updates every gradient is applied by a U (or drop all U)"))
+    return out
 
 
 def _comm_problem(sched: Schedule, r: int, a: Action, owner: dict[int, int], n_ranks: int,
@@ -162,6 +192,8 @@ def _local_needs(a: Action, rank: int, owner: dict[int, int], n_stages: int,
         return need
     if a.op == "W":
         return [Action(s, "I", i)]
+    if a.op == "U":  # the update applies this micro-batch's gradient
+        return [Action(s, "W" if grad_op.get((s, i)) == "I" else "B", i)]
     if a.is_send:
         return [Action(s, "F" if a.op == "SEND_F" else grad_op.get((s, i), "B"), i)]
     return []
