@@ -10,7 +10,7 @@ import pytest
 
 from minipar.testing import ROOT, mpiexec_path
 
-LESSONS = {"01_collectives": 1, "02_pipeline": 3, "03_data_parallel": 2, "04_tensor_parallel": 3,
+LESSONS = {"01_collectives": 1, "02_pipeline": 3, "02b_zero_bubble": 1, "03_data_parallel": 2, "04_tensor_parallel": 3,
            "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3}
 
 
