@@ -375,6 +375,7 @@ class Context:
     def __init__(self, needs_input_grad: tuple[bool, ...] = ()) -> None:
         self._saved: tuple[Any, ...] = ()
         self.needs_input_grad = needs_input_grad  # per forward argument: a Tensor that requires grad
+        self.tensor_slots: tuple[int, ...] = ()  # the forward argument of each graph parent (set by apply)
 
     def save_for_backward(self, *values: Any) -> None:
         self._saved = values

@@ -158,3 +158,71 @@ def test_pipeline_holds_what_w_needs_between_i_and_w(tmp_path) -> None:
     # layer 0: its input, a view of the whole batch (np.split), which keeps the 4 x 3 batch, and its
     # output's gradient 2 x 5; layer 1: its input 2 x 5 (the ReLU's output) and its output's gradient 2 x 4
     assert after[0].nbytes == 8 * (2 * mb * 3) + 8 * mb * (5 + 5 + 4) and after[0].args["stashed"] == 1
+
+
+def test_frozen_primitive_and_silent_weights_behave_as_in_one_backward() -> None:
+    """A frozen parameter gets no gradient; a weight used by a primitive op (``h * w``, ``.sum()``) and
+    by a Function sums in the same order as one backward; a Function that returns None for a weight
+    leaves it a zero gradient with its hook fired once, as one backward does."""
+
+    class Silent(Function):  # x @ w whose backward never gives w a gradient
+        @staticmethod
+        def forward(ctx: Context, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+            ctx.save_for_backward(w)
+            return x @ w
+
+        @staticmethod
+        def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
+            (w,) = ctx.saved
+            return g @ w.T, None
+
+    def build() -> tuple[list[nn.Parameter], Tensor, dict[int, int]]:
+        rng = np.random.default_rng(7)
+        ws = [nn.Parameter(s, ("normal", 1.0)) for s in ((3, 4), (4,), (4, 4), (4, 2))]
+        for w in ws:
+            w.data[...] = rng.normal(size=w.shape)
+        ws[1].requires_grad = False  # frozen
+        fired: dict[int, int] = {}
+        for k, w in enumerate(ws):
+            w.register_hook(lambda t, k=k: fired.__setitem__(k, fired.get(k, 0) + 1))
+        x = Tensor(rng.normal(size=(5, 3)), requires_grad=True)
+        h = F.linear(x, ws[0]) * ws[0].sum() + ws[1]   # ws[0] in a Function and two primitive ops
+        out = Silent.apply(F.gelu(h @ ws[2]), ws[3])   # ws[2] in a primitive matmul; ws[3] gets None
+        return ws, out, fired, x
+
+    ws, out, fired, x = build()
+    out.backward(np.ones((5, 2)))
+    want = [None if w.grad is None else w.grad.copy() for w in ws]
+    want_fired, want_x = dict(fired), x.grad.copy()
+    ws, out, fired, x = build()
+    later = WeightGradients(ws)
+    out.backward(np.ones((5, 2)), weights=later)
+    np.testing.assert_array_equal(x.grad, want_x)
+    later.run()
+    assert want[1] is None and ws[1].grad is None  # frozen: no gradient either way
+    for k in (0, 2, 3):
+        np.testing.assert_array_equal(ws[k].grad, want[k], err_msg=str(k))
+    np.testing.assert_array_equal(ws[3].grad, np.zeros((4, 2)))
+    assert fired == want_fired == {0: 1, 2: 1, 3: 1}
+    with pytest.raises(ValueError, match="leaf tensors"):
+        WeightGradients([x * 2.0])
+
+
+def test_a_primitive_op_of_a_weight_does_not_keep_the_graph() -> None:
+    import gc
+    import weakref
+
+    w1, w2 = nn.Parameter((3, 4), ("normal", 1.0)), nn.Parameter((4,), ("normal", 1.0))
+    x = Tensor(np.ones((5, 3)), requires_grad=True)
+    h = F.gelu(F.linear(x, w1))
+    z = h * w2  # a primitive op: its closure holds h, whose graph reaches back to x
+    gone = weakref.ref(h)
+    later = WeightGradients([w1, w2])
+    z.backward(np.ones((5, 4)), weights=later)
+    del h, z
+    gc.collect()
+    assert gone() is None and w2.grad is None
+    # kept by hand: w2's gradient (4), linear's output gradient (5x4) and saved input x (5x3)
+    assert later.nbytes() == (4 + 20 + 15) * 8
+    later.run()
+    assert w2.grad.shape == (4,) and w1.grad.shape == (3, 4)
