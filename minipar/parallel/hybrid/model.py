@@ -70,10 +70,10 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
         problems.append(f"Megatron-SP splits the sequence of {seq_len} over tp={tp}: use a multiple of {tp}")
     if sp > 1:
         collect(check_sequence_config, mesh["sp"], seq_len, n_heads, d_model, sp_method, ulysses)
-    if schedule.startswith("zb") and (tp > 1 or sp > 1):
+    if str(schedule).lower().startswith("zb") and (tp > 1 or sp > 1):
         problems.append(f"schedule={schedule!r} splits each backward into I and W, but the tensor- and "
-                        "sequence-parallel ops communicate inside their backward and would run it again in W; "
-                        "use it with tp = sp = 1, or another schedule")
+                        "sequence-parallel ops communicate inside their backward and would communicate again in "
+                        "W (twice their backward traffic); use it with tp = sp = 1, or another schedule")
     if sp_method not in SP_METHODS:
         problems.append(f"sp_method={sp_method!r}; choose one of {SP_METHODS}")
     try:
