@@ -298,6 +298,7 @@ class Pipeline:
                     self._stash_bytes[(s, i)] = later.nbytes()
             if s > 0:
                 grad = inp.grad if inp.grad is not None else np.zeros_like(inp.data)
+                inp.grad = None  # handed on: the input itself may stay alive until W (a layer norm saved it)
                 if self.owner[s - 1] == self.comm.rank:
                     self._inbox[("B", s - 1, i)] = grad
                 else:
