@@ -142,6 +142,26 @@ def test_zb_v_one_microbatch_critical_path(p: int) -> None:
     assert pipe_cost.bubble_fraction("zb-v", p, 1) == pytest.approx((4 * p - 4) / (4 * p + 2))
 
 
+@pytest.mark.parametrize(("p", "m"), [(2, 3), (4, 8), (5, 2)])
+def test_zb_v_sends_twice_1f1b(p: int, m: int) -> None:
+    """2p - 1 boundaries, one inside rank p - 1: 2(p - 1) cross ranks, against 1F1B's p - 1, each with m
+    activations and m gradients. By hand: rank 0 sends stage 0's activations and stage 2p-1's gradients
+    (2m), rank p-1 stage p-1's gradients and stage p's activations (2m; the other two directions stay
+    in memory), every other rank both directions of both its stages (4m); 1F1B's end ranks m, others 2m."""
+    v = simulate(make_schedule("zb-v", p, m), message_bytes=1)
+    one = simulate(make_schedule("1f1b", p, m), message_bytes=1)
+
+    def sent(res):
+        return [sum(e.nbytes for e in res.trace.events if e.kind == "comm" and e.name == "send" and e.rank == r)
+                for r in range(p)]
+
+    ends = {0, p - 1}
+    assert sent(v) == [2 * m if r in ends else 4 * m for r in range(p)]
+    assert sent(one) == [m if r in ends else 2 * m for r in range(p)]
+    owner = list(range(p)) + list(range(p - 1, -1, -1))
+    assert pipe_cost.send_bytes(owner, m, 1) == sent(v)
+
+
 # ---- validation and bad configurations -----------------------------------------------------------------
 @budget(20)
 @given(p=st.integers(1, 6), m=st.integers(1, 14))

@@ -5,20 +5,20 @@ weights' gradient, which nobody waits for), placed where 1F1B would idle.
 With F, I, W the times of one stage's (ZB-V: one chunk's) forward, input-gradient and weight-gradient
 backward (``minipar.cost.pipeline``; derivations in ``docs/formulas.md``, "Zero bubble"):
 
-=========  ====================================  ==============================================
-schedule   idle per rank in one flushed step     (chunk-)micro-batches kept until W, rank r
-=========  ====================================  ==============================================
-1F1B       (p - 1)(F + I + W)          m >= p    min(p - r, m)
-ZB-H1      (p - 1)(F + I - W)   m >= p, W <= F   min(p, m) (1F1B's most, on every rank)
-ZB-V       (p - 1) F       m >= 2p - 1, F=I=W    min(2p, 2m, m + r + 1) chunks: p M_B, 1F1B's
-=========  ====================================  ==============================================
+=========  =====================  ====================  ============================================
+schedule   idle per rank          when                  (chunk-)micro-batches kept until W, rank r
+=========  =====================  ====================  ============================================
+1F1B       (p - 1)(F + I + W)     m >= p                min(p - r, m)
+ZB-H1      (p - 1)(F + I - W)     m >= p, W <= F        min(p, m) (1F1B's most, on every rank)
+ZB-V       (p - 1) F              m >= 2p - 1, F=I=W    min(2p, 2m, m + r + 1) chunks (2p: p M_B)
+=========  =====================  ====================  ============================================
 
-(the paper's Table 2 for 1F1B and ZB-H1; its Sec. 6 for ZB-V: zero bubble when F = I = W with 1F1B's
-peak memory p M_B, M_B one micro-batch's activations of a whole stage, two chunks here. "Zero"
-counts the parallelogram: each rank computes without a gap from its first action to its last, rank
-r starting r F's late and ending r F's late, so with the optimizer step not synchronised across
-stages consecutive steps tile; a flushed step still idles (p - 1) F per rank at its edges. ZB-H1's
-first rank has a (p - 1)(F + I - W) gap inside its step, so its steps do not tile.)
+(idle in one flushed step; the paper's Table 2 for 1F1B and ZB-H1, its Sec. 6 for ZB-V: zero bubble
+when F = I = W with 1F1B's peak memory p M_B, M_B one micro-batch's activations of a whole stage, two
+chunks here. "Zero" counts the parallelogram: each rank computes without a gap from its first action
+to its last, rank r starting r F's late and ending r F's late, so with the optimizer step not
+synchronised across stages consecutive steps tile; a flushed step still idles (p - 1) F per rank at
+its edges. ZB-H1's first rank has a (p - 1)(F + I - W) gap inside its step, so its steps do not tile.)
 
 ``torch.distributed.pipelining`` defines both orders: ``ScheduleZBVZeroBubble`` is ``zb_v``, and
 ``ScheduleInterleavedZeroBubble`` (the paper's ZB1P) with one stage per rank is ``zb_h1`` (it has no
