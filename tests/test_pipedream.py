@@ -41,7 +41,12 @@ def cfg(kind: str, p: int, m: int, weights: str = "stash", a: int | None = None,
 
 
 def _schedule(c: dict):
-    return pipedream(c["p"], c["m"]) if c["kind"] == "pipedream" else pipedream_2bw(c["p"], c["m"], c["a"])
+    sched = pipedream(c["p"], c["m"]) if c["kind"] == "pipedream" else pipedream_2bw(c["p"], c["m"], c["a"])
+    if not c.get("split"):
+        return sched
+    # every backward split into I and W (zero bubble's halves), written by hand
+    return {r: " ".join(f"{r}I{a.microbatch} {r}W{a.microbatch}" if a.op == "B" else str(a) for a in acts)
+            for r, acts in sched.items()}
 
 
 def _data(c: dict, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,6 +187,10 @@ def test_asynchronous_schedules_equal_the_same_semantics_under_mpiexec():
     results = testing.run(async_run, 3, "mpi", timeout=90, cfgs=job)
     for index, c in enumerate(job):
         check(c, results, index)
+    job = [cfg("pipedream", 4, 8, momentum=0.9), cfg("2bw", 4, 10, a=5), cfg("pipedream", 4, 6, weights="vertical")]
+    results = testing.run(async_run, 4, "mpi", timeout=90, cfgs=job)
+    for index, c in enumerate(job):
+        check(c, results, index)
 
 
 def test_formulas_pipedream_versions_p_minus_r_and_2bw_two():
@@ -220,6 +229,12 @@ def test_without_stashing_the_backward_reads_newer_weights():
     seen = results[0][0]["seen"]
     assert [seen[(0, i)][:2] for i in range(6)] == [[0, 0], [0, 1], [0, 2], [1, 3], [2, 4], [3, 5]]
     assert all(results[2][0]["seen"][(2, i)][0] == results[2][0]["seen"][(2, i)][1] for i in range(6))
+
+
+def test_split_backward_with_updates_equals_the_same_semantics():
+    """U after W (the weights' gradient, read on the stashed version as the I was): the same values."""
+    c = dict(cfg("pipedream", 3, 5, momentum=0.9), split=True)
+    check(c, testing.run(async_run, 3, "threads", cfgs=[c]), 0)
 
 
 # ---- rejected, with the values that would work -----------------------------------------------------------

@@ -210,7 +210,9 @@ class WeightVersions:
 
     ``stages``: stage -> module (``parameters()``); ``make_optimizer(params)``: one optimizer per stage.
     After a step, ``seen[(stage, mb)] = [forward version, backward version, version the gradient was
-    applied to]`` and ``peak_versions[stage]`` (versions held at once, measured on the arrays)."""
+    applied to]`` and ``peak_versions[stage]`` (versions held at once, measured on the arrays); the
+    trace gets "weight_versions" memory samples. Gradients are cleared by each update, so the
+    pipeline's ``grads()`` after a step are zeros."""
 
     def __init__(self, program: Schedule, stages: Mapping[int, Any], make_optimizer: Callable[[list], Any],
                  weights: str = "stash") -> None:
@@ -255,8 +257,11 @@ class WeightVersions:
             if a.op != "F":
                 self.group[s].append(i)
             self.ledger.release(s, self.uses[(s, i)])
-            for gone in set(self.arrays[s]) - self.ledger.kept[s]:
-                del self.arrays[s][gone]
+            gone = set(self.arrays[s]) - self.ledger.kept[s]
+            for version in gone:
+                del self.arrays[s][version]
+            if gone:
+                self._show(s)
 
     def update(self, a: Action) -> None:
         """``sU i``: the stage's optimizer on its accumulated gradients; the replaced version is kept
@@ -274,8 +279,12 @@ class WeightVersions:
         for i in self.group[s]:
             self.seen[(s, i)][2] = self.ledger.current[s] - 1
         self.group[s] = []
+        self.peak_versions[s] = max(self.peak_versions[s], self._show(s))
+
+    def _show(self, s: int) -> int:
+        """Versions stage s holds now; a "weight_versions" memory sample (bytes of the stashed copies)."""
         alive = self.ledger.alive(s) if self.weights != "none" else 1
-        self.peak_versions[s] = max(self.peak_versions[s], alive)
         if trace.current() is not None:
             stashed = sum(x.nbytes for arrs in self.arrays[s].values() for x in arrs)
             trace.memory("weight_versions", stashed, stage=s, args={"versions": alive})
+        return alive
