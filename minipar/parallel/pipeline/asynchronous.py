@@ -91,8 +91,9 @@ def pipedream_2bw(p: int, m: int, per_update: int | None = None) -> Schedule:
     every ``per_update`` = a of them (gradient accumulation; default a = p, the paper's m = d), each
     group using the weights of two updates ago (``asynchronous`` module docstring).
 
-    Needs a >= p (the paper's m >= d: the version a group uses must exist when its first forward runs)
-    and m a multiple of a (whole update groups)."""
+    Needs a >= p (the paper's m >= d: the version a group uses must exist when its first forward runs;
+    in this order, where stage 0 has run the backwards of 0 .. k - p before forward k, a = p - 1 would
+    just do, as ``versions_used`` finds for a hand-written schedule) and m a multiple of a."""
     _check(p, m)
     a = p if per_update is None else per_update
     if a < p:
