@@ -7,7 +7,9 @@ zero-bubble schedules (Qi et al. 2024).
 - ``schedule.py``: the action IR (``Action``, ``"1F3"``), ``Schedule``, parse/print, tables.
 - ``generators.py``: ``make_schedule(kind, stages, microbatches, chunks=1)``, ``GENERATORS`` (kind ->
   generator); naive, GPipe, 1F1B, interleaved.
-- ``zero_bubble.py``: ZB-H1 (backwards split into I and W, Qi et al. 2024).
+- ``zero_bubble.py``: ZB-H1 and ZB-V (backwards split into I and W, Qi et al. 2024).
+- ``asynchronous.py``: PipeDream (weight stashing, vertical sync; Narayanan et al. 2019) and
+  PipeDream-2BW (Narayanan et al. 2021): schedules with per-stage updates ``U`` and weight versions.
 - ``lowering.py``: ``lower`` inserts the SEND/RECV actions a runtime executes.
 - ``validate.py``: ``validate`` rejects schedules that cannot run, with a step-by-rank table.
 - ``simulate.py``: ``simulate`` gives makespan, bubble, idle time, stash and a trace.
@@ -26,10 +28,12 @@ __all__ = [
 ]
 
 # The runtime (partition.py, runtime.py): cut a model into stages and run any valid schedule over ranks.
+from .asynchronous import WeightVersions, peak_versions, pipedream, pipedream_2bw, versions_used  # noqa: E402
 from .partition import LayeredModel, Stage, build_stage, gpt, gpt_layer_counts, mlp, split_layers  # noqa: E402
 from .runtime import Pipeline  # noqa: E402
 
 __all__ += [
+    "WeightVersions", "peak_versions", "pipedream", "pipedream_2bw", "versions_used",
     "LayeredModel", "Pipeline", "Stage", "build_stage", "gpt",
     "gpt_layer_counts", "mlp", "split_layers",
 ]
