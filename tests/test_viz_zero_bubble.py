@@ -108,3 +108,16 @@ def test_terminal_legend_names_both_halves():
     assert " F0 >> forward   I0 (( input gradient   W0 == weight gradient" in text
     assert "(>, (, =: too short for a label)" in text
     assert "backward" not in text  # no B span: no backward entry
+
+
+def test_an_asynchronous_stage_update_is_drawn_as_the_optimizer():
+    """PipeDream's ``U`` (a stage's update inside the step) is optimizer work: green, labelled U (one
+    micro-batch: Plotly drops the number) and U3 in the terminal."""
+    t = Trace({"world_size": 1, "time_unit": "units"},
+              [Event(0, "compute", "B", 0.0, 2.0, stage=0, microbatch=3), Event(0, "compute", "U", 2.0, 3.0,
+                                                                                stage=0, microbatch=3)])
+    assert [A.kind_of(e) for e in t.events] == ["backward", "optimizer"]
+    bars = {tr.name: tr for tr in figures.timeline(t).data if tr.type == "bar"}
+    assert (bars["optimizer"].marker.color, tuple(bars["optimizer"].text)) == ("#54A24B", ("U",))
+    ((lane,),) = terminal.lanes(t, 6)
+    assert lane.plain == "B3  U3"  # 2 cells per unit: B3 in cells 0-3, U3 in 4-5

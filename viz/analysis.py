@@ -7,8 +7,9 @@ Definitions
 -----------
 - **Kind of a compute span** (``kind_of``): name "F" -> forward; "B" -> backward; the two halves of
   a split backward (zero-bubble schedules, Qi et al. 2024) apart: "I" -> input gradient (what the
-  previous stage waits for), "W" -> weight gradient (what nobody waits for); "opt" / "step" ->
-  optimizer; anything else -> other.
+  previous stage waits for), "W" -> weight gradient (what nobody waits for); "opt" / "step" / "U"
+  (a stage's update inside an asynchronous pipeline's step, PipeDream) -> optimizer; anything else
+  -> other.
 - **Step window** (``window``): from the earliest start to the latest end of any *compute or comm*
   event on any rank. Memory samples and marks do not stretch it. One window for the whole trace,
   so every rank's bubble is measured against the same step time, as in GPipe's analysis
@@ -38,7 +39,7 @@ from minipar.trace import Event, Trace
 KINDS = ("forward", "backward", "input gradient", "weight gradient", "optimizer", "other")
 PIPELINE_KINDS = ("forward", "backward", "input gradient", "weight gradient")  # a stage's work on a micro-batch
 _KIND_BY_NAME = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "opt": "optimizer",
-                 "step": "optimizer"}
+                 "step": "optimizer", "U": "optimizer"}  # U: a stage's update inside an asynchronous pipeline's step
 
 
 def kind_of(event: Event) -> str:
