@@ -67,6 +67,7 @@ from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel import pipeline as pp
 from minipar.parallel.pipeline import KINDS, Pipeline, Schedule, gpt, gpt_layer_counts, make_schedule, simulate
+from viz import style
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8  # lesson 2's tiny GPT
 BATCH, MICROBATCHES, LR = 32, 8, 3e-3
@@ -286,6 +287,27 @@ def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) ->
     return fig
 
 
+def versions_figure(kinds: list[str]) -> go.Figure:
+    """Per asynchronous schedule, the weight versions each stage holds over the measured last step (the
+    runtime's ``weight_versions`` samples: at each update and each release), one line per stage."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=kinds, shared_yaxes=True)
+    for col, kind in enumerate(kinds, 1):
+        trace = mtrace.load(OUT / f"{kind}.json")
+        t0 = min(e.t0 for e in trace.events if e.kind == "compute")
+        for s in range(trace.meta["p"]):
+            held = trace.select("memory", name="weight_versions", stage=s)
+            samples = sorted((e.t0, e.args["versions"]) for e in held)
+            fig.add_scatter(x=[0.0] + [1e3 * (t - t0) for t, _ in samples], y=[1] + [v for _, v in samples],
+                            mode="lines", line={"shape": "hv", "color": style.rank_color(s)}, name=f"stage {s}",
+                            legendgroup=f"stage {s}", showlegend=col == 1, row=1, col=col)
+        fig.update_xaxes(title_text="time in the step (ms)", row=1, col=col)
+    fig.update_yaxes(title_text="weight versions held", dtick=1, row=1, col=1)
+    fig.update_layout(height=330, margin={"l": 60, "r": 20, "t": 40, "b": 40})
+    return fig
+
+
 def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
     """What is wrong with running the lesson on ``p`` ranks, or None."""
     if p < 2 or 2 * p > BLOCKS or microbatches < p:
@@ -333,10 +355,16 @@ def run(comm: Any, steps: int, m: int) -> None:
                       highlight=False)
     console.print(measured_table(rows))
     print_claims(console, losses, seen, reference(steps), m)
-    sim_fig = _compare([row["trace"] for row in units], [f"{row['kind']}: simulated, F = I = W = 1" for row in units])
+    from viz import figures
+
+    sim_fig = figures.compare([row["trace"] for row in units], [f"{row['kind']}: simulated, F = I = W = 1"
+                                                               for row in units])
     extra = [("(1) simulated with unit costs F = I = W = 1 (1F1B: B = 2), one time axis: ZB-H1's W's "
               "(teal) fill 1F1B's cool-down", sim_fig),
              ("(3) idle per rank, stash and weight versions per schedule vs the formulas", table_figure(units, rows))]
+    if any(k in ASYNC for k in kinds):
+        extra.append(("weight versions each stage holds over the last step (measured): PipeDream p - r, 2BW 2",
+                      versions_figure([k for k in kinds if k in ASYNC])))
     console.rule("[bold]ZB-H1 timeline (last step, measured)")
     finish(paths, OUT / "report.html", console, timeline=OUT / "zb-h1.json",
            titles=[f"{k}: measured (last step)" for k in kinds], extra_figures=extra)
@@ -359,12 +387,6 @@ def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[st
                       f"{' '.join(f'{x:.4f}' for x in ref)}: updates inside the step, on stale weights "
                       "(tests/test_pipedream.py holds them equal to a reference with the same stale versions)",
                       highlight=False)
-
-
-def _compare(traces: list[mtrace.Trace], titles: list[str]) -> go.Figure:
-    from viz import figures
-
-    return figures.compare(traces, titles)
 
 
 def main() -> None:
