@@ -128,7 +128,11 @@ def test_zb_v_peak_stash_any_m(p: int, m: int) -> None:
     sim = simulate(make_schedule("zb-v", p, m))
     assert sim.peak_stash == {r: min(2 * p - r - 1, m) + min(r + 1, m) for r in range(p)}
     assert sim.peak_stash == {r: pipe_cost.peak_stash("zb-v", p, m, r) for r in range(p)}
-    assert pipe_cost.bubble_fraction("zb-v", p, m) == pytest.approx(sim.bubble_fraction, rel=1e-12)
+    if m >= 2 * p - 1:  # the formula's range; below it the order's gaps are measured, not predicted
+        assert pipe_cost.bubble_fraction("zb-v", p, m) == pytest.approx(sim.bubble_fraction, rel=1e-12)
+    else:
+        with pytest.raises(ValueError, match="needs m >= "):
+            pipe_cost.bubble_fraction("zb-v", p, m)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
@@ -139,7 +143,7 @@ def test_zb_v_one_microbatch_critical_path(p: int) -> None:
     with W of stage 0 (+1): makespan 4p + 2, of which each rank computes 6."""
     sim = simulate(make_schedule("zb-v", p, 1))
     assert sim.makespan == 4 * p + 2
-    assert pipe_cost.bubble_fraction("zb-v", p, 1) == pytest.approx((4 * p - 4) / (4 * p + 2))
+    assert sim.bubble_fraction == pytest.approx((4 * p - 4) / (4 * p + 2))
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 3), (4, 8), (5, 2)])

@@ -51,7 +51,8 @@ class TinyLayout:
     sp: int = 1
     tp: int = 1
     microbatches: int = 1
-    chunks: int = 1  # v: virtual stages per rank (interleaved)
+    chunks: int = 1  # v: virtual stages per rank (interleaved; ZB-V: 2)
+    schedule: str = "1f1b"  # the placement of virtual stages: ZB-V's V, else interleaved
     sequence_parallel: bool = False
     sp_method: str = "ulysses"
     ulysses: int | None = None
@@ -78,7 +79,7 @@ class TinyLayout:
 
     def stages_of(self, pp_rank: int) -> list[tuple[bool, int, bool]]:
         """This pipeline rank's stages as (has the embedding, blocks, has the head)."""
-        counts, owner, out, start = self.stage_counts(), stage_owner(self.pp, self.chunks), [], 0
+        counts, owner, out, start = self.stage_counts(), self.owner(), [], 0
         last = self.layers + 1
         for s, c in enumerate(counts):
             layers = range(start, start + c)
@@ -87,6 +88,10 @@ class TinyLayout:
                 embed, head = 0 in layers, last in layers
                 out.append((embed, c - embed - head, head))
         return out
+
+    def owner(self) -> list[int]:
+        """The pipeline rank of each virtual stage (``pipeline.stage_owner``)."""
+        return stage_owner(self.pp, self.chunks, "zb-v" if self.schedule == "zb-v" else "interleaved")
 
     def coords(self, rank: int) -> dict[str, int]:
         pp_i, rest = divmod(rank, self.dp * self.sp * self.tp)
@@ -150,8 +155,8 @@ def _pp_bytes(c: TinyLayout, rank: int) -> int:
     pp_i = c.coords(rank)["pp"]
     shard = c.tp if c.sequence_parallel else c.sp
     boundary = c.seq // shard * c.micro_batch * c.d * c.itemsize
-    p2p = send_bytes(stage_owner(c.pp, c.chunks), c.microbatches, boundary)[pp_i]
-    root = stage_owner(c.pp, c.chunks)[-1]
+    p2p = send_bytes(c.owner(), c.microbatches, boundary)[pp_i]
+    root = c.owner()[-1]
     return p2p + tree_broadcast_bytes((1 + c.microbatches) * c.itemsize, c.pp, pp_i, root)
 
 

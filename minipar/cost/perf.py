@@ -178,8 +178,12 @@ class Layout:
         if self.global_batch % (self.dp * self.micro_batch):
             out.append(f"global_batch={self.global_batch} is not divisible by dp x micro_batch="
                        f"{self.dp * self.micro_batch}: change the batch, dp or micro_batch")
-        if self.schedule not in SCHEDULES:
-            out.append(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        modelled = tuple(k for k in SCHEDULES if k != "zb-v")  # ZB-V's V placement is not in this model
+        if self.schedule not in modelled:
+            out.append(f"schedule={self.schedule!r}: choose one of {modelled} (simulate other schedules with "
+                       "minipar.parallel.pipeline.simulate)")
+        if self.schedule == "zb-h1" and self.microbatches < p:
+            out.append(f"zb-h1's bubble formula needs microbatches >= pp={p}, got {self.microbatches}")
         if v > 1 and self.schedule not in ("1f1b", "interleaved"):
             out.append(f"chunks={v} needs the interleaved schedule, got {self.schedule!r}")
         if v > 1 and p == 1:

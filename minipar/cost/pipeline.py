@@ -40,15 +40,17 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
     """Idle share of the step for uniform stages with a backward twice a forward (Huang et al. 2018;
     Narayanan et al. 2021); ZB-H1 (m >= p) splits that backward into equal I and W halves:
     ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``; ZB-V (F = I = W = 1 per
-    chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1; with fewer micro-batches its
-    critical path grows by ``3p - 1 - 2m`` (m = 1: micro-batch 0's F and I through all 2p stages,
-    plus rank p-1's W of stage p between the I's of stages p and p-1, plus rank 0's last W: 4p + 2)."""
+    chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1. With fewer micro-batches the
+    zero-bubble orders leave more gaps, which ``simulate`` measures (refused here)."""
     _check(kind)
     if kind == "naive":
         return (p - 1) / p
+    least = {"zb-h1": p, "zb-v": 2 * p - 1}.get(kind, 1)
+    if m < least:
+        raise ValueError(f"the {kind} bubble formula needs m >= {least} micro-batches (got m={m}); "
+                         f"simulate(make_schedule({kind!r}, {p}, {m})) measures it")
     if kind == "zb-v":
-        idle = (p - 1) + max(0, 3 * p - 1 - 2 * m)
-        return idle / (6 * m + idle)
+        return (p - 1) / (6 * m + p - 1)
     if kind == "zb-h1":
         idle = bubble_time(kind, p, 1.0, 1.0, 1.0)
         return idle / (3 * m + idle)
@@ -70,6 +72,9 @@ def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_gra
         return (p - 1) * forward
     if kind not in ("1f1b", "zb-h1"):
         raise ValueError(f"bubble_time has the formulas of '1f1b', 'zb-h1' and 'zb-v', not {kind!r}")
+    if kind == "zb-h1" and weight_grad > min(forward, input_grad):
+        raise ValueError(f"ZB-H1's (p-1)(F + I - W) holds for W <= F and W <= I (the paper's T_W < T_F < T_B), "
+                         f"got F {forward}, I {input_grad}, W {weight_grad}; simulate it for other costs")
     sign = 1 if kind == "1f1b" else -1
     return (p - 1) * (forward + input_grad + sign * weight_grad)
 
@@ -91,8 +96,11 @@ def bubble_formula(kind: str) -> str:
             "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)"}[kind]
 
 
-def stage_owner(p: int, v: int = 1) -> list[int]:
-    """Rank of each of the ``p v`` virtual stages: stage ``s`` on rank ``s mod p``."""
+def stage_owner(p: int, v: int = 1, kind: str = "interleaved") -> list[int]:
+    """Rank of each virtual stage: stage ``s`` on rank ``s mod p`` (``p v`` stages, interleaved), or
+    ZB-V's V (``kind="zb-v"``, 2p stages): stage ``s`` on rank ``s`` for ``s < p``, else ``2p - 1 - s``."""
+    if kind == "zb-v":
+        return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
     return [s % p for s in range(p * v)]
 
 
