@@ -77,6 +77,7 @@ ASYNC = ("pipedream", "2bw")  # asynchronous: a stage's update (U) inside the st
 STASHING = {"pipedream": "forward and backward on the same version: weight stashing; one update per micro-batch",
             "2bw": "each group of micro-batches on the version one update behind the newest: the double buffer"}
 PIPELINE_OPS = ("F", "B", "I", "W", "U")
+RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only"}  # where bubble_time's formula holds (measured costs may not)
 OUT = Path("runs/02b_zero_bubble")
 
 
@@ -250,7 +251,7 @@ def measured_table(rows: list[dict[str, Any]]) -> Table:
     for row in rows:
         durations = " / ".join(f"{1e3 * x:.1f}" for x in (row["F"], row["B"], row["W"]) if x is not None)
         formula = f"{1e3 * row['formula']:.0f} ms" if row["formula"] is not None else (
-            "F=I=W only" if row["kind"] == "zb-v" else "no formula")  # ZB-V: (p-1) F needs equal costs
+            RANGE.get(row["kind"], "no formula"))
         idle, sim_idle = (f"{1e3 * np.mean(row[k]):.0f} ms" for k in ("idle", "sim_idle"))
         table.add_row(row["kind"], durations, f"{1e3 * row['step']:.0f} ms", idle, sim_idle, formula,
                       _ints(row["peak"]), _ints(row["formula_peak"]), _ints(row["versions"]))
@@ -266,7 +267,7 @@ def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) ->
 
     def fmt(x: float | None, scale: float = 1.0, unit: str = "", kind: str = "") -> str:
         if x is None:  # ZB-V's (p-1) F holds for F = I = W only
-            return "F=I=W only" if kind == "zb-v" else "no formula"
+            return RANGE.get(kind, "no formula")
         return f"{scale * x:.3g}{unit}"
 
     cols: dict[str, list[str]] = {k: [] for k in (
