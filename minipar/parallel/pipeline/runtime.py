@@ -195,7 +195,16 @@ class Pipeline:
     def step(self, x: np.ndarray, y: np.ndarray, optimizer: Optimizer | None = None) -> float:
         """Forward and backward of all m micro-batches of the batch ``(x, y)`` in schedule order, then
         ``optimizer.step()`` when given. Every rank passes the same batch (stage 0 reads ``x``, the
-        last stage ``y``). Returns the global-batch mean loss, on every rank."""
+        last stage ``y``). Returns the global-batch mean loss, on every rank.
+
+        The same as ``begin(x, y, optimizer)``, ``run(self.actions)``, ``finish(optimizer)``: a caller
+        that runs several pipelines on one rank (``chimera.py``) interleaves their ``run`` calls."""
+        self.begin(x, y, optimizer)
+        self.run(self.actions)
+        return self.finish(optimizer)
+
+    def begin(self, x: np.ndarray, y: np.ndarray, optimizer: Optimizer | None = None) -> None:
+        """Check the batch, split it into the m micro-batches and clear the step's state and gradients."""
         m = self.microbatches
         n = len(x)
         if len(y) != n:
@@ -224,9 +233,20 @@ class Pipeline:
         self._stash_bytes: dict[tuple[int, int], int] = {}
         self._later: dict[tuple[int, int], WeightGradients] = {}  # (stage, mb) -> its W, after its I
         trace.memory("activations", 0, args={"stashed": 0})
-        for action in self.actions:
+
+    def run(self, actions: Sequence[Action]) -> None:
+        """Run actions of this rank's lowered program (between ``begin`` and ``finish``), in order."""
+        for action in actions:
             getattr(self, "_" + action.op)(action)
             self._sends = [r for r in self._sends if not r.test()]  # progress; drops finished sends
+
+    @property
+    def stashed(self) -> int:
+        """Micro-batches whose activations this rank holds now (a split backward's until its W)."""
+        return len(self._stash) + len(self._later)
+
+    def finish(self, optimizer: Optimizer | None = None) -> float:
+        """Wait for the outstanding sends, broadcast the loss, run ``optimizer.step()`` when given."""
         for req in self._sends:
             req.wait()
         self._sends = []
@@ -254,7 +274,7 @@ class Pipeline:
         return 2 * (edge * self.microbatches + mb) + (direction == "B")
 
     def _sample(self) -> None:
-        n = len(self._stash) + len(self._later)  # a split backward's micro-batch is held until its W
+        n = self.stashed  # a split backward's micro-batch is held until its W
         self.peak_stash = max(self.peak_stash, n)
         if trace.current() is not None:
             trace.memory("activations", sum(self._stash_bytes.values()), args={"stashed": n})
