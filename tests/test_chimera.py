@@ -132,6 +132,16 @@ def test_p4_m4_backward_twice_forward_by_hand():
     assert simulate(make_schedule("1f1b", 4, 4), 1.0, 2.0).makespan == 21
 
 
+def test_latency_by_hand():
+    """p = m = 2, F = 1, B = 2, latency L: rank 0 runs down 0F0 (0-1), up 1F1 when rank 1's 0F1 output
+    arrives (1 + L to 2 + L), up 1B1 (to 4 + L), down 0B0 when rank 1's 1B0 gradient arrives: rank 1
+    ran 1F0 from 1 + L and 1B0 to 4 + L, so 4 + 2L to 6 + 2L; rank 1 mirrors it."""
+    for latency in (0.0, 0.5, 3.0):
+        sim = simulate_chimera(2, 2, 1.0, 2.0, latency)
+        assert sim.makespan == 6 + 2 * latency
+        assert sim.idle == {0: 2 * latency, 1: 2 * latency}
+
+
 # ---- training equals one process ------------------------------------------------------------------
 def chimera_run(comm, cfgs: list[dict]) -> list[dict]:
     out = []

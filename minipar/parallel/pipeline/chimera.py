@@ -163,7 +163,7 @@ def simulate_chimera(p: int, m: int, forward: float = 1.0, backward: float = 2.0
     world = {DOWN: lambda q: q, UP: lambda q: p - 1 - q}  # a direction's pipeline rank -> world rank
     pos, clock = dict.fromkeys(program, 0), dict.fromkeys(program, 0.0)
     busy, stash, peak = dict.fromkeys(program, 0.0), dict.fromkeys(program, 0), dict.fromkeys(program, 0)
-    arrival: dict[tuple[str, int, Action], float] = {}  # (direction, world sender, send) -> time
+    arrival: dict[tuple[str, int, Action], float] = {}  # (direction, its sending rank, send) -> time
     events = [Event(r, "memory", "activations", 0.0, 0.0, nbytes=0, args={"stashed": 0}) for r in program]
     progress = True
     while progress:
@@ -173,7 +173,7 @@ def simulate_chimera(p: int, m: int, forward: float = 1.0, backward: float = 2.0
                 d, a = program[r][pos[r]]
                 label = {"stage": a.stage, "microbatch": a.microbatch + shift[d], "chunk": DIRECTIONS.index(d)}
                 args = {"action": str(a), "direction": d}
-                t0 = clock[r]
+                own, t0 = world[d](r), clock[r]  # this rank in the direction's numbering (its own inverse)
                 if a.is_compute:
                     clock[r] = t1 = t0 + (forward if a.op == "F" else backward)
                     busy[r] += t1 - t0
@@ -183,12 +183,10 @@ def simulate_chimera(p: int, m: int, forward: float = 1.0, backward: float = 2.0
                     events.append(Event(r, "memory", "activations", t1, t1, nbytes=stash[r],
                                         args={"stashed": stash[r]}, **label))
                 elif a.is_send:
-                    own = r if d == DOWN else p - 1 - r  # this rank in the direction's numbering
                     arrival[(d, own, a)] = t1 = t0 + latency
                     events.append(Event(r, "comm", "send", t0, t1, src=r, dst=world[d](a.peer), op="send",
                                         args=args, **label))
                 else:
-                    own = r if d == DOWN else p - 1 - r
                     key = (d, a.peer, a.counterpart(own))
                     if key not in arrival:
                         break
