@@ -8,6 +8,8 @@ zero-bubble schedules (Qi et al. 2024).
 - ``generators.py``: ``make_schedule(kind, stages, microbatches, chunks=1)``, ``GENERATORS`` (kind ->
   generator); naive, GPipe, 1F1B, interleaved.
 - ``zero_bubble.py``: ZB-H1 and ZB-V (backwards split into I and W, Qi et al. 2024).
+- ``chimera.py``: Chimera (Li & Hoefler 2021): two pipelines in opposite directions on the same ranks,
+  each stage's two replicas' gradients all-reduced.
 - ``asynchronous.py``: PipeDream (weight stashing, vertical sync; Narayanan et al. 2019) and
   PipeDream-2BW (Narayanan et al. 2021): schedules with per-stage updates ``U`` and weight versions.
 - ``lowering.py``: ``lower`` inserts the SEND/RECV actions a runtime executes.
@@ -29,11 +31,13 @@ __all__ = [
 
 # The runtime (partition.py, runtime.py): cut a model into stages and run any valid schedule over ranks.
 from .asynchronous import WeightVersions, peak_versions, pipedream, pipedream_2bw, versions_used  # noqa: E402
+from .chimera import Chimera, chimera_schedule, simulate_chimera  # noqa: E402
 from .partition import LayeredModel, Stage, build_stage, gpt, gpt_layer_counts, mlp, split_layers  # noqa: E402
 from .runtime import Pipeline  # noqa: E402
 
 __all__ += [
-    "WeightVersions", "peak_versions", "pipedream", "pipedream_2bw", "versions_used",
+    "Chimera", "WeightVersions", "chimera_schedule", "peak_versions", "simulate_chimera",
+    "pipedream", "pipedream_2bw", "versions_used",
     "LayeredModel", "Pipeline", "Stage", "build_stage", "gpt",
     "gpt_layer_counts", "mlp", "split_layers",
 ]
