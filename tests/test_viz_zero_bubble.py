@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 from rich.console import Console
 
 from minipar.parallel.pipeline import make_schedule, simulate
@@ -121,3 +122,85 @@ def test_an_asynchronous_stage_update_is_drawn_as_the_optimizer():
     assert (bars["optimizer"].marker.color, tuple(bars["optimizer"].text)) == ("#54A24B", ("U",))
     ((lane,),) = terminal.lanes(t, 6)
     assert lane.plain == "B3  U3"  # 2 cells per unit: B3 in cells 0-3, U3 in 4-5
+
+
+# ---- Chimera's two directions (Li & Hoefler 2021) ------------------------------------------------
+# p = 2, m = 2, F = B = 1 by hand from the paper's slot rule (micro-batch i of a direction at stage s:
+# forward in slot s + 2i, backward in slot 2p - 1 - s + 2i; down stage r and up stage p-1-r on rank r;
+# down runs micro-batch 0, up micro-batch 1): no idle (p - 2 = 0 slots per rank).
+CHIMERA = {  # rank: (name, micro-batch, direction, t0)
+    0: [("F", 0, "down", 0), ("F", 1, "up", 1), ("B", 1, "up", 2), ("B", 0, "down", 3)],
+    1: [("F", 1, "up", 0), ("F", 0, "down", 1), ("B", 0, "down", 2), ("B", 1, "up", 3)],
+}
+LIGHT_BLUE = "#C0D0E1"  # #4C78A8 mixed 65% towards white: 76 + 0.65 * 179, 120 + 0.65 * 135, 168 + 0.65 * 87
+
+
+def chimera_trace() -> Trace:
+    events = [Event(r, "compute", name, float(t0), t0 + 1.0, stage=r if d == "down" else 1 - r, microbatch=mb,
+                    chunk=int(d == "up"), args={"direction": d}) for r, spans in CHIMERA.items()
+              for name, mb, d, t0 in spans]
+    meta = {"paradigm": "pipeline", "schedule": "chimera", "p": 2, "m": 2, "v": 2, "world_size": 2,
+            "backend": "simulator", "time_unit": "units"}
+    return Trace(meta, events)
+
+
+def test_the_hand_made_chimera_trace_is_the_simulators():
+    from minipar.parallel.pipeline import simulate_chimera
+
+    sim = simulate_chimera(2, 2, forward=1.0, backward=1.0)
+    got = {r: [(e.name, e.microbatch, e.args["direction"], e.t0) for e in A.compute_spans(sim.trace, r)]
+           for r in (0, 1)}
+    assert got == CHIMERA
+    assert all(e.chunk == int(e.args["direction"] == "up") for e in sim.trace.events if e.kind == "compute")
+
+
+def test_plotly_tells_chimeras_directions_apart():
+    """Down: the kind's colour, no pattern, "F0↓"; up: lighter, hatched in the kind's colour, "F1↑"."""
+    bars = {tr.name: tr for tr in figures.timeline(chimera_trace()).data if tr.type == "bar"}
+    assert list(bars) == ["forward \u2193 down", "forward \u2191 up", "backward \u2193 down", "backward \u2191 up"]
+    down, up = bars["forward \u2193 down"], bars["forward \u2191 up"]
+    assert (down.marker.color, down.marker.pattern.shape) == ("#4C78A8", None)
+    assert (up.marker.color, up.marker.pattern.shape, up.marker.pattern.fgcolor) == (LIGHT_BLUE, "/", "#4C78A8")
+    assert sorted(zip(up.y, up.base, up.text, strict=True)) == [(0, 1.0, "F1\u2191"), (1, 0.0, "F1\u2191")]
+    assert sorted(zip(down.y, down.base, down.text, strict=True)) == [(0, 0.0, "F0\u2193"), (1, 1.0, "F0\u2193")]
+
+
+def test_terminal_tells_chimeras_directions_apart():
+    (lanes,) = terminal.lanes(chimera_trace(), 16)  # 4 cells per unit: each label and a space
+    down, up = "\u2193", "\u2191"
+    assert [lane.plain for lane in lanes] == [f"F0{down} F1{up} B1{up} B0{down} ", f"F1{up} F0{down} B0{down} B1{up} "]
+    blue, orange = terminal.STYLES["forward"], terminal.STYLES["backward"]
+    assert [(s.start, s.end, s.style) for s in lanes[0].spans] == [
+        (0, 4, blue), (4, 8, blue + " reverse"), (8, 12, orange + " reverse"), (12, 16, orange)]
+    buf = io.StringIO()
+    terminal.print_timeline(chimera_trace(), console=Console(file=buf, width=100, color_system=None))
+    assert " F0\u2193  down pipeline   F2\u2191  up pipeline (reversed colours)" in buf.getvalue()
+
+
+def test_measured_chimera_spans_say_their_direction():
+    """``Chimera.step`` traced on threads, p = m = 2: each span and message carries its direction and
+    the global micro-batch (up's 0 is 1), and the activations samples count both directions (peak
+    p/2 + 1 + min(r, p-1-r) = 2 on both ranks)."""
+    import minipar
+    from minipar import trace as mtrace
+    from minipar.parallel.pipeline import Chimera, mlp
+
+    x = np.arange(32, dtype=np.float64).reshape(4, 8) / 32
+    y = np.ones((4, 2))
+
+    def body(comm):
+        chimera = Chimera(comm, mlp([8, 6, 4, 3, 2], seed=0), 2)
+        with mtrace.record(None, comm) as rec:
+            chimera.step(x, y)
+        spans = [(e.name, e.microbatch, e.args["direction"], e.chunk) for e in rec.events if e.kind == "compute"]
+        sent = sorted((e.name, e.microbatch, e.args.get("direction")) for e in rec.events
+                      if e.kind == "comm" and e.stage is not None)
+        held = [e.args["stashed"] for e in rec.events if e.name == "activations"]
+        return spans, sent, held
+
+    (spans0, sent0, held0), (spans1, _, held1) = minipar.launch(body, 2, "threads")
+    assert spans0 == [("F", 0, "down", 0), ("F", 1, "up", 1), ("B", 1, "up", 1), ("B", 0, "down", 0)]
+    assert spans1 == [("F", 1, "up", 1), ("F", 0, "down", 0), ("B", 0, "down", 0), ("B", 1, "up", 1)]
+    # rank 0 sends down's activation and receives its gradient; receives up's activation and sends its gradient
+    assert sent0 == [("recv", 0, "down"), ("recv", 1, "up"), ("send", 0, "down"), ("send", 1, "up")]
+    assert held0 == [0, 0, 1, 2, 1, 0] and held1 == [0, 0, 1, 2, 1, 0]  # two begins, then after each action

@@ -38,6 +38,7 @@ from minipar.trace import Event, Trace
 
 KINDS = ("forward", "backward", "input gradient", "weight gradient", "optimizer", "other")
 PIPELINE_KINDS = ("forward", "backward", "input gradient", "weight gradient")  # a stage's work on a micro-batch
+ARROWS = {"down": "\u2193", "up": "\u2191"}  # a span's args["direction"] (Chimera) -> its label's arrow
 _KIND_BY_NAME = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "opt": "optimizer",
                  "step": "optimizer", "U": "optimizer"}  # U: a stage's update inside an asynchronous pipeline's step
 
@@ -57,12 +58,22 @@ def shows_chunks(trace: Trace) -> bool:
     return len(chunks) > 1 or int(trace.meta.get("v", 1) or 1) > 1
 
 
+def direction(event: Event) -> str | None:
+    """The pipeline direction a span or message belongs to, ``args["direction"]`` (Chimera's two
+    pipelines, Li & Hoefler 2021: "down" on ranks 0..p-1, "up" on p-1..0), else None."""
+    d = event.args.get("direction")
+    return d if d in ARROWS else None
+
+
 def label(event: Event, with_chunk: bool = False) -> str:
-    """Compact label: ``F3`` (forward of micro-batch 3), ``B3.1`` (chunk 1), ``opt``."""
+    """Compact label: ``F3`` (forward of micro-batch 3), ``B3.1`` (chunk 1), ``opt``; a span with a
+    direction ends in its arrow instead of its chunk, always: ``F0↓``, ``B2↑``."""
     text = event.name
     if event.microbatch is not None:
         text += str(event.microbatch)
-    if with_chunk and event.chunk is not None:
+    if direction(event):
+        text += ARROWS[direction(event)]
+    elif with_chunk and event.chunk is not None:
         text += f".{event.chunk}"
     return text
 

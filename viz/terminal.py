@@ -7,7 +7,8 @@ left free show a collective call (``viz.messages.collective_spans``: all of a ra
 one call, one span from its first step to its last), a point-to-point message (``~``, sending or
 waiting in a receive) or nothing (``.``, idle).
 
-Labels: a block gets its label (``F0``, ``B3.1`` with chunks, ``opt``; ``allreduce ring`` for a
+Labels: a block gets its label (``F0``, ``B3.1`` with chunks, ``F2↑`` for Chimera's up pipeline
+(drawn in reverse: the kind's colour on white), ``opt``; ``allreduce ring`` for a
 collective call) only where the label fits inside it with at least one cell between it and the
 previous label; otherwise the label is shortened (chunk dropped; ``ring`` or ``allreduce``
 alone) or left out and the block is filled with its kind's character (``>`` forward,
@@ -50,6 +51,7 @@ COMM_STYLE, CALL_STYLE, IDLE_STYLE, RULER_STYLE = "magenta", "bold magenta", "gr
 PREFIX_FMT = "rank {:<{w}} "
 SUFFIX_WIDTH = len("  idle 100%")
 MAX_BANDS = 4
+UP_STYLE = " reverse"  # added to a kind's style for Chimera's up pipeline (args["direction"])
 POINT_TO_POINT = (None, "send", "recv")
 
 
@@ -158,9 +160,14 @@ def _render(cells: list[Owner], chunks: bool, several: set[str], labelled: set[i
                 labelled |= members
                 body = pad * (s - c) + fits[0] + pad * (end - s - len(fits[0]))
                 free = s + len(fits[0]) + 1
-            text.append(body, CALL_STYLE if is_call else STYLES[A.kind_of(owner)])
+            text.append(body, CALL_STYLE if is_call else _style(owner))
         c = end
     return text
+
+
+def _style(span: Event) -> str:
+    """The kind's style; a span of Chimera's up pipeline in reverse (the kind's colour on white)."""
+    return STYLES[A.kind_of(span)] + (UP_STYLE if A.direction(span) == "up" else "")
 
 
 def layout(trace: Trace, columns: int, max_bands: int = MAX_BANDS) -> tuple[float, int]:
@@ -256,13 +263,18 @@ def timeline_text(trace: Trace, width: int = 80, max_bands: int = MAX_BANDS) -> 
 
 
 def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: tuple[str, ...] = tuple(STYLES),
-           call: str | None = None) -> list[Text]:
+           call: str | None = None, directions: bool = False) -> list[Text]:
     """What the blocks (of ``kinds``) and characters mean, and the time one cell covers, wrapped to
-    ``width``; ``call`` (e.g. "allreduce ring") explains collective calls."""
+    ``width``; ``call`` (e.g. "allreduce ring") explains collective calls, ``directions`` Chimera's
+    two pipelines."""
     items = []
     for kind, letters in LETTERS.items():
         if kind in kinds:
             items.append(Text.assemble((f" {letters} {FILL[kind] * 2}", STYLES[kind]), f" {kind}"))
+    if directions and kinds:
+        first = STYLES[kinds[0]]
+        items.append(Text.assemble((f" F0{A.ARROWS['down']} ", first), " down pipeline  ",
+                                   (f" F2{A.ARROWS['up']} ", first + UP_STYLE), " up pipeline (reversed colours)"))
     if kinds:
         items.append(Text(f"({', '.join(FILL[k] for k in STYLES if k in kinds)}: too short for a label)"))
     if call:
@@ -375,7 +387,8 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     calls = sorted((c for cs in collective_calls(trace).values() for c in cs),
                    key=lambda c: c.op == "barrier")  # a call that moves data explains more
     call = _labels(calls[0], False, _ops_with_several_algorithms(trace))[0] if calls else None
-    for line in legend(dt or None, unit, width, kinds, call):
+    directions = any(A.direction(e) for e in trace.events if e.kind == "compute")
+    for line in legend(dt or None, unit, width, kinds, call, directions):
         console.print(line, soft_wrap=True)
     for table in traffic_tables(trace, min(width, console.width)):
         console.print(table)

@@ -4,7 +4,8 @@ profilers draw a GPU's compute and communication streams, so communication that 
 
 - Compute lane: horizontal bars (x = start, length = duration) coloured by kind (forward,
   backward, optimizer; chunks of an interleaved schedule in shades of the kind) and labelled
-  ``F3`` / ``B3`` (micro-batch 3); the lane ends with the rank's idle total (``viz.analysis``).
+  ``F3`` / ``B3`` (micro-batch 3; Chimera's two pipelines: ``F3↓`` full colour, ``F3↑`` lighter and
+  hatched, from the spans' ``args["direction"]``); the lane ends with the rank's idle total (``viz.analysis``).
 - Communication lane: one labelled bar per collective call (``messages.collective_spans``), e.g.
   "allreduce ring 12.0 MiB", one colour per op/algorithm; its steps are listed on hover. The
   individual messages ("messages (steps)") and the send -> receive arrows are legend entries,
@@ -102,8 +103,9 @@ def span_hover(span: M.CommSpan, unit: str, name: str = "") -> str:
 
 
 def _label(e: Event, microbatches: bool) -> str:
-    """``F3`` (forward of micro-batch 3) when the trace has several micro-batches, else ``F``."""
-    return A.label(e) if microbatches else e.name
+    """``F3`` (forward of micro-batch 3) when the trace has several micro-batches, else ``F``; ``F3↑``
+    for a span of Chimera's up pipeline."""
+    return A.label(e) if microbatches else e.name + A.ARROWS.get(A.direction(e) or "", "")
 
 
 def _where(e: Event) -> str:
@@ -113,12 +115,22 @@ def _where(e: Event) -> str:
     return "<br>" + ", ".join(parts) if parts else ""
 
 
-def _compute_groups(trace: Trace, chunks: bool) -> dict[tuple[str, int], list[Event]]:
-    groups: dict[tuple[str, int], list[Event]] = {}
+def _compute_groups(trace: Trace, chunks: bool) -> dict[tuple[str, int, str], list[Event]]:
+    """Compute spans by (kind, chunk, direction or "")."""
+    groups: dict[tuple[str, int, str], list[Event]] = {}
     for e in trace.events:
         if e.kind == "compute":
-            groups.setdefault((A.kind_of(e), (e.chunk or 0) if chunks else 0), []).append(e)
-    return {k: groups[k] for k in sorted(groups, key=lambda k: (A.KINDS.index(k[0]), k[1]))}
+            groups.setdefault((A.kind_of(e), (e.chunk or 0) if chunks else 0, A.direction(e) or ""), []).append(e)
+    return {k: groups[k] for k in sorted(groups, key=lambda k: (A.KINDS.index(k[0]), k[1], k[2]))}
+
+
+def _marker(kind: str, chunk: int, n_chunks: int, direction: str) -> dict:
+    """A bar's fill: the kind's colour, later chunks lighter; Chimera's up pipeline (``direction``
+    "up") lighter still and hatched in the kind's colour, so the two directions differ at a glance."""
+    if direction == "up":
+        return {"color": shade(COLORS[kind], 1, 2), "line": {"color": "white", "width": 1},
+                "pattern": {"shape": "/", "fgcolor": COLORS[kind], "solidity": 0.3, "size": 7}}
+    return {"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1}}
 
 
 def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str = "",
@@ -142,13 +154,15 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
     n_chunks = 1 + max((e.chunk or 0 for e in trace.events if e.kind == "compute"), default=0)
     several = len({e.microbatch for e in trace.events if e.kind == "compute" and e.microbatch is not None}) > 1
     # numpy arrays and one hover string per bar: Plotly validates those fast (lists of lists are slow)
-    for (kind, chunk), spans in _compute_groups(trace, chunks).items():
+    for (kind, chunk, direction), spans in _compute_groups(trace, chunks).items():
         entry = f"{kind}, chunk {chunk}" if chunk else kind  # chunk 0 is the kind's full colour
+        if direction:  # Chimera: "forward ↓ down", "forward ↑ up"
+            entry = f"{kind} {A.ARROWS[direction]} {direction}"
         fig.add_trace(go.Bar(
             orientation="h", name=entry, legendgroup=entry, showlegend=show_legend(entry), legendrank=100,
             y=np.array([lane.compute[e.rank] for e in spans]), base=np.array([e.t0 for e in spans]),
             x=np.array([e.duration for e in spans]), width=COMPUTE_WIDTH,
-            marker={"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1}},
+            marker=_marker(kind, chunk, n_chunks, direction),
             text=[_label(e, several) for e in spans], textposition="inside", insidetextanchor="middle", textangle=0,
             hovertext=[f"{name}rank {e.rank} {e.name}<br>start {e.t0:.6g} {unit}, duration "
                        f"{A.fmt_time(e.duration, unit)}{_where(e)}" for e in spans],

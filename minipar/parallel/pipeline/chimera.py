@@ -37,7 +37,11 @@ halving, which recompute, address this and are not done here). Requires p even a
 ``Chimera(comm, model, microbatches)`` builds one ``Pipeline`` per direction (down on ``comm``, up on
 a communicator with the ranks reversed, so its pipeline rank i is world rank p-1-i), both from the
 model's seed (equal values), and runs the merged order by handing each action of the two lowered
-programs to its pipeline (``Pipeline.run``): the runtime knows nothing of Chimera.
+programs to its pipeline (``Pipeline.run``): the runtime knows nothing of Chimera. Traced, the step's
+spans and messages say their direction as ``simulate_chimera``'s do: the up pipeline's stages carry
+``chunk`` 1 (the runtime's own chunk label), and ``label_step`` adds ``args["direction"]``, the global
+micro-batch number (up: + m/2) and, in each rank's ``activations`` samples, both directions' held
+micro-batches and bytes (the rank's stash, the simulator's count).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from minipar import trace as mtrace
 from minipar.nn import Parameter
 from minipar.optim import Optimizer
 from minipar.trace import Event, Trace
@@ -235,6 +240,7 @@ class Chimera:
         directions = direction_schedules(self.schedule)
         self.down = Pipeline(comm, model, directions[DOWN], layers=layers)
         self.up = Pipeline(comm.split(0, key=p - 1 - r), model, directions[UP], layers=layers)
+        self.up.chunk_of = dict.fromkeys(self.up.chunk_of, DIRECTIONS.index(UP))  # trace label only
         self.pair = comm.split(min(r, p - 1 - r))  # the replicas of this rank's two stages: r and p-1-r
         self.optimizers = [] if optimizer is None else [optimizer(self.down.parameters()),
                                                         optimizer(self.up.parameters())]
@@ -255,14 +261,19 @@ class Chimera:
             sizes = f"{lo} or {hi}" if lo else f"{hi}"
             raise ValueError(f"chimera: x has {n} samples and y {len(y)}; pass matching x and y with a batch "
                              f"divisible by m={m} (e.g. {sizes})")
-        half = n // 2
-        self.down.begin(x[:half], y[:half])
-        self.up.begin(x[half:], y[half:])
+        half, rec = n // 2, mtrace.current()
+        marks: list[tuple[int, str]] = []  # (index of the recorder's next event, whose events follow)
         pipes, self.peak_stash = self.pipelines, 0
+        for direction in DIRECTIONS:
+            marks += [(len(rec.events), direction)] if rec is not None else []
+            pipes[direction].begin(*((x[:half], y[:half]) if direction == DOWN else (x[half:], y[half:])))
         for direction, action in self.program:
+            marks += [(len(rec.events), direction)] if rec is not None else []
             pipes[direction].run([action])
             self.peak_stash = max(self.peak_stash, self.down.stashed + self.up.stashed)
         losses = [self.down.finish(), self.up.finish()]
+        if rec is not None:
+            label_step(rec.events, marks, m // 2)
         self.microbatch_losses = self.down.microbatch_losses + self.up.microbatch_losses
         self._average_gradients()
         for opt in self.optimizers:
@@ -283,3 +294,24 @@ class Chimera:
             size = params[k].data.size
             params[k].grad = total[offset:offset + size].reshape(params[k].data.shape).copy()
             offset += size
+
+
+def label_step(events: list[Event], marks: Sequence[tuple[int, str]], half: int) -> None:
+    """Label one traced ``Chimera.step`` on one rank like ``simulate_chimera``'s trace (in place):
+    ``events`` is the rank's recorder from ``marks[0][0]`` on, ``marks`` the (index, direction) at
+    which each pipeline's ``begin`` and each action's events start. Spans and messages with a stage
+    (their ``chunk`` is the direction: up's pipeline labels its stages 1) get ``args["direction"]``
+    and the global micro-batch (up: + ``half``); each ``activations`` sample, taken by one direction's
+    pipeline, becomes the rank's: its held micro-batches and bytes plus the other direction's last."""
+    last = {d: (0, 0) for d in DIRECTIONS}  # direction -> its last sample (stashed, bytes)
+    ends = [i for i, _ in marks[1:]] + [len(events)]
+    for (lo, direction), hi in zip(marks, ends, strict=True):
+        for e in events[lo:hi]:
+            if e.kind == "memory" and e.name == "activations":
+                last[direction] = (int(e.args["stashed"]), int(e.nbytes or 0))
+                e.args = {**e.args, "stashed": sum(n for n, _ in last.values()), "direction": direction}
+                e.nbytes = sum(b for _, b in last.values())
+    for e in events[marks[0][0]:] if marks else []:
+        if e.kind in ("compute", "comm") and e.stage is not None and e.chunk in (0, 1):
+            e.args = {**e.args, "direction": DIRECTIONS[e.chunk]}
+            e.microbatch = None if e.microbatch is None else e.microbatch + half * e.chunk
