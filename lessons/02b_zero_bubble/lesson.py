@@ -18,12 +18,15 @@ leaves. The lesson trains the tiny GPT of lesson 2 under every schedule this che
   asynchronous: 1F1B's order with a stage's own update (U) inside the step, after every backward
   (PipeDream: each micro-batch's forward and backward on the weight version its forward saw, weight
   stashing) or after every group of a >= p micro-batches (2BW: the version one update behind, a
-  double buffer).
+  double buffer);
+- Chimera (Li & Hoefler 2021, Sec. 3.1; ``chimera_part.py``, p even, m a multiple of p): two 1F1B
+  pipelines, down on ranks 0..p-1 and up on p-1..0, m/2 micro-batches each, filling each other's
+  bubbles; labelled F0↓ / F4↑, up drawn lighter and hatched (reversed colours in the terminal).
 
 It prints, and draws in runs/02b_zero_bubble/report.html:
 
-(1) every schedule simulated with unit costs F = I = W = 1 (1F1B's B = 2) on one shared time axis:
-    the W's (teal) of ZB-H1 sit where 1F1B's cool-down idles, the paper's Figure 3;
+(1) every schedule simulated with unit costs F = I = W = 1 (1F1B's B = 2) on one shared time axis;
+    ZB-H1's W's (teal) sit where 1F1B's cool-down idles (Fig. 3); Chimera also with F = B = 1 (table);
 (2) every schedule run for real (``Pipeline``, the same executor for all), the last step traced,
     on one shared time axis (the report's "side by side");
 (3) a table per schedule: the idle time per rank simulated and measured against the formula, in
@@ -31,8 +34,9 @@ It prints, and draws in runs/02b_zero_bubble/report.html:
     back one W per hole, (p - 1)(F + I - W), a third of 1F1B's when F = I = W; the peak number of
     micro-batches each rank holds (from its F until its W) against ``cost.pipeline.peak_stash``
     (1F1B p - r, ZB-H1 p on every rank: the same peak memory as 1F1B's first rank; ZB-V 2p
-    chunks, p whole stages); the weight versions each stage holds at once: 1 for a synchronous
-    schedule, PipeDream p - r (one per micro-batch in flight), 2BW 2;
+    chunks, p whole stages; Chimera p/2 + 1 + min(r, p-1-r), idle (p - 2) F for F = B); the weight
+    versions each stage holds at once: 1 for a synchronous schedule (Chimera too: its two replicas
+    update alike), PipeDream p - r (one per micro-batch in flight), 2BW 2;
 (4) the claim: every synchronous schedule gives the same losses as one process (a schedule changes
     the order of the work, never the result); PipeDream and 2BW do not (their updates inside the
     step use stale weights, by design): the versions stage 0 used are printed, and
@@ -42,13 +46,13 @@ Measured idle times are from the trace's F/B/I/W/U spans (window: first forward 
 the simulator column replays the schedule with the durations measured in the run. On a 2-core
 machine 4 ranks share 2 cores, so measured durations stretch when more than 2 ranks compute at
 once, and the split backward costs a little more than one B (two passes over the graph): compare the
-simulator column, not the measured one, with the formula. Not here: Chimera's two directions (not
-in minipar yet).
+simulator column, not the measured one, with the formula.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -77,8 +81,12 @@ ASYNC = ("pipedream", "2bw")  # asynchronous: a stage's update (U) inside the st
 STASHING = {"pipedream": "forward and backward on the same version: weight stashing; one update per micro-batch",
             "2bw": "each group of micro-batches on the version one update behind the newest: the double buffer"}
 PIPELINE_OPS = ("F", "B", "I", "W", "U")
-RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only"}  # where bubble_time's formula holds (measured costs may not)
+RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only", "chimera": "F=B only"}  # where the idle formula holds
 OUT = Path("runs/02b_zero_bubble")
+_spec = importlib.util.spec_from_file_location("lessons.l02b_chimera", Path(__file__).with_name("chimera_part.py"))
+chimera = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chimera)
+MODEL = {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS, "blocks": BLOCKS}
 
 
 def schedules() -> list[str]:
@@ -230,14 +238,15 @@ def unit_table(rows: list[dict[str, Any]], p: int) -> Table:
                 "formula"):
         table.add_column(col, justify="right")
     for row in rows:
-        formula = "no formula" if row["formula"] is None else f"{row['formula']:g}"
+        formula = RANGE.get(row["kind"], "no formula") if row["formula"] is None else f"{row['formula']:g}"
         kind = row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else "")
         table.add_row(kind, f"{row['makespan']:g}", " ".join(f"{x:g}" for x in row["idle"]), formula,
                       _ints(row["peak"]), _ints(row["formula_peak"]), _ints(row["versions"]),
                       _ints(row["formula_versions"]))
     table.caption = ("stash: micro-batches held from their F to their W (B); with chunks, chunk-micro-batches (each "
                      "half a rank's share: 2p weigh what p whole ones do). Versions per stage: PipeDream p - r, "
-                     "2BW 2, synchronous 1. PipeDream and 2BW run 1F1B's order: 1F1B's formulas")
+                     "2BW 2, synchronous 1. PipeDream and 2BW run 1F1B's order: 1F1B's formulas; Chimera: "
+                     "both directions' micro-batches on a rank")
     return table
 
 
@@ -275,11 +284,12 @@ def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) ->
         "stage: simulated | measured", "versions formula", "idle measured (mean)", "simulator, measured durations",
         "formula, measured durations")}
     for row in units:
-        meas = by_kind[row["kind"]]
-        values = (row["kind"], " ".join(f"{x:g}" for x in row["idle"]), fmt(row["formula"]), _ints(row["peak"]),
-                  _ints(row["formula_peak"]), f"{_ints(row['versions'])} | {_ints(meas['versions'])}",
-                  _ints(row["formula_versions"]), fmt(np.mean(meas["idle"]), 1e3, " ms"),
-                  fmt(np.mean(meas["sim_idle"]), 1e3, " ms"), fmt(meas["formula"], 1e3, " ms", row["kind"]))
+        meas = by_kind.get(row["kind"], {"versions": None, "idle": [], "sim_idle": [], "formula": None})
+        values = (row["kind"], " ".join(f"{x:g}" for x in row["idle"]), fmt(row["formula"], kind=row["kind"]),
+                  _ints(row["peak"]), _ints(row["formula_peak"]), f"{_ints(row['versions'])} | "
+                  f"{_ints(meas['versions']) if meas['versions'] else '-'}", _ints(row["formula_versions"]),
+                  *(fmt(np.mean(meas[k]), 1e3, " ms") if meas[k] else "-" for k in ("idle", "sim_idle")),
+                  fmt(meas["formula"], 1e3, " ms", row["kind"]) if meas["idle"] else "-")
         for key, value in zip(cols, values, strict=True):
             cols[key].append(value)
     fig = go.Figure(go.Table(header={"values": list(cols), "fill_color": "#E8EAF0", "align": "left"},
@@ -321,7 +331,7 @@ def print_unit_timelines(console: Console, units: list[dict[str, Any]]) -> None:
     from viz.terminal import print_timeline
 
     for row in units:
-        if row["kind"] in ("1f1b", "zb-h1"):
+        if row["kind"] in ("1f1b", "zb-h1", "chimera"):
             print_timeline(row["trace"], console=console, title=f"{row['kind']}, F = I = W = 1 (simulated)")
 
 
@@ -329,22 +339,26 @@ def run(comm: Any, steps: int, m: int) -> None:
     """Every schedule simulated, then run on ``comm``; rank 0 prints and writes the report."""
     console = make_console()
     p, lead, kinds = comm.size, comm.rank == 0, schedules()
-    units: list[dict[str, Any]] = []
+    runs, units = kinds + [chimera.KIND] * chimera.fits(p, m), []
     if lead:
         (OUT / "simulated").mkdir(parents=True, exist_ok=True)
         console.print(f"[bold]tiny GPT[/bold] ({VOCAB} tokens, seq {SEQ}, d_model {D_MODEL}, {BLOCKS} blocks) on {p} "
                       f"pipeline ranks, batch {BATCH} = {m} micro-batches, {steps} steps per schedule; schedules: "
-                      f"{', '.join(kinds)} (Chimera is not in minipar yet)", highlight=False)
+                      f"{', '.join(runs)}{'' if chimera.KIND in runs else ' (chimera: p even, m a multiple of p)'}",
+                      highlight=False)
         console.rule("[bold](1) simulated with unit costs F = I = W = 1")
         units = [simulate_units(k, p, m, OUT / "simulated" / f"{k}.json") for k in kinds]
+        if chimera.KIND in runs:  # the lesson's costs (F = 1, B = I + W = 2), then the paper's equal slots
+            units += chimera.unit_rows(p, m, UNIT["forward"], UNIT["input"] + UNIT["weight"], OUT / "simulated")
         print_unit_timelines(console, units)
-        console.print(unit_table(units, p))
+        console.print(unit_table(units, p), *[chimera.claim(units, p, m)] * (chimera.KIND in runs), highlight=False)
     rows, losses, paths, seen = [], {}, [], {}
-    for kind in kinds:
-        path = OUT / f"{kind}.json"
-        result = train(comm, kind, steps, m, path)
+    for kind in runs:
+        path, is_chimera = OUT / f"{kind}.json", kind == chimera.KIND
+        result = (chimera.train(comm, steps, m, MODEL, LR, batches(steps), path) if is_chimera
+                  else train(comm, kind, steps, m, path))
         if lead:
-            rows.append(analyse(path))
+            rows.append(chimera.analyse(path) if is_chimera else analyse(path))
             losses[kind], seen[kind] = result["losses"], result["seen"]
             paths.append(path)
     if not lead:
@@ -358,17 +372,20 @@ def run(comm: Any, steps: int, m: int) -> None:
     print_claims(console, losses, seen, reference(steps), m)
     from viz import figures
 
-    sim_fig = figures.compare([row["trace"] for row in units], [f"{row['kind']}: simulated, F = I = W = 1"
-                                                               for row in units])
+    shown = [row for row in units if row["kind"] != chimera.PAPER]  # one cost model on the shared axis
+    sim_fig = figures.compare([row["trace"] for row in shown], [f"{row['kind']}: simulated, F = I = W = 1"
+                                                               for row in shown])
     extra = [("(1) simulated with unit costs F = I = W = 1 (1F1B: B = 2), one time axis: ZB-H1's W's "
-              "(teal) fill 1F1B's cool-down", sim_fig),
+              "(teal) fill 1F1B's cool-down; Chimera's up pipeline lighter and hatched (F4↑)", sim_fig),
              ("(3) idle per rank, stash and weight versions per schedule vs the formulas", table_figure(units, rows))]
     if any(k in ASYNC for k in kinds):
         extra.append(("weight versions each stage holds over the last step (measured): PipeDream p - r, 2BW 2",
                       versions_figure([k for k in kinds if k in ASYNC])))
+    if chimera.KIND in runs:
+        chimera.print_measured(console, OUT / "chimera.json")
     console.rule("[bold]ZB-H1 timeline (last step, measured)")
     finish(paths, OUT / "report.html", console, timeline=OUT / "zb-h1.json",
-           titles=[f"{k}: measured (last step)" for k in kinds], extra_figures=extra)
+           titles=[f"{k}: measured (last step)" for k in runs], extra_figures=extra)
 
 
 def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[str, dict], ref: list[float],

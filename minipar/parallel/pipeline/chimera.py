@@ -276,8 +276,10 @@ class Chimera:
             label_step(rec.events, marks, m // 2)
         self.microbatch_losses = self.down.microbatch_losses + self.up.microbatch_losses
         self._average_gradients()
-        for opt in self.optimizers:
-            opt.step()
+        if self.optimizers:
+            with mtrace.span("opt"):  # both replicas' updates, as Pipeline's "opt" span
+                for opt in self.optimizers:
+                    opt.step()
         return (losses[0] + losses[1]) / 2
 
     def _average_gradients(self) -> None:
