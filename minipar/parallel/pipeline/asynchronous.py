@@ -39,6 +39,15 @@ forward and backward on every stage (the paper: max(floor((k - 1)/m) - 1, 0) for
 
 and each stage holds at most two versions (the one in-flight micro-batches use and the newest).
 
+**One step drains.** ``Pipeline.step`` runs its m micro-batches and waits for the last backward, so
+version 0 of every step is the weights the step starts with, and the first micro-batches of a step
+see them fresh (no staleness), as after the papers' start-up; the papers' pipelines never drain, so
+their steady state (the staleness above) holds here from the (p - 1 - r)-th micro-batch of each step
+on. With one 2BW group per step (m = a) the step would be plain 1F1B: 2BW therefore needs m >= 2a.
+What a ``U`` schedule means is set by its ``kind`` ("2bw": the double buffer; else PipeDream's
+stashing), and hand-written ``U`` schedules must update every stage after the same micro-batches
+(``loss_scales`` divides by the group's size).
+
 ``weights``: "stash" (PipeDream's stashing; for a "2bw" schedule its double buffer), "vertical"
 (PipeDream with vertical sync), "none" (no stashing). Cost per action: O(parameters of the stage)
 for a swap, one copy of the stage's parameters per stashed version.
@@ -93,12 +102,17 @@ def pipedream_2bw(p: int, m: int, per_update: int | None = None) -> Schedule:
 
     Needs a >= p (the paper's m >= d: the version a group uses must exist when its first forward runs;
     in this order, where stage 0 has run the backwards of 0 .. k - p before forward k, a = p - 1 would
-    just do, as ``versions_used`` finds for a hand-written schedule) and m a multiple of a."""
+    just do, as ``versions_used`` finds for a hand-written schedule) and m a multiple of a, at least 2a
+    (with one group per step the step is synchronous 1F1B)."""
     _check(p, m)
     a = p if per_update is None else per_update
     if a < p:
         raise ValueError(f"PipeDream-2BW needs per_update >= stages (the paper's m >= d): per_update={a} with "
                          f"p={p}; use per_update={p} or more")
+    if m < 2 * a:
+        raise ValueError(f"PipeDream-2BW with one group of per_update={a} micro-batches per step is synchronous "
+                         f"1F1B (a step drains: the delay of one update never shows): m={m}; use microbatches="
+                         f"{2 * a} or more")
     if m % a:
         lo, hi = (m // a) * a, (m // a + 1) * a
         hint = f"{lo} or {hi}" if lo else f"{hi}"
