@@ -140,7 +140,7 @@ def chimera_trace() -> Trace:
                     chunk=int(d == "up"), args={"direction": d}) for r, spans in CHIMERA.items()
               for name, mb, d, t0 in spans]
     meta = {"paradigm": "pipeline", "schedule": "chimera", "p": 2, "m": 2, "v": 2, "world_size": 2,
-            "backend": "simulator", "time_unit": "units"}
+            "backend": "simulator", "time_unit": "units", "chunk_names": ["down", "up"]}
     return Trace(meta, events)
 
 
@@ -163,6 +163,16 @@ def test_plotly_tells_chimeras_directions_apart():
     assert (up.marker.color, up.marker.pattern.shape, up.marker.pattern.fgcolor) == (LIGHT_BLUE, "/", "#4C78A8")
     assert sorted(zip(up.y, up.base, up.text, strict=True)) == [(0, 1.0, "F1\u2191"), (1, 0.0, "F1\u2191")]
     assert sorted(zip(down.y, down.base, down.text, strict=True)) == [(0, 0.0, "F0\u2193"), (1, 1.0, "F0\u2193")]
+
+
+def test_unit_grid_tells_chimeras_directions_apart():
+    """The papers' grid (B = 2 cells): legend by direction (meta chunk_names), up hatched, arrows on the numbers."""
+    bars = {tr.name: tr for tr in pipeline_grid.schedule_grid(chimera_trace()).data if tr.type == "bar"}
+    assert list(bars) == ["forward \u2193 down", "forward \u2191 up", "backward \u2193 down", "backward \u2191 up"]
+    assert (bars["forward \u2191 up"].marker.color, bars["forward \u2191 up"].marker.pattern.shape) == (LIGHT_BLUE, "/")
+    assert bars["forward \u2193 down"].marker.pattern.shape is None
+    assert sorted(zip(bars["backward \u2191 up"].y, bars["backward \u2191 up"].text, strict=True)) == [
+        (0, "1\u2191"), (1, "1\u2191")]
 
 
 def test_terminal_tells_chimeras_directions_apart():

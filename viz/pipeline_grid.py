@@ -121,17 +121,23 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
     end = max(c.t1 for c in cells)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.1,
                         subplot_titles=("", "stashed micro-batches per rank (forward done, backward or W not yet)"))
+    names = trace.meta.get("chunk_names")  # Chimera: ["down", "up"], the chunk a direction
     for kind in A.PIPELINE_KINDS:
         for chunk in range(n_chunks):
             group = [c for c in cells if KIND[c.name] == kind and c.chunk == chunk]
             if not group:
                 continue
+            way = names[chunk] if names and chunk < len(names) and names[chunk] in A.ARROWS else ""
+            marker = {"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1.5}}
+            if way == "up":  # hatched in the kind's colour, as the timeline draws Chimera's up pipeline
+                marker["pattern"] = {"shape": "/", "fgcolor": COLORS[kind], "solidity": 0.3, "size": 7}
             fig.add_trace(go.Bar(
-                orientation="h", name=f"{kind}, chunk {chunk}" if n_chunks > 1 else kind, textangle=0,
+                orientation="h", name=f"{kind} {A.ARROWS[way]} {way}" if way else f"{kind}, chunk {chunk}"
+                if n_chunks > 1 else kind, textangle=0,
                 y=np.array([c.rank for c in group]), base=np.array([c.t0 for c in group]),
-                x=np.array([c.t1 - c.t0 for c in group]), width=0.8,
-                marker={"color": shade(COLORS[kind], chunk, n_chunks), "line": {"color": "white", "width": 1.5}},
-                text=[str(c.microbatch) for c in group], textposition="inside", insidetextanchor="middle",
+                x=np.array([c.t1 - c.t0 for c in group]), width=0.8, marker=marker,
+                text=[f"{c.microbatch}{A.ARROWS.get(way, '')}" for c in group], textposition="inside",
+                insidetextanchor="middle",
                 textfont={"color": "black" if chunk else "white"},
                 hovertext=[f"rank {c.rank}: {c.name} of micro-batch {c.microbatch}, stage {c.stage} "
                            f"(chunk {c.chunk})<br>cells {c.t0}-{c.t1}" for c in group],
