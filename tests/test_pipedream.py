@@ -19,6 +19,8 @@ pending micro-batches use (p - r for PipeDream once m >= 2 (p - 1 - r), 2 for 2B
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -287,3 +289,15 @@ def test_bad_pipelines_rejected_on_every_rank_before_any_message():
     for res in results:
         for (msg, n_events), text in zip(res, want, strict=True):
             assert text in msg and n_events == 0, (msg, text)
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ({0: "0F0 0F1 0F2 0B0 0B2 0U2 0B1 0U1".split()}, "applies the gradients of micro-batches [0, 2]"),
+    ({0: "0F0 0F1 0B0 0U0 0B1 0U1".split(), 1: "1F0 1B0 1F1 1B1 1U1".split()},
+     "stage 1's updates after micro-batches [1], stage 0's after [0, 1]"),
+])
+def test_update_groups_must_be_contiguous_and_the_same_on_every_stage(spec, needle):
+    """The loss is scaled by each update group's size: a group that skips a micro-batch, or stages that
+    update after different micro-batches, would apply a wrong mean (reviewer)."""
+    with pytest.raises(ScheduleError, match=re.escape(needle)):
+        validate(spec)

@@ -135,6 +135,15 @@ def _update_problems(sched: Schedule) -> list[tuple[int, int, str]]:
     if not any(a.op == "U" for acts in sched.values() for a in acts):
         return []
     out = []
+    after = {s: sorted(a.microbatch for acts in sched.values() for a in acts if a.op == "U" and a.stage == s)
+             for s in range(sched.virtual_stages)}
+    first_stage, flagged = after.get(0, []), set()
+    for r, acts in sched.items():  # loss_scales divides each group's gradient by the group's size
+        for i, a in enumerate(acts):
+            if a.op == "U" and after[a.stage] != first_stage and a.stage not in flagged:
+                flagged.add(a.stage)
+                out.append((r, i, f"begins stage {a.stage}'s updates after micro-batches {after[a.stage]}, stage 0's "
+                                  f"after {first_stage}; every stage updates after the same micro-batches"))
     for r, acts in sched.items():
         done_at = {(a.stage, a.microbatch): i for i, a in enumerate(acts) if a.op in ("B", "W")}
         last_u: dict[int, int] = {}
@@ -144,6 +153,16 @@ def _update_problems(sched: Schedule) -> list[tuple[int, int, str]]:
                 if done_at.get((a.stage, a.microbatch), len(acts)) > i:
                     out.append((r, i, f"comes before the backward of micro-batch {a.microbatch} "
                                       f"({a.stage}B{a.microbatch} or {a.stage}W{a.microbatch}); an update applies it"))
+        groups: dict[int, list[int]] = {}  # stage -> the micro-batches whose gradient the next U applies
+        for i, a in enumerate(acts):
+            if a.op in ("B", "W"):
+                groups.setdefault(a.stage, []).append(a.microbatch)
+            elif a.op == "U":
+                got = sorted(groups.pop(a.stage, []))
+                first = min(got, default=a.microbatch)
+                if got != list(range(first, a.microbatch + 1)):
+                    out.append((r, i, f"applies the gradients of micro-batches {got}; an update applies a contiguous "
+                                      f"run ending at its own micro-batch ({first}..{a.microbatch}), in order"))
         last_grad: dict[int, int] = {}
         for (s, _), i in done_at.items():
             last_grad[s] = max(i, last_grad.get(s, -1))
