@@ -4,6 +4,7 @@ the closing terminal timeline plus HTML report."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -43,6 +44,15 @@ def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str |
     print(f"(no mpiexec: {ranks} ranks run as threads of this process; --ranks N to change, "
           f"or mpiexec -n N for real processes)")
     return launch(body, ranks, "threads", **kwargs)[0]
+
+
+def lesson_parser(doc: str | None, steps: int, ranks: int) -> argparse.ArgumentParser:
+    """The arguments every lesson takes: ``--steps`` and ``--ranks`` (threads, when not under mpiexec);
+    a lesson adds its own to the parser."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--ranks", type=int, default=ranks, help="ranks when not under mpiexec (threads)")
+    return parser
 
 
 def one_process(model: Any, optimizer: Any, batches: Iterable[tuple[Any, Any]]) -> list[float]:

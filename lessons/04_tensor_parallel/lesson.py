@@ -22,7 +22,6 @@ Writes runs/04_tensor_parallel/{tp,tp_sp}.json and report.html; prints the timel
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, one_process, run_ranks
+from lessons.common import finish, lesson_parser, one_process, run_ranks
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import ring_bytes
@@ -251,11 +250,7 @@ def run(comm: Any, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
-    args = parser.parse_args()
+    args = lesson_parser(__doc__, steps=4, ranks=4).parse_args()
     run_ranks(run, args.ranks, check_ranks, steps=args.steps)
 
 

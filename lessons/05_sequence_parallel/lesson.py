@@ -31,7 +31,6 @@ which step, and the compute beside the transfer). Writes runs/05_sequence_parall
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, one_process, run_ranks, time_sharing
+from lessons.common import finish, lesson_parser, one_process, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
@@ -397,10 +396,7 @@ def run(comm: Any, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
-    args = parser.parse_args()
+    args = lesson_parser(__doc__, steps=2, ranks=4).parse_args()
     run_ranks(run, args.ranks, check_ranks, steps=args.steps)
 
 

@@ -31,7 +31,6 @@ runs/06_zero/*.json and report.html.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from contextlib import nullcontext
@@ -43,7 +42,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, one_process, run_ranks, time_sharing
+from lessons.common import finish, lesson_parser, one_process, run_ranks, time_sharing
 from minipar import datasets, nn
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
@@ -363,10 +362,7 @@ def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
-    args = parser.parse_args()
+    args = lesson_parser(__doc__, steps=3, ranks=4).parse_args()
     run_ranks(run, args.ranks, check_ranks, steps=args.steps)
 
 

@@ -38,7 +38,6 @@ summary, step time vs budget per method. Writes runs/07_offload/*.json, sweep/*.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import statistics
@@ -51,7 +50,7 @@ import numpy as np
 from rich.table import Table
 
 from lessons.common import console as make_console
-from lessons.common import finish, run_ranks, time_sharing
+from lessons.common import finish, lesson_parser, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import zero as zero_formulas
@@ -378,10 +377,7 @@ def beyond(console: Any, results: dict[str, Any], n: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--ranks", type=int, default=2, help="ranks when not under mpiexec (threads)")
-    args = parser.parse_args()
+    args = lesson_parser(__doc__, steps=4, ranks=2).parse_args()
     run_ranks(run, args.ranks, check_ranks, steps=args.steps)
 
 
