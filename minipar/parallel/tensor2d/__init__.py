@@ -1,0 +1,18 @@
+"""2-D tensor parallelism: Xu et al. 2021, "An Efficient 2D Method for Training Super-Large Deep
+Learning Models" (Optimus, Colossal-AI's 2-D mode), built on SUMMA (van de Geijn & Watts 1997).
+Weights and activations are split on a ``q x q`` grid of ``p = q^2`` ranks; every parameter and
+activation is ``1/q^2`` of the single-process one.
+
+- ``summa.py``: the grid (``Grid2D`` over a ``DeviceMesh(comm, dp=q, tp=q)``, ``grid_2d``), the
+  SUMMA products ``A B``, ``A B^T``, ``A^T B`` and ``Summa``, the autograd op whose backward is SUMMA.
+- ``layers.py``: ``block`` (a rank's block of an activation), ``AddBias2D``, ``Linear2D`` and the
+  2-D transformer MLP ``MLP2D``.
+
+Bytes per rank and memory per rank are in ``minipar.cost.tensor2d``.
+"""
+
+from minipar.parallel.tensor2d.layers import MLP2D, AddBias2D, Linear2D, block
+from minipar.parallel.tensor2d.summa import Grid2D, Summa, check_square, grid_2d, summa_ab, summa_abt, summa_atb
+
+__all__ = ["AddBias2D", "Grid2D", "Linear2D", "MLP2D", "Summa", "block", "check_square", "grid_2d", "summa_ab",
+           "summa_abt", "summa_atb"]

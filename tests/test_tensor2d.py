@@ -1,0 +1,212 @@
+"""2-D tensor parallelism (Optimus / SUMMA) equals one process; its bytes and memory per rank.
+
+On 4 ranks (q = 2; one q = 3 example on 9): ``Linear2D`` and ``MLP2D`` give the outputs and the
+input, weight and bias gradients of ``nn.Linear`` / ``nn.FeedForward`` on the whole arrays, block by
+block; each rank's bytes in the trace equal the SUMMA count worked out by hand here (forward: a
+broadcast of the input block and one of the weight block per rank; backward: the same again plus
+one reduce of each) and ``minipar.cost.tensor2d``; each rank holds ``1/q^2`` of every parameter.
+Bad configurations are refused on every rank before any message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import budget
+
+from minipar import trace
+from minipar.autograd import Tensor
+from minipar.cost.tensor2d import linear2d_bytes, linear2d_parameters, summa_bytes
+from minipar.mesh import DeviceMesh
+from minipar.nn import FeedForward, Linear
+from minipar.parallel.tensor2d import MLP2D, Grid2D, Linear2D, block, grid_2d
+from minipar.testing import run
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def rand(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=shape)
+
+
+def sent(events: list, rank: int) -> Counter:
+    out: Counter = Counter()
+    for e in events:
+        if e.kind == "comm" and e.src == rank:
+            out[e.op] += e.nbytes
+    return out
+
+
+def layer_run(comm, c: dict) -> dict:
+    """One rank: the layer (``c["kind"]``: linear or mlp) on its blocks; outputs, gradients, bytes."""
+    grid = grid_2d(comm)
+    shape, seed = c["shape"], c["seed"]
+    if c["kind"] == "linear":
+        layer = Linear2D(c["in"], c["out"], grid, bias=c["bias"]).init_parameters(seed, "l.")
+        out_shape = (*shape[:-1], c["out"])
+    else:
+        layer = MLP2D(c["in"], c["ff"], grid).init_parameters(seed, "l.")
+        out_shape = shape
+    x = Tensor(block(rand(seed, *shape), grid), requires_grad=True)
+    with trace.record(None, comm) as rec:
+        y = layer(x)
+        mark = len(rec.events)
+        (y * block(rand(seed + 1, *out_shape), grid)).sum().backward()
+    params = {n: (p.data.size, p.grad) for n, p in layer.named_parameters()}
+    return {"ij": (grid.i, grid.j), "y": y.data, "dx": x.grad, "params": params,
+            "fwd": sent(rec.events[:mark], comm.world_rank), "bwd": sent(rec.events[mark:], comm.world_rank)}
+
+
+def reference(c: dict) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The single-process layer: output, input gradient, parameter gradients by name."""
+    shape, seed = c["shape"], c["seed"]
+    if c["kind"] == "linear":
+        layer = Linear(c["in"], c["out"], bias=c["bias"]).init_parameters(seed, "l.")
+        out_shape = (*shape[:-1], c["out"])
+    else:
+        layer = FeedForward(c["in"], c["ff"]).init_parameters(seed, "l.")
+        out_shape = shape
+    x = Tensor(rand(seed, *shape), requires_grad=True)
+    y = layer(x)
+    (y * rand(seed + 1, *out_shape)).sum().backward()
+    return y.data, x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def piece(full: np.ndarray, q: int, i: int, j: int) -> np.ndarray:
+    """Rank (i, j)'s piece, sliced by hand: a matrix's block (i, j) along its first and last axes; a
+    bias's entries [j n/q + i n/q^2, ... + n/q^2)."""
+    if full.ndim == 1:
+        m = full.size // (q * q)
+        return full[j * q * m + i * m:j * q * m + (i + 1) * m]
+    r, k = full.shape[0] // q, full.shape[-1] // q
+    return full[i * r:(i + 1) * r, ..., j * k:(j + 1) * k]
+
+
+def check(c: dict, results: list[dict], q: int) -> None:
+    y, dx, grads = reference(c)
+    for res in results:
+        i, j = res["ij"]
+        np.testing.assert_allclose(res["y"], piece(y, q, i, j), **TOL)
+        np.testing.assert_allclose(res["dx"], piece(dx, q, i, j), **TOL)
+        for name, g in grads.items():
+            size, local = res["params"][name]
+            assert size * q * q == g.size  # 1/q^2 of every parameter on every rank
+            np.testing.assert_allclose(local, piece(g, q, i, j), **TOL)
+
+
+def by_hand(rows: int, fin: int, fout: int, q: int, bias: bool) -> tuple[dict, dict]:
+    """Bytes every rank sends, from SUMMA's steps: each of the q broadcasts along a row (column) sends
+    q - 1 messages in all and every rank is the root once, so a rank sends q - 1 of its blocks; the
+    same for the backward's broadcasts and reduces (a reduce: every non-root sends once)."""
+    a, w = rows * fin // q // q * 8, fin * fout // q // q * 8
+    fwd, bwd = {"broadcast": (q - 1) * (a + w)}, {"broadcast": (q - 1) * (w + a), "reduce": (q - 1) * (a + w)}
+    if bias:
+        fwd["allgather"] = bwd["reduce_scatter"] = (q - 1) * fout // q // q * 8
+    return fwd, bwd
+
+
+def check_bytes(c: dict, results: list[dict], q: int) -> None:
+    rows = int(np.prod(c["shape"][:-1]))
+    dims = [(c["in"], c["out"], c["bias"])] if c["kind"] == "linear" else [(c["in"], c["ff"], True),
+                                                                            (c["ff"], c["in"], True)]
+    fwd, bwd = Counter(), Counter()
+    for fin, fout, bias in dims:
+        f, b = by_hand(rows, fin, fout, q, bias)
+        fwd.update(f)
+        bwd.update(b)
+    for res in results:
+        assert res["fwd"] == fwd and res["bwd"] == bwd
+        model = [linear2d_bytes(rows, fin, fout, q, *res["ij"], bias=bias) for fin, fout, bias in dims]
+        assert sum((Counter(m["forward"]) for m in model), Counter()) == fwd
+        assert sum((Counter(m["backward"]) for m in model), Counter()) == bwd
+
+
+@st.composite
+def linear_configs(draw: st.DrawFn) -> dict:
+    bias = draw(st.booleans())
+    lead = draw(st.sampled_from([(2,), (4,), (6,), (2, 3), (4, 1)]))
+    fin = 2 * draw(st.integers(1, 4))
+    fout = (4 if bias else 2) * draw(st.integers(1, 3))
+    return {"kind": "linear", "shape": (*lead, fin), "in": fin, "out": fout, "bias": bias,
+            "seed": draw(st.integers(0, 10**6))}
+
+
+@budget(8)
+@given(linear_configs())
+def test_linear2d_equals_one_process(c: dict) -> None:
+    results = run(layer_run, 4, c=c)
+    check(c, results, 2)
+    check_bytes(c, results, 2)
+    assert results[0]["params"]["weight"][0] == linear2d_parameters(c["in"], c["out"], 2, False)
+
+
+@budget(4)
+@given(st.sampled_from([(2, 4), (4, 4), (2, 1, 4)]), st.sampled_from([4, 8, 12]), st.integers(0, 10**6))
+def test_mlp2d_equals_one_process(shape: tuple, ff: int, seed: int) -> None:
+    c = {"kind": "mlp", "shape": shape, "in": shape[-1], "ff": ff, "seed": seed}
+    results = run(layer_run, 4, c=c)
+    check(c, results, 2)
+    check_bytes(c, results, 2)
+
+
+def test_q3_on_nine_ranks() -> None:
+    """q = 3: a binomial tree on 3 ranks (root sends 2, the middle rank 0 or 1 by position), still
+    (q-1) blocks per rank over the 3 roots."""
+    c = {"kind": "linear", "shape": (6, 3), "in": 3, "out": 9, "bias": True, "seed": 5}
+    results = run(layer_run, 9, c=c)
+    check(c, results, 3)
+    check_bytes(c, results, 3)
+    a, w = 2 * 1 * 8, 1 * 3 * 8
+    assert summa_bytes(a, w, 3) == {"forward": 2 * (16 + 24), "backward": 4 * (16 + 24)}
+    assert results[4]["fwd"]["broadcast"] == 80 and results[4]["bwd"]["reduce"] == 80
+
+
+def refusals(comm, world_ok: bool) -> list[tuple[str, int]]:
+    """Each bad configuration's message and the messages sent while refusing it."""
+    out = []
+
+    def attempt(fn) -> None:
+        with trace.recording(comm.rank) as rec:
+            try:
+                fn()
+                msg = "accepted"
+            except ValueError as e:
+                msg = str(e)
+        out.append((msg, sum(1 for e in rec.events if e.kind == "comm")))
+
+    if not world_ok:
+        attempt(lambda: grid_2d(comm))
+        return out
+    grid = grid_2d(comm)
+    attempt(lambda: Linear2D(3, 8, grid))
+    attempt(lambda: Linear2D(4, 6, grid))
+    attempt(lambda: block(np.zeros((3, 4)), grid))
+    layer = Linear2D(4, 8, grid)
+    attempt(lambda: layer(Tensor(np.zeros((2, 4)))))
+    attempt(lambda: Grid2D(DeviceMesh(comm, dp=4, tp=1)))
+    return out
+
+
+def test_bad_configurations_refused_before_any_message() -> None:
+    for res in run(refusals, 3, world_ok=False):
+        ((msg, n),) = res
+        assert n == 0 and "3 ranks, not a square" in msg and "launch 4 ranks" in msg
+    per_rank = run(refusals, 4, world_ok=True)
+    assert all(r == per_rank[0] for r in per_rank)  # the same on every rank
+    wants = ["in_features=3 is not a multiple of 2", "out_features=6 is not a multiple of 4",
+             "batch=3 is not a multiple of 2", "input block has 4 features", "dp = tp = q"]
+    for (msg, n), want in zip(per_rank[0], wants, strict=True):
+        assert want in msg and n == 0, msg
+
+
+@pytest.mark.mpi
+def test_linear_and_mlp_under_mpiexec() -> None:
+    for c in ({"kind": "linear", "shape": (4, 3, 6), "in": 6, "out": 8, "bias": True, "seed": 7},
+              {"kind": "mlp", "shape": (2, 4), "in": 4, "ff": 8, "seed": 3}):
+        results = run(layer_run, 4, backend="mpi", c=c)
+        check(c, results, 2)
+        check_bytes(c, results, 2)
