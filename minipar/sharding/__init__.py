@@ -1,0 +1,24 @@
+"""Global tensors with sharding annotations: one numpy array split over a ``DeviceMesh``.
+
+GSPMD (Xu et al. 2021, "GSPMD: General and Scalable Parallelization for ML Computation Graphs")
+annotates tensors with how they are split over a device mesh and lets the compiler insert the
+collectives; OneFlow (Yuan et al. 2021, "OneFlow: Redesign the Distributed Deep Learning Framework
+from Scratch") names the three placements SBP: split ``S(i)``, broadcast ``B`` and partial-sum ``P``.
+Here a tensor is given one placement per mesh axis it is laid out on, and converting between
+placements picks the collective on that axis's traced communicator.
+
+- ``placement.py``: ``Shard(dim)``, ``Replicate()``, ``Partial("sum")`` (printed ``S(0)``, ``B``, ``P``).
+- ``tensor.py``: ``GlobalTensor`` (the rank's piece, the global shape, the mesh, the axes and one
+  placement per axis), the layout checks (uneven splits are refused) and ``from_global`` /
+  ``to_global`` for tests and examples.
+- ``redistribute.py``: ``redistribute(t, placements)``: single-axis steps (all-reduce, reduce-scatter,
+  all-gather, all-to-all, local slice, local zeroing) in a documented order; ``plan`` lists them.
+- ``minipar/cost/sharding.py``: the bytes each step sends per rank, from the collective formulas.
+"""
+
+from minipar.sharding.placement import Partial, Placement, Replicate, Shard
+from minipar.sharding.redistribute import Step, plan, redistribute
+from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
+
+__all__ = ["GlobalTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "check_layout", "local_slices",
+           "plan", "redistribute"]

@@ -1,0 +1,139 @@
+"""Redistribution: from one list of placements to another, one mesh axis at a time.
+
+A single-axis step changes the placement on one axis and runs (at most) one collective on that
+axis's communicator (``mesh[axis]``, whose rank ``i`` is the mesh coordinate ``i``), on this rank's
+piece (``minipar.cost.sharding.TABLE``):
+
+- ``P -> B``: all-reduce (ring). ``P -> S(j)``: reduce-scatter of dimension ``j``.
+- ``S(i) -> B``: all-gather along ``i``. ``S(i) -> S(j)``: all-to-all (split ``j``, gather ``i``).
+- ``B -> S(j)``: keep the local slice ``j`` (no message). ``B -> P``: coordinate 0 keeps its values,
+  the others zero theirs (no message).
+- ``S(i) -> P``: two steps, all-gather to ``B`` then zero. ``P -> P``, ``B -> B``, ``S(i) -> S(i)``: nothing.
+
+Order of the steps (``plan``). With the tile order of ``tensor.py`` (an earlier axis cuts larger
+blocks), a step on axis ``k`` is a plain collective only when ``k`` is the last axis sharding the
+dimension it gathers, and the last axis sharding the dimension it splits once it has. For each
+dimension ``d`` the axes that shard it in both layouts as a common prefix (in axis order) are kept;
+then
+
+1. from the last axis to the first, every axis sharding a dimension outside that kept prefix is
+   un-sharded: by one all-to-all straight to its target ``S(j)`` when ``j`` is then sharded by its
+   kept prefix alone and this axis is the first new one of ``j``'s target list, else by an all-gather
+   to ``B``;
+2. from the first axis to the last, every axis still off its target moves there from ``B`` or ``P``
+   (slice, zeroing, all-reduce or reduce-scatter), appending new shards after the kept ones.
+
+Every step's legality is checked as it runs (a planner mistake raises ``AssertionError``). The plan
+is simple, not the cheapest: it may gather a shard that a cleverer order would keep, and reduces
+partial sums after the gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar.cost.sharding import collective
+from minipar.sharding.placement import Placement, Replicate, Shard
+from minipar.sharding.tensor import GlobalTensor, check_layout
+
+
+@dataclass(frozen=True)
+class Step:
+    """Axis ``axis`` (an index into the tensor's ``axes``) goes from ``src`` to ``dst``."""
+
+    axis: int
+    src: Placement
+    dst: Placement
+
+    @property
+    def collective(self) -> str:
+        return collective(str(self.src), str(self.dst))
+
+
+def _sharding(dim: int, placements: Sequence[Placement]) -> list[int]:
+    return [k for k, p in enumerate(placements) if p == Shard(dim)]
+
+
+def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
+    """The single-axis steps from ``src`` to ``dst`` (module docstring); validity of the placements
+    themselves is ``check_layout``'s job."""
+    cur, dst = list(src), list(dst)
+    dims = {p.dim for p in [*cur, *dst] if isinstance(p, Shard)}
+    keep: dict[int, list[int]] = {}
+    for d in dims:
+        a, b = _sharding(d, cur), _sharding(d, dst)
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        keep[d] = a[:i]
+    steps = []
+    for k in reversed(range(len(cur))):
+        p, t = cur[k], dst[k]
+        if not isinstance(p, Shard) or k in keep[p.dim]:
+            continue
+        new: Placement = Replicate()
+        if isinstance(t, Shard) and t.dim != p.dim and _sharding(t.dim, cur) == keep[t.dim]:
+            first_new = [m for m in _sharding(t.dim, dst) if m not in keep[t.dim]][0]
+            new = t if first_new == k else new
+        steps.append(Step(k, p, new))
+        cur[k] = new
+    for k in range(len(cur)):
+        if cur[k] != dst[k]:
+            steps.append(Step(k, cur[k], dst[k]))
+            cur[k] = dst[k]
+    return steps
+
+
+def _check_legal(step: Step, cur: Sequence[Placement]) -> None:
+    k = step.axis
+    if isinstance(step.src, Shard) and step.src != step.dst:
+        assert _sharding(step.src.dim, cur)[-1] == k, (step, cur)
+    if isinstance(step.dst, Shard) and step.src != step.dst:
+        assert all(m < k for m in _sharding(step.dst.dim, cur)), (step, cur)
+
+
+def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
+    """One single-axis step on this rank's piece."""
+    comm = t.mesh[t.axes[step.axis]]
+    p, c = comm.size, comm.rank
+    src, dst, how = step.src, step.dst, step.collective
+    if how == "none":
+        return local
+    if how == "allreduce":
+        return comm.allreduce(local, op="sum")
+    if how == "reduce_scatter":
+        assert isinstance(dst, Shard)
+        out = comm.reduce_scatter(np.moveaxis(local, dst.dim, 0), op="sum")
+        return np.moveaxis(out, 0, dst.dim)
+    if how == "allgather":
+        assert isinstance(src, Shard)
+        out = comm.allgather(np.moveaxis(local, src.dim, 0))
+        return np.moveaxis(out, 0, src.dim)
+    if how == "all_to_all":
+        assert isinstance(src, Shard) and isinstance(dst, Shard)
+        got = comm.all_to_all(np.stack(np.split(local, p, axis=dst.dim)))  # block j goes to coordinate j
+        return np.concatenate(list(got), axis=src.dim)  # blocks by source coordinate
+    if how == "slice":
+        assert isinstance(dst, Shard)
+        return np.split(local, p, axis=dst.dim)[c].copy()
+    if how == "zero":
+        return local if c == 0 else np.zeros_like(local)
+    raise AssertionError(f"no single step {src} -> {dst} ({how})")
+
+
+def redistribute(t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTensor:
+    """The same global tensor over the same axes with ``placements`` (one per axis). A list that does
+    not match the axes or splits a dimension unevenly raises ``ValueError`` on every rank before any
+    message."""
+    placements = tuple(placements)
+    check_layout(t.shape, t.mesh.shape, t.axes, placements)
+    local, cur = t.local, list(t.placements)
+    for step in plan(t.placements, placements):
+        _check_legal(step, cur)
+        local = _apply(local, step, t)
+        cur[step.axis] = step.dst
+    return GlobalTensor(np.ascontiguousarray(local), t.shape, t.mesh, t.axes, placements)
+

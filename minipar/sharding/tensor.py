@@ -1,0 +1,119 @@
+"""``GlobalTensor``: a numpy array of a global shape laid out over some axes of a ``DeviceMesh``.
+
+A tensor names the mesh ``axes`` its placements refer to, in order (``("dp", "tp")``), and one
+placement per axis. Each rank holds only its piece (``local``):
+
+- along a dimension ``d`` sharded by the axes ``a_1 < ... < a_m`` (in the order of ``axes``), the
+  piece is block ``((c_1 d_2 + c_2) d_3 + c_3) ...`` of ``shape[d] / (d_1 ... d_m)`` rows, ``c_i`` being
+  the rank's coordinate and ``d_i`` the degree of ``a_i``: the first axis splits into the largest
+  blocks, the next splits each of those (DTensor's and GSPMD's order of tiles);
+- along ``Partial`` axes the pieces add up to the tensor; along ``Replicate`` axes they are equal.
+
+Uneven splits are refused: a dimension that its axes' degrees do not divide raises ``ValueError``,
+as does a placement list that does not match the axes. The checks depend only on the arguments every
+rank passes alike, so every rank raises the same message before any message is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from minipar.mesh import AXES, DeviceMesh, MeshShape
+from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
+
+
+def check_layout(shape: Sequence[int], mesh: MeshShape, axes: Sequence[str], placements: Sequence[Any]) -> None:
+    """``ValueError`` unless ``placements`` give one valid placement per named mesh axis and every
+    sharded dimension divides evenly by the product of its axes' degrees."""
+    axes, placements = tuple(axes), tuple(placements)
+    bad = [a for a in axes if a not in AXES]
+    if bad or not axes:
+        raise ValueError(f"sharding: unknown mesh axes {bad or list(axes)}; name one or more of {AXES}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"sharding: axes {axes} name an axis twice; give each mesh axis once")
+    if len(placements) != len(axes):
+        raise ValueError(f"sharding: {len(placements)} placements {describe(placements)} for {len(axes)} mesh "
+                         f"axes {axes}; give one placement per axis")
+    for p in placements:
+        if not isinstance(p, Shard | Replicate | Partial):
+            raise ValueError(f"sharding: {p!r} is not a placement; use Shard(dim), Replicate() or Partial()")
+        if isinstance(p, Shard) and p.dim >= len(shape):
+            raise ValueError(f"sharding: {p} in {describe(placements)} names dimension {p.dim} but the tensor "
+                             f"of shape {tuple(shape)} has {len(shape)}")
+    degrees = mesh.degrees()
+    for d in range(len(shape)):
+        on = [a for a, p in zip(axes, placements, strict=True) if p == Shard(d)]
+        parts = int(np.prod([degrees[a] for a in on]))
+        if shape[d] % parts:
+            split = " x ".join(f"{a}={degrees[a]}" for a in on)
+            raise ValueError(f"sharding: dimension {d} of shape {tuple(shape)} is split over {split} = {parts} "
+                             f"ranks but {shape[d]} is not divisible by {parts}; uneven splits are refused "
+                             "(pad the tensor or choose a divisible size)")
+
+
+def local_slices(shape: Sequence[int], degrees: Sequence[int], coords: Sequence[int],
+                 placements: Sequence[Placement]) -> tuple[slice, ...]:
+    """The global index of the piece held at ``coords`` (one per axis, with the axes' ``degrees``)."""
+    out = []
+    for d, n in enumerate(shape):
+        index, parts = 0, 1
+        for deg, c, p in zip(degrees, coords, placements, strict=True):
+            if p == Shard(d):
+                index, parts = index * deg + c, parts * deg
+        size = n // parts
+        out.append(slice(index * size, (index + 1) * size))
+    return tuple(out)
+
+
+class GlobalTensor:
+    """This rank's piece of a tensor of global ``shape`` over ``mesh``'s ``axes`` with ``placements``
+    (one per axis). ``local`` must have the piece's shape (module docstring)."""
+
+    def __init__(self, local: np.ndarray, shape: Sequence[int], mesh: DeviceMesh, axes: Sequence[str],
+                 placements: Sequence[Placement]) -> None:
+        self.shape = tuple(int(n) for n in shape)
+        self.mesh, self.axes, self.placements = mesh, tuple(axes), tuple(placements)
+        check_layout(self.shape, mesh.shape, self.axes, self.placements)
+        want = tuple(s.stop - s.start for s in local_slices(self.shape, self.degrees, self.coords, self.placements))
+        local = np.asarray(local)
+        if local.shape != want:
+            raise ValueError(f"sharding: a piece of shape {local.shape} for a {self.shape} tensor placed "
+                             f"{describe(self.placements)} over {self.axes}; each rank's piece has shape {want}")
+        self.local = local
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(self.mesh.degree(a) for a in self.axes)
+
+    @property
+    def coords(self) -> tuple[int, ...]:
+        return tuple(self.mesh.coords[a] for a in self.axes)
+
+    @classmethod
+    def from_global(cls, array: np.ndarray, mesh: DeviceMesh, axes: Sequence[str],
+                    placements: Sequence[Placement]) -> GlobalTensor:
+        """For tests and examples: every rank passes the WHOLE array and keeps only its piece (no
+        message). Along a ``Partial`` axis coordinate 0 keeps the values and the others hold zeros."""
+        array = np.asarray(array)
+        axes, placements = tuple(axes), tuple(placements)
+        check_layout(array.shape, mesh.shape, axes, placements)
+        coords = tuple(mesh.coords[a] for a in axes)
+        degrees = tuple(mesh.degree(a) for a in axes)
+        piece = array[local_slices(array.shape, degrees, coords, placements)].copy()
+        if any(isinstance(p, Partial) and c != 0 for p, c in zip(placements, coords, strict=True)):
+            piece = np.zeros_like(piece)
+        return cls(piece, array.shape, mesh, axes, placements)
+
+    def to_global(self) -> np.ndarray:
+        """The whole tensor on every rank, by redistributing to ``Replicate()`` on every axis (traced
+        collectives; for tests and examples)."""
+        from minipar.sharding.redistribute import redistribute
+
+        return redistribute(self, [Replicate()] * len(self.axes)).local
+
+    def __repr__(self) -> str:
+        return (f"GlobalTensor(shape={self.shape}, axes={self.axes}, placements={describe(self.placements)}, "
+                f"local shape={self.local.shape})")

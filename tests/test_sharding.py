@@ -1,0 +1,254 @@
+"""Global tensors: redistribution between every pair of placements equals numpy, round-trips exactly,
+and sends the bytes ``minipar.cost.sharding`` predicts.
+
+Property: for drawn shapes (every dimension divisible by the degrees), on 1-D meshes (2 and 4 ranks)
+and 2-D meshes (dp x tp = 2 x 2, with the axes in either order), for every pair of placement lists
+A, B: the pieces after ``redistribute(A -> B)`` are the numpy slices of the original (replicas equal,
+partial pieces summing to it), ``to_global`` is the original, ``B -> A`` gives back A's pieces exactly
+(A without ``Partial``; with it, pieces that still sum to the original), and every rank's bytes on each
+axis, read from the trace, equal the formulas: on 1-D meshes from a table written here by hand in
+terms of the global bytes ``N``, on 2-D meshes ``cost.sharding.redistribute_bytes`` over ``plan``'s
+steps, plus hand-computed 2-D cases. Values are small integers in float64, so every sum is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import budget
+
+from minipar import trace
+from minipar.comm import launch
+from minipar.cost.sharding import redistribute_bytes
+from minipar.mesh import DeviceMesh, MeshShape
+from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, plan, redistribute
+from minipar.testing import run_each
+
+MESHES = {"tp2": ({"tp": 2}, ("tp",)), "tp4": ({"tp": 4}, ("tp",)),
+          "dp2xtp2": ({"dp": 2, "tp": 2}, ("dp", "tp")), "tp2xdp2": ({"dp": 2, "tp": 2}, ("tp", "dp"))}
+
+
+def placement_lists(ndim: int, n_axes: int) -> list[tuple]:
+    one = [Shard(d) for d in range(ndim)] + [Replicate(), Partial()]
+    return list(itertools.product(one, repeat=n_axes))
+
+
+def original(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-8, 9, size=shape).astype(np.float64)
+
+
+def piece_of(x: np.ndarray, degrees, coords, placements, seed: int) -> np.ndarray:
+    """The piece at ``coords``, by nested splitting (the first axis cuts first); along Partial axes
+    random integer addends, the last combination of coordinates taking the remainder."""
+    for deg, c, p in zip(degrees, coords, placements, strict=True):
+        if isinstance(p, Shard):
+            x = np.split(x, deg, axis=p.dim)[c]
+    partial = [k for k, p in enumerate(placements) if isinstance(p, Partial)]
+    if not partial:
+        return x.copy()
+    combos = list(itertools.product(*[range(degrees[k]) for k in partial]))
+    addends = [np.random.default_rng([seed, i]).integers(-5, 6, size=x.shape).astype(np.float64)
+               for i in range(len(combos) - 1)]
+    i = combos.index(tuple(coords[k] for k in partial))
+    return addends[i] if i < len(addends) else x - sum(addends, np.zeros_like(x))
+
+
+def sent_by_axis(events, mesh: DeviceMesh) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in events:
+        if e.kind == "comm" and e.src == mesh.rank:
+            ax = mesh.shape.axis_of(e.src, e.dst)
+            out[ax] = out.get(ax, 0) + e.nbytes
+    return out
+
+
+def run_pairs(comm, mesh_kw: dict, axes: tuple, shape: tuple, seed: int, pairs: list[int] | None = None) -> list:
+    mesh = DeviceMesh(comm, **mesh_kw)
+    x = original(shape, seed)
+    degrees, coords = [mesh.degree(a) for a in axes], [mesh.coords[a] for a in axes]
+    lists = placement_lists(len(shape), len(axes))
+    every = list(itertools.product(lists, repeat=2))
+    out = []
+    for i in pairs if pairs is not None else range(len(every)):
+        a, b = every[i]
+        t = GlobalTensor(piece_of(x, degrees, coords, a, seed), shape, mesh, axes, a)
+        with trace.recording(comm.world_rank) as rec:
+            u = redistribute(t, b)
+        back = redistribute(u, a)
+        out.append({"a": a, "b": b, "src": t.local, "dst": u.local, "back": back.local,
+                    "global": u.to_global(), "sent": sent_by_axis(rec.events, mesh)})
+    return out
+
+
+def assemble(pieces: list[np.ndarray], shape, placements, axes, mesh_shape: MeshShape) -> np.ndarray:
+    """The global array from every rank's piece: replicas equal, partial pieces summed, shards placed."""
+    full = np.zeros(shape)
+    degrees = [mesh_shape.degrees()[a] for a in axes]
+    for r, piece in enumerate(pieces):
+        mine = mesh_shape.coords(r)
+        coords = [mine[a] for a in axes]
+        if any(isinstance(p, Replicate) and c for p, c in zip(placements, coords, strict=True)):
+            first = dict(mine, **{a: 0 for a, p in zip(axes, placements, strict=True) if isinstance(p, Replicate)})
+            assert np.array_equal(piece, pieces[mesh_shape.rank_of(**first)]), (r, placements)
+            continue
+        index = np.arange(full.size).reshape(shape)
+        for deg, c, p in zip(degrees, coords, placements, strict=True):
+            if isinstance(p, Shard):
+                index = np.split(index, deg, axis=p.dim)[c]
+        full.reshape(-1)[index.reshape(-1)] += piece.reshape(-1)
+    return full
+
+
+def hand_bytes_1d(a, b, n_global: int, p: int) -> int:
+    """One rank's bytes for A -> B on one axis of degree p, by hand (N = the global tensor's bytes)."""
+    ka, kb = str(a)[0], str(b)[0]
+    if a == b or ka == "B":
+        return 0
+    if (ka, kb) == ("P", "B"):
+        return 2 * (p - 1) * n_global // p
+    if ka == "P" or kb in ("B", "P"):  # reduce-scatter; all-gather (S -> P too)
+        return (p - 1) * n_global // p
+    return (p - 1) * n_global // p // p  # all-to-all of a piece of N/p
+
+
+def check_pairs(results_by_rank: list[list[dict]], mesh_kw: dict, axes: tuple, shape: tuple, seed: int) -> None:
+    mesh_shape = MeshShape(**mesh_kw)
+    x = original(shape, seed)
+    for i in range(len(results_by_rank[0])):
+        rows = [res[i] for res in results_by_rank]
+        a, b = rows[0]["a"], rows[0]["b"]
+        what = f"{[str(p) for p in a]} -> {[str(p) for p in b]}"
+        assert np.array_equal(assemble([r["dst"] for r in rows], shape, b, axes, mesh_shape), x), what
+        assert np.array_equal(assemble([r["back"] for r in rows], shape, a, axes, mesh_shape), x), what
+        if not any(isinstance(p, Partial) for p in a):
+            assert all(np.array_equal(r["back"], r["src"]) for r in rows), what
+        assert all(np.array_equal(r["global"], x) for r in rows), what
+        steps = [(s.axis, str(s.src), str(s.dst)) for s in plan(a, b)]
+        for rank, row in enumerate(rows):
+            coords = [mesh_shape.coords(rank)[ax] for ax in axes]
+            degrees = [mesh_shape.degrees()[ax] for ax in axes]
+            if len(axes) == 1:
+                want = {axes[0]: hand_bytes_1d(a[0], b[0], x.nbytes, degrees[0])}
+            else:
+                want = dict(zip(axes, redistribute_bytes(shape, 8, degrees, coords, [str(p) for p in a], steps),
+                                strict=True))
+            assert row["sent"] == {k: v for k, v in want.items() if v}, (what, rank)
+
+
+def dims(max_dims: int) -> st.SearchStrategy:
+    return st.lists(st.sampled_from([4, 8]), min_size=1, max_size=max_dims).map(tuple)
+
+
+def every_pair_threads(mesh: str, shape: tuple, seed: int) -> None:
+    kw, axes = MESHES[mesh]
+    check_pairs(launch(run_pairs, MeshShape(**kw).size, "threads", kw, axes, shape, seed), kw, axes, shape, seed)
+
+
+@budget(4)
+@given(mesh=st.sampled_from(["tp2", "tp4"]), shape=dims(3), seed=st.integers(0, 10**6))
+@example(mesh="tp4", shape=(4, 8), seed=1)
+def test_every_pair_on_1d_meshes_threads(mesh: str, shape: tuple, seed: int) -> None:
+    every_pair_threads(mesh, shape, seed)
+
+
+@budget(3)
+@given(mesh=st.sampled_from(["dp2xtp2", "tp2xdp2"]), shape=dims(2), seed=st.integers(0, 10**6))
+@example(mesh="dp2xtp2", shape=(4, 8), seed=2)
+def test_every_pair_on_2d_meshes_threads(mesh: str, shape: tuple, seed: int) -> None:
+    every_pair_threads(mesh, shape, seed)
+
+
+# ---- 2-D cases by hand: dp x tp = 2 x 2, axes (dp, tp), a (4, 8) float64 tensor of N = 256 bytes ----------
+HAND_2D = [
+    ((Partial(), Partial()), (Replicate(), Replicate()), {"dp": 256, "tp": 256}),  # two all-reduces of N
+    # tp gathers quarters (64 of 64-byte pieces sent), dp then gathers halves (128), tp slices again
+    ((Shard(0), Shard(0)), (Replicate(), Shard(0)), {"dp": 128, "tp": 64}),
+    # tp gathers its quarter of columns (64), dp swaps rows for columns on halves (all-to-all: 128/2)
+    ((Shard(0), Shard(1)), (Shard(1), Shard(0)), {"dp": 64, "tp": 64}),
+    # tp gathers column halves (128), dp reduce-scatters the whole (256/2)
+    ((Partial(), Shard(1)), (Shard(0), Replicate()), {"dp": 128, "tp": 128}),
+    ((Replicate(), Replicate()), (Shard(1), Partial()), {}),  # slice and zero: no message
+]
+
+
+def run_hand(comm, a: tuple, b: tuple) -> tuple[dict, np.ndarray]:
+    mesh = DeviceMesh(comm, dp=2, tp=2)
+    x = original((4, 8), 5)
+    t = GlobalTensor(piece_of(x, [2, 2], [mesh.coords["dp"], mesh.coords["tp"]], a, 5), x.shape, mesh, ("dp", "tp"), a)
+    with trace.recording(comm.world_rank) as rec:
+        u = redistribute(t, b)
+    return sent_by_axis(rec.events, mesh), u.to_global()
+
+
+@pytest.mark.parametrize(("a", "b", "want"), HAND_2D, ids=[f"{[str(p) for p in a]}->{[str(p) for p in b]}"
+                                                            for a, b, _ in HAND_2D])
+def test_2d_bytes_by_hand(a: tuple, b: tuple, want: dict) -> None:
+    for rank, (sent, full) in enumerate(launch(run_hand, 4, "threads", a, b)):
+        assert sent == want, rank
+        assert np.array_equal(full, original((4, 8), 5))
+
+
+# ---- bad annotations: the same message on every rank, before any message -------------------------------
+BAD = [
+    (lambda m: GlobalTensor.from_global(np.ones((6, 4)), m, ("dp", "tp"), [Shard(0), Shard(0)]),
+     "dimension 0 of shape (6, 4) is split over dp=2 x tp=2 = 4 ranks but 6 is not divisible by 4"),
+    (lambda m: GlobalTensor.from_global(np.ones((4, 3)), m, ("tp",), [Shard(1)]), "3 is not divisible by 2"),
+    (lambda m: redistribute(GlobalTensor.from_global(np.ones((4, 4)), m, ("dp", "tp"), [Replicate()] * 2),
+                            [Shard(0)]), "1 placements [S(0)] for 2 mesh axes ('dp', 'tp')"),
+    (lambda m: redistribute(GlobalTensor.from_global(np.ones((2, 4)), m, ("dp", "tp"), [Partial(), Replicate()]),
+                            [Shard(0), Shard(0)]), "2 is not divisible by 4"),
+    (lambda m: GlobalTensor.from_global(np.ones(4), m, ("dp", "dp"), [Replicate()] * 2), "name an axis twice"),
+    (lambda m: GlobalTensor.from_global(np.ones(4), m, ("xp",), [Replicate()]), "unknown mesh axes ['xp']"),
+    (lambda m: GlobalTensor.from_global(np.ones(4), m, ("dp",), [Shard(1)]), "names dimension 1"),
+    (lambda m: GlobalTensor.from_global(np.ones(4), m, ("dp",), ["S(0)"]), "'S(0)' is not a placement"),
+]
+
+
+def run_bad(comm, i: int) -> tuple[str, int]:
+    mesh = DeviceMesh(comm, dp=2, tp=2)
+    with trace.recording(comm.world_rank) as rec:
+        try:
+            BAD[i][0](mesh)
+            msg = "no error"
+        except ValueError as exc:
+            msg = str(exc)
+    return msg, sum(e.kind == "comm" for e in rec.events)
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[n[:30] for _, n in BAD])
+def test_bad_annotations_refused_on_every_rank(i: int) -> None:
+    out = launch(run_bad, 4, "threads", i)
+    assert BAD[i][1] in out[0][0], out[0][0]
+    assert all(o == (out[0][0], 0) for o in out)
+
+
+def test_placement_names() -> None:
+    assert [str(p) for p in (Shard(0), Shard(2), Replicate(), Partial())] == ["S(0)", "S(2)", "B", "P"]
+    with pytest.raises(ValueError, match="only op='sum'"):
+        Partial("max")
+
+
+# ---- the same property under mpiexec: several drawn cases in one job ----------------------------------------
+@st.composite
+def mpi_cases(draw: st.DrawFn) -> dict:
+    mesh = draw(st.sampled_from(["dp2xtp2", "tp2xdp2", "tp4"]))
+    kw, axes = MESHES[mesh]
+    shape = draw(dims(2))
+    n = len(placement_lists(len(shape), len(axes))) ** 2
+    pairs = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=6, unique=True))
+    return {"mesh_kw": kw, "axes": axes, "shape": shape, "seed": draw(st.integers(0, 10**6)), "pairs": pairs}
+
+
+@pytest.mark.mpi
+@budget(1)
+@given(drawn=st.lists(mpi_cases(), min_size=1, max_size=3))
+def test_drawn_pairs_mpiexec(drawn: list[dict]) -> None:
+    fixed = {"mesh_kw": {"dp": 2, "tp": 2}, "axes": ("dp", "tp"), "shape": (4, 8), "seed": 7,
+             "pairs": [0, 37, 100, 255]}
+    cases = [fixed, *drawn]
+    for c, results in zip(cases, run_each(run_pairs, 4, cases, timeout=240, comm_timeout=60), strict=True):
+        check_pairs(results, c["mesh_kw"], c["axes"], c["shape"], c["seed"])
