@@ -66,6 +66,17 @@ def sent_by_axis(events, mesh: DeviceMesh) -> dict[str, int]:
     return out
 
 
+def collectives_run(events, mesh: DeviceMesh) -> list[tuple[str, str]]:
+    """``(axis, collective)`` of this rank's sent messages in order, repeats of one collective merged."""
+    out: list[tuple[str, str]] = []
+    for e in events:
+        if e.kind == "comm" and e.src == mesh.rank:
+            here = (mesh.shape.axis_of(e.src, e.dst), e.op)
+            if not out or out[-1] != here:
+                out.append(here)
+    return out
+
+
 def run_pairs(comm, mesh_kw: dict, axes: tuple, shape: tuple, seed: int, pairs: list[int] | None = None) -> list:
     mesh = DeviceMesh(comm, **mesh_kw)
     x = original(shape, seed)
@@ -80,7 +91,8 @@ def run_pairs(comm, mesh_kw: dict, axes: tuple, shape: tuple, seed: int, pairs: 
             u = redistribute(t, b)
         back = redistribute(u, a)
         out.append({"a": a, "b": b, "src": t.local, "dst": u.local, "back": back.local,
-                    "global": u.to_global(), "sent": sent_by_axis(rec.events, mesh)})
+                    "global": u.to_global(), "sent": sent_by_axis(rec.events, mesh),
+                    "ops": collectives_run(rec.events, mesh)})
     return out
 
 
@@ -115,6 +127,16 @@ def hand_bytes_1d(a, b, n_global: int, p: int) -> int:
     return (p - 1) * n_global // p // p  # all-to-all of a piece of N/p
 
 
+def hand_collective_1d(a, b) -> list[str]:
+    """The collective of A -> B on one axis, by hand (OneFlow's table)."""
+    ka, kb = str(a)[0], str(b)[0]
+    if a == b or ka == "B":
+        return []
+    if ka == "P":
+        return ["allreduce" if kb == "B" else "reduce_scatter"]
+    return ["all_to_all" if kb == "S" else "allgather"]
+
+
 def check_pairs(results_by_rank: list[list[dict]], mesh_kw: dict, axes: tuple, shape: tuple, seed: int) -> None:
     mesh_shape = MeshShape(**mesh_kw)
     x = original(shape, seed)
@@ -133,7 +155,10 @@ def check_pairs(results_by_rank: list[list[dict]], mesh_kw: dict, axes: tuple, s
             degrees = [mesh_shape.degrees()[ax] for ax in axes]
             if len(axes) == 1:
                 want = {axes[0]: hand_bytes_1d(a[0], b[0], x.nbytes, degrees[0])}
+                assert row["ops"] == [(axes[0], op) for op in hand_collective_1d(a[0], b[0])], (what, rank)
             else:
+                ops = [(axes[s.axis], s.collective) for s in plan(a, b) if s.collective not in ("slice", "zero")]
+                assert row["ops"] == ops, (what, rank)
                 want = dict(zip(axes, redistribute_bytes(shape, 8, degrees, coords, [str(p) for p in a], steps),
                                 strict=True))
             assert row["sent"] == {k: v for k, v in want.items() if v}, (what, rank)
