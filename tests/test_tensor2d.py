@@ -1,8 +1,8 @@
 """2-D tensor parallelism (Optimus / SUMMA) equals one process; its bytes and memory per rank.
 
-On 4 ranks (q = 2; one q = 3 example on 9): ``Linear2D`` and ``MLP2D`` give the outputs and the
-input, weight and bias gradients of ``nn.Linear`` / ``nn.FeedForward`` on the whole arrays, block by
-block; each rank's bytes in the trace equal the SUMMA count worked out by hand here (forward: a
+On 4 ranks (q = 2; one q = 3 example on 9): ``Linear2D``, ``MLP2D`` and ``Block2D`` give the outputs
+and the input and parameter gradients of ``nn.Linear`` / ``nn.FeedForward`` / ``nn.Block`` on the
+whole arrays, block by block; each rank's bytes in the trace equal the SUMMA count worked out by hand here (forward: a
 broadcast of the input block and one of the weight block per rank; backward: the same again plus
 one reduce of each) and ``minipar.cost.tensor2d``; each rank holds ``1/q^2`` of every parameter.
 Bad configurations are refused on every rank before any message.
@@ -20,10 +20,10 @@ from strategies import budget
 
 from minipar import trace
 from minipar.autograd import Tensor
-from minipar.cost.tensor2d import linear2d_bytes, linear2d_parameters, summa_bytes
+from minipar.cost.tensor2d import block2d_bytes, linear2d_bytes, linear2d_parameters, summa_bytes
 from minipar.mesh import DeviceMesh
-from minipar.nn import FeedForward, Linear
-from minipar.parallel.tensor2d import MLP2D, Grid2D, Linear2D, block, grid_2d
+from minipar.nn import Block, FeedForward, Linear
+from minipar.parallel.tensor2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
 from minipar.testing import run
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -41,16 +41,26 @@ def sent(events: list, rank: int) -> Counter:
     return out
 
 
+def randomise(layer, seed: int) -> None:
+    """Every parameter set to its slice of a random whole (layer norms are not left at ones and zeros)."""
+    for name, p in layer.named_parameters():
+        full = np.random.default_rng([seed, len(name), *name.encode()]).normal(size=p.full_shape)
+        p.data[...] = full[p.shard] if p.shard is not None else full
+
+
 def layer_run(comm, c: dict) -> dict:
-    """One rank: the layer (``c["kind"]``: linear or mlp) on its blocks; outputs, gradients, bytes."""
+    """One rank: the layer (``c["kind"]``: linear, mlp or block) on its blocks; outputs, gradients, bytes."""
     grid = grid_2d(comm)
     shape, seed = c["shape"], c["seed"]
+    out_shape = shape
     if c["kind"] == "linear":
         layer = Linear2D(c["in"], c["out"], grid, bias=c["bias"]).init_parameters(seed, "l.")
         out_shape = (*shape[:-1], c["out"])
-    else:
+    elif c["kind"] == "mlp":
         layer = MLP2D(c["in"], c["ff"], grid).init_parameters(seed, "l.")
-        out_shape = shape
+    else:
+        layer = Block2D(c["in"], c["heads"], grid, c["ff"])
+        randomise(layer, seed)
     x = Tensor(block(rand(seed, *shape), grid), requires_grad=True)
     with trace.record(None, comm) as rec:
         y = layer(x)
@@ -64,12 +74,15 @@ def layer_run(comm, c: dict) -> dict:
 def reference(c: dict) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """The single-process layer: output, input gradient, parameter gradients by name."""
     shape, seed = c["shape"], c["seed"]
+    out_shape = shape
     if c["kind"] == "linear":
         layer = Linear(c["in"], c["out"], bias=c["bias"]).init_parameters(seed, "l.")
         out_shape = (*shape[:-1], c["out"])
-    else:
+    elif c["kind"] == "mlp":
         layer = FeedForward(c["in"], c["ff"]).init_parameters(seed, "l.")
-        out_shape = shape
+    else:
+        layer = Block(c["in"], c["heads"], c["ff"])
+        randomise(layer, seed)
     x = Tensor(rand(seed, *shape), requires_grad=True)
     y = layer(x)
     (y * rand(seed + 1, *out_shape)).sum().backward()
@@ -203,10 +216,33 @@ def test_bad_configurations_refused_before_any_message() -> None:
         assert want in msg and n == 0, msg
 
 
+@budget(4)
+@given(st.sampled_from([(2, 1), (2, 3), (4, 2)]), st.sampled_from([(4, 2), (8, 2), (8, 4)]), st.sampled_from([4, 8]),
+       st.integers(0, 10**6))
+def test_block2d_equals_one_process(bs: tuple, dh: tuple, ff: int, seed: int) -> None:
+    (b, s), (d, heads) = bs, dh
+    c = {"kind": "block", "shape": (b, s, d), "in": d, "heads": heads, "ff": ff, "seed": seed}
+    results = run(layer_run, 4, c=c)
+    check(c, results, 2)
+    rl = b * s // 2  # local rows; a ring all-reduce on 2 ranks sends each rank's whole array once
+    fwd, bwd = Counter(), Counter()
+    for fin, fout in [(d, d)] * 4 + [(d, ff), (ff, d)]:
+        f, g = by_hand(b * s, fin, fout, 2, True)
+        fwd.update(f)
+        bwd.update(g)
+    fwd.update({"allreduce": 2 * 2 * rl * 8, "allgather": 2 * 2 * d // 4 * 8})  # 2 layer norms: mean, var
+    bwd.update({"allreduce": 2 * 4 * rl * 8, "reduce_scatter": 2 * 2 * d // 4 * 8})  # again + 2 sums
+    for res in results:
+        assert res["fwd"] == fwd and res["bwd"] == bwd
+        assert block2d_bytes(b * s, d, ff, 2, *res["ij"]) == {"forward": fwd, "backward": bwd}
+
+
 @pytest.mark.mpi
 def test_linear_and_mlp_under_mpiexec() -> None:
     for c in ({"kind": "linear", "shape": (4, 3, 6), "in": 6, "out": 8, "bias": True, "seed": 7},
-              {"kind": "mlp", "shape": (2, 4), "in": 4, "ff": 8, "seed": 3}):
+              {"kind": "mlp", "shape": (2, 4), "in": 4, "ff": 8, "seed": 3},
+              {"kind": "block", "shape": (2, 3, 8), "in": 8, "heads": 4, "ff": 8, "seed": 1}):
         results = run(layer_run, 4, backend="mpi", c=c)
         check(c, results, 2)
-        check_bytes(c, results, 2)
+        if c["kind"] != "block":
+            check_bytes(c, results, 2)

@@ -23,11 +23,19 @@ number, ``3(q-1)(b in + in out)/q^2 s`` for the products (Optimus' communication
 the weight per rank where Megatron's all-reduce of ``b x in`` is ``2(t-1)/t`` of the activation)
 plus ``2(q-1) out/q^2 s`` for the bias. ``linear2d_bytes`` gives each rank's bytes by collective
 from the per-root definitions above, ``summa_bytes`` the closed forms.
+
+A layer norm on the grid (``LayerNorm2D``) all-reduces along the grid row one number per local row
+for the mean and one for the variance (ring, ``collectives.allreduce_bytes``); backward recomputes
+both and all-reduces two more; its gain and shift move like a bias. ``block2d_bytes`` adds up a
+transformer block: two layer norms and six ``Linear2D`` (q, k, v, proj, fc, proj); attention, GELU
+and the residual adds are local.
 """
 
 from __future__ import annotations
 
-from minipar.cost.collectives import tree_broadcast_bytes
+from collections import Counter
+
+from minipar.cost.collectives import allreduce_bytes, tree_broadcast_bytes
 
 
 def tree_reduce_bytes(nbytes: int, p: int, rank: int, root: int = 0) -> int:
@@ -66,3 +74,22 @@ def linear2d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
 def linear2d_parameters(in_features: int, out_features: int, q: int, bias: bool = True) -> int:
     """Numbers of a ``Linear2D`` held per rank: ``(in out + out) / q^2`` (``in out / q^2`` without bias)."""
     return (in_features * out_features + (out_features if bias else 0)) // (q * q)
+
+
+def layernorm2d_bytes(batch_rows: int, d: int, q: int, row: int, col: int, itemsize: int = 8) -> dict[str, Counter]:
+    """Bytes rank ``(row, col)`` sends in one ``LayerNorm2D`` forward and backward, by collective."""
+    local = batch_rows // q
+    stat = allreduce_bytes(local, itemsize, q, col, "ring")
+    piece = (q - 1) * (d // (q * q)) * itemsize
+    return {"forward": Counter({"allreduce": 2 * stat, "allgather": 2 * piece}),
+            "backward": Counter({"allreduce": 2 * stat + allreduce_bytes(2 * local, itemsize, q, col, "ring"),
+                                 "reduce_scatter": 2 * piece})}
+
+
+def block2d_bytes(batch_rows: int, d: int, d_ff: int, q: int, row: int, col: int,
+                  itemsize: int = 8) -> dict[str, Counter]:
+    """Bytes rank ``(row, col)`` sends in one ``Block2D`` forward and backward, by collective."""
+    parts = [layernorm2d_bytes(batch_rows, d, q, row, col, itemsize)] * 2
+    parts += [linear2d_bytes(batch_rows, fin, fout, q, row, col, itemsize)
+              for fin, fout in [(d, d)] * 4 + [(d, d_ff), (d_ff, d)]]
+    return {phase: sum((Counter(p[phase]) for p in parts), Counter()) for phase in ("forward", "backward")}

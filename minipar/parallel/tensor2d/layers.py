@@ -33,11 +33,13 @@ from minipar.parallel.tensor2d.summa import Grid2D, Summa
 GATHER = "ring"  # the bias's all-gather and reduce-scatter (comm/ring.py)
 
 
-def _grid(mesh: DeviceMesh | Grid2D) -> Grid2D:
+def as_grid(mesh: DeviceMesh | Grid2D) -> Grid2D:
+    """The grid of a ``DeviceMesh(comm, dp=q, tp=q)`` (a ``Grid2D`` passes through)."""
     return mesh if isinstance(mesh, Grid2D) else Grid2D(mesh)
 
 
-def _divisible(n: int, by: int, what: str, fix: str) -> None:
+def check_divisible(n: int, by: int, what: str, fix: str) -> None:
+    """``ValueError`` naming ``what`` and the ``fix`` unless ``by`` divides ``n`` (no message is sent)."""
     if n % by:
         raise ValueError(f"2-D tensor parallelism: {what}={n} is not a multiple of {by}; {fix}")
 
@@ -46,10 +48,18 @@ def block(x: np.ndarray, grid: Grid2D) -> np.ndarray:
     """Rank ``(i, j)``'s block of a whole activation: batch rows (axis 0) block ``i``, features (last
     axis) block ``j``. Refuses (before any message) a batch or width not divisible by ``q``."""
     q = grid.q
-    _divisible(x.shape[0], q, "batch", f"choose the batch as a multiple of q={q}")
-    _divisible(x.shape[-1], q, "features", f"choose the width as a multiple of q={q}")
+    check_divisible(x.shape[0], q, "batch", f"choose the batch as a multiple of q={q}")
+    check_divisible(x.shape[-1], q, "features", f"choose the width as a multiple of q={q}")
     r, c = x.shape[0] // q, x.shape[-1] // q
     return np.ascontiguousarray(x[grid.i * r:(grid.i + 1) * r, ..., grid.j * c:(grid.j + 1) * c])
+
+
+def vector_piece(n: int, grid: Grid2D, init: tuple, dtype: Any) -> Parameter:
+    """Rank ``(i, j)``'s ``1/q^2`` piece of a length-``n`` vector that grid column ``j`` uses as its
+    block ``[j n/q, (j+1) n/q)``: entries ``[j n/q + i n/q^2, ...)`` (a bias, a layer norm's gain)."""
+    m = n // (grid.q * grid.q)
+    lo = grid.j * grid.q * m + grid.i * m
+    return Parameter((m,), init, dtype, full_shape=(n,), shard=(slice(lo, lo + m),))
 
 
 class AddBias2D(Function):
@@ -77,24 +87,18 @@ class Linear2D(Module):
 
     def __init__(self, in_features: int, out_features: int, mesh: DeviceMesh | Grid2D, bias: bool = True,
                  dtype: Any = np.float64) -> None:
-        grid = _grid(mesh)
+        grid = as_grid(mesh)
         q, i, j = grid.q, grid.i, grid.j
-        _divisible(in_features, q, "in_features", f"choose it as a multiple of q={q}")
+        check_divisible(in_features, q, "in_features", f"choose it as a multiple of q={q}")
         why = "; the bias is split q^2 ways" if bias else ""
-        _divisible(out_features, q * q if bias else q, "out_features",
+        check_divisible(out_features, q * q if bias else q, "out_features",
                    f"choose it as a multiple of {q * q if bias else q} (q={q}{why})")
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
         k, n = in_features // q, out_features // q
         bound = 1.0 / np.sqrt(in_features)  # the full fan-in, as nn.Linear
         self.weight = Parameter((k, n), ("uniform", bound), dtype, full_shape=(in_features, out_features),
                                 shard=(slice(i * k, (i + 1) * k), slice(j * n, (j + 1) * n)))
-        if bias:
-            m = n // q
-            lo = j * n + i * m
-            self.bias = Parameter((m,), ("uniform", bound), dtype, full_shape=(out_features,),
-                                  shard=(slice(lo, lo + m),))
-        else:
-            self.bias = None
+        self.bias = vector_piece(out_features, grid, ("uniform", bound), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         k = self.in_features // self.grid.q
@@ -110,7 +114,7 @@ class MLP2D(Module):
     linears; the hidden activation stays split on the grid (GELU works on the local block)."""
 
     def __init__(self, d_model: int, d_ff: int, mesh: DeviceMesh | Grid2D, dtype: Any = np.float64) -> None:
-        grid = _grid(mesh)
+        grid = as_grid(mesh)
         self.fc = Linear2D(d_model, d_ff, grid, dtype=dtype)
         self.proj = Linear2D(d_ff, d_model, grid, dtype=dtype)
 
