@@ -8,7 +8,8 @@ partial pieces summing to it), ``to_global`` is the original, ``B -> A`` gives b
 (A without ``Partial``; with it, pieces that still sum to the original), and every rank's bytes on each
 axis, read from the trace, equal the formulas: on 1-D meshes from a table written here by hand in
 terms of the global bytes ``N``, on 2-D meshes ``cost.sharding.redistribute_bytes`` over ``plan``'s
-steps, plus hand-computed 2-D cases. Values are small integers in float64, so every sum is exact.
+steps, plus hand-computed 2-D cases. Drawn pairs also cover 3-D tensors on 2-D meshes and a 2 x 2 x 2
+mesh (three axes sharding one dimension). Values are small integers in float64, so every sum is exact.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, plan, redi
 from minipar.testing import run_each
 
 MESHES = {"tp2": ({"tp": 2}, ("tp",)), "tp4": ({"tp": 4}, ("tp",)),
-          "dp2xtp2": ({"dp": 2, "tp": 2}, ("dp", "tp")), "tp2xdp2": ({"dp": 2, "tp": 2}, ("tp", "dp"))}
+          "dp2xtp2": ({"dp": 2, "tp": 2}, ("dp", "tp")), "tp2xdp2": ({"dp": 2, "tp": 2}, ("tp", "dp")),
+          "pp2xdp2xtp2": ({"pp": 2, "dp": 2, "tp": 2}, ("pp", "dp", "tp")),
+          "tp2xpp2xdp2": ({"pp": 2, "dp": 2, "tp": 2}, ("tp", "pp", "dp"))}
 
 
 def placement_lists(ndim: int, n_axes: int) -> list[tuple]:
@@ -187,6 +190,27 @@ def test_every_pair_on_2d_meshes_threads(mesh: str, shape: tuple, seed: int) -> 
     every_pair_threads(mesh, shape, seed)
 
 
+
+@st.composite
+def drawn_pairs(draw: st.DrawFn, meshes: list[str], sides: list[int], max_dims: int, most: int) -> dict:
+    """A mesh, a shape and a few pair indices among its placement lists' pairs."""
+    mesh = draw(st.sampled_from(meshes))
+    kw, axes = MESHES[mesh]
+    shape = draw(st.lists(st.sampled_from(sides), min_size=1, max_size=max_dims).map(tuple))
+    n = len(placement_lists(len(shape), len(axes))) ** 2
+    pairs = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=most, unique=True))
+    return {"mesh_kw": kw, "axes": axes, "shape": shape, "seed": draw(st.integers(0, 10**6)), "pairs": pairs}
+
+
+@budget(3)
+@given(c=drawn_pairs(["dp2xtp2", "tp2xdp2"], [4], 3, 30) | drawn_pairs(["pp2xdp2xtp2", "tp2xpp2xdp2"], [8], 3, 12))
+def test_drawn_pairs_3d_tensors_and_3d_meshes_threads(c: dict) -> None:
+    """Beyond every pair: 3-D tensors on 2-D meshes and a 2 x 2 x 2 mesh (three axes may shard one dimension)."""
+    results = launch(run_pairs, MeshShape(**c["mesh_kw"]).size, "threads", c["mesh_kw"], c["axes"], c["shape"],
+                     c["seed"], c["pairs"])
+    check_pairs(results, c["mesh_kw"], c["axes"], c["shape"], c["seed"])
+
+
 # ---- 2-D cases by hand: dp x tp = 2 x 2, axes (dp, tp), a (4, 8) float64 tensor of N = 256 bytes ----------
 HAND_2D = [
     ((Partial(), Partial()), (Replicate(), Replicate()), {"dp": 256, "tp": 256}),  # two all-reduces of N
@@ -258,19 +282,9 @@ def test_placement_names() -> None:
 
 
 # ---- the same property under mpiexec: several drawn cases in one job ----------------------------------------
-@st.composite
-def mpi_cases(draw: st.DrawFn) -> dict:
-    mesh = draw(st.sampled_from(["dp2xtp2", "tp2xdp2", "tp4"]))
-    kw, axes = MESHES[mesh]
-    shape = draw(dims(2))
-    n = len(placement_lists(len(shape), len(axes))) ** 2
-    pairs = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=6, unique=True))
-    return {"mesh_kw": kw, "axes": axes, "shape": shape, "seed": draw(st.integers(0, 10**6)), "pairs": pairs}
-
-
 @pytest.mark.mpi
 @budget(1)
-@given(drawn=st.lists(mpi_cases(), min_size=1, max_size=3))
+@given(drawn=st.lists(drawn_pairs(["dp2xtp2", "tp2xdp2", "tp4"], [4, 8], 2, 6), min_size=1, max_size=3))
 def test_drawn_pairs_mpiexec(drawn: list[dict]) -> None:
     fixed = {"mesh_kw": {"dp": 2, "tp": 2}, "axes": ("dp", "tp"), "shape": (4, 8), "seed": 7,
              "pairs": [0, 37, 100, 255]}
