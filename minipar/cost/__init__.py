@@ -15,6 +15,9 @@
 - ``perf.py``: a GPT's step time, TFLOP/s per GPU and memory per GPU under a dp x tp x pp x sp layout.
 - ``presets.py``: published models (GPT-3 175B, Narayanan et al. 2021 Table 1) and clusters (a100-selene).
 - ``planner.py``: every layout of a GPU count ranked by predicted step time; pipeline stage slicing.
+- ``hybrid.py``: HybridGPT's exact bytes per mesh axis per rank, model states, activation peak.
+- ``sharding.py``: global tensors: the collective each placement change needs and its bytes per rank.
+- ``calibrate`` (``minipar/calibrate.py``, not here: it measures) writes the cluster files ``perf`` reads.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
 ``docs/formulas.md``.
