@@ -2,9 +2,12 @@
 
 On 4 ranks (q = 2; one q = 3 example on 9): ``Linear2D``, ``MLP2D`` and ``Block2D`` give the outputs
 and the input and parameter gradients of ``nn.Linear`` / ``nn.FeedForward`` / ``nn.Block`` on the
-whole arrays, block by block; each rank's bytes in the trace equal the SUMMA count worked out by hand here (forward: a
-broadcast of the input block and one of the weight block per rank; backward: the same again plus
-one reduce of each) and ``minipar.cost.tensor2d``; each rank holds ``1/q^2`` of every parameter.
+whole arrays, block by block, and the parameters after one SGD step (not AdamW: its first step
+divides a near-zero gradient by itself, 1e-8 apart at these tolerances). Each rank's bytes in the
+trace equal the SUMMA count worked out by hand here (forward: a broadcast of the input block and one
+of the weight block per rank; backward: the same again plus one reduce of each) and
+``minipar.cost.tensor2d``; each rank holds ``1/q^2`` of every parameter and of the activations kept
+for backward (measured on both graphs).
 Bad configurations are refused on every rank before any message.
 """
 
@@ -21,8 +24,10 @@ from strategies import budget
 from minipar import trace
 from minipar.autograd import Tensor
 from minipar.cost.tensor2d import block2d_bytes, linear2d_bytes, linear2d_parameters, summa_bytes
+from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
 from minipar.nn import Block, FeedForward, Linear
+from minipar.optim import SGD
 from minipar.parallel.tensor2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
 from minipar.testing import run
 
@@ -65,14 +70,17 @@ def layer_run(comm, c: dict) -> dict:
     with trace.record(None, comm) as rec:
         y = layer(x)
         mark = len(rec.events)
+        act = activation_bytes(y)
         (y * block(rand(seed + 1, *out_shape), grid)).sum().backward()
-    params = {n: (p.data.size, p.grad) for n, p in layer.named_parameters()}
-    return {"ij": (grid.i, grid.j), "y": y.data, "dx": x.grad, "params": params,
+    SGD(layer.parameters(), lr=0.1).step()  # elementwise: each piece's update is the whole's, sliced
+    params = {n: (p.data.size, p.grad, p.data) for n, p in layer.named_parameters()}
+    return {"ij": (grid.i, grid.j), "y": y.data, "act": act, "dx": x.grad, "params": params,
             "fwd": sent(rec.events[:mark], comm.world_rank), "bwd": sent(rec.events[mark:], comm.world_rank)}
 
 
-def reference(c: dict) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """The single-process layer: output, input gradient, parameter gradients by name."""
+def reference(c: dict) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], int]:
+    """The single-process layer: output, input gradient, parameter gradients by name, activation bytes
+    kept for backward."""
     shape, seed = c["shape"], c["seed"]
     out_shape = shape
     if c["kind"] == "linear":
@@ -85,8 +93,10 @@ def reference(c: dict) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         randomise(layer, seed)
     x = Tensor(rand(seed, *shape), requires_grad=True)
     y = layer(x)
+    act = activation_bytes(y)
     (y * rand(seed + 1, *out_shape)).sum().backward()
-    return y.data, x.grad, {n: p.grad for n, p in layer.named_parameters()}
+    SGD(layer.parameters(), lr=0.1).step()
+    return y.data, x.grad, {n: (p.grad, p.data) for n, p in layer.named_parameters()}, act
 
 
 def piece(full: np.ndarray, q: int, i: int, j: int) -> np.ndarray:
@@ -100,15 +110,20 @@ def piece(full: np.ndarray, q: int, i: int, j: int) -> np.ndarray:
 
 
 def check(c: dict, results: list[dict], q: int) -> None:
-    y, dx, grads = reference(c)
+    """Blocks equal to the whole's; 1/q^2 of every parameter and of the activations kept for backward
+    (measured from both graphs), plus, in a block, each layer norm's gathered gain (d/q numbers)."""
+    y, dx, grads, act = reference(c)
+    gains = 2 * c["in"] // q * 8 if c["kind"] == "block" else 0
     for res in results:
+        assert res["act"] * q * q == act + gains * q * q
         i, j = res["ij"]
         np.testing.assert_allclose(res["y"], piece(y, q, i, j), **TOL)
         np.testing.assert_allclose(res["dx"], piece(dx, q, i, j), **TOL)
-        for name, g in grads.items():
-            size, local = res["params"][name]
+        for name, (g, updated) in grads.items():
+            size, local, local_updated = res["params"][name]
             assert size * q * q == g.size  # 1/q^2 of every parameter on every rank
             np.testing.assert_allclose(local, piece(g, q, i, j), **TOL)
+            np.testing.assert_allclose(local_updated, piece(updated, q, i, j), **TOL)
 
 
 def by_hand(rows: int, fin: int, fout: int, q: int, bias: bool) -> tuple[dict, dict]:

@@ -29,6 +29,10 @@ for the mean and one for the variance (ring, ``collectives.allreduce_bytes``); b
 both and all-reduces two more; its gain and shift move like a bias. ``block2d_bytes`` adds up a
 transformer block: two layer norms and six ``Linear2D`` (q, k, v, proj, fc, proj); attention, GELU
 and the residual adds are local.
+
+Memory per rank: ``1/q^2`` of every parameter (``linear2d_parameters``) and of every activation the
+single-process layer keeps for backward (each kept array is a block: batch rows ``/q``, features or
+heads ``/q``), plus, per layer norm, its gathered gain (``d/q`` numbers) for the backward.
 """
 
 from __future__ import annotations

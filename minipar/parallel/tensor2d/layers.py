@@ -64,13 +64,15 @@ def vector_piece(n: int, grid: Grid2D, init: tuple, dtype: Any) -> Parameter:
 
 class AddBias2D(Function):
     """``Y_ij + b_j``: all-gather ``b_j``'s ``q`` pieces down grid column ``j`` forward; reduce-scatter
-    the column's ``sum_rows dY_ij`` backward (each rank keeps its piece's gradient).
-    Call as ``AddBias2D.apply(y, bias_piece, grid)``."""
+    the column's ``sum_rows dY_ij`` backward (each rank keeps its piece's gradient). Adds into ``y``'s
+    own array, as ``functional.linear``'s bias does: only for a fresh product nothing else holds
+    (``Summa``'s output). Call as ``AddBias2D.apply(y, bias_piece, grid)``."""
 
     @staticmethod
     def forward(ctx: Context, y: np.ndarray, piece: np.ndarray, grid: Grid2D) -> np.ndarray:
         ctx.grid = grid
-        return y + grid.col.allgather(piece, algorithm=GATHER)
+        y += grid.col.allgather(piece, algorithm=GATHER)
+        return y
 
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:

@@ -3,9 +3,10 @@ every activation and parameter split on the q x q grid.
 
 - ``LayerNorm2D``: a row's ``d`` features are spread over the ``q`` ranks of its grid row, so the
   mean and variance are sums all-reduced along the grid row (two all-reduces of one number per local
-  row forward, one of two numbers backward: ``sum dxhat`` and ``sum dxhat xhat``). The gain and
+  row forward; backward recomputes them and all-reduces two more numbers per row). The gain and
   shift are stored and moved like ``Linear2D``'s bias (a ``1/q^2`` piece, all-gathered down the
-  column, gradients reduce-scattered).
+  column, gradients reduce-scattered); one op (``LayerNorm2DOp``) keeps only its input and the
+  gathered gain.
 - ``Attention2D``: ``q``, ``k``, ``v`` and ``proj`` are ``Linear2D``; column block ``j`` of ``q``,
   ``k``, ``v`` is heads ``[j H/q, (j+1) H/q)`` and row block ``i`` is whole sequences (the batch is
   split, not the sequence), so attention runs locally on those heads with no communication, and its
@@ -26,16 +27,20 @@ from minipar import functional as F
 from minipar.autograd import Context, Function, Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module
-from minipar.parallel.tensor2d.layers import GATHER, MLP2D, AddBias2D, Linear2D, as_grid, check_divisible, vector_piece
+from minipar.parallel.tensor2d.layers import GATHER, MLP2D, Linear2D, as_grid, check_divisible, vector_piece
 from minipar.parallel.tensor2d.summa import Grid2D
 
 REDUCE = "ring"  # the layer norm's row all-reduces
 
 
-class Normalise2D(Function):
-    """``(x - mean) / sqrt(var + eps)`` over features split along the grid row. Keeps ``x``; the
-    statistics are recomputed in backward (as ``functional._LayerNorm``), which costs the two forward
-    all-reduces again. Call as ``Normalise2D.apply(x, grid, d, eps)``."""
+class LayerNorm2DOp(Function):
+    """``(x - mean) / sqrt(var + eps) * g_j + b_j`` over features split along the grid row, as one op
+    (``functional._LayerNorm`` on the grid). Forward: two row all-reduces (the sum, then the sum of
+    squared deviations) and the all-gathers of ``g_j`` and ``b_j`` down the column. Keeps ``x`` and
+    the gathered ``g_j``; backward recomputes the statistics (the two all-reduces again), all-reduces
+    ``sum gh`` and ``sum gh xhat`` (``gh = dY g_j``) along the row and reduce-scatters the column's
+    ``sum_rows dY xhat`` and ``sum_rows dY`` (the pieces' gradients).
+    Call as ``LayerNorm2DOp.apply(x, gain_piece, shift_piece, grid, d, eps)``."""
 
     @staticmethod
     def stats(x: np.ndarray, grid: Grid2D, d: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -43,39 +48,32 @@ class Normalise2D(Function):
         xc = x - mean
         var = grid.row.allreduce((xc * xc).sum(axis=-1, keepdims=True), op="sum", algorithm=REDUCE) / d
         rstd = 1.0 / np.sqrt(var + eps)
-        return xc * rstd, rstd
+        xc *= rstd
+        return xc, rstd
 
     @staticmethod
-    def forward(ctx: Context, x: np.ndarray, grid: Grid2D, d: int, eps: float) -> np.ndarray:
+    def forward(ctx: Context, x: np.ndarray, gain: np.ndarray, shift: np.ndarray, grid: Grid2D, d: int,
+                eps: float) -> np.ndarray:
         ctx.grid, ctx.d, ctx.eps = grid, d, eps
         ctx.save_for_backward(x)
-        return Normalise2D.stats(x, grid, d, eps)[0]
+        out, _ = LayerNorm2DOp.stats(x, grid, d, eps)
+        ctx.gain = grid.col.allgather(gain, algorithm=GATHER)
+        out *= ctx.gain
+        out += grid.col.allgather(shift, algorithm=GATHER)
+        return out
 
     @staticmethod
-    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray, None, None, None]:
+    def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
         (x,) = ctx.saved
-        xhat, rstd = Normalise2D.stats(x, ctx.grid, ctx.d, ctx.eps)
-        local = np.stack([g.sum(axis=-1), (g * xhat).sum(axis=-1)])
-        sums = ctx.grid.row.allreduce(local, op="sum", algorithm=REDUCE) / ctx.d
-        return rstd * (g - sums[0][..., None] - xhat * sums[1][..., None]), None, None, None
-
-
-class Scale2D(Function):
-    """``X_ij * g_j``: all-gather ``g_j``'s pieces down grid column ``j`` forward; reduce-scatter the
-    column's ``sum_rows dY_ij X_ij`` backward. Call as ``Scale2D.apply(x, gain_piece, grid)``."""
-
-    @staticmethod
-    def forward(ctx: Context, x: np.ndarray, piece: np.ndarray, grid: Grid2D) -> np.ndarray:
-        gain = grid.col.allgather(piece, algorithm=GATHER)
-        ctx.grid, ctx.gain = grid, gain
-        ctx.save_for_backward(x)
-        return x * gain
-
-    @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-        (x,) = ctx.saved
-        partial = (grad * x).reshape(-1, x.shape[-1]).sum(axis=0)
-        return grad * ctx.gain, ctx.grid.col.reduce_scatter(partial, op="sum", algorithm=GATHER), None
+        grid, n = ctx.grid, x.shape[-1]
+        xhat, rstd = LayerNorm2DOp.stats(x, grid, ctx.d, ctx.eps)
+        d_gain = grid.col.reduce_scatter((g * xhat).reshape(-1, n).sum(axis=0), op="sum", algorithm=GATHER)
+        d_shift = grid.col.reduce_scatter(g.reshape(-1, n).sum(axis=0), op="sum", algorithm=GATHER)
+        gh = g * ctx.gain
+        sums = grid.row.allreduce(np.stack([gh.sum(axis=-1), (gh * xhat).sum(axis=-1)]), op="sum",
+                                  algorithm=REDUCE) / ctx.d
+        dx = rstd * (gh - sums[0][..., None] - xhat * sums[1][..., None])
+        return dx, d_gain, d_shift, None, None, None
 
 
 class LayerNorm2D(Module):
@@ -90,8 +88,7 @@ class LayerNorm2D(Module):
         self.bias = vector_piece(d, grid, ("zeros",), dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = Scale2D.apply(Normalise2D.apply(x, self.grid, self.d, self.eps), self.weight, self.grid)
-        return AddBias2D.apply(y, self.bias, self.grid)
+        return LayerNorm2DOp.apply(x, self.weight, self.bias, self.grid, self.d, self.eps)
 
 
 class Attention2D(Module):
