@@ -183,7 +183,7 @@ def test_mlp2d_equals_one_process(shape: tuple, ff: int, seed: int) -> None:
 
 def test_q3_on_nine_ranks() -> None:
     """q = 3: a binomial tree on 3 ranks (root sends 2, the middle rank 0 or 1 by position), still
-    (q-1) blocks per rank over the 3 roots."""
+    (q-1) blocks per rank over the 3 roots; a block on 9 ranks (uneven all-reduce chunks)."""
     c = {"kind": "linear", "shape": (6, 3), "in": 3, "out": 9, "bias": True, "seed": 5}
     results = run(layer_run, 9, c=c)
     check(c, results, 3)
@@ -191,6 +191,11 @@ def test_q3_on_nine_ranks() -> None:
     a, w = 2 * 1 * 8, 1 * 3 * 8
     assert summa_bytes(a, w, 3) == {"forward": 2 * (16 + 24), "backward": 4 * (16 + 24)}
     assert results[4]["fwd"]["broadcast"] == 80 and results[4]["bwd"]["reduce"] == 80
+    c = {"kind": "block", "shape": (3, 2, 9), "in": 9, "heads": 3, "ff": 9, "seed": 2}
+    results = run(layer_run, 9, c=c)
+    check(c, results, 3)
+    for res in results:  # a ring all-reduce of 2 (4) numbers on 3 ranks: chunks 1, 1, 0 (2, 1, 1)
+        assert block2d_bytes(6, 9, 9, 3, *res["ij"]) == {"forward": res["fwd"], "backward": res["bwd"]}
 
 
 def refusals(comm, world_ok: bool) -> list[tuple[str, int]]:

@@ -19,9 +19,9 @@ Derivation, on a ``q x q`` grid, rank ``(i, j)`` (``minipar.parallel.tensor2d``)
   each.
 
 So a ``Linear2D`` on a ``b x in`` activation with ``q x q`` ranks sends per rank, with ``s`` bytes per
-number, ``3(q-1)(b in + in out)/q^2 s`` for the products (Optimus' communication is ``O(1/q)`` of
-the weight per rank where Megatron's all-reduce of ``b x in`` is ``2(t-1)/t`` of the activation)
-plus ``2(q-1) out/q^2 s`` for the bias. ``linear2d_bytes`` gives each rank's bytes by collective
+number, ``3(q-1)(b in + in out)/q^2 s`` for the products, about ``3/q`` of the whole input and
+weight (a Megatron linear moves no weight but all-reduces ``2(t-1)/t`` of a whole activation), plus
+``2(q-1) out/q^2 s`` for the bias. ``linear2d_bytes`` gives each rank's bytes by collective
 from the per-root definitions above, ``summa_bytes`` the closed forms.
 
 A layer norm on the grid (``LayerNorm2D``) all-reduces along the grid row one number per local row
