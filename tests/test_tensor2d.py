@@ -198,6 +198,24 @@ def test_q3_on_nine_ranks() -> None:
         assert block2d_bytes(6, 9, 9, 3, *res["ij"]) == {"forward": res["fwd"], "backward": res["bwd"]}
 
 
+def first_layer(comm) -> tuple:
+    """A Linear2D whose input needs no gradient: backward runs only dW = X^T dY's SUMMA."""
+    grid = grid_2d(comm)
+    layer = Linear2D(4, 8, grid).init_parameters(1, "l.")
+    with trace.record(None, comm) as rec:
+        (layer(Tensor(block(rand(1, 6, 4), grid))) * block(rand(2, 6, 8), grid)).sum().backward()
+    return grid.i, grid.j, layer.weight.grad, sent(rec.events, comm.world_rank)
+
+
+def test_input_without_gradient_skips_its_summa() -> None:
+    ref = Linear(4, 8).init_parameters(1, "l.")
+    (ref(Tensor(rand(1, 6, 4))) * rand(2, 6, 8)).sum().backward()
+    a, w = 3 * 2 * 8, 2 * 4 * 8  # X block 3 x 2, W block 2 x 4; q = 2: one of each per rank and pass
+    for i, j, dw, nbytes in run(first_layer, 4):
+        np.testing.assert_allclose(dw, piece(ref.weight.grad, 2, i, j), **TOL)
+        assert nbytes == {"broadcast": (a + w) + a, "reduce": w, "allgather": 16, "reduce_scatter": 16}
+
+
 def refusals(comm, world_ok: bool) -> list[tuple[str, int]]:
     """Each bad configuration's message and the messages sent while refusing it."""
     out = []
