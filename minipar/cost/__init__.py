@@ -17,6 +17,7 @@
 - ``planner.py``: every layout of a GPU count ranked by predicted step time; pipeline stage slicing.
 - ``hybrid.py``: HybridGPT's exact bytes per mesh axis per rank, model states, activation peak.
 - ``sharding.py``: global tensors: the collective each placement change needs and its bytes per rank.
+- ``tensor2d.py``: 2-D (SUMMA) tensor parallelism: bytes per rank of a linear, an MLP, a block.
 - ``calibrate`` (``minipar/calibrate.py``, not here: it measures) writes the cluster files ``perf`` reads.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
