@@ -1,0 +1,111 @@
+"""Sharding propagation for a 2-D matmul ``C = A @ B`` on global tensors (issue 17 item 3, first rule).
+
+OneFlow's SBP signatures of a matmul (Yuan et al. 2021, "OneFlow: Redesign the Distributed Deep
+Learning Framework from Scratch", Table 1; the seed document's 4x5 by 5x8 example): on ONE mesh axis,
+with ``A`` of shape ``(m, k)`` and ``B`` of shape ``(k, n)``, the placements under which each rank's
+local ``A_piece @ B_piece`` is its piece of ``C`` with no message are (``RULES``, in this order)::
+
+    A      B      C
+    S(0)   B      S(0)    rows of A: rows of C
+    B      S(1)   S(1)    columns of B: columns of C
+    S(1)   S(0)   P       the contraction dimension split: the products sum to C
+    P      B      P       A = sum of pieces: so is C
+    B      P      P       B = sum of pieces: so is C
+    B      B      B       every rank computes all of C
+
+Any other pair is made legal by redistributing one or both inputs to a rule's pair first
+(``minipar.sharding.redistribute``); its cost is the bytes of those redistributions
+(``minipar.cost.sharding.redistribute_bytes`` over ``plan``'s steps). ``matmul_strategies`` lists every
+legal strategy with its cost; ``matmul`` runs the cheapest. A rule whose pair would split a dimension
+unevenly (``k = 5`` on 2 ranks rules out ``S(1) x S(0)``) is not legal and is left out; ``B x B`` always is.
+
+Cost, and ties. A strategy's ``bytes`` is the most any one rank of the mesh sends for its
+redistributions (every rank computes the same number, so every rank picks the same strategy, with no
+message). Equal costs are broken by the order of ``RULES`` (on several axes: the first axis's rule
+first, then the next's, lexicographically): sharded outputs first (each rank computes ``1/p`` of C and
+nothing needs reducing later), then partial ones, replicated last. So ``B x B`` gives ``S(0)`` by a free
+local slice of A, and ``P x S(1)`` (all-reduce A or all-gather B, the same bytes on 2 ranks) gives ``S(1)``.
+
+Several mesh axes (2-D meshes). As GSPMD (Xu et al. 2021, "GSPMD: General and Scalable Parallelization
+for ML Computation Graphs", Sec. 3) does, the rules apply to each axis independently: a strategy is one
+rule per axis, and the local matmul is right because it is bilinear (a partial sum on one axis and a
+split on another combine). The tile order of ``tensor.py`` agrees: C's dimension 0 is sharded by exactly
+the axes sharding A's dimension 0 (rule ``S(0) x B``), in the same order, and the contraction dimension
+by the same axes in A and B (rule ``S(1) x S(0)``). The costs of the per-axis choices are not additive
+(a piece's size depends on the other axes), so every combination (``6^axes``) is costed as a whole.
+
+Refused, with ``ValueError`` on every rank before any message: inputs that are not 2-D, inner dimensions
+that differ, inputs on different meshes or axes. Uneven splits are already refused when the inputs are made.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from minipar.cost.sharding import redistribute_bytes
+from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
+from minipar.sharding.redistribute import plan, redistribute
+from minipar.sharding.tensor import GlobalTensor, check_layout
+
+S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
+RULES: tuple[tuple[Placement, Placement, Placement], ...] = (
+    (S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B))
+
+Strategy = tuple[tuple[Placement, ...], tuple[Placement, ...], tuple[Placement, ...], int]
+
+
+def check_matmul(a: GlobalTensor, b: GlobalTensor) -> None:
+    """``ValueError`` unless ``a @ b`` is a 2-D matmul of tensors on the same mesh and axes."""
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        raise ValueError(f"matmul: 2-D tensors only, got shapes {a.shape} and {b.shape}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape} ({a.shape[1]} != {b.shape[0]})")
+    if a.mesh is not b.mesh or a.axes != b.axes:
+        raise ValueError(f"matmul: both tensors must be on the same mesh and axes, got {a.axes} and {b.axes}; "
+                         "redistribute one first")
+
+
+def _most_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], src: Sequence[Placement],
+                dst: Sequence[Placement]) -> list[int]:
+    """The bytes each rank sends for ``src -> dst``, one entry per combination of coordinates."""
+    steps = [(s.axis, str(s.src), str(s.dst)) for s in plan(src, dst)]
+    return [sum(redistribute_bytes(shape, itemsize, degrees, coords, [str(p) for p in src], steps))
+            for coords in itertools.product(*[range(d) for d in degrees])]
+
+
+def _legal(shape: Sequence[int], t: GlobalTensor, placements: Sequence[Placement]) -> bool:
+    try:
+        check_layout(shape, t.mesh.shape, t.axes, placements)
+    except ValueError:
+        return False
+    return True
+
+
+def matmul_strategies(a: GlobalTensor, b: GlobalTensor) -> list[Strategy]:
+    """Every legal strategy ``(a_needed, b_needed, c_placements, bytes)`` (placements one per axis),
+    cheapest first, ties in ``RULES`` order (module docstring). ``bytes``: the most one rank sends."""
+    check_matmul(a, b)
+    out = []
+    for rules in itertools.product(RULES, repeat=len(a.axes)):
+        pa, pb, pc = (tuple(r[i] for r in rules) for i in range(3))
+        if not (_legal(a.shape, a, pa) and _legal(b.shape, b, pb)):
+            continue
+        sa = _most_bytes(a.shape, a.local.itemsize, a.degrees, a.placements, pa)
+        sb = _most_bytes(b.shape, b.local.itemsize, b.degrees, b.placements, pb)
+        out.append((pa, pb, pc, max(x + y for x, y in zip(sa, sb, strict=True))))
+    return sorted(out, key=lambda s: s[3])  # stable: RULES order among equal costs
+
+
+def matmul(a: GlobalTensor, b: GlobalTensor) -> GlobalTensor:
+    """``a @ b`` as a global tensor: the cheapest strategy's redistributions, then the local matmul."""
+    pa, pb, pc, _ = matmul_strategies(a, b)[0]
+    a2, b2 = redistribute(a, pa), redistribute(b, pb)
+    return GlobalTensor(a2.local @ b2.local, (a.shape[0], b.shape[1]), a.mesh, a.axes, pc)
+
+
+def table_row(a: GlobalTensor, b: GlobalTensor) -> str:
+    """One line for a lesson's table: ``A x B -> needs A' x B' -> C, bytes``."""
+    pa, pb, pc, n = matmul_strategies(a, b)[0]
+    return (f"{describe(a.placements)} x {describe(b.placements)} -> needs {describe(pa)} x {describe(pb)} "
+            f"-> {describe(pc)}, {n} bytes")

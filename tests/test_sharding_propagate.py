@@ -1,0 +1,212 @@
+"""Sharding propagation of a matmul: the result equals numpy, its placement and bytes equal tables by hand.
+
+1-D mesh of 2 ranks, the seed document's 4x5 by 5x8 float64 matmul: every pair of input placements the
+sizes allow (A: S(0), B, P; B: S(1), B, P; k = 5 rules out A = S(1) and B = S(0)). The output's placement
+and the bytes every rank sends (trace) equal ``SEED_TABLE``, worked out by hand below. A 4x6 by 6x8 matmul
+adds the four placements with the contraction dimension split: every one of its 16 pairs checked against
+a small chooser written here from the per-step bytes in terms of the global sizes (not the module's code).
+2 x 2 meshes: drawn pairs, values only. Values are small integers, so every sum is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import budget
+
+from minipar import trace
+from minipar.comm import launch
+from minipar.mesh import DeviceMesh
+from minipar.sharding import GlobalTensor, Partial, Replicate, Shard
+from minipar.sharding.propagate import matmul, matmul_strategies
+from minipar.testing import run_each
+
+S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
+
+
+def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(-5, 6, size=(m, k)).astype(np.float64), rng.integers(-5, 6, size=(k, n)).astype(np.float64))
+
+
+def partial_piece(x: np.ndarray, c: int, p: int, seed: int) -> np.ndarray:
+    """Coordinate ``c``'s addend of ``x`` (random integers, the last coordinate the remainder)."""
+    rest = [np.random.default_rng([seed, i]).integers(-3, 4, size=x.shape).astype(np.float64) for i in range(p - 1)]
+    return rest[c] if c < p - 1 else x - sum(rest, np.zeros_like(x))
+
+
+def make(x: np.ndarray, mesh: DeviceMesh, axes: tuple, placements: tuple, seed: int) -> GlobalTensor:
+    """A global tensor whose partial pieces are not just (x, 0, ...)."""
+    t = GlobalTensor.from_global(x, mesh, axes, [B if p == P else p for p in placements])
+    local = t.local
+    for k, (a, p) in enumerate(zip(axes, placements, strict=True)):
+        if p == P:
+            local = partial_piece(local, mesh.coords[a], mesh.degree(a), seed + k)
+    return GlobalTensor(local, x.shape, mesh, axes, placements)
+
+
+def run_matmul(comm, mesh_kw: dict, axes: tuple, mkn: tuple, pairs: list, seed: int) -> list[dict]:
+    mesh = DeviceMesh(comm, **mesh_kw)
+    x, y = operands(*mkn, seed)
+    out = []
+    for pa, pb in pairs:
+        a, b = make(x, mesh, axes, pa, seed), make(y, mesh, axes, pb, seed + 7)
+        with trace.recording(comm.world_rank) as rec:
+            c = matmul(a, b)
+        sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == mesh.rank)
+        out.append({"placement": c.placements, "sent": sent, "global": c.to_global(),
+                    "best": matmul_strategies(a, b)[0]})
+    return out
+
+
+# ---- the seed's 4x5 @ 5x8 on 2 ranks: |A| = 160 bytes, |B| = 320 -----------------------------------------
+# Per-rank bytes on p = 2 (N = a tensor's global bytes): S -> B, S -> P, P -> S: N/2; P -> B: N; S(i) -> S(j):
+# N/4; from B: 0. Rules tried in order S(0)xB, BxS(1), PxB, BxP, BxB (S(1)xS(0) illegal: 5 rows of B).
+SEED_TABLE = {  # (A, B): (C, bytes per rank)
+    (S0, S1): (S1, 80),    # all-gather A (80); all-gather B to B would be 160
+    (S0, B): (S0, 0),
+    (S0, P): (P, 80),      # A to B (80), B x P; reduce-scatter B and BxS(1) would be 80 + 160
+    (B, S1): (S1, 0),
+    (B, B): (S0, 0),       # every rule is free (slice, zero); the first is S(0) x B
+    (B, P): (P, 0),
+    (P, S1): (S1, 160),    # all-reduce A (160) ties all-gather B (160): BxS(1) comes before PxB
+    (P, B): (P, 0),
+    (P, P): (P, 160),      # all-reduce A (160), B x P; all-reduce B would be 320
+}
+
+
+def test_seed_matmul_every_pair_on_2_ranks() -> None:
+    pairs = [((pa,), (pb,)) for pa, pb in SEED_TABLE]
+    results = launch(run_matmul, 2, "threads", {"tp": 2}, ("tp",), (4, 5, 8), pairs, 3)
+    x, y = operands(4, 5, 8, 3)
+    for i, (pa, pb) in enumerate(SEED_TABLE):
+        want_c, want_bytes = SEED_TABLE[(pa, pb)]
+        for rank in range(2):
+            row = results[rank][i]
+            assert np.array_equal(row["global"], x @ y), (pa, pb, rank)
+            assert row["placement"] == (want_c,), (pa, pb, rank, row["placement"])
+            assert row["sent"] == want_bytes == row["best"][3], (pa, pb, rank, row["sent"])
+
+
+def hand_cost(src, dst, n_bytes: int, p: int) -> int:
+    """Per-rank bytes of one step ``src -> dst`` on one axis of degree p, N = the tensor's global bytes."""
+    if src == dst or src == B:
+        return 0
+    if src == P:
+        return 2 * (p - 1) * n_bytes // p if dst == B else (p - 1) * n_bytes // p
+    return (p - 1) * n_bytes // p // p if isinstance(dst, Shard) else (p - 1) * n_bytes // p
+
+
+def hand_choice(pa, pb, m: int, k: int, n: int, p: int) -> tuple:
+    """The cheapest legal rule, first in the table's order among equals, from hand_cost."""
+    table = [(S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B)]
+    best = None
+    for ra, rb, rc in table:
+        if (ra == S1 or rb == S0) and k % p:
+            continue
+        cost = hand_cost(pa, ra, m * k * 8, p) + hand_cost(pb, rb, k * n * 8, p)
+        if best is None or cost < best[1]:
+            best = (rc, cost)
+    return best
+
+
+def test_divisible_matmul_every_pair_on_2_ranks() -> None:
+    """4x6 @ 6x8: all 16 pairs, including the contraction dimension split (S(1) x S(0) -> P)."""
+    one = [S0, S1, B, P]
+    pairs = list(itertools.product(one, repeat=2))
+    results = launch(run_matmul, 2, "threads", {"tp": 2}, ("tp",), (4, 6, 8), [((a,), (b,)) for a, b in pairs], 4)
+    x, y = operands(4, 6, 8, 4)
+    for i, (pa, pb) in enumerate(pairs):
+        want_c, want_bytes = hand_choice(pa, pb, 4, 6, 8, 2)
+        for rank in range(2):
+            row = results[rank][i]
+            assert np.array_equal(row["global"], x @ y), (pa, pb, rank)
+            assert (row["placement"], row["sent"]) == ((want_c,), want_bytes), (pa, pb, rank, row)
+    # S(1) x S(0) is chosen where it is free, and from S(0) x S(1) it is not (all-to-alls of 48 + 96 > 96)
+    assert results[0][pairs.index((S1, S0))]["placement"] == (P,)
+    assert results[0][pairs.index((S0, S1))]["placement"] == (S1,)
+
+
+MESH_2X2 = ({"dp": 2, "tp": 2}, ("dp", "tp"))
+
+
+def all_pairs_2d() -> list[tuple]:
+    lists = list(itertools.product([S0, S1, B, P], repeat=2))
+    return list(itertools.product(lists, repeat=2))
+
+
+@budget(3)
+@given(picks=st.lists(st.integers(0, 255), min_size=1, max_size=12, unique=True), seed=st.integers(0, 10**6))
+def test_drawn_pairs_on_a_2x2_mesh_threads(picks: list[int], seed: int) -> None:
+    pairs = [all_pairs_2d()[i] for i in picks]
+    results = launch(run_matmul, 4, "threads", *MESH_2X2, (4, 8, 4), pairs, seed)
+    x, y = operands(4, 8, 4, seed)
+    for i in range(len(pairs)):
+        assert all(np.array_equal(results[r][i]["global"], x @ y) for r in range(4)), pairs[i]
+        assert max(results[r][i]["sent"] for r in range(4)) == results[0][i]["best"][3], pairs[i]
+
+
+@pytest.mark.parametrize(("pa", "pb", "want"), [
+    # dp: S(0) x B as given; tp: A's S(1) and a free slice of B to S(0) make S(1) x S(0) -> P: no message
+    ((S0, S1), (B, B), ((S0, P), 0)),
+    # both partial on tp (A, B of 256 bytes): dp's rule sets the piece sizes tp's reduction sees. dp S(0) x B
+    # (free slice of A) then tp B x P: all-reduce A's 4x8/2 piece = 128 bytes sent. Nothing is cheaper:
+    # tp must reduce A (its piece), B (its piece) or half of each, and dp halves at most one of them free
+    # (S(0)xB, BxS(1)) or both (S(1)xS(0): then two reduce-scatters of 64, again 128); S(0)xB is first.
+    ((B, P), (B, P), ((S0, P), 128)),
+])
+def test_2x2_mesh_by_hand(pa: tuple, pb: tuple, want: tuple) -> None:
+    out = launch(run_matmul, 4, "threads", *MESH_2X2, (4, 8, 4), [(pa, pb)], 1)
+    x, y = operands(4, 8, 4, 1)
+    for o in out:
+        assert (o[0]["placement"], o[0]["sent"]) == want
+        assert np.array_equal(o[0]["global"], x @ y)
+
+
+# ---- bad inputs: the same error on every rank, before any message ----------------------------------------
+BAD = [
+    (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 5)), m, ("tp",), [B]),
+                      GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "inner dimensions differ"),
+    (lambda m: matmul(GlobalTensor.from_global(np.ones(4), m, ("tp",), [B]),
+                      GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "2-D tensors only"),
+    (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 5)), m, ("tp",), [S1]),
+                      GlobalTensor.from_global(np.ones((5, 8)), m, ("tp",), [B])), "5 is not divisible by 2"),
+    (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 4)), m, ("tp",), [B]),
+                      GlobalTensor.from_global(np.ones((4, 8)), m, ("dp",), [B])), "same mesh and axes"),
+]
+
+
+def run_bad(comm, i: int) -> tuple[str, int]:
+    mesh = DeviceMesh(comm, tp=2)
+    with trace.recording(comm.world_rank) as rec, pytest.raises(ValueError) as err:
+        BAD[i][0](mesh)
+    return str(err.value), sum(e.kind == "comm" for e in rec.events)
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[n for _, n in BAD])
+def test_bad_matmuls_refused_on_every_rank(i: int) -> None:
+    out = launch(run_bad, 2, "threads", i)
+    assert BAD[i][1] in out[0][0], out[0][0]
+    assert all(o == (out[0][0], 0) for o in out)
+
+
+@pytest.mark.mpi
+def test_seed_table_and_2x2_under_mpiexec() -> None:
+    seed_pairs = [((pa,), (pb,)) for pa, pb in SEED_TABLE]
+    [seed_res] = run_each(run_matmul, 2, [{"mesh_kw": {"tp": 2}, "axes": ("tp",), "mkn": (4, 5, 8),
+                                           "pairs": seed_pairs, "seed": 3}], timeout=120)
+    x, y = operands(4, 5, 8, 3)
+    for i, key in enumerate(SEED_TABLE):
+        for row in seed_res:
+            assert np.array_equal(row[i]["global"], x @ y)
+            assert (row[i]["placement"], row[i]["sent"]) == ((SEED_TABLE[key][0],), SEED_TABLE[key][1]), key
+    picks = [all_pairs_2d()[i] for i in (0, 37, 100, 170, 255)]
+    [res] = run_each(run_matmul, 4, [{"mesh_kw": MESH_2X2[0], "axes": MESH_2X2[1], "mkn": (4, 8, 4),
+                                      "pairs": picks, "seed": 9}], timeout=120)
+    x, y = operands(4, 8, 4, 9)
+    for i in range(len(picks)):
+        assert all(np.array_equal(row[i]["global"], x @ y) for row in res), picks[i]
