@@ -5,7 +5,9 @@ sizes allow (A: S(0), B, P; B: S(1), B, P; k = 5 rules out A = S(1) and B = S(0)
 and the bytes every rank sends (trace) equal ``SEED_TABLE``, worked out by hand below. A 4x6 by 6x8 matmul
 adds the four placements with the contraction dimension split: every one of its 16 pairs checked against
 a small chooser written here from the per-step bytes in terms of the global sizes (not the module's code).
-2 x 2 meshes: drawn pairs, values only. Values are small integers, so every sum is exact.
+2 x 2 meshes: drawn pairs (values, and the bytes of the chosen strategy) and two cases by hand. Elementwise
+add and mul: every pair of placements of two (4, 6) tensors on 2 ranks against a table by hand, broadcasting
+cases by hand, drawn pairs with broadcasting on a 2 x 2 mesh. Values are small integers, so sums are exact.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from minipar import trace
 from minipar.comm import launch
 from minipar.mesh import DeviceMesh
 from minipar.sharding import GlobalTensor, Partial, Replicate, Shard
-from minipar.sharding.propagate import matmul, matmul_strategies
+from minipar.sharding.propagate import elementwise, matmul, matmul_strategies, table_row
 from minipar.testing import run_each
 
 S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
@@ -90,6 +92,16 @@ def test_seed_matmul_every_pair_on_2_ranks() -> None:
             assert np.array_equal(row["global"], x @ y), (pa, pb, rank)
             assert row["placement"] == (want_c,), (pa, pb, rank, row["placement"])
             assert row["sent"] == want_bytes == row["best"][3], (pa, pb, rank, row["sent"])
+
+
+def run_row(comm) -> str:
+    mesh = DeviceMesh(comm, tp=2)
+    x, y = operands(4, 5, 8, 3)
+    return table_row(GlobalTensor.from_global(x, mesh, ("tp",), [P]), GlobalTensor.from_global(y, mesh, ("tp",), [S1]))
+
+
+def test_table_row() -> None:
+    assert launch(run_row, 2, "threads") == ["[P] x [S(1)] -> needs [B] x [S(1)] -> [S(1)], 160 bytes"] * 2
 
 
 def hand_cost(src, dst, n_bytes: int, p: int) -> int:
@@ -167,6 +179,78 @@ def test_2x2_mesh_by_hand(pa: tuple, pb: tuple, want: tuple) -> None:
         assert np.array_equal(o[0]["global"], x @ y)
 
 
+# ---- elementwise add and mul on 2 ranks: x, y of shape (4, 6), N = 192 bytes each ------------------------
+# Per rank (p = 2): S(i) -> S(j) N/4 = 48; S -> B, S -> P, P -> S N/2 = 96; P -> B N = 192; from B 0.
+# Rules tried in order S(0), S(1), then P (add: P+P; mul: P*B, B*P), then B.
+SAME = {  # (x, y): (out, bytes) for add; MUL_DIFF overrides for mul
+    (S0, S0): (S0, 0), (S0, S1): (S0, 48), (S0, B): (S0, 0), (S0, P): (S0, 96),  # S(0): 96 ties P (S->P 96)
+    (S1, S0): (S0, 48), (S1, S1): (S1, 0), (S1, B): (S1, 0), (S1, P): (S1, 96),
+    (B, S0): (S0, 0), (B, S1): (S1, 0), (B, B): (S0, 0), (B, P): (P, 0),  # B + P: zero x (free)
+    (P, S0): (S0, 96), (P, S1): (S1, 96), (P, B): (P, 0), (P, P): (P, 0),
+}
+MUL_DIFF = {(P, P): (S0, 192)}  # P * P: two reduce-scatters (192) tie P*B (all-reduce y, 192): S(0) first
+
+
+def run_elementwise(comm, op: str, sx: tuple, sy: tuple, pairs: list, seed: int, mesh_kw: dict | None = None,
+                    axes: tuple = ("tp",)) -> list[dict]:
+    mesh = DeviceMesh(comm, **(mesh_kw or {"tp": 2}))
+    rng = np.random.default_rng(seed)
+    x, y = rng.integers(-5, 6, size=sx).astype(np.float64), rng.integers(-5, 6, size=sy).astype(np.float64)
+    out = []
+    for px, py in pairs:
+        a, b = make(x, mesh, axes, px, seed), make(y, mesh, axes, py, seed + 7)
+        with trace.recording(comm.world_rank) as rec:
+            c = elementwise(op, a, b)
+        sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == mesh.rank)
+        out.append({"placement": c.placements, "sent": sent, "global": c.to_global(),
+                    "want": x + y if op == "add" else x * y})
+    return out
+
+
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_elementwise_same_shape_every_pair(op: str) -> None:
+    table = {**SAME, **(MUL_DIFF if op == "mul" else {})}
+    pairs = [((px,), (py,)) for px, py in table]
+    results = launch(run_elementwise, 2, "threads", op, (4, 6), (4, 6), pairs, 5)
+    for i, key in enumerate(table):
+        for rank in range(2):
+            row = results[rank][i]
+            assert np.array_equal(row["global"], row["want"]), (op, key, rank)
+            assert (row["placement"], row["sent"]) == ((table[key][0],), table[key][1]), (op, key, rank, row)
+
+
+BROADCAST = [  # (op, x shape, y shape, x, y, out, bytes per rank), by hand on 2 ranks
+    ("add", (4, 6), (6,), S0, B, S0, 0),   # y broadcasts along rows: stays whole
+    ("add", (4, 6), (6,), S1, B, S1, 0),   # y sliced to S(0) (its only dimension becomes 1): free
+    ("add", (4, 6), (6,), P, B, P, 0),     # zero y on coordinate 1: P + P
+    ("mul", (4, 6), (6,), P, B, P, 0),     # P * B
+    ("mul", (4, 6), (4, 1), S1, S0, S1, 16),  # gather y's 32 bytes (16 sent) beats x's all-to-all (48)
+    ("add", (4, 1), (1, 6), S0, S1, S1, 16),  # x (32 bytes) gathered for S(1): 16; y (48) for S(0) would be 24
+]
+
+
+@pytest.mark.parametrize(("op", "sx", "sy", "px", "py", "pc", "nbytes"), BROADCAST)
+def test_elementwise_broadcasting_by_hand(op, sx, sy, px, py, pc, nbytes) -> None:
+    for row in launch(run_elementwise, 2, "threads", op, sx, sy, [((px,), (py,))], 6):
+        assert np.array_equal(row[0]["global"], row[0]["want"])
+        assert (row[0]["placement"], row[0]["sent"]) == ((pc,), nbytes)
+
+
+@budget(3)
+@given(op=st.sampled_from(["add", "mul"]), sy=st.sampled_from([(4, 8), (8,), (4, 1), (1, 8)]),
+       picks=st.lists(st.integers(0, 255), min_size=1, max_size=10, unique=True), seed=st.integers(0, 10**6))
+def test_elementwise_drawn_on_a_2x2_mesh(op: str, sy: tuple, picks: list[int], seed: int) -> None:
+    """x (4, 8) and a y that broadcasts, drawn placements (y's impossible splits replaced by B): values."""
+    pairs = []
+    for i in picks:
+        px, py = all_pairs_2d()[i]
+        pairs.append((px, tuple(B if isinstance(p, Shard) and (p.dim >= len(sy) or sy[p.dim] == 1) else p
+                                for p in py)))
+    results = launch(run_elementwise, 4, "threads", op, (4, 8), sy, pairs, seed, MESH_2X2[0], MESH_2X2[1])
+    for i in range(len(pairs)):
+        assert all(np.array_equal(results[r][i]["global"], results[r][i]["want"]) for r in range(4)), pairs[i]
+
+
 # ---- bad inputs: the same error on every rank, before any message ----------------------------------------
 BAD = [
     (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 5)), m, ("tp",), [B]),
@@ -177,6 +261,12 @@ BAD = [
                       GlobalTensor.from_global(np.ones((5, 8)), m, ("tp",), [B])), "5 is not divisible by 2"),
     (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 4)), m, ("tp",), [B]),
                       GlobalTensor.from_global(np.ones((4, 8)), m, ("dp",), [B])), "same mesh and axes"),
+    (lambda m: elementwise("add", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
+                           GlobalTensor.from_global(np.ones((4,)), m, ("tp",), [B])), "do not broadcast"),
+    (lambda m: elementwise("sub", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
+                           GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [B])), "op must be one of"),
+    (lambda m: elementwise("mul", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
+                           GlobalTensor.from_global(np.ones((3,)), m, ("tp",), [S0])), "3 is not divisible by 2"),
 ]
 
 
@@ -195,7 +285,7 @@ def test_bad_matmuls_refused_on_every_rank(i: int) -> None:
 
 
 @pytest.mark.mpi
-def test_seed_table_and_2x2_under_mpiexec() -> None:
+def test_seed_table_2x2_and_elementwise_under_mpiexec() -> None:
     seed_pairs = [((pa,), (pb,)) for pa, pb in SEED_TABLE]
     [seed_res] = run_each(run_matmul, 2, [{"mesh_kw": {"tp": 2}, "axes": ("tp",), "mkn": (4, 5, 8),
                                            "pairs": seed_pairs, "seed": 3}], timeout=120)
@@ -210,3 +300,9 @@ def test_seed_table_and_2x2_under_mpiexec() -> None:
     x, y = operands(4, 8, 4, 9)
     for i in range(len(picks)):
         assert all(np.array_equal(row[i]["global"], x @ y) for row in res), picks[i]
+    [ew] = run_each(run_elementwise, 2, [{"op": "add", "sx": (4, 6), "sy": (4, 6), "seed": 5,
+                                          "pairs": [((px,), (py,)) for px, py in SAME]}], timeout=120)
+    for i, key in enumerate(SAME):
+        for row in ew:
+            assert np.array_equal(row[i]["global"], row[i]["want"])
+            assert (row[i]["placement"], row[i]["sent"]) == ((SAME[key][0],), SAME[key][1]), key

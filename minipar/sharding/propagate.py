@@ -1,7 +1,7 @@
-"""Sharding propagation for a 2-D matmul ``C = A @ B`` on global tensors (issue 17 item 3, first rule).
+"""Sharding propagation on global tensors (issue 17 item 3, first rules): 2-D matmul, elementwise add and mul.
 
 OneFlow's SBP signatures of a matmul (Yuan et al. 2021, "OneFlow: Redesign the Distributed Deep
-Learning Framework from Scratch", Table 1; the seed document's 4x5 by 5x8 example): on ONE mesh axis,
+Learning Framework from Scratch"; the seed document's 4x5 by 5x8 example): on ONE mesh axis,
 with ``A`` of shape ``(m, k)`` and ``B`` of shape ``(k, n)``, the placements under which each rank's
 local ``A_piece @ B_piece`` is its piece of ``C`` with no message are (``RULES``, in this order)::
 
@@ -27,21 +27,31 @@ nothing needs reducing later), then partial ones, replicated last. So ``B x B`` 
 local slice of A, and ``P x S(1)`` (all-reduce A or all-gather B, the same bytes on 2 ranks) gives ``S(1)``.
 
 Several mesh axes (2-D meshes). As GSPMD (Xu et al. 2021, "GSPMD: General and Scalable Parallelization
-for ML Computation Graphs", Sec. 3) does, the rules apply to each axis independently: a strategy is one
+for ML Computation Graphs") does, the rules apply to each axis independently: a strategy is one
 rule per axis, and the local matmul is right because it is bilinear (a partial sum on one axis and a
 split on another combine). The tile order of ``tensor.py`` agrees: C's dimension 0 is sharded by exactly
 the axes sharding A's dimension 0 (rule ``S(0) x B``), in the same order, and the contraction dimension
 by the same axes in A and B (rule ``S(1) x S(0)``). The costs of the per-axis choices are not additive
 (a piece's size depends on the other axes), so every combination (``6^axes``) is costed as a whole.
 
+Elementwise ``add`` and ``mul`` with numpy broadcasting (``elementwise_rules``): per axis the output is
+``S(d)`` when each input is split along the dimension that becomes ``d`` (replicated where it broadcasts
+along ``d``), ``P`` from ``P + P`` (add; ``P + B`` becomes legal by zeroing the ``B``, free) or from ``P * B``
+and ``B * P`` (mul; ``P * P`` is not a rule: one side is reduced first), ``B`` from ``B, B``. The same
+chooser (``strategies``) costs and orders them.
+
 Refused, with ``ValueError`` on every rank before any message: inputs that are not 2-D, inner dimensions
-that differ, inputs on different meshes or axes. Uneven splits are already refused when the inputs are made.
+that differ, shapes that do not broadcast, inputs on different meshes or axes. Uneven splits are already
+refused when the inputs are made.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from minipar.cost.sharding import redistribute_bytes
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
@@ -52,7 +62,7 @@ S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
 RULES: tuple[tuple[Placement, Placement, Placement], ...] = (
     (S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B))
 
-Strategy = tuple[tuple[Placement, ...], tuple[Placement, ...], tuple[Placement, ...], int]
+Strategy = tuple[Any, ...]  # (placements needed per input..., output placements, bytes)
 
 
 def check_matmul(a: GlobalTensor, b: GlobalTensor) -> None:
@@ -82,19 +92,32 @@ def _legal(shape: Sequence[int], t: GlobalTensor, placements: Sequence[Placement
     return True
 
 
+def strategies(inputs: Sequence[GlobalTensor], out_shape: Sequence[int],
+               rules: Sequence[tuple[tuple[Placement, ...], Placement]]) -> list[Strategy]:
+    """Every legal combination of one rule ``(input placements, output placement)`` per mesh axis, as
+    ``(needed placements by input, output placements, bytes)``, cheapest first, ties in ``rules``
+    order (lexicographic over the axes). ``bytes``: the most one rank sends for the redistributions."""
+    t0 = inputs[0]
+    out = []
+    for per_axis in itertools.product(rules, repeat=len(t0.axes)):
+        needed = tuple(tuple(r[0][i] for r in per_axis) for i in range(len(inputs)))
+        placed = tuple(r[1] for r in per_axis)
+        if not all(_legal(t.shape, t, pl) for t, pl in zip(inputs, needed, strict=True)):
+            continue
+        if not _legal(out_shape, t0, placed):
+            continue
+        sent = [_most_bytes(t.shape, t.local.itemsize, t.degrees, t.placements, pl)
+                for t, pl in zip(inputs, needed, strict=True)]
+        out.append((needed, placed, max(sum(per_rank) for per_rank in zip(*sent, strict=True))))
+    return sorted(out, key=lambda s: s[2])  # stable: rules order among equal costs
+
+
 def matmul_strategies(a: GlobalTensor, b: GlobalTensor) -> list[Strategy]:
     """Every legal strategy ``(a_needed, b_needed, c_placements, bytes)`` (placements one per axis),
     cheapest first, ties in ``RULES`` order (module docstring). ``bytes``: the most one rank sends."""
     check_matmul(a, b)
-    out = []
-    for rules in itertools.product(RULES, repeat=len(a.axes)):
-        pa, pb, pc = (tuple(r[i] for r in rules) for i in range(3))
-        if not (_legal(a.shape, a, pa) and _legal(b.shape, b, pb)):
-            continue
-        sa = _most_bytes(a.shape, a.local.itemsize, a.degrees, a.placements, pa)
-        sb = _most_bytes(b.shape, b.local.itemsize, b.degrees, b.placements, pb)
-        out.append((pa, pb, pc, max(x + y for x, y in zip(sa, sb, strict=True))))
-    return sorted(out, key=lambda s: s[3])  # stable: RULES order among equal costs
+    found = strategies([a, b], (a.shape[0], b.shape[1]), [((ra, rb), rc) for ra, rb, rc in RULES])
+    return [(pa, pb, pc, n) for (pa, pb), pc, n in found]
 
 
 def matmul(a: GlobalTensor, b: GlobalTensor) -> GlobalTensor:
@@ -102,6 +125,65 @@ def matmul(a: GlobalTensor, b: GlobalTensor) -> GlobalTensor:
     pa, pb, pc, _ = matmul_strategies(a, b)[0]
     a2, b2 = redistribute(a, pa), redistribute(b, pb)
     return GlobalTensor(a2.local @ b2.local, (a.shape[0], b.shape[1]), a.mesh, a.axes, pc)
+
+
+# ---- elementwise add and mul with numpy broadcasting ------------------------------------------------------
+OPS = {"add": lambda x, y: x + y, "mul": lambda x, y: x * y}
+
+
+def check_elementwise(op: str, x: GlobalTensor, y: GlobalTensor) -> tuple[int, ...]:
+    """The broadcast output shape; ``ValueError`` for an unknown op, shapes numpy cannot broadcast, or
+    tensors on different meshes or axes."""
+    if op not in OPS:
+        raise ValueError(f"elementwise: op must be one of {sorted(OPS)}, got {op!r}")
+    try:
+        shape = tuple(int(n) for n in np.broadcast_shapes(x.shape, y.shape))
+    except ValueError:
+        raise ValueError(f"elementwise {op}: shapes {x.shape} and {y.shape} do not broadcast") from None
+    if x.mesh is not y.mesh or x.axes != y.axes:
+        raise ValueError(f"elementwise {op}: both tensors must be on the same mesh and axes, got {x.axes} and "
+                         f"{y.axes}; redistribute one first")
+    return shape
+
+
+def elementwise_rules(op: str, shapes: Sequence[Sequence[int]], out_shape: Sequence[int]
+                      ) -> list[tuple[tuple[Placement, ...], Placement]]:
+    """Per mesh axis, in tie-break order: output ``S(d)`` from each input split along the dimension that
+    becomes ``d`` (``B`` where the input broadcasts along ``d``: it has no such dimension or size 1 there);
+    ``P`` from ``P + P`` (add) or ``P * B``, ``B * P`` (mul: a product of two sums is not the sum of the
+    products, so ``P * P`` is redistributed first); ``B`` from ``B, B``."""
+    rules: list[tuple[tuple[Placement, ...], Placement]] = []
+    for d in range(len(out_shape)):
+        ins = []
+        for sh in shapes:
+            di = d - (len(out_shape) - len(sh))
+            ins.append(Shard(di) if di >= 0 and sh[di] != 1 else B)
+        rules.append((tuple(ins), Shard(d)))
+    rules += [((P, P), P)] if op == "add" else [((P, B), P), ((B, P), P)]
+    return [*rules, ((B, B), B)]
+
+
+def elementwise_strategies(op: str, x: GlobalTensor, y: GlobalTensor) -> list[Strategy]:
+    """``(x_needed, y_needed, out_placements, bytes)``, cheapest first (as ``matmul_strategies``)."""
+    shape = check_elementwise(op, x, y)
+    found = strategies([x, y], shape, elementwise_rules(op, [x.shape, y.shape], shape))
+    return [(px, py, pc, n) for (px, py), pc, n in found]
+
+
+def elementwise(op: str, x: GlobalTensor, y: GlobalTensor) -> GlobalTensor:
+    """``x + y`` (``op="add"``) or ``x * y`` (``"mul"``) with numpy broadcasting, by the cheapest strategy."""
+    shape = check_elementwise(op, x, y)
+    px, py, pc, _ = elementwise_strategies(op, x, y)[0]
+    local = OPS[op](redistribute(x, px).local, redistribute(y, py).local)
+    return GlobalTensor(np.ascontiguousarray(local), shape, x.mesh, x.axes, pc)
+
+
+def add(x: GlobalTensor, y: GlobalTensor) -> GlobalTensor:
+    return elementwise("add", x, y)
+
+
+def mul(x: GlobalTensor, y: GlobalTensor) -> GlobalTensor:
+    return elementwise("mul", x, y)
 
 
 def table_row(a: GlobalTensor, b: GlobalTensor) -> str:
