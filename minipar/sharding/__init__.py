@@ -13,12 +13,15 @@ placements picks the collective on that axis's traced communicator.
   ``to_global`` for tests and examples.
 - ``redistribute.py``: ``redistribute(t, placements)``: single-axis steps (all-reduce, reduce-scatter,
   all-gather, all-to-all, local slice, local zeroing) in a documented order; ``plan`` lists them.
+- ``propagate.py``: the output placement of a matmul and of elementwise add / mul from their inputs'
+  (OneFlow's SBP rules, per mesh axis as GSPMD does), the cheapest legal strategy chosen by bytes.
 - ``minipar/cost/sharding.py``: the bytes each step sends per rank, from the collective formulas.
 """
 
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard
+from minipar.sharding.propagate import add, matmul, matmul_strategies, mul
 from minipar.sharding.redistribute import Step, plan, redistribute
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 
-__all__ = ["GlobalTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "check_layout", "local_slices",
-           "plan", "redistribute"]
+__all__ = ["GlobalTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "add", "check_layout",
+           "local_slices", "matmul", "matmul_strategies", "mul", "plan", "redistribute"]
