@@ -291,3 +291,14 @@ def test_drawn_pairs_mpiexec(drawn: list[dict]) -> None:
     cases = [fixed, *drawn]
     for c, results in zip(cases, run_each(run_pairs, 4, cases, timeout=240, comm_timeout=60), strict=True):
         check_pairs(results, c["mesh_kw"], c["axes"], c["shape"], c["seed"])
+
+
+def scalar_loss(comm) -> tuple:
+    mesh = DeviceMesh(comm, tp=2)
+    t = GlobalTensor.from_global(np.array(3.0), mesh, ("tp",), [Partial()])  # a partial-sum loss
+    u = redistribute(t, [Replicate()])
+    return u.local.shape, float(u.local)
+
+
+def test_a_scalar_partial_sum_is_all_reduced_to_a_scalar() -> None:
+    assert launch(scalar_loss, 2, "threads") == [((), 3.0), ((), 3.0)]  # coordinate 0 held 3, the other 0

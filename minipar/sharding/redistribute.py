@@ -8,7 +8,9 @@ piece (``minipar.cost.sharding.TABLE``):
 - ``S(i) -> B``: all-gather along ``i``. ``S(i) -> S(j)``: all-to-all (split ``j``, gather ``i``).
 - ``B -> S(j)``: keep the local slice ``j`` (no message). ``B -> P``: coordinate 0 keeps its values,
   the others zero theirs (no message).
-- ``S(i) -> P``: two steps, all-gather to ``B`` then zero. ``P -> P``, ``B -> B``, ``S(i) -> S(i)``: nothing.
+- ``S(i) -> P``: two steps, all-gather to ``B`` then zero. (OneFlow pads its slice with zeros to the
+  full size instead: no message, the same memory; here the all-gather keeps every step one of the
+  table's collectives.) ``P -> P``, ``B -> B``, ``S(i) -> S(i)``: nothing.
 
 Order of the steps (``plan``). With the tile order of ``tensor.py`` (an earlier axis cuts larger
 blocks), a step on axis ``k`` is a plain collective only when ``k`` is the last axis sharding the
@@ -127,7 +129,8 @@ def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
 def redistribute(t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTensor:
     """The same global tensor over the same axes with ``placements`` (one per axis). A list that does
     not match the axes or splits a dimension unevenly raises ``ValueError`` on every rank before any
-    message."""
+    message. Where no step changes the piece (nothing to do, ``B -> P`` at coordinate 0) the result
+    shares the input's array, as DTensor returns the tensor itself: copy before writing into it."""
     placements = tuple(placements)
     check_layout(t.shape, t.mesh.shape, t.axes, placements)
     local, cur = t.local, list(t.placements)
@@ -135,5 +138,5 @@ def redistribute(t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTens
         _check_legal(step, cur)
         local = _apply(local, step, t)
         cur[step.axis] = step.dst
-    return GlobalTensor(np.ascontiguousarray(local), t.shape, t.mesh, t.axes, placements)
+    return GlobalTensor(np.require(local, requirements="C"), t.shape, t.mesh, t.axes, placements)  # 0-d stays 0-d
 

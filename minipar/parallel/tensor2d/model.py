@@ -88,6 +88,10 @@ class LayerNorm2D(Module):
         self.bias = vector_piece(d, grid, ("zeros",), dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.d // self.grid.q:  # before the statistics' all-reduce, on every rank alike
+            raise ValueError(f"LayerNorm2D: this rank's input block has {x.shape[-1]} features; a block of "
+                             f"{self.d} features on q={self.grid.q} has {self.d // self.grid.q} (split it with "
+                             "block())")
         return LayerNorm2DOp.apply(x, self.weight, self.bias, self.grid, self.d, self.eps)
 
 
