@@ -284,3 +284,21 @@ def test_linear_and_mlp_under_mpiexec() -> None:
         check(c, results, 2)
         if c["kind"] != "block":
             check_bytes(c, results, 2)
+
+
+def frozen_linear(comm, path: str) -> None:
+    lin = Linear2D(4, 8, DeviceMesh(comm, dp=2, tp=2))
+    for p in lin.parameters():
+        p.requires_grad = False
+    x = Tensor(np.ones((3, 2)), requires_grad=True)
+    with trace.record(path, comm=comm):
+        lin(x).sum().backward()
+
+
+def test_a_frozen_bias_sends_no_reduce_scatter(tmp_path) -> None:
+    """Only the input's gradient is wanted: SUMMA's dA (broadcasts down columns, a reduce along the row),
+    no weight or bias gradient and so no reduce-scatter (reviewer)."""
+    path = str(tmp_path / "t.json")
+    run(frozen_linear, 4, "threads", path=path)
+    ops = {e.op for e in trace.load(path).events if e.kind == "comm"}
+    assert "reduce_scatter" not in ops and {"broadcast", "reduce"} <= ops

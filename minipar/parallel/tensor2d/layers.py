@@ -76,6 +76,8 @@ class AddBias2D(Function):
 
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+        if not ctx.needs_input_grad[1]:  # a frozen bias: nothing to reduce (the same on every rank)
+            return grad, None, None
         partial = grad.reshape(-1, grad.shape[-1]).sum(axis=0)
         return grad, ctx.grid.col.reduce_scatter(partial, op="sum", algorithm=GATHER), None
 

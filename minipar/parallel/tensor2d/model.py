@@ -67,8 +67,11 @@ class LayerNorm2DOp(Function):
         (x,) = ctx.saved
         grid, n = ctx.grid, x.shape[-1]
         xhat, rstd = LayerNorm2DOp.stats(x, grid, ctx.d, ctx.eps)
-        d_gain = grid.col.reduce_scatter((g * xhat).reshape(-1, n).sum(axis=0), op="sum", algorithm=GATHER)
-        d_shift = grid.col.reduce_scatter(g.reshape(-1, n).sum(axis=0), op="sum", algorithm=GATHER)
+        need_gain, need_shift = ctx.needs_input_grad[1:3]  # frozen: no reduce-scatter (alike on every rank)
+        d_gain = grid.col.reduce_scatter((g * xhat).reshape(-1, n).sum(axis=0), op="sum",
+                                         algorithm=GATHER) if need_gain else None
+        d_shift = grid.col.reduce_scatter(g.reshape(-1, n).sum(axis=0), op="sum",
+                                          algorithm=GATHER) if need_shift else None
         gh = g * ctx.gain
         sums = grid.row.allreduce(np.stack([gh.sum(axis=-1), (gh * xhat).sum(axis=-1)]), op="sum",
                                   algorithm=REDUCE) / ctx.d
