@@ -1,0 +1,216 @@
+"""A linear layer on a q x q x q cube of ranks (Bian et al. 2021, 3-D tensor parallelism).
+
+``Y = X W`` with ``X`` (``B x K``, ``B`` = rows: the leading axis of the activation), ``W`` (``K x N``,
+``minipar.nn.Linear``'s layout). Cut ``B``, ``K`` and ``N`` into ``q`` blocks each; there are ``q^3``
+block products ``X_bk W_kn``, one per rank: rank ``(b, k, n)`` of the cube computes ``X_bk W_kn`` and
+the ``q`` ranks that share ``(b, n)`` add their products into ``Y_bn = sum_k X_bk W_kn``. This is the
+paper's layout (its Sec. 3: ``A`` split over two cube axes, ``B`` over two others, the product summed
+along the third), and Colossal-AI's ``Linear3D`` (the authors' implementation), whose input, weight
+and output "parallel modes" are the three axes below.
+
+Storage, each piece ``1/q^3`` of the whole:
+
+- ``X_bk`` is used by the ``q`` ranks ``(b, k, *)``; each stores a ``1/q`` slice of its rows: rank
+  ``(b, k, n)`` holds rows ``[b B/q + n B/q^2, ... + B/q^2)``, features ``[k K/q, (k+1) K/q)``
+  (``input_piece``). Forward all-gathers ``X_bk`` along the ``n`` axis (rows, in rank order).
+- ``W_kn`` is used by the ``q`` ranks ``(*, k, n)``; rank ``(b, k, n)`` holds rows
+  ``[k K/q + b K/q^2, ... + K/q^2)``, columns ``[n N/q, (n+1) N/q)`` of ``W``, initialised as that
+  slice of the single-process ``nn.Linear`` (``Parameter(full_shape=, shard=)``); forward all-gathers
+  ``W_kn`` along the ``b`` axis.
+- The partial ``X_bk W_kn`` is reduce-scattered along the ``k`` axis: rank ``(b, k, n)`` keeps rows
+  ``[b B/q + k B/q^2, ... + B/q^2)`` of ``Y_bn`` (``output_piece``).
+
+Backward is the transposed pattern (Colossal-AI's ``linear_3d`` backward): all-gather ``dY_bn`` along
+``k``; ``dX_bk`` partial ``dY_bn W_kn^T`` reduce-scattered along ``n`` (rows, the layout of ``X``'s
+piece); ``dW_kn`` partial ``X_bk^T dY_bn`` reduce-scattered along ``b`` (rows, the layout of ``W``'s
+piece). The gathered ``X_bk`` and ``W_kn`` are kept from forward.
+
+The output's piece is split like the input's with the roles of the ``k`` and ``n`` axes exchanged, so
+a second layer takes it as input with those two axes swapped (Colossal-AI swaps its input and output
+groups after every 3-D linear); this file provides the single layer.
+
+The cube is a ``minipar.mesh.DeviceMesh(comm, pp=q, dp=q, tp=q)`` (``sp = 1``): ``b``, ``k``, ``n``
+are the ``pp``, ``dp``, ``tp`` coordinates, so ``rank = (b q + k) q + n``, row-major as Colossal-AI
+numbers its cube. Any three of the mesh's four axes would do (their names are Megatron's, not the
+cube's, which ``Cube3D`` hides); these three leave ``sp``, whose pair group ``("dp", "sp")`` the mesh
+builds anyway, at degree 1, and a trace tells the three collectives apart by ``mesh.axis_of``: the
+input's all-gather is ``tp``, the weight's ``pp``, the output's reduce-scatter ``dp``.
+
+Bias (optional). ``Y``'s piece on rank ``(b, k, n)`` needs ``b_n``, the ``N/q`` entries of column
+block ``n``, on all ``q^2`` ranks ``(*, *, n)``. Each stores a ``1/q^2`` piece of ``b_n`` (entries
+``[n N/q + (b q + k) N/q^3, ...)``, so the bias too is ``1/q^3`` per rank; ``N`` a multiple of
+``q^3``); forward all-gathers the piece along ``k`` (``N/q^2`` entries) and that along ``b``
+(``b_n``); backward reduce-scatters the rows' sum of ``dY``'s piece along ``b`` and then along ``k``,
+leaving each rank the gradient of its own piece. (Colossal-AI instead keeps ``b_n`` whole on one rank
+of each line and broadcasts it; splitting it keeps every parameter at exactly ``1/q^3``.)
+Bytes per rank and memory per rank: ``minipar.cost.tensor3d``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from minipar.autograd import Context, Function, Tensor
+from minipar.mesh import DeviceMesh
+from minipar.nn import Module, Parameter
+
+RING = "ring"  # all-gathers and reduce-scatters (comm/ring.py): every message is in the trace
+
+
+def check_cube(world: int) -> int:
+    """``q`` with ``q^3 == world``; ``ValueError`` naming the nearest cubes otherwise (raised on every
+    rank alike, before any message)."""
+    q = round(world ** (1 / 3)) if world > 0 else 0
+    if world < 1 or q ** 3 != world:
+        lo = max(int(world ** (1 / 3)), 2) if world > 0 else 2
+        near = " or ".join(str(s) for s in sorted({lo ** 3, (lo + 1) ** 3}))
+        raise ValueError(f"3-D tensor parallelism runs on a q x q x q cube; the world has {world} ranks, not a "
+                         f"cube: launch {near} ranks")
+    return q
+
+
+class Cube3D:
+    """This rank's place ``(b, k, n)`` on the ``q x q x q`` cube and the communicators along each
+    axis: ``along_b`` (``mesh["pp"]``, rank ``b`` inside it), ``along_k`` (``mesh["dp"]``), ``along_n``
+    (``mesh["tp"]``). Built from a ``DeviceMesh`` with ``pp = dp = tp = q`` and ``sp = 1``."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        d = {a: mesh.degree(a) for a in ("pp", "dp", "sp", "tp")}
+        if not d["pp"] == d["dp"] == d["tp"] or d["sp"] != 1:
+            raise ValueError(f"3-D tensor parallelism needs a mesh with pp = dp = tp = q (the cube's axes) and "
+                             f"sp = 1; got {d}: build DeviceMesh(comm, pp=q, dp=q, tp=q) or use cube_3d(comm)")
+        self.mesh, self.q = mesh, d["tp"]
+        self.b, self.k, self.n = mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]
+        self.along_b, self.along_k, self.along_n = mesh["pp"], mesh["dp"], mesh["tp"]
+        assert (self.along_b.rank, self.along_k.rank, self.along_n.rank) == (self.b, self.k, self.n)
+
+    def __repr__(self) -> str:
+        return f"Cube3D(q={self.q}, b={self.b}, k={self.k}, n={self.n})"
+
+
+def cube_3d(comm: Any) -> Cube3D:
+    """The ``q x q x q`` cube of ``comm``'s ranks; a world that is not a cube is refused on every rank
+    before the mesh sends its first message."""
+    q = check_cube(comm.size)
+    return Cube3D(DeviceMesh(comm, pp=q, dp=q, tp=q))
+
+
+def as_cube(mesh: DeviceMesh | Cube3D) -> Cube3D:
+    return mesh if isinstance(mesh, Cube3D) else Cube3D(mesh)
+
+
+def check_divisible(n: int, by: int, what: str, fix: str) -> None:
+    """``ValueError`` naming ``what`` and the ``fix`` unless ``by`` divides ``n`` (no message is sent)."""
+    if n % by:
+        raise ValueError(f"3-D tensor parallelism: {what}={n} is not a multiple of {by}; {fix}")
+
+
+def _piece(x: np.ndarray, cube: Cube3D, row_block: int, sub: int, col_block: int) -> np.ndarray:
+    q = cube.q
+    check_divisible(x.shape[0], q * q, "batch", f"choose the leading axis as a multiple of q^2={q * q}")
+    check_divisible(x.shape[-1], q, "features", f"choose the width as a multiple of q={q}")
+    r, c = x.shape[0] // (q * q), x.shape[-1] // q
+    lo = (row_block * q + sub) * r
+    return np.ascontiguousarray(x[lo:lo + r, ..., col_block * c:(col_block + 1) * c])
+
+
+def input_piece(x: np.ndarray, cube: Cube3D) -> np.ndarray:
+    """Rank ``(b, k, n)``'s piece of a whole input: rows ``[b B/q + n B/q^2, ...)`` of axis 0, features
+    (last axis) block ``k``. Refuses a leading axis not divisible by ``q^2`` or a width by ``q``."""
+    return _piece(x, cube, cube.b, cube.n, cube.k)
+
+
+def output_piece(y: np.ndarray, cube: Cube3D) -> np.ndarray:
+    """Rank ``(b, k, n)``'s piece of a whole output: rows ``[b B/q + k B/q^2, ...)``, features block ``n``."""
+    return _piece(y, cube, cube.b, cube.k, cube.n)
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Matmul3D(Function):
+    """``Y = X W`` on the cube (module docstring): ``x`` this rank's input piece, ``w`` its weight
+    piece; returns its output piece. A gradient nobody asked for is neither computed nor sent (every
+    rank must ask for the same ones). Call as ``Matmul3D.apply(x, w, cube)``."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, w: np.ndarray, cube: Cube3D) -> np.ndarray:
+        xg = cube.along_n.allgather(x, algorithm=RING)  # X_bk
+        wg = cube.along_b.allgather(w, algorithm=RING)  # W_kn
+        ctx.cube = cube
+        ctx.save_for_backward(xg, wg)
+        return cube.along_k.reduce_scatter(xg @ wg, op="sum", algorithm=RING)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, None]:
+        xg, wg = ctx.saved
+        cube = ctx.cube
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_x or need_w):
+            return None, None, None
+        dy = cube.along_k.allgather(np.ascontiguousarray(grad), algorithm=RING)  # dY_bn
+        dx = cube.along_n.reduce_scatter(dy @ wg.T, op="sum", algorithm=RING) if need_x else None
+        dw = cube.along_b.reduce_scatter(_rows(xg).T @ _rows(dy), op="sum", algorithm=RING) if need_w else None
+        return dx, dw, None
+
+
+class AddBias3D(Function):
+    """``Y + b_n`` on the cube (module docstring): all-gather the bias piece along ``k`` then ``b``
+    forward; reduce-scatter the rows' sum of ``dY`` along ``b`` then ``k`` backward (a frozen bias sends
+    nothing). Adds into ``y``'s own array: only for ``Matmul3D``'s fresh output. Call as
+    ``AddBias3D.apply(y, bias_piece, cube)``."""
+
+    @staticmethod
+    def forward(ctx: Context, y: np.ndarray, piece: np.ndarray, cube: Cube3D) -> np.ndarray:
+        ctx.cube = cube
+        y += cube.along_b.allgather(cube.along_k.allgather(piece, algorithm=RING), algorithm=RING)
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, None]:
+        if not ctx.needs_input_grad[1]:
+            return grad, None, None
+        cube = ctx.cube
+        partial = _rows(grad).sum(axis=0)
+        half = cube.along_b.reduce_scatter(partial, op="sum", algorithm=RING)
+        return grad, cube.along_k.reduce_scatter(half, op="sum", algorithm=RING), None
+
+
+class Linear3D(Module):
+    """``Y = X W`` on the ``q x q x q`` cube of ``mesh`` (a ``DeviceMesh(comm, pp=q, dp=q, tp=q)`` or a
+    ``Cube3D``): this rank holds ``W``'s piece (``in/q^2 x out/q``, module docstring); ``forward``
+    takes an ``input_piece`` and returns an ``output_piece``. ``in_features`` must be a multiple of
+    ``q^2`` and ``out_features`` of ``q`` (``q^3`` with a bias); refused when built, before any
+    message. Parameter names and initialisation are ``nn.Linear``'s."""
+
+    def __init__(self, in_features: int, out_features: int, mesh: DeviceMesh | Cube3D, bias: bool = False,
+                 dtype: Any = np.float64) -> None:
+        cube = as_cube(mesh)
+        q = cube.q
+        check_divisible(in_features, q * q, "in_features", f"choose it as a multiple of q^2={q * q}")
+        by = q ** 3 if bias else q
+        why = " (the bias is split q^3 ways)" if bias else ""
+        check_divisible(out_features, by, "out_features", f"choose it as a multiple of {by}{why}")
+        self.cube, self.in_features, self.out_features = cube, in_features, out_features
+        k, n = in_features // (q * q), out_features // q
+        lo = (cube.k * q + cube.b) * k
+        bound = 1.0 / np.sqrt(in_features)  # the full fan-in, as nn.Linear
+        self.weight = Parameter((k, n), ("uniform", bound), dtype, full_shape=(in_features, out_features),
+                                shard=(slice(lo, lo + k), slice(cube.n * n, (cube.n + 1) * n)))
+        self.bias = None
+        if bias:
+            m = out_features // q ** 3
+            lo = cube.n * n + (cube.b * q + cube.k) * m
+            self.bias = Parameter((m,), ("uniform", bound), dtype, full_shape=(out_features,),
+                                  shard=(slice(lo, lo + m),))
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = self.in_features // self.cube.q
+        if x.shape[-1] != k:
+            raise ValueError(f"Linear3D: this rank's input piece has {x.shape[-1]} features; a piece of "
+                             f"{self.in_features} features on q={self.cube.q} has {k} (split it with input_piece())")
+        y = Matmul3D.apply(x, self.weight, self.cube)
+        return AddBias3D.apply(y, self.bias, self.cube) if self.bias is not None else y
