@@ -18,6 +18,7 @@
 - ``hybrid.py``: HybridGPT's exact bytes per mesh axis per rank, model states, activation peak.
 - ``sharding.py``: global tensors: the collective each placement change needs and its bytes per rank.
 - ``tensor2d.py``: 2-D (SUMMA) tensor parallelism: bytes per rank of a linear, an MLP, a block.
+- ``tensor3d.py``: 3-D tensor parallelism on a q x q x q cube: bytes per rank of a linear.
 - ``calibrate`` (``minipar/calibrate.py``, not here: it measures) writes the cluster files ``perf`` reads.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in
