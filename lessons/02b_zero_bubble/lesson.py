@@ -52,16 +52,14 @@ simulator column, not the measured one, with the formula.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import plotly.graph_objects as go
 from rich.console import Console
-from rich.table import Table
 
+from lessons import load
 from lessons.common import console as make_console
 from lessons.common import finish, one_process, run_ranks, time_sharing
 from minipar import datasets
@@ -71,7 +69,6 @@ from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel import pipeline as pp
 from minipar.parallel.pipeline import KINDS, Pipeline, Schedule, gpt, gpt_layer_counts, make_schedule, simulate
-from viz import style
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8  # lesson 2's tiny GPT
 BATCH, MICROBATCHES, LR = 32, 8, 3e-3
@@ -81,11 +78,9 @@ ASYNC = ("pipedream", "2bw")  # asynchronous: a stage's update (U) inside the st
 STASHING = {"pipedream": "forward and backward on the same version: weight stashing; one update per micro-batch",
             "2bw": "each group of micro-batches on the version one update behind the newest: the double buffer"}
 PIPELINE_OPS = ("F", "B", "I", "W", "U")
-RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only", "chimera": "F=B only"}  # where the idle formula holds
 OUT = Path("runs/02b_zero_bubble")
-_spec = importlib.util.spec_from_file_location("lessons.l02b_chimera", Path(__file__).with_name("chimera_part.py"))
-chimera = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(chimera)
+chimera = load("02b_zero_bubble", "chimera_part.py")
+tables = load("02b_zero_bubble", "tables.py")  # the lesson's tables and the report's figures of them
 MODEL = {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS, "blocks": BLOCKS}
 
 
@@ -226,99 +221,6 @@ def analyse(trace_path: str | os.PathLike[str]) -> dict[str, Any]:
             "formula_peak": formula_peaks(kind, p, m), "versions": versions}
 
 
-def _ints(xs: list[int] | None) -> str:
-    return "no formula" if xs is None else " ".join(map(str, xs))
-
-
-def unit_table(rows: list[dict[str, Any]], p: int) -> Table:
-    """(1)/(3): the schedules simulated with unit costs against the formulas."""
-    table = Table(title=f"(1) simulated, F = I = W = 1 (B = 2), p = {p}: idle per rank, stash and weight versions "
-                  "vs the formulas", title_justify="left")
-    for col in ("schedule", "step", "idle per rank", "formula", "peak stash", "formula", "weight versions",
-                "formula"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        formula = RANGE.get(row["kind"], "no formula") if row["formula"] is None else f"{row['formula']:g}"
-        kind = row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else "")
-        table.add_row(kind, f"{row['makespan']:g}", " ".join(f"{x:g}" for x in row["idle"]), formula,
-                      _ints(row["peak"]), _ints(row["formula_peak"]), _ints(row["versions"]),
-                      _ints(row["formula_versions"]))
-    table.caption = ("stash: micro-batches held from their F to their W (B); with chunks, chunk-micro-batches (each "
-                     "half a rank's share: 2p weigh what p whole ones do). Versions per stage: PipeDream p - r, "
-                     "2BW 2, synchronous 1. PipeDream and 2BW run 1F1B's order: 1F1B's formulas; Chimera: "
-                     "both directions' micro-batches on a rank")
-    return table
-
-
-def measured_table(rows: list[dict[str, Any]]) -> Table:
-    """(2)/(3): the real runs, last step, against the simulator and the formula fed with their durations."""
-    table = Table(title="(2) measured, last step: idle per rank (mean over ranks) and stash; F, B = I + W and W "
-                  "are medians per action", title_justify="left")
-    for col in ("schedule", "F / B / W (ms)", "step", "idle", "simulator", "formula", "peak stash", "formula",
-                "versions"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        durations = " / ".join(f"{1e3 * x:.1f}" for x in (row["F"], row["B"], row["W"]) if x is not None)
-        formula = f"{1e3 * row['formula']:.0f} ms" if row["formula"] is not None else (
-            RANGE.get(row["kind"], "no formula"))
-        idle, sim_idle = (f"{1e3 * np.mean(row[k]):.0f} ms" for k in ("idle", "sim_idle"))
-        table.add_row(row["kind"], durations, f"{1e3 * row['step']:.0f} ms", idle, sim_idle, formula,
-                      _ints(row["peak"]), _ints(row["formula_peak"]), _ints(row["versions"]))
-    table.caption = ("idle: measured in the trace; simulator: the schedule replayed with the measured durations; "
-                     "formula: cost.pipeline.bubble_time with their means; versions: the most each stage held "
-                     "(recorded at its updates)")
-    return table
-
-
-def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) -> go.Figure:
-    """The lesson's table for the report: per schedule, unit-cost and measured idle and stash vs the formulas."""
-    by_kind = {row["kind"]: row for row in measured}
-
-    def fmt(x: float | None, scale: float = 1.0, unit: str = "", kind: str = "") -> str:
-        if x is None:  # ZB-V's (p-1) F holds for F = I = W only
-            return RANGE.get(kind, "no formula")
-        return f"{scale * x:.3g}{unit}"
-
-    cols: dict[str, list[str]] = {k: [] for k in (
-        "schedule", "idle per rank, F=I=W=1", "formula", "peak stash per rank", "stash formula", "weight versions per "
-        "stage: simulated | measured", "versions formula", "idle measured (mean)", "simulator, measured durations",
-        "formula, measured durations")}
-    for row in units:
-        meas = by_kind.get(row["kind"], {"versions": None, "idle": [], "sim_idle": [], "formula": None})
-        values = (row["kind"], " ".join(f"{x:g}" for x in row["idle"]), fmt(row["formula"], kind=row["kind"]),
-                  _ints(row["peak"]), _ints(row["formula_peak"]), f"{_ints(row['versions'])} | "
-                  f"{_ints(meas['versions']) if meas['versions'] else '-'}", _ints(row["formula_versions"]),
-                  *(fmt(np.mean(meas[k]), 1e3, " ms") if meas[k] else "-" for k in ("idle", "sim_idle")),
-                  fmt(meas["formula"], 1e3, " ms", row["kind"]) if meas["idle"] else "-")
-        for key, value in zip(cols, values, strict=True):
-            cols[key].append(value)
-    fig = go.Figure(go.Table(header={"values": list(cols), "fill_color": "#E8EAF0", "align": "left"},
-                             cells={"values": list(cols.values()), "align": "left"}))
-    fig.update_layout(height=90 + 24 * len(units), margin={"l": 20, "r": 20, "t": 10, "b": 0})
-    return fig
-
-
-def versions_figure(kinds: list[str]) -> go.Figure:
-    """Per asynchronous schedule, the weight versions each stage holds over the measured last step (the
-    runtime's ``weight_versions`` samples: at each update and each release), one line per stage."""
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=kinds, shared_yaxes=True)
-    for col, kind in enumerate(kinds, 1):
-        trace = mtrace.load(OUT / f"{kind}.json")
-        t0 = min(e.t0 for e in trace.events if e.kind == "compute")
-        for s in range(trace.meta["p"]):
-            held = trace.select("memory", name="weight_versions", stage=s)
-            samples = sorted((e.t0, e.args["versions"]) for e in held)
-            fig.add_scatter(x=[0.0] + [1e3 * (t - t0) for t, _ in samples], y=[1] + [v for _, v in samples],
-                            mode="lines", line={"shape": "hv", "color": style.rank_color(s)}, name=f"stage {s}",
-                            legendgroup=f"stage {s}", showlegend=col == 1, row=1, col=col)
-        fig.update_xaxes(title_text="time in the step (ms)", row=1, col=col)
-    fig.update_yaxes(title_text="weight versions held", dtick=1, row=1, col=1)
-    fig.update_layout(height=330, margin={"l": 60, "r": 20, "t": 40, "b": 40})
-    return fig
-
-
 def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
     """What is wrong with running the lesson on ``p`` ranks, or None."""
     if p < 2 or 2 * p > BLOCKS or microbatches < p:
@@ -351,7 +253,8 @@ def run(comm: Any, steps: int, m: int) -> None:
         if chimera.KIND in runs:  # the lesson's costs (F = 1, B = I + W = 2), then the paper's equal slots
             units += chimera.unit_rows(p, m, UNIT["forward"], UNIT["input"] + UNIT["weight"], OUT / "simulated")
         print_unit_timelines(console, units)
-        console.print(unit_table(units, p), *[chimera.claim(units, p, m)] * (chimera.KIND in runs), highlight=False)
+        console.print(tables.unit_table(units, p), *[chimera.claim(units, p, m)] * (chimera.KIND in runs),
+                      highlight=False)
     rows, losses, paths, seen = [], {}, [], {}
     for kind in runs:
         path, is_chimera = OUT / f"{kind}.json", kind == chimera.KIND
@@ -368,7 +271,7 @@ def run(comm: Any, steps: int, m: int) -> None:
     if note:
         console.print(f"[yellow]note:[/yellow] {note}: compare the simulator column with the formula.",
                       highlight=False)
-    console.print(measured_table(rows))
+    console.print(tables.measured_table(rows))
     print_claims(console, losses, seen, reference(steps), m)
     from viz import figures
 
@@ -377,10 +280,11 @@ def run(comm: Any, steps: int, m: int) -> None:
                                                                for row in shown])
     extra = [("(1) simulated with unit costs F = I = W = 1 (1F1B: B = 2), one time axis: ZB-H1's W's "
               "(teal) fill 1F1B's cool-down; Chimera's up pipeline lighter and hatched (F4↑)", sim_fig),
-             ("(3) idle per rank, stash and weight versions per schedule vs the formulas", table_figure(units, rows))]
+             ("(3) idle per rank, stash and weight versions per schedule vs the formulas",
+              tables.table_figure(units, rows))]
     if any(k in ASYNC for k in kinds):
         extra.append(("weight versions each stage holds over the last step (measured): PipeDream p - r, 2BW 2",
-                      versions_figure([k for k in kinds if k in ASYNC])))
+                      tables.versions_figure(OUT, [k for k in kinds if k in ASYNC])))
     if chimera.KIND in runs:
         chimera.print_measured(console, OUT / "chimera.json")
     console.rule("[bold]ZB-H1 timeline (last step, measured)")

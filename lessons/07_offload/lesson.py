@@ -38,7 +38,6 @@ summary, step time vs budget per method. Writes runs/07_offload/*.json, sweep/*.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from lessons import load
 from lessons.common import console as make_console
 from lessons.common import finish, lesson_parser, run_ranks, time_sharing
 from minipar import datasets
@@ -71,15 +71,8 @@ NVME_WORKERS = 1  # I/O threads per rank (one keeps the order of reads easy to f
 OUT = Path("runs/07_offload")
 
 
-def _part(name: str, file: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-part2 = _part("lessons.l07_part2", "infinity_chunks.py")  # ZeRO-Infinity and PatrickStar's chunks
-part3 = _part("lessons.l07_part3", "sweep.py")  # step time vs device budget, per method
+part2 = load("07_offload", "infinity_chunks.py")  # ZeRO-Infinity and PatrickStar's chunks
+part3 = load("07_offload", "sweep.py")  # step time vs device budget, per method
 TITLES = {"infinity": "ZeRO-Infinity", "tour": "memory tiers (tour)"}
 RUNS = {"zero2": "ZeRO-2, in device memory", "offload": "ZeRO-Offload", "mixed": "ZeRO-Offload, mixed precision",
         "dpu": "ZeRO-Offload + DPU"}
