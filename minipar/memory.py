@@ -8,6 +8,8 @@ the arrays themselves, not from a formula.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from minipar import autograd
@@ -17,6 +19,19 @@ from minipar.autograd import Tensor
 def seq_mark() -> int:
     """A number above the ``_seq`` of every tensor made so far, below every later one's."""
     return next(autograd._seq)
+
+
+def base_buffer(a: np.ndarray) -> np.ndarray:
+    """The array that owns ``a``'s memory (``a`` itself, or the base of the view it is)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def saved_arrays(ctx: Any) -> tuple[Any, ...]:
+    """What a ``Function``'s context keeps for backward: ``save_for_backward``'s values and its
+    attributes (None: a primitive op's node, whose closure is not counted)."""
+    return (*ctx.saved, *vars(ctx).values()) if ctx is not None else ()
 
 
 def held_buffers(root: Tensor, since: int = 0) -> dict[int, tuple[int, int]]:
@@ -31,21 +46,14 @@ def held_buffers(root: Tensor, since: int = 0) -> dict[int, tuple[int, int]]:
     against formulas (layer norm, GELU, attention, the parallel linears) are ``Function``s.
     Cost: one walk over the nodes made since ``since``.
     """
-    def owner(a: np.ndarray) -> np.ndarray:
-        while isinstance(a.base, np.ndarray):
-            a = a.base
-        return a
-
     own: dict[int, tuple[int, int]] = {}
     elsewhere, seen, stack = set(), {id(root)}, [root]
     while stack:
         node = stack.pop()
         if node.is_leaf or node._seq < since:
-            elsewhere.add(id(owner(node.data)))
+            elsewhere.add(id(base_buffer(node.data)))
             continue
-        ctx = node._ctx
-        saved = (*ctx.saved, *vars(ctx).values()) if ctx is not None else ()
-        for buf in (owner(a) for a in (node.data, *saved) if isinstance(a, np.ndarray)):
+        for buf in (base_buffer(a) for a in (node.data, *saved_arrays(node._ctx)) if isinstance(a, np.ndarray)):
             if id(buf) not in own or node._seq < own[id(buf)][0]:
                 own[id(buf)] = (node._seq, buf.nbytes)
         for p in node._parents:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from minipar.autograd import Context, Tensor
+from minipar.memory import base_buffer, saved_arrays
 
 
 class WeightGradients:
@@ -89,18 +90,11 @@ class WeightGradients:
         """Bytes held until ``run``: the kept output gradients and what the kept ops saved
         (``memory.held_buffers``' rule: each buffer once, a view counts its base; the weights
         themselves excluded)."""
-        weights = {id(_base(w.data)) for w in self.weights.values()}
-        bufs: dict[int, int] = {}
+        weights = {id(base_buffer(w.data)) for w in self.weights.values()}
         kept = [pg for item in self._order if not isinstance(item, int) for _, pg in item]
-        for a in kept:
-            if isinstance(a, np.ndarray):
-                bufs[id(_base(a))] = _base(a).nbytes
-        for _, ctx, _, g in self._work:
-            saved = (*ctx.saved, *vars(ctx).values()) if ctx is not None else ()
-            for a in (g, *saved):
-                if isinstance(a, np.ndarray) and id(_base(a)) not in weights:
-                    bufs[id(_base(a))] = _base(a).nbytes
-        return sum(bufs.values())
+        kept += [a for _, ctx, _, g in self._work for a in (g, *saved_arrays(ctx))]
+        bufs = {id(b): b.nbytes for b in (base_buffer(a) for a in kept if isinstance(a, np.ndarray))}
+        return sum(n for key, n in bufs.items() if key not in weights)
 
 
 def _call(backward: Callable, ctx: Context, g: np.ndarray, want: list[bool]) -> Sequence[np.ndarray | None]:
@@ -115,8 +109,3 @@ def _call(backward: Callable, ctx: Context, g: np.ndarray, want: list[bool]) -> 
     finally:
         ctx.needs_input_grad = before
 
-
-def _base(a: np.ndarray) -> np.ndarray:
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
