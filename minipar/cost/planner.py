@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minipar.cost.cluster import Cluster
-from minipar.cost.perf import UNEVEN, GiB, Layout, ModelSpec, Prediction, memory_bytes, predict, stage_blocks
+from minipar.cost.layout import UNEVEN, Layout, ModelSpec
+from minipar.cost.perf import GiB, Prediction, memory_bytes, predict, stage_blocks
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: Table 1's small rows (Narayanan et al. 2021, run_table_1.sh)
 ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 with pp = 1 only (module docstring)
