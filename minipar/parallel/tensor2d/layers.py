@@ -38,10 +38,18 @@ def as_grid(mesh: DeviceMesh | Grid2D) -> Grid2D:
     return mesh if isinstance(mesh, Grid2D) else Grid2D(mesh)
 
 
-def check_divisible(n: int, by: int, what: str, fix: str) -> None:
+def check_divisible(n: int, by: int, what: str, fix: str, who: str = "2-D tensor parallelism") -> None:
     """``ValueError`` naming ``what`` and the ``fix`` unless ``by`` divides ``n`` (no message is sent)."""
     if n % by:
-        raise ValueError(f"2-D tensor parallelism: {what}={n} is not a multiple of {by}; {fix}")
+        raise ValueError(f"{who}: {what}={n} is not a multiple of {by}; {fix}")
+
+
+def check_width(x: Tensor, width: int, of: int, q: int, who: str, split_with: str, unit: str = "block") -> None:
+    """``ValueError`` (before any message) unless this rank's input ``unit`` ``x`` has ``width`` features,
+    its share of ``of`` features on ``q``."""
+    if x.shape[-1] != width:
+        raise ValueError(f"{who}: this rank's input {unit} has {x.shape[-1]} features; a {unit} of {of} features "
+                         f"on q={q} has {width} (split it with {split_with}())")
 
 
 def block(x: np.ndarray, grid: Grid2D) -> np.ndarray:
@@ -105,10 +113,7 @@ class Linear2D(Module):
         self.bias = vector_piece(out_features, grid, ("uniform", bound), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        k = self.in_features // self.grid.q
-        if x.shape[-1] != k:
-            raise ValueError(f"Linear2D: this rank's input block has {x.shape[-1]} features; a block of "
-                             f"{self.in_features} features on q={self.grid.q} has {k} (split it with block())")
+        check_width(x, self.in_features // self.grid.q, self.in_features, self.grid.q, "Linear2D", "block")
         y = Summa.apply(x, self.weight, self.grid)
         return AddBias2D.apply(y, self.bias, self.grid) if self.bias is not None else y
 

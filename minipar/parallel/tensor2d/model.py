@@ -27,7 +27,15 @@ from minipar import functional as F
 from minipar.autograd import Context, Function, Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module
-from minipar.parallel.tensor2d.layers import GATHER, MLP2D, Linear2D, as_grid, check_divisible, vector_piece
+from minipar.parallel.tensor2d.layers import (
+    GATHER,
+    MLP2D,
+    Linear2D,
+    as_grid,
+    check_divisible,
+    check_width,
+    vector_piece,
+)
 from minipar.parallel.tensor2d.summa import Grid2D
 
 REDUCE = "ring"  # the layer norm's row all-reduces
@@ -91,10 +99,7 @@ class LayerNorm2D(Module):
         self.bias = vector_piece(d, grid, ("zeros",), dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.d // self.grid.q:  # before the statistics' all-reduce, on every rank alike
-            raise ValueError(f"LayerNorm2D: this rank's input block has {x.shape[-1]} features; a block of "
-                             f"{self.d} features on q={self.grid.q} has {self.d // self.grid.q} (split it with "
-                             "block())")
+        check_width(x, self.d // self.grid.q, self.d, self.grid.q, "LayerNorm2D", "block")  # before the all-reduce
         return LayerNorm2DOp.apply(x, self.weight, self.bias, self.grid, self.d, self.eps)
 
 

@@ -55,6 +55,8 @@ import numpy as np
 from minipar.autograd import Context, Function, Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module, Parameter
+from minipar.parallel.tensor2d.layers import check_divisible as check_2d
+from minipar.parallel.tensor2d.layers import check_width
 
 RING = "ring"  # all-gathers and reduce-scatters (comm/ring.py): every message is in the trace
 
@@ -102,9 +104,8 @@ def as_cube(mesh: DeviceMesh | Cube3D) -> Cube3D:
 
 
 def check_divisible(n: int, by: int, what: str, fix: str) -> None:
-    """``ValueError`` naming ``what`` and the ``fix`` unless ``by`` divides ``n`` (no message is sent)."""
-    if n % by:
-        raise ValueError(f"3-D tensor parallelism: {what}={n} is not a multiple of {by}; {fix}")
+    """``tensor2d``'s check, named for 3-D tensor parallelism."""
+    check_2d(n, by, what, fix, who="3-D tensor parallelism")
 
 
 def _piece(x: np.ndarray, cube: Cube3D, row_block: int, sub: int, col_block: int) -> np.ndarray:
@@ -208,9 +209,7 @@ class Linear3D(Module):
                                   shard=(slice(lo, lo + m),))
 
     def forward(self, x: Tensor) -> Tensor:
-        k = self.in_features // self.cube.q
-        if x.shape[-1] != k:
-            raise ValueError(f"Linear3D: this rank's input piece has {x.shape[-1]} features; a piece of "
-                             f"{self.in_features} features on q={self.cube.q} has {k} (split it with input_piece())")
+        check_width(x, self.in_features // self.cube.q, self.in_features, self.cube.q, "Linear3D", "input_piece",
+                    "piece")
         y = Matmul3D.apply(x, self.weight, self.cube)
         return AddBias3D.apply(y, self.bias, self.cube) if self.bias is not None else y
