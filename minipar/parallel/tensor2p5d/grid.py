@@ -44,7 +44,7 @@ def check_world(world: int, depth: int) -> int:
         raise ValueError(f"{WHO}: the depth d must be an int >= 1, got {depth!r}")
     q = math.isqrt(world // depth) if world >= depth else 0
     if world < 1 or depth * q * q != world:
-        near = sorted({depth * s * s for s in (max(q, 1), q + 1) if s >= 1})
+        near = sorted({depth * s * s for s in (q, q + 1) if s >= 2})
         raise ValueError(f"{WHO} runs on d q^2 ranks (d={depth} stacked q x q grids); the world has {world} "
                          f"ranks, not {depth} x a square: launch {' or '.join(map(str, near))} ranks "
                          f"(mpiexec -n {near[-1]}), or choose a depth d with world / d a square")
