@@ -2,10 +2,13 @@
 
 On 8 ranks (q = 2), ``Linear3D`` (with and without bias, with and without the input's gradient) gives
 the output and the input, weight and bias gradients of ``nn.Linear`` on the whole arrays, piece by
-piece (each piece sliced here by hand from the rank number). Each rank's bytes in the trace equal a
+piece (each piece sliced here by hand from the rank number); ``MLP3D`` and ``Block3D`` give
+``nn.FeedForward``'s and ``nn.Block``'s initial parameters, output, loss, input gradient, every
+parameter gradient and the parameters after one AdamW step. Each rank's bytes in the trace equal a
 count by hand (every collective is a ring on 2 ranks: a rank sends its own half once) and
-``minipar.cost.tensor3d``; each rank holds exactly 1/q^3 of the weight and of the bias. Bad
-configurations are refused on every rank before any message (and without touching the communicator).
+``minipar.cost.tensor3d``; each rank holds exactly 1/q^3 of every parameter, and of every activation
+the single-process module keeps plus the gathered buffers counted by hand. Bad configurations are
+refused on every rank before any message (and without touching the communicator).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget
 from tp_helpers import rand, summarise
@@ -22,10 +25,20 @@ from zero_helpers import attempt
 
 from minipar import trace
 from minipar.autograd import Tensor
-from minipar.cost.tensor3d import linear3d_bytes, linear3d_parameters, linear3d_total_bytes
+from minipar.cost.tensor import layer_terms
+from minipar.cost.tensor3d import (
+    block3d_activation_bytes,
+    block3d_bytes,
+    block3d_parameters,
+    linear3d_bytes,
+    linear3d_parameters,
+    linear3d_total_bytes,
+)
+from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
-from minipar.nn import Linear
-from minipar.parallel.tensor3d import Cube3D, Linear3D, cube_3d, input_piece, output_piece
+from minipar.nn import Block, FeedForward, Linear
+from minipar.optim import AdamW
+from minipar.parallel.tensor3d import MLP3D, Block3D, Cube3D, LayerNorm3D, Linear3D, cube_3d, input_piece, output_piece
 from minipar.testing import run
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -148,7 +161,9 @@ def refusals(comm, world_ok: bool) -> list[tuple[str, int, list[str]]]:
     bad = [lambda _: Linear3D(6, 4, cube), lambda _: Linear3D(8, 3, cube),
            lambda _: Linear3D(8, 4, cube, bias=True),  # the bias is split q^3 = 8 ways
            lambda _: input_piece(np.zeros((6, 8)), cube), lambda _: input_piece(np.zeros((4, 7)), cube),
-           lambda _: layer(Tensor(np.zeros((1, 8)))), lambda _: Cube3D(mesh)]
+           lambda _: layer(Tensor(np.zeros((1, 8)))), lambda _: Cube3D(mesh),
+           lambda _: Block3D(12, 2, cube), lambda _: Block3D(16, 3, cube, 16), lambda _: MLP3D(8, 12, cube),
+           lambda _: LayerNorm3D(8, cube)(Tensor(np.zeros((1, 8))))]
     return [attempt(comm, make) for make in bad]
 
 
@@ -162,9 +177,11 @@ def test_bad_configurations_refused_before_any_message() -> None:
     wants = ["in_features=6 is not a multiple of 4", "out_features=3 is not a multiple of 2",
              "out_features=4 is not a multiple of 8",
              "batch=6 is not a multiple of 4", "features=7 is not a multiple of 2", "input piece has 8 features",
-             "sp = 1"]
+             "sp = 1", "d_model=12 is not a multiple of q^3=8", "n_heads=3 is not a multiple of q=2",
+             "d_ff=12 is not a multiple of q^3=8", "LayerNorm3D: this rank's input piece has 8 features"]
     for (msg, n, used), want in zip(per_rank[0], wants, strict=True):
         assert want in msg and n == 0 and used == [], msg
+    assert "d_model=16 is not a multiple of n_heads=3" in per_rank[0][-3][0]  # every problem in one message
 
 
 @pytest.mark.mpi
@@ -174,3 +191,163 @@ def test_linear3d_under_mpiexec() -> None:
     results = run(layer_run, 8, "mpi", c=c)
     check(c, results)
     check_bytes(c, results)
+
+
+# ---- the transformer block: MLP3D and Block3D ------------------------------------------------------
+
+def coords(rank: int) -> tuple[int, int, int]:
+    return rank // 4, rank // 2 % 2, rank % 2  # rank = (b q + k) q + n, q = 2
+
+
+def act_piece(a: np.ndarray, b: int, k: int, n: int) -> np.ndarray:
+    """A block input's (and output's) piece on rank (b, k, n): rows [b B/2 + n B/4, ...), features block k."""
+    r, c = a.shape[0] // 4, a.shape[-1] // 2
+    return a[(2 * b + n) * r:(2 * b + n + 1) * r, ..., k * c:(k + 1) * c]
+
+
+def param_piece(name: str, full: np.ndarray, b: int, k: int, n: int) -> np.ndarray:
+    """By hand: a weight's rows [(k q + b) K/q^2, ...) and columns block n; a vector's entries
+    [n N/q + (b q + k) N/q^3, ...). The layer norms and the second linear of each pair sit on the
+    swapped cube: k and n exchanged."""
+    if name.startswith("ln") or "proj." in name:
+        k, n = n, k
+    if full.ndim == 1:
+        m = full.size // 8
+        return full[4 * n * m + (2 * b + k) * m:4 * n * m + (2 * b + k + 1) * m]
+    kk, nn = full.shape[0] // 4, full.shape[1] // 2
+    return full[(2 * k + b) * kk:(2 * k + b + 1) * kk, n * nn:(n + 1) * nn]
+
+
+def randomise(model, seed: int) -> None:
+    """Every parameter set to its slice of a random whole (the layer norms not left at ones and zeros)."""
+    for name, p in model.named_parameters():
+        full = rand(seed + sum(name.encode()), *p.full_shape)
+        p.data[...] = full[p.shard] if p.shard is not None else full
+
+
+def adamw(params):
+    """lr 1e-3, eps 1e-3: attention's key bias has a zero gradient in exact arithmetic (softmax ignores a
+    constant added to all of a query's scores), so both runs hold rounding noise there (~1e-14) and
+    AdamW's first step moves it by lr g / (|g| + eps): with eps 1e-8 the two runs' noise would differ
+    by 1e-11 after the step; with 1e-3, by < 1e-13."""
+    return AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.1)
+
+
+def model_step(model, x: Tensor, r: np.ndarray, seed: int, rec=None) -> dict:
+    """Forward, activation bytes kept, the loss sum(y r), backward and one AdamW step; the first
+    parameters (``init_parameters``) are recorded before ``randomise``. ``mark``: where backward's
+    events begin in ``rec``."""
+    init = {name: p.data.copy() for name, p in model.named_parameters()}
+    randomise(model, seed)
+    y = model(x)
+    mark = len(rec.events) if rec is not None else 0
+    act = activation_bytes(y)
+    loss = (y * r).sum()
+    loss.backward()
+    adamw(model.parameters()).step()
+    return {"y": y.data, "act": act, "loss": float(loss.data), "dx": x.grad, "mark": mark,
+            "params": {name: (init[name], p.grad, p.data) for name, p in model.named_parameters()}}
+
+
+def block_run(comm, c: dict) -> dict:
+    """One rank: ``MLP3D`` or ``Block3D`` on its input piece; output, loss share, gradients, bytes."""
+    cube = cube_3d(comm)
+    assert repr(cube.swapped()) == f"Cube3D(q=2, b={cube.b}, k={cube.n}, n={cube.k}, swapped)"
+    assert repr(cube.swapped().swapped()) == repr(cube) and cube.swapped().along_k is cube.along_n
+    d, seed = c["shape"][-1], c["seed"]
+    model = MLP3D(d, c["ff"], cube) if c["heads"] is None else Block3D(d, c["heads"], cube, c["ff"],
+                                                                       causal=c["causal"])
+    model.init_parameters(seed, "m.")
+    x = Tensor(input_piece(rand(seed, *c["shape"]), cube), requires_grad=True)
+    with trace.record(None, comm) as rec:
+        res = model_step(model, x, input_piece(rand(seed + 1, *c["shape"]), cube), seed, rec)
+    mark = res.pop("mark")
+    res.update(fwd=sent(rec.events[:mark], comm.world_rank), bwd=sent(rec.events[mark:], comm.world_rank))
+    return res
+
+
+def block_reference(c: dict) -> dict:
+    d, seed = c["shape"][-1], c["seed"]
+    model = FeedForward(d, c["ff"]) if c["heads"] is None else Block(d, c["heads"], c["ff"], causal=c["causal"])
+    model.init_parameters(seed, "m.")
+    x = Tensor(rand(seed, *c["shape"]), requires_grad=True)
+    res = model_step(model, x, rand(seed + 1, *c["shape"]), seed)
+    if c["heads"]:  # Korthikanti et al.'s terms without dropout (cost.tensor) and the two proj outputs
+        terms = layer_terms(1, *c["shape"][:2], d, c["heads"], c["ff"])
+        assert res["act"] == sum(terms.values()) + 2 * x.data.nbytes
+    return res
+
+
+def block_by_hand(c: dict) -> tuple[Counter, Counter, int]:
+    """q = 2: each linear as ``by_hand``; a layer norm's ring all-reduce of m numbers on 2 ranks sends
+    m (two chunks: one in the reduce-scatter, one in the all-gather): forward 2 of B/4 (mean,
+    variance), backward those again and one of 2 B/4; its gain and its shift: d/8 then d/4 numbers
+    each way. Also the gathered buffers a rank keeps (numbers): each linear's X_bk (B/2 x in/2) and W_kn
+    (in/2 x out/2), each layer norm's gain (d/2)."""
+    rows, d, ff = int(np.prod(c["shape"][:-1])), c["shape"][-1], c["ff"]
+    dims = [(d, ff), (ff, d)] + ([(d, d)] * 4 if c["heads"] else [])
+    fwd, bwd, kept = Counter(), Counter(), 0
+    for fin, fout in dims:
+        f, b = by_hand(rows, fin, fout, True, True)
+        fwd.update(f)
+        bwd.update(b)
+        kept += rows // 2 * fin // 2 + fin // 2 * fout // 2
+    if c["heads"]:
+        fwd.update({"allreduce": 2 * 2 * rows // 4 * 8, "allgather": 4 * (d // 8 + d // 4) * 8})  # 2 x (gain, shift)
+        bwd.update({"allreduce": 2 * 4 * rows // 4 * 8, "reduce_scatter": 4 * (d // 8 + d // 4) * 8})
+        kept += 2 * d // 2
+    return fwd, bwd, kept * 8
+
+
+def check_block(c: dict, results: list[dict]) -> None:
+    ref = block_reference(c)
+    loss = sum(res["loss"] for res in results)
+    assert abs(loss - ref["loss"]) <= 1e-12 * max(1.0, abs(ref["loss"]))
+    fwd, bwd, kept = block_by_hand(c)
+    rows, d, ff = int(np.prod(c["shape"][:-1])), c["shape"][-1], c["ff"]
+    whole = sum(p[1].size for p in ref["params"].values())
+    for rank, res in enumerate(results):
+        b, k, n = coords(rank)
+        np.testing.assert_allclose(res["y"], act_piece(ref["y"], b, k, n), **TOL)
+        np.testing.assert_allclose(res["dx"], act_piece(ref["dx"], b, k, n), **TOL)
+        for name, (init, grad, updated) in ref["params"].items():
+            mine = res["params"][name]
+            assert mine[1].size * 8 == grad.size  # exactly 1/q^3 of every parameter
+            np.testing.assert_array_equal(mine[0], param_piece(name, init, b, k, n))  # init: a slice, bit for bit
+            np.testing.assert_allclose(mine[1], param_piece(name, grad, b, k, n), **TOL)
+            np.testing.assert_allclose(mine[2], param_piece(name, updated, b, k, n), **TOL, err_msg=name)
+        assert res["act"] * 8 == ref["act"] + kept * 8  # 1/q^3 of the activations + the gathered buffers
+        assert res["fwd"] == fwd and res["bwd"] == bwd
+        if c["heads"]:
+            assert sum(p[1].size for p in res["params"].values()) * 8 == whole == 8 * block3d_parameters(d, ff, 2)
+            assert block3d_bytes(rows, d, ff, 2, k) == {"forward": fwd, "backward": bwd}
+            cost = block3d_activation_bytes(*c["shape"][:2], d, c["heads"], ff, 2)
+            assert cost["pieces"] * 8 == ref["act"] and sum(cost.values()) == res["act"]
+
+
+@st.composite
+def block_configs(draw: st.DrawFn, mlp: bool = False) -> dict:
+    d, heads = draw(st.sampled_from([(8, 2), (16, 2), (16, 4)]))
+    shape = (draw(st.sampled_from([4, 8])), draw(st.integers(1, 3)), d)
+    return {"shape": shape, "ff": 8 * draw(st.integers(1, 3)), "heads": None if mlp else heads,
+            "causal": draw(st.booleans()), "seed": draw(st.integers(0, 10**6))}
+
+
+@budget(5)
+@given(block_configs(mlp=True))
+def test_mlp3d_equals_one_process(c: dict) -> None:
+    check_block(c, run(block_run, 8, c=c))
+
+
+@budget(10)
+@given(block_configs())
+@example({"shape": (8, 3, 16), "ff": 24, "heads": 4, "causal": True, "seed": 1})
+def test_block3d_equals_one_process(c: dict) -> None:
+    check_block(c, run(block_run, 8, c=c))
+
+
+@pytest.mark.mpi
+@pytest.mark.mpi8
+def test_block3d_under_mpiexec() -> None:
+    c = {"shape": (4, 3, 16), "ff": 16, "heads": 4, "causal": True, "seed": 5}
+    check_block(c, run(block_run, 8, "mpi", c=c))

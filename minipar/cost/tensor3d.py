@@ -20,15 +20,50 @@ scaling). Without the input's gradient (a first layer), backward drops the ``dX`
 
 With a bias (``N/q^3`` entries per rank): forward all-gathers the piece along ``k`` (a whole of
 ``N/q^2``: ``(q-1) N/q^3``) and that along ``b`` (a whole of ``N/q``: ``(q-1) N/q^2``); backward
-reduce-scatters the same two wholes in the opposite order, the same bytes.
+reduce-scatters the same two wholes in the opposite order, the same bytes (``plane_bytes``).
 
-Memory per rank: ``K N/q^3`` parameters, ``+ N/q^3`` with a bias (``linear3d_parameters``), and the
-kept gathered ``X_bk`` and ``W_kn`` (``B K/q^2`` and ``K N/q^2``) for backward.
+A transformer block (``Block3D``: ``B`` = batch x sequence rows, width ``d``, MLP width ``d_ff``):
+
+- six ``Linear3D`` with biases and input gradients (``q, k, v, proj`` of ``d x d``, ``fc`` of
+  ``d x d_ff``, ``proj`` of ``d_ff x d``; a layer on a swapped view moves the same bytes, on the
+  other two axes): per phase ``(q-1)/q^3 (10 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)`` numbers for the
+  products, ``18 B d + 12 d^2`` with ``d_ff = 4d``, plus ``(q-1)(5d + d_ff)(1/q^3 + 1/q^2)`` for the
+  biases. This is the paper's count (Sec. 3; Colossal-AI's table, ``6(q-1)/q^3`` of a matrix per
+  linear over forward and backward): per linear and phase three collectives, each moving
+  ``(q-1)/q^3`` of one of the three whole matrices.
+- two ``LayerNorm3D``: forward two ring all-reduces of ``B/q^2`` numbers (row sums for the mean,
+  then the variance) along ``k``, ``2 (q-1)/q B/q^2`` each (``collectives.allreduce_bytes``, exact
+  per rank when ``q`` does not divide ``B/q^2``), and the plane all-gathers of gain and shift (a
+  bias's bytes, ``N = d``); backward the two statistics again, one all-reduce of ``2 B/q^2`` (the
+  sums of ``g dY`` and ``g dY xhat``) and the two plane reduce-scatters (``layernorm3d_bytes``).
+- attention, GELU and the residual adds: no message (``Attention3D``: whole sequences, ``H/q`` heads
+  per rank).
+
+So the block sends ``~(q-1)/q^3 (18 B d + 12 d^2)`` numbers per phase per rank (``block3d_bytes``),
+against Megatron's ``4 (t-1)/t B d`` per phase (two all-reduces): with ``p`` ranks the 3-D block moves
+``~p^(-2/3)`` of the activations and the weights, Megatron ``~1`` of the activations and no weight.
+
+Memory per rank (``block3d_parameters``, ``block3d_activation_bytes``): every parameter exactly
+``1/q^3`` (weights ``K/q^2 x N/q``, biases and gains ``N/q^3``). Activations: the paper's ``1/q^3``
+of every array the single-process block's graph holds (as ``memory.held_buffers`` counts them):
+``10 B d + 2 B d_ff`` numbers (ln1's output, ``q``, ``k``, ``v``, the heads' output, attention's
+``proj`` output, the first residual sum, ln2's output, ``fc``'s output and GELU's, the MLP's ``proj``
+output, the block's output) and the softmax, ``b H s^2`` (``cost.tensor.layer_terms`` with ``t = 1``
+plus the two ``proj`` outputs, which the residual adds' nodes hold). Each is a piece on the cube
+(rows ``/q^2``, features or heads ``/q``). On top come the gathered buffers kept for backward,
+counted exactly: each ``Matmul3D`` keeps its gathered ``X_bk`` (``B K/q^2``, ``q`` times its input
+piece; ``q``, ``k`` and ``v`` gather the same input three times) and ``W_kn`` (``K N/q^2``, ``q``
+times the weight's piece), each layer norm its gathered gain (``d/q``). These are
+``(5 B d + B d_ff)/q^2`` input numbers, ``(4 d^2 + 2 d d_ff)/q^2`` weight numbers and ``2 d/q``
+gain numbers per block: the inputs are ``q`` times larger than the paper's ``1/q^3`` would suggest
+for them, the price of not gathering them again in backward (Colossal-AI keeps them too).
 """
 
 from __future__ import annotations
 
-from minipar.cost.collectives import ring_bytes
+from collections import Counter
+
+from minipar.cost.collectives import allreduce_bytes, ring_bytes
 
 
 def linear3d_bytes(batch_rows: int, in_features: int, out_features: int, q: int, itemsize: int = 8,
@@ -48,10 +83,8 @@ def linear3d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
            "reduce_scatter": ring_bytes("reduce_scatter", w_block, q)
            + (ring_bytes("reduce_scatter", x_block, q) if input_grad else 0)}
     if bias:
-        pair = ring_bytes("allgather", out_features // q ** 2 * itemsize, q) + ring_bytes(
-            "allgather", out_features // q * itemsize, q)
-        fwd["allgather"] += pair
-        bwd["reduce_scatter"] += pair
+        fwd["allgather"] += plane_bytes(out_features, q, itemsize)
+        bwd["reduce_scatter"] += plane_bytes(out_features, q, itemsize)
     return {phase: {op: int(v) for op, v in d.items()} for phase, d in (("forward", fwd), ("backward", bwd))}
 
 
@@ -65,3 +98,54 @@ def linear3d_total_bytes(batch_rows: int, in_features: int, out_features: int, q
 def linear3d_parameters(in_features: int, out_features: int, q: int, bias: bool = False) -> int:
     """Numbers of a ``Linear3D`` held per rank: ``(in out + out) / q^3`` (``in out / q^3`` without bias)."""
     return (in_features * out_features + (out_features if bias else 0)) // q ** 3
+
+
+def plane_bytes(size: int, q: int, itemsize: int = 8) -> int:
+    """Bytes a rank sends all-gathering (or reduce-scattering) the ``1/q^3`` pieces of a length-``size``
+    vector over a plane of ``q^2`` ranks (a bias, a layer norm's gain): a ring along one axis on the
+    whole of ``size/q^2``, then one along another on ``size/q``: ``(q-1)(size/q^3 + size/q^2)``."""
+    return int(ring_bytes("allgather", size // q ** 2 * itemsize, q) + ring_bytes("allgather", size // q * itemsize, q))
+
+
+def layernorm3d_bytes(batch_rows: int, d: int, q: int, k: int, itemsize: int = 8) -> dict[str, Counter]:
+    """Bytes rank ``(b, k, n)`` sends in one ``LayerNorm3D`` forward and backward, by collective: ring
+    all-reduces of one number per local row along ``k`` (its rank there is ``k``), the gain's and the
+    shift's plane gathers (module docstring)."""
+    local = batch_rows // q ** 2
+    stat = allreduce_bytes(local, itemsize, q, k, "ring")
+    pair = 2 * plane_bytes(d, q, itemsize)
+    return {"forward": Counter({"allreduce": 2 * stat, "allgather": pair}),
+            "backward": Counter({"allreduce": 2 * stat + allreduce_bytes(2 * local, itemsize, q, k, "ring"),
+                                 "reduce_scatter": pair})}
+
+
+def block3d_linears(d: int, d_ff: int) -> list[tuple[int, int]]:
+    """``(in, out)`` of the block's six linears: attention's ``q, k, v, proj``, the MLP's ``fc, proj``."""
+    return [(d, d)] * 4 + [(d, d_ff), (d_ff, d)]
+
+
+def block3d_bytes(batch_rows: int, d: int, d_ff: int, q: int, k: int, itemsize: int = 8) -> dict[str, Counter]:
+    """Bytes rank ``(b, k, n)`` sends in one ``Block3D`` forward and backward, by collective: two layer
+    norms and six linears with biases (module docstring)."""
+    parts = [layernorm3d_bytes(batch_rows, d, q, k, itemsize)] * 2
+    parts += [linear3d_bytes(batch_rows, fin, fout, q, itemsize, bias=True) for fin, fout in block3d_linears(d, d_ff)]
+    return {phase: sum((Counter(p[phase]) for p in parts), Counter()) for phase in ("forward", "backward")}
+
+
+def block3d_parameters(d: int, d_ff: int, q: int) -> int:
+    """Numbers of a ``Block3D`` held per rank: ``1/q^3`` of ``nn.Block``'s (two layer norms of ``2d``,
+    six linears with biases)."""
+    whole = 2 * 2 * d + sum(fin * fout + fout for fin, fout in block3d_linears(d, d_ff))
+    return whole // q ** 3
+
+
+def block3d_activation_bytes(batch: int, seq: int, d: int, n_heads: int, d_ff: int, q: int,
+                             itemsize: int = 8) -> dict[str, int]:
+    """Activation bytes one ``Block3D`` keeps for backward per rank, by kind (module docstring):
+    ``pieces`` (``1/q^3`` of the single-process block's), the gathered ``inputs`` and ``weights`` of the
+    six ``Matmul3D`` and the layer norms' gathered ``gains``."""
+    rows, linears = batch * seq, block3d_linears(d, d_ff)
+    whole = (10 * rows * d + 2 * rows * d_ff + batch * n_heads * seq * seq) * itemsize  # block_activations
+    inputs = sum(rows * fin for fin, _ in linears)  # q, k and v each gather ln1's output: 5 B d + B d_ff
+    return {"pieces": whole // q ** 3, "inputs": inputs // q ** 2 * itemsize,
+            "weights": sum(fin * fout for fin, fout in linears) // q ** 2 * itemsize, "gains": 2 * d // q * itemsize}

@@ -5,20 +5,27 @@ another, multiplies locally and reduce-scatters the partial output along the thi
 
 - ``layers.py``: the cube (``Cube3D`` over a ``DeviceMesh(comm, pp=q, dp=q, tp=q)``, ``cube_3d``), the
   pieces of an activation (``input_piece``, ``output_piece``), the autograd op ``Matmul3D``, the
-  bias ``AddBias3D`` and the layer ``Linear3D``.
+  view with ``k`` and ``n`` exchanged (``Cube3D.swapped``, the next layer's), the plane of ranks
+  that share a bias block (``Plane``, ``PieceGrid``, ``plane_piece``) and the layer ``Linear3D``.
+- ``model.py``: the transformer block: ``LayerNorm3D``, ``Attention3D``, ``MLP3D``, ``Block3D``
+  and ``check_block``.
 
 Bytes per rank and parameters per rank are in ``minipar.cost.tensor3d``.
 """
 
 from minipar.parallel.tensor3d.layers import (
-    AddBias3D,
     Cube3D,
     Linear3D,
     Matmul3D,
+    PieceGrid,
+    Plane,
     check_cube,
     cube_3d,
     input_piece,
     output_piece,
+    plane_piece,
 )
+from minipar.parallel.tensor3d.model import MLP3D, Attention3D, Block3D, LayerNorm3D, check_block
 
-__all__ = ["AddBias3D", "Cube3D", "Linear3D", "Matmul3D", "check_cube", "cube_3d", "input_piece", "output_piece"]
+__all__ = ["MLP3D", "Attention3D", "Block3D", "Cube3D", "LayerNorm3D", "Linear3D", "Matmul3D", "PieceGrid", "Plane",
+           "check_block", "check_cube", "cube_3d", "input_piece", "output_piece", "plane_piece"]

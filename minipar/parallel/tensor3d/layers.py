@@ -25,38 +25,39 @@ Backward is the transposed pattern (Colossal-AI's ``linear_3d`` backward): all-g
 piece); ``dW_kn`` partial ``X_bk^T dY_bn`` reduce-scattered along ``b`` (rows, the layout of ``W``'s
 piece). The gathered ``X_bk`` and ``W_kn`` are kept from forward.
 
-The output's piece is split like the input's with the roles of the ``k`` and ``n`` axes exchanged, so
-a second layer takes it as input with those two axes swapped (Colossal-AI swaps its input and output
-groups after every 3-D linear); this file provides the single layer.
-
-The cube is a ``minipar.mesh.DeviceMesh(comm, pp=q, dp=q, tp=q)`` (``sp = 1``): ``b``, ``k``, ``n``
-are the ``pp``, ``dp``, ``tp`` coordinates, so ``rank = (b q + k) q + n``, row-major as Colossal-AI
-numbers its cube. Any three of the mesh's four axes would do (their names are Megatron's, not the
-cube's, which ``Cube3D`` hides); these three leave ``sp``, whose pair group ``("dp", "sp")`` the mesh
-builds anyway, at degree 1, and a trace tells the three collectives apart by ``mesh.axis_of``: the
-input's all-gather is ``tp``, the weight's ``pp``, the output's reduce-scatter ``dp``.
+The output's piece is split like the input's with the roles of the ``k`` and ``n`` axes exchanged:
+it is the input piece of the same cube with ``k`` and ``n`` swapped (``Cube3D.swapped``). A second
+layer is therefore built on ``cube.swapped()`` and takes the first's output as it is, and its own
+output is an input piece of ``cube`` again, so every layer pair (the MLP's ``fc``/``proj``,
+attention's ``q``/``proj``) ends in the layout it started from (``model.py``). Colossal-AI does the
+same by swapping its input and output parallel groups in a global environment after every 3-D
+linear; here each layer is handed its view when it is built.
 
 Bias (optional). ``Y``'s piece on rank ``(b, k, n)`` needs ``b_n``, the ``N/q`` entries of column
-block ``n``, on all ``q^2`` ranks ``(*, *, n)``. Each stores a ``1/q^2`` piece of ``b_n`` (entries
-``[n N/q + (b q + k) N/q^3, ...)``, so the bias too is ``1/q^3`` per rank; ``N`` a multiple of
-``q^3``); forward all-gathers the piece along ``k`` (``N/q^2`` entries) and that along ``b``
-(``b_n``); backward reduce-scatters the rows' sum of ``dY``'s piece along ``b`` and then along ``k``,
-leaving each rank the gradient of its own piece. (Colossal-AI instead keeps ``b_n`` whole on one rank
+block ``n``, on all ``q^2`` ranks ``(*, *, n)`` (the ``Plane``). Each stores a ``1/q^2`` piece of
+``b_n`` (entries ``[n N/q + (b q + k) N/q^3, ...)``, ``plane_piece``, so the bias too is ``1/q^3``
+per rank; ``N`` a multiple of ``q^3``); forward all-gathers the piece along ``k`` (``N/q^2``
+entries) and that along ``b`` (``b_n``); backward reduce-scatters the rows' sum of ``dY``'s piece
+along ``b`` and then along ``k``, leaving each rank the gradient of its own piece. Seen from one
+output piece this is ``tensor2d``'s bias with the plane as the grid column (``PieceGrid``), so
+``tensor2d.AddBias2D`` runs on it unchanged. (Colossal-AI instead keeps ``b_n`` whole on one rank
 of each line and broadcasts it; splitting it keeps every parameter at exactly ``1/q^3``.)
 Bytes per rank and memory per rank: ``minipar.cost.tensor3d``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from minipar.autograd import Context, Function, Tensor
+from minipar.comm.collectives import Communicator
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module, Parameter
+from minipar.parallel.tensor2d.layers import AddBias2D, check_width
 from minipar.parallel.tensor2d.layers import check_divisible as check_2d
-from minipar.parallel.tensor2d.layers import check_width
 
 RING = "ring"  # all-gathers and reduce-scatters (comm/ring.py): every message is in the trace
 
@@ -87,9 +88,51 @@ class Cube3D:
         self.b, self.k, self.n = mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]
         self.along_b, self.along_k, self.along_n = mesh["pp"], mesh["dp"], mesh["tp"]
         assert (self.along_b.rank, self.along_k.rank, self.along_n.rank) == (self.b, self.k, self.n)
+        self.is_swapped = False
+
+    def swapped(self) -> Cube3D:
+        """The same cube and communicators with the roles of ``k`` and ``n`` exchanged: the view a
+        layer takes its input through when that input is another layer's output (module docstring).
+        ``cube.swapped().swapped()`` plays the roles of ``cube``."""
+        view = copy.copy(self)
+        view.k, view.n, view.along_k, view.along_n = self.n, self.k, self.along_n, self.along_k
+        view.is_swapped = not self.is_swapped
+        return view
+
+    def output_grid(self) -> PieceGrid:
+        """An output piece's neighbours as a ``tensor2d`` grid (``PieceGrid``)."""
+        return PieceGrid(self.along_n, Plane(self))
 
     def __repr__(self) -> str:
-        return f"Cube3D(q={self.q}, b={self.b}, k={self.k}, n={self.n})"
+        tag = ", swapped" if self.is_swapped else ""
+        return f"Cube3D(q={self.q}, b={self.b}, k={self.k}, n={self.n}{tag})"
+
+
+class Plane:
+    """The ``q^2`` ranks ``(*, *, n)`` of a cube view, which all use feature block ``n`` of an output
+    piece, as one group for a vector's pieces: ``allgather`` is a ring along ``k`` then one along
+    ``b`` (rank ``(b, k, n)``'s piece is piece ``b q + k`` of the block, ``plane_piece``),
+    ``reduce_scatter`` the same rings in the opposite order. A ring of ``q`` pieces of ``m`` numbers
+    sends ``(q-1) m`` per rank, so a gather of an ``m``-number piece sends ``(q-1)(m + q m)``."""
+
+    def __init__(self, cube: Cube3D) -> None:
+        self.cube = cube
+
+    def allgather(self, piece: np.ndarray, algorithm: str = RING) -> np.ndarray:
+        half = self.cube.along_k.allgather(piece, algorithm=algorithm)
+        return self.cube.along_b.allgather(half, algorithm=algorithm)
+
+    def reduce_scatter(self, whole: np.ndarray, op: str = "sum", algorithm: str = RING) -> np.ndarray:
+        half = self.cube.along_b.reduce_scatter(whole, op=op, algorithm=algorithm)
+        return self.cube.along_k.reduce_scatter(half, op=op, algorithm=algorithm)
+
+
+class PieceGrid(NamedTuple):
+    """An output piece of a cube view seen as a block of ``tensor2d``'s grid, so its ops that work on
+    one block with a row and a column (``AddBias2D``, ``LayerNorm2DOp``) run on the cube unchanged."""
+
+    row: Communicator  # the q ranks (b, k, *): the same rows, the features split among them (along n)
+    col: Plane  # the q^2 ranks (*, *, n) that use the same feature block n
 
 
 def cube_3d(comm: Any) -> Cube3D:
@@ -128,6 +171,15 @@ def output_piece(y: np.ndarray, cube: Cube3D) -> np.ndarray:
     return _piece(y, cube, cube.b, cube.k, cube.n)
 
 
+def plane_piece(size: int, cube: Cube3D, init: tuple, dtype: Any) -> Parameter:
+    """Rank ``(b, k, n)``'s ``1/q^3`` piece of a length-``size`` vector of which the ``Plane``
+    ``(*, *, n)`` uses block ``n`` (a bias, a layer norm's gain): entries ``[n size/q + (b q + k)
+    size/q^3, ...)``, initialised as that slice of the whole (``Parameter(full_shape=, shard=)``)."""
+    m, q = size // cube.q ** 3, cube.q
+    lo = cube.n * q * q * m + (cube.b * q + cube.k) * m
+    return Parameter((m,), init, dtype, full_shape=(size,), shard=(slice(lo, lo + m),))
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
@@ -158,28 +210,6 @@ class Matmul3D(Function):
         return dx, dw, None
 
 
-class AddBias3D(Function):
-    """``Y + b_n`` on the cube (module docstring): all-gather the bias piece along ``k`` then ``b``
-    forward; reduce-scatter the rows' sum of ``dY`` along ``b`` then ``k`` backward (a frozen bias sends
-    nothing). Adds into ``y``'s own array: only for ``Matmul3D``'s fresh output. Call as
-    ``AddBias3D.apply(y, bias_piece, cube)``."""
-
-    @staticmethod
-    def forward(ctx: Context, y: np.ndarray, piece: np.ndarray, cube: Cube3D) -> np.ndarray:
-        ctx.cube = cube
-        y += cube.along_b.allgather(cube.along_k.allgather(piece, algorithm=RING), algorithm=RING)
-        return y
-
-    @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, None]:
-        if not ctx.needs_input_grad[1]:
-            return grad, None, None
-        cube = ctx.cube
-        partial = _rows(grad).sum(axis=0)
-        half = cube.along_b.reduce_scatter(partial, op="sum", algorithm=RING)
-        return grad, cube.along_k.reduce_scatter(half, op="sum", algorithm=RING), None
-
-
 class Linear3D(Module):
     """``Y = X W`` on the ``q x q x q`` cube of ``mesh`` (a ``DeviceMesh(comm, pp=q, dp=q, tp=q)`` or a
     ``Cube3D``): this rank holds ``W``'s piece (``in/q^2 x out/q``, module docstring); ``forward``
@@ -201,15 +231,10 @@ class Linear3D(Module):
         bound = 1.0 / np.sqrt(in_features)  # the full fan-in, as nn.Linear
         self.weight = Parameter((k, n), ("uniform", bound), dtype, full_shape=(in_features, out_features),
                                 shard=(slice(lo, lo + k), slice(cube.n * n, (cube.n + 1) * n)))
-        self.bias = None
-        if bias:
-            m = out_features // q ** 3
-            lo = cube.n * n + (cube.b * q + cube.k) * m
-            self.bias = Parameter((m,), ("uniform", bound), dtype, full_shape=(out_features,),
-                                  shard=(slice(lo, lo + m),))
+        self.bias = plane_piece(out_features, cube, ("uniform", bound), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         check_width(x, self.in_features // self.cube.q, self.in_features, self.cube.q, "Linear3D", "input_piece",
                     "piece")
         y = Matmul3D.apply(x, self.weight, self.cube)
-        return AddBias3D.apply(y, self.bias, self.cube) if self.bias is not None else y
+        return AddBias2D.apply(y, self.bias, self.cube.output_grid()) if self.bias is not None else y
