@@ -302,3 +302,15 @@ def test_a_frozen_bias_sends_no_reduce_scatter(tmp_path) -> None:
     run(frozen_linear, 4, "threads", path=path)
     ops = {e.op for e in trace.load(path).events if e.kind == "comm"}
     assert "reduce_scatter" not in ops and {"broadcast", "reduce"} <= ops
+
+
+@pytest.mark.mpi
+def test_block2d_adamw_step_under_mpiexec() -> None:
+    """Block2D on 4 ranks under mpiexec: the loss (each rank's ``sum(y * r)`` summed over the world), the
+    gradients and the parameters after one AdamW step equal one process's ``nn.Block``, and each rank's
+    bytes the count by hand; the run, reference and checks are ``test_tensor2p5d``'s (depth d = 1,
+    its layout then being ``block``'s) with tensor2d's own ``Block2D`` on ``grid_2d``."""
+    from test_tensor2p5d import check_all  # here, not at the top: test_tensor2p5d imports this module
+
+    check_all({"kind": "block", "two_d": True, "d": 1, "seed": 4, "heads": 2, "in": 8, "ff": 8, "shape": (2, 3, 8)},
+              "mpi")

@@ -33,6 +33,7 @@ from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
 from minipar.nn import Block, FeedForward, Linear
 from minipar.optim import AdamW
+from minipar.parallel.tensor2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
 from minipar.parallel.tensor2p5d import Block2p5D, Grid2p5D, Linear2p5D, MLP2p5D, block_2p5d, grid_2p5d
 from minipar.testing import run
 
@@ -48,48 +49,53 @@ def adamw(params: list) -> AdamW:
     return AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
 
 
-def build(c: dict, mesh=None):
-    """The layer of ``c`` (whole when ``mesh`` is None, else on the stacked grids) and its output width."""
-    kind, fin = c["kind"], c["in"]
+WHOLE = {"linear": Linear, "mlp": FeedForward, "block": Block}
+STACKED = {"linear": Linear2p5D, "mlp": MLP2p5D, "block": Block2p5D}
+FLAT = {"linear": Linear2D, "mlp": MLP2D, "block": Block2D}  # c["two_d"]: tensor2d's own, on one grid
+
+
+def build(c: dict, grid: Grid2D | None = None) -> tuple:
+    """The layer of ``c`` (whole when ``grid`` is None, else on the grids) and its output width."""
+    kind, fin, on = c["kind"], c["in"], () if grid is None else (grid,)
+    cls = (WHOLE if grid is None else FLAT if c.get("two_d") else STACKED)[kind]
     if kind == "linear":
-        layer = Linear(fin, c["out"], bias=c["bias"]) if mesh is None else Linear2p5D(fin, c["out"], mesh,
-                                                                                       bias=c["bias"])
-        return layer.init_parameters(c["seed"], "l."), c["out"]
+        return cls(fin, c["out"], *on, bias=c["bias"]).init_parameters(c["seed"], "l."), c["out"]
     if kind == "mlp":
-        layer = FeedForward(fin, c["ff"]) if mesh is None else MLP2p5D(fin, c["ff"], mesh)
-        return layer.init_parameters(c["seed"], "l."), fin
-    layer = Block(fin, c["heads"], c["ff"]) if mesh is None else Block2p5D(fin, c["heads"], mesh, c["ff"])
+        return cls(fin, c["ff"], *on).init_parameters(c["seed"], "l."), fin
+    layer = cls(fin, c["heads"], *on, c["ff"])
     randomise(layer, c["seed"])
     return layer, fin
 
 
-def sent(events: list, rank: int, grid: Grid2p5D) -> dict[str, Counter]:
+def sent(events: list, rank: int, grid: Grid2D) -> dict[str, Counter]:
     """Bytes ``rank`` sent by op: inside its layer (``layer``) and to another layer (``depth``)."""
     out = {"layer": Counter(), "depth": Counter()}
     for e in events:
         if e.kind == "comm" and e.src == rank:
-            across = grid.mesh.shape.coords(e.dst)["pp"] != grid.k
+            across = grid.mesh.shape.coords(e.dst)["pp"] != grid.mesh.coords["pp"]
             out["depth" if across else "layer"][e.op] += e.nbytes
     return out
 
 
 def layer_run(comm, c: dict) -> dict:
     """One rank: the layer on its blocks; output, loss, gradients, updated parameters, bytes, memory."""
-    grid = grid_2p5d(comm, c["d"])
+    grid = grid_2d(comm) if c.get("two_d") else grid_2p5d(comm, c["d"])
+    split = block if c.get("two_d") else block_2p5d
     layer, width = build(c, grid)
-    x = Tensor(block_2p5d(rand(c["seed"], *c["shape"]), grid), requires_grad=True)
+    x = Tensor(split(rand(c["seed"], *c["shape"]), grid), requires_grad=True)
     with trace.record(None, comm) as rec:
         y = layer(x)
         mark = len(rec.events)
         act = activation_bytes(y)
-        loss = (y * block_2p5d(rand(c["seed"] + 1, *c["shape"][:-1], width), grid)).sum()
+        loss = (y * split(rand(c["seed"] + 1, *c["shape"][:-1], width), grid)).sum()
         loss.backward()
     total = comm.allreduce(loss.data, op="sum")
     grads = {n: p.grad.copy() for n, p in layer.named_parameters()}
     adamw(layer.parameters()).step()
     fwd, bwd = sent(rec.events[:mark], comm.world_rank, grid), sent(rec.events[mark:], comm.world_rank, grid)
     assert not fwd["depth"]  # no activation crosses the depth
-    return {"kij": (grid.k, grid.i, grid.j), "y": y.data, "loss": float(total), "act": act, "dx": x.grad,
+    return {"kij": (grid.mesh.coords["pp"], grid.i, grid.j), "y": y.data, "loss": float(total), "act": act,
+            "dx": x.grad,
             "params": {n: (p.data.nbytes, grads[n], p.data) for n, p in layer.named_parameters()},
             "fwd": fwd["layer"], "bwd": bwd["layer"], "depth": bwd["depth"]}
 
