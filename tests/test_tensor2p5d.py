@@ -1,17 +1,19 @@
 """2.5-D tensor parallelism (Tesseract) equals one process; its bytes and memory per rank.
 
-On ``d`` stacked ``q x q`` grids (q = 2; d = 1 on 4 ranks, d = 2 on 8): ``Linear2p5D``, ``MLP2p5D``
-and ``Block2p5D`` give the output (rows split ``d q`` ways, features ``q`` ways), the loss (each rank's
-``sum(y * r)`` summed over the world), the input and parameter gradients and the parameters after one
-AdamW step of ``nn.Linear`` / ``nn.FeedForward`` / ``nn.Block`` on the whole arrays, block by block,
-on every layer of the stack (the weights are the same on all ``d``). AdamW's ``eps`` is 1e-3: the
-key projection's bias has a gradient that is zero up to rounding (softmax ignores a shift of every
-key), which AdamW magnifies by ``lr / eps`` (``tests/strategies.py``, ``sp_configs``).
+On ``d`` stacked ``q x q`` grids (q = 2; d = 1 on 4 ranks, d = 2 on 8): ``Linear2p5D``, ``MLP2p5D``,
+``LayerNorm2p5D``, ``Attention2p5D`` and ``Block2p5D`` give the output (rows split ``d q`` ways,
+features ``q`` ways), the loss (each rank's ``sum(y * r)`` summed over the world), the input and
+parameter gradients and the parameters after one AdamW step of ``minipar.nn``'s ``Linear`` /
+``FeedForward`` / ``LayerNorm`` / ``CausalSelfAttention`` / ``Block`` on the whole arrays, block by
+block, on every layer of the stack (the weights are the same on all ``d``). AdamW's ``eps`` is 1e-3:
+the key projection's bias has a gradient that is zero up to rounding (softmax ignores a shift of
+every key), which AdamW magnifies by ``lr / eps`` (``tests/strategies.py``, ``sp_configs``).
 Each rank's bytes in the trace equal a count by hand (inside a layer: 2-D SUMMA on ``b/d`` rows; over
 the depth: a ring all-reduce of every parameter piece, on 2 ranks each rank sends its whole piece
 once) and ``minipar.cost.tensor2p5d``. Each rank holds ``1/q^2`` of every parameter and ``1/(d q^2)``
 of the activations kept for backward (plus each layer norm's gathered gain, as in 2-D), measured on
-both graphs. Bad configurations are refused on every rank before any message.
+both graphs. Bad configurations are refused on every rank before any message. The same run,
+reference and checks serve ``test_tensor2d``'s mpiexec test of ``Block2D`` (``c["two_d"]``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,19 @@ from minipar.autograd import Tensor
 from minipar.cost import tensor2p5d as cost
 from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
-from minipar.nn import Block, FeedForward, Linear
+from minipar.nn import Block, CausalSelfAttention, FeedForward, LayerNorm, Linear
 from minipar.optim import AdamW
-from minipar.parallel.tensor2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
-from minipar.parallel.tensor2p5d import Block2p5D, Grid2p5D, Linear2p5D, MLP2p5D, block_2p5d, grid_2p5d
+from minipar.parallel.tensor2d import MLP2D, Attention2D, Block2D, Grid2D, LayerNorm2D, Linear2D, block, grid_2d
+from minipar.parallel.tensor2p5d import (
+    Attention2p5D,
+    Block2p5D,
+    Grid2p5D,
+    LayerNorm2p5D,
+    Linear2p5D,
+    MLP2p5D,
+    block_2p5d,
+    grid_2p5d,
+)
 from minipar.testing import run
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -49,9 +60,19 @@ def adamw(params: list) -> AdamW:
     return AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
 
 
-WHOLE = {"linear": Linear, "mlp": FeedForward, "block": Block}
-STACKED = {"linear": Linear2p5D, "mlp": MLP2p5D, "block": Block2p5D}
-FLAT = {"linear": Linear2D, "mlp": MLP2D, "block": Block2D}  # c["two_d"]: tensor2d's own, on one grid
+WHOLE = {"linear": Linear, "mlp": FeedForward, "norm": LayerNorm, "attn": CausalSelfAttention, "block": Block}
+STACKED = {"linear": Linear2p5D, "mlp": MLP2p5D, "norm": LayerNorm2p5D, "attn": Attention2p5D, "block": Block2p5D}
+FLAT = {"linear": Linear2D, "mlp": MLP2D, "norm": LayerNorm2D, "attn": Attention2D,
+        "block": Block2D}  # c["two_d"]: tensor2d's own, on one grid
+NORMS = {"norm": 1, "block": 2}  # layer norms in a layer of each kind
+
+
+def linears(c: dict) -> list[tuple[int, int, bool]]:
+    """(in, out, bias) of each linear in a layer of ``c``, in order."""
+    fin, ff = c["in"], c.get("ff")
+    return {"linear": [(fin, c.get("out"), c.get("bias"))], "mlp": [(fin, ff, True), (ff, fin, True)], "norm": [],
+            "attn": [(fin, fin, True)] * 4, "block": [(fin, fin, True)] * 4 + [(fin, ff, True), (ff, fin, True)]}[
+        c["kind"]]
 
 
 def build(c: dict, grid: Grid2D | None = None) -> tuple:
@@ -62,7 +83,8 @@ def build(c: dict, grid: Grid2D | None = None) -> tuple:
         return cls(fin, c["out"], *on, bias=c["bias"]).init_parameters(c["seed"], "l."), c["out"]
     if kind == "mlp":
         return cls(fin, c["ff"], *on).init_parameters(c["seed"], "l."), fin
-    layer = cls(fin, c["heads"], *on, c["ff"])
+    layer = {"norm": lambda: cls(fin, *on), "attn": lambda: cls(fin, c["heads"], *on),
+             "block": lambda: cls(fin, c["heads"], *on, c["ff"])}[kind]()
     randomise(layer, c["seed"])
     return layer, fin
 
@@ -134,14 +156,15 @@ def check(c: dict, results: list[dict]) -> None:
     """Blocks equal to the whole's on every layer; 1/q^2 of every parameter; 1/(d q^2) of the
     activations kept for backward (+ each layer norm's gathered gain, d_model/q numbers)."""
     ref, d = reference(c), c["d"]
-    gains = 2 * c["in"] // Q * 8 if c["kind"] == "block" else 0
+    norms = NORMS.get(c["kind"], 0)
+    gains = norms * c["in"] // Q * 8
     whole_params = sum(nbytes for nbytes, _, _ in ref["params"].values())
     assert len(results) == d * Q * Q and {r["kij"] for r in results} == {
         (k, i, j) for k in range(d) for i in range(Q) for j in range(Q)}
     for res in results:
         k, i, j = res["kij"]
         assert (res["act"] - gains) * d * Q * Q == ref["act"]
-        assert cost.activation_bytes(ref["act"], Q, d, 2 if gains else 0, c["in"]) == res["act"]
+        assert cost.activation_bytes(ref["act"], Q, d, norms, c["in"]) == res["act"]
         assert sum(nbytes for nbytes, _, _ in res["params"].values()) * Q * Q == whole_params
         np.testing.assert_allclose(res["loss"], ref["loss"], **TOL)
         np.testing.assert_allclose(res["y"], rows_block(ref["y"], d, k, i, j), **TOL)
@@ -154,37 +177,32 @@ def check(c: dict, results: list[dict]) -> None:
 
 def check_bytes(c: dict, results: list[dict]) -> None:
     """Inside a layer: 2-D SUMMA on b/d rows (``by_hand``: each rank sends q - 1 of its blocks per
-    broadcast or reduce of each matrix); two layer norms per block: a ring all-reduce on 2 ranks sends
-    each rank's array once (mean and variance of its b/(d q) rows forward, again plus two sums backward),
-    gain and shift pieces (d_model/q^2) once each way. Over the depth (d = 2): a ring all-reduce on 2
-    ranks sends half of each piece in each of its two phases, so each rank sends its own parameter
-    bytes once."""
-    d, rows = c["d"], int(np.prod(c["shape"][:-1]))
-    lin = {"linear": [(c["in"], c.get("out"), c.get("bias"))], "mlp": [(c["in"], c.get("ff"), True),
-                                                                        (c.get("ff"), c["in"], True)],
-           "block": [(c["in"], c["in"], True)] * 4 + [(c["in"], c.get("ff"), True), (c.get("ff"), c["in"], True)]}
+    broadcast or reduce of each matrix); a layer norm: a ring all-reduce on 2 ranks sends each rank's
+    array once (mean and variance of its b/(d q) rows forward, again plus two sums backward), gain and
+    shift pieces (d_model/q^2) once each way. Over the depth (d = 2): a ring all-reduce on 2 ranks
+    sends half of each piece in each of its two phases, so each rank sends its own parameter bytes once."""
+    d, rows, norms = c["d"], int(np.prod(c["shape"][:-1])), NORMS.get(c["kind"], 0)
     fwd, bwd = Counter(), Counter()
-    for fin, fout, bias in lin[c["kind"]]:
+    for fin, fout, bias in linears(c):
         f, b = by_hand(rows // d, fin, fout, Q, bias)
         fwd.update(f)
         bwd.update(b)
-    if c["kind"] == "block":
-        local, piece = rows // d // Q * 8, c["in"] // (Q * Q) * 8
-        fwd.update({"allreduce": 2 * 2 * local, "allgather": 2 * 2 * piece})
-        bwd.update({"allreduce": 2 * 4 * local, "reduce_scatter": 2 * 2 * piece})
+    local, piece = rows // d // Q * 8, c["in"] // (Q * Q) * 8
+    fwd.update({"allreduce": norms * 2 * local, "allgather": norms * 2 * piece})
+    bwd.update({"allreduce": norms * 4 * local, "reduce_scatter": norms * 2 * piece})
+    fwd, bwd = +fwd, +bwd  # no zero counts
     for res in results:
         own = sum(nbytes for nbytes, _, _ in res["params"].values())
         depth = Counter({"allreduce": own} if d == 2 else {})
         assert (res["fwd"], res["bwd"], res["depth"]) == (fwd, bwd, depth)
         k, i, j = res["kij"]
-        if c["kind"] == "block":
-            model = cost.block2p5d_bytes(rows, c["in"], c["ff"], Q, d, i, j, k)
-            assert cost.block2p5d_parameters(c["in"], c["ff"], Q) * 8 == own
-        else:
-            parts = [cost.linear2p5d_bytes(rows, fin, fout, Q, d, i, j, k, bias=bias) for fin, fout, bias in
-                     lin[c["kind"]]]
-            model = {ph: sum((p[ph] for p in parts), Counter()) for ph in ("forward", "backward", "depth")}
+        parts = [cost.linear2p5d_bytes(rows, fin, fout, Q, d, i, j, k, bias=bias) for fin, fout, bias in linears(c)]
+        parts += [cost.layernorm2p5d_bytes(rows, c["in"], Q, d, i, j, k)] * norms
+        model = {ph: sum((p[ph] for p in parts), Counter()) for ph in ("forward", "backward", "depth")}
         assert model == {"forward": fwd, "backward": bwd, "depth": depth}
+        if c["kind"] == "block":
+            assert cost.block2p5d_bytes(rows, c["in"], c["ff"], Q, d, i, j, k) == model
+            assert cost.block2p5d_parameters(c["in"], c["ff"], Q) * 8 == own
 
 
 @st.composite
@@ -192,14 +210,16 @@ def configs(draw: st.DrawFn, kind: str) -> dict:
     """A layer of ``kind`` on d = 1 or 2 stacked 2 x 2 grids: batch a multiple of d q, widths of q
     (q^2 where a bias or layer norm splits them q^2 ways), heads of q."""
     d = draw(st.sampled_from([1, 2]))
-    lead = (d * Q * draw(st.integers(1, 2)), *draw(st.sampled_from([(), (1,), (3,)]) if kind != "block"
-                                                     else st.sampled_from([(1,), (2,)])))
+    tails = [(1,), (2,)] if kind in ("attn", "block") else [(), (1,), (3,)]  # attention takes (batch, seq, d)
+    lead = (d * Q * draw(st.integers(1, 2)), *draw(st.sampled_from(tails)))
     c = {"kind": kind, "d": d, "seed": draw(st.integers(0, 10**6))}
     if kind == "linear":
         c["bias"] = draw(st.booleans())
         c["in"], c["out"] = Q * draw(st.integers(1, 3)), (Q * Q if c["bias"] else Q) * draw(st.integers(1, 2))
     elif kind == "mlp":
         c["in"], c["ff"] = Q * Q * draw(st.integers(1, 2)), Q * Q * draw(st.integers(1, 2))
+    elif kind == "norm":
+        c["in"] = Q * Q * draw(st.integers(1, 3))
     else:
         c["heads"] = Q * draw(st.integers(1, 2))
         c["in"] = Q * Q * c["heads"] // Q * draw(st.integers(1, 2))
@@ -224,6 +244,14 @@ def test_linear2p5d_equals_one_process(c: dict) -> None:
 @budget(4)
 @given(configs("mlp"))
 def test_mlp2p5d_equals_one_process(c: dict) -> None:
+    check_all(c)
+
+
+@budget(3)
+@given(st.sampled_from(["norm", "attn"]).flatmap(configs))
+@example({"kind": "norm", "d": 2, "seed": 8, "in": 8, "shape": (4, 3, 8)})
+@example({"kind": "attn", "d": 2, "seed": 9, "heads": 4, "in": 8, "shape": (8, 2, 8)})
+def test_layernorm_and_attention2p5d_equal_one_process(c: dict) -> None:
     check_all(c)
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import Counter
 
 from minipar.cost.collectives import allreduce_bytes
-from minipar.cost.tensor2d import block2d_bytes, linear2d_bytes
+from minipar.cost.tensor2d import block2d_bytes, layernorm2d_bytes, linear2d_bytes
 
 
 def _rows(batch_rows: int, d: int) -> int:
@@ -58,6 +58,11 @@ def depth_bytes(pieces: list[int], d: int, k: int, itemsize: int = 8) -> int:
     """Bytes depth rank ``k`` sends summing parameter pieces of ``pieces`` numbers each over ``d``
     ranks, one ring all-reduce per piece (``DepthAllReduce``)."""
     return sum(allreduce_bytes(n, itemsize, d, k, "ring") for n in pieces)
+
+
+def _depth(pieces: list[int], d: int, k: int, itemsize: int) -> Counter:
+    sums = depth_bytes(pieces, d, k, itemsize)
+    return Counter({"allreduce": sums} if sums else {})
 
 
 def linear_pieces(in_features: int, out_features: int, q: int, bias: bool = True) -> list[int]:
@@ -79,9 +84,16 @@ def linear2p5d_bytes(batch_rows: int, in_features: int, out_features: int, q: in
     and ``backward`` inside its layer (``tensor2d.linear2d_bytes`` on ``batch_rows / d`` rows) and
     ``depth``, the gradient all-reduces (module docstring). ``batch_rows``: the whole activation's."""
     inner = linear2d_bytes(_rows(batch_rows, d), in_features, out_features, q, row, col, itemsize, bias)
-    sums = depth_bytes(linear_pieces(in_features, out_features, q, bias), d, depth, itemsize)
     return {"forward": Counter(inner["forward"]), "backward": Counter(inner["backward"]),
-            "depth": Counter({"allreduce": sums} if sums else {})}
+            "depth": _depth(linear_pieces(in_features, out_features, q, bias), d, depth, itemsize)}
+
+
+def layernorm2p5d_bytes(batch_rows: int, d_model: int, q: int, d: int, row: int, col: int, depth: int,
+                        itemsize: int = 8) -> dict[str, Counter]:
+    """Bytes rank ``(depth, row, col)`` sends in one ``LayerNorm2p5D`` forward and backward, by phase
+    (``tensor2d.layernorm2d_bytes`` on ``batch_rows / d`` rows; ``depth``: gain and shift pieces)."""
+    inner = layernorm2d_bytes(_rows(batch_rows, d), d_model, q, row, col, itemsize)
+    return {**inner, "depth": _depth([d_model // (q * q)] * 2, d, depth, itemsize)}
 
 
 def block2p5d_bytes(batch_rows: int, d_model: int, d_ff: int, q: int, d: int, row: int, col: int, depth: int,
@@ -89,8 +101,7 @@ def block2p5d_bytes(batch_rows: int, d_model: int, d_ff: int, q: int, d: int, ro
     """Bytes rank ``(depth, row, col)`` sends in one ``Block2p5D`` forward and backward, by phase
     (``forward``, ``backward`` in the layer; ``depth``) and collective."""
     inner = block2d_bytes(_rows(batch_rows, d), d_model, d_ff, q, row, col, itemsize)
-    sums = depth_bytes(block_pieces(d_model, d_ff, q), d, depth, itemsize)
-    return {**inner, "depth": Counter({"allreduce": sums} if sums else {})}
+    return {**inner, "depth": _depth(block_pieces(d_model, d_ff, q), d, depth, itemsize)}
 
 
 def linear_closed_form(b: int, h: int, q: int, d: int) -> dict[str, float]:
