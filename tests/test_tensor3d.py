@@ -195,27 +195,27 @@ def test_linear3d_under_mpiexec() -> None:
 
 # ---- the transformer block: MLP3D and Block3D ------------------------------------------------------
 
-def coords(rank: int) -> tuple[int, int, int]:
-    return rank // 4, rank // 2 % 2, rank % 2  # rank = (b q + k) q + n, q = 2
+def coords(rank: int, q: int) -> tuple[int, int, int]:
+    return rank // (q * q), rank // q % q, rank % q  # rank = (b q + k) q + n
 
 
-def act_piece(a: np.ndarray, b: int, k: int, n: int) -> np.ndarray:
-    """A block input's (and output's) piece on rank (b, k, n): rows [b B/2 + n B/4, ...), features block k."""
-    r, c = a.shape[0] // 4, a.shape[-1] // 2
-    return a[(2 * b + n) * r:(2 * b + n + 1) * r, ..., k * c:(k + 1) * c]
+def act_piece(a: np.ndarray, q: int, b: int, k: int, n: int) -> np.ndarray:
+    """A block input's (and output's) piece on rank (b, k, n): rows [b B/q + n B/q^2, ...), features block k."""
+    r, c = a.shape[0] // q ** 2, a.shape[-1] // q
+    return a[(q * b + n) * r:(q * b + n + 1) * r, ..., k * c:(k + 1) * c]
 
 
-def param_piece(name: str, full: np.ndarray, b: int, k: int, n: int) -> np.ndarray:
+def param_piece(name: str, full: np.ndarray, q: int, b: int, k: int, n: int) -> np.ndarray:
     """By hand: a weight's rows [(k q + b) K/q^2, ...) and columns block n; a vector's entries
     [n N/q + (b q + k) N/q^3, ...). The layer norms and the second linear of each pair sit on the
     swapped cube: k and n exchanged."""
     if name.startswith("ln") or "proj." in name:
         k, n = n, k
     if full.ndim == 1:
-        m = full.size // 8
-        return full[4 * n * m + (2 * b + k) * m:4 * n * m + (2 * b + k + 1) * m]
-    kk, nn = full.shape[0] // 4, full.shape[1] // 2
-    return full[(2 * k + b) * kk:(2 * k + b + 1) * kk, n * nn:(n + 1) * nn]
+        m = full.size // q ** 3
+        return full[q * q * n * m + (q * b + k) * m:q * q * n * m + (q * b + k + 1) * m]
+    kk, nn = full.shape[0] // q ** 2, full.shape[1] // q
+    return full[(q * k + b) * kk:(q * k + b + 1) * kk, n * nn:(n + 1) * nn]
 
 
 def randomise(model, seed: int) -> None:
@@ -252,7 +252,7 @@ def model_step(model, x: Tensor, r: np.ndarray, seed: int, rec=None) -> dict:
 def block_run(comm, c: dict) -> dict:
     """One rank: ``MLP3D`` or ``Block3D`` on its input piece; output, loss share, gradients, bytes."""
     cube = cube_3d(comm)
-    assert repr(cube.swapped()) == f"Cube3D(q=2, b={cube.b}, k={cube.n}, n={cube.k}, swapped)"
+    assert repr(cube.swapped()) == f"Cube3D(q={cube.q}, b={cube.b}, k={cube.n}, n={cube.k}, swapped)"
     assert repr(cube.swapped().swapped()) == repr(cube) and cube.swapped().along_k is cube.along_n
     d, seed = c["shape"][-1], c["seed"]
     model = MLP3D(d, c["ff"], cube) if c["heads"] is None else Block3D(d, c["heads"], cube, c["ff"],
@@ -278,51 +278,59 @@ def block_reference(c: dict) -> dict:
     return res
 
 
-def block_by_hand(c: dict) -> tuple[Counter, Counter, int]:
+def block_by_hand(c: dict) -> tuple[Counter, Counter]:
     """q = 2: each linear as ``by_hand``; a layer norm's ring all-reduce of m numbers on 2 ranks sends
     m (two chunks: one in the reduce-scatter, one in the all-gather): forward 2 of B/4 (mean,
     variance), backward those again and one of 2 B/4; its gain and its shift: d/8 then d/4 numbers
-    each way. Also the gathered buffers a rank keeps (numbers): each linear's X_bk (B/2 x in/2) and W_kn
-    (in/2 x out/2), each layer norm's gain (d/2)."""
+    each way."""
     rows, d, ff = int(np.prod(c["shape"][:-1])), c["shape"][-1], c["ff"]
-    dims = [(d, ff), (ff, d)] + ([(d, d)] * 4 if c["heads"] else [])
-    fwd, bwd, kept = Counter(), Counter(), 0
-    for fin, fout in dims:
+    fwd, bwd = Counter(), Counter()
+    for fin, fout in [(d, ff), (ff, d)] + ([(d, d)] * 4 if c["heads"] else []):
         f, b = by_hand(rows, fin, fout, True, True)
         fwd.update(f)
         bwd.update(b)
-        kept += rows // 2 * fin // 2 + fin // 2 * fout // 2
     if c["heads"]:
         fwd.update({"allreduce": 2 * 2 * rows // 4 * 8, "allgather": 4 * (d // 8 + d // 4) * 8})  # 2 x (gain, shift)
         bwd.update({"allreduce": 2 * 4 * rows // 4 * 8, "reduce_scatter": 4 * (d // 8 + d // 4) * 8})
-        kept += 2 * d // 2
-    return fwd, bwd, kept * 8
+    return fwd, bwd
 
 
-def check_block(c: dict, results: list[dict]) -> None:
-    ref = block_reference(c)
+def kept_by_hand(c: dict, q: int) -> int:
+    """Bytes of the gathered buffers a rank keeps for backward: each linear's X_bk (B/q x in/q) and W_kn
+    (in/q x out/q), each layer norm's gain (d/q)."""
+    rows, d, ff = int(np.prod(c["shape"][:-1])), c["shape"][-1], c["ff"]
+    kept = sum(rows // q * fin // q + fin // q * fout // q
+               for fin, fout in [(d, ff), (ff, d)] + ([(d, d)] * 4 if c["heads"] else []))
+    return (kept + (2 * d // q if c["heads"] else 0)) * 8
+
+
+def check_block(c: dict, results: list[dict], q: int = 2) -> None:
+    """Every rank's pieces equal the whole's, sliced by hand; the loss shares add up to the loss; 1/q^3
+    of every parameter and of the activations plus the gathered buffers; bytes by hand (q = 2) and
+    from ``cost.tensor3d``."""
+    ref, p = block_reference(c), q ** 3
     loss = sum(res["loss"] for res in results)
     assert abs(loss - ref["loss"]) <= 1e-12 * max(1.0, abs(ref["loss"]))
-    fwd, bwd, kept = block_by_hand(c)
     rows, d, ff = int(np.prod(c["shape"][:-1])), c["shape"][-1], c["ff"]
-    whole = sum(p[1].size for p in ref["params"].values())
+    whole = sum(g.size for _, g, _ in ref["params"].values())
     for rank, res in enumerate(results):
-        b, k, n = coords(rank)
-        np.testing.assert_allclose(res["y"], act_piece(ref["y"], b, k, n), **TOL)
-        np.testing.assert_allclose(res["dx"], act_piece(ref["dx"], b, k, n), **TOL)
+        b, k, n = coords(rank, q)
+        np.testing.assert_allclose(res["y"], act_piece(ref["y"], q, b, k, n), **TOL)
+        np.testing.assert_allclose(res["dx"], act_piece(ref["dx"], q, b, k, n), **TOL)
         for name, (init, grad, updated) in ref["params"].items():
             mine = res["params"][name]
-            assert mine[1].size * 8 == grad.size  # exactly 1/q^3 of every parameter
-            np.testing.assert_array_equal(mine[0], param_piece(name, init, b, k, n))  # init: a slice, bit for bit
-            np.testing.assert_allclose(mine[1], param_piece(name, grad, b, k, n), **TOL)
-            np.testing.assert_allclose(mine[2], param_piece(name, updated, b, k, n), **TOL, err_msg=name)
-        assert res["act"] * 8 == ref["act"] + kept * 8  # 1/q^3 of the activations + the gathered buffers
-        assert res["fwd"] == fwd and res["bwd"] == bwd
+            assert mine[1].size * p == grad.size  # exactly 1/q^3 of every parameter
+            np.testing.assert_array_equal(mine[0], param_piece(name, init, q, b, k, n))  # a slice, bit for bit
+            np.testing.assert_allclose(mine[1], param_piece(name, grad, q, b, k, n), **TOL)
+            np.testing.assert_allclose(mine[2], param_piece(name, updated, q, b, k, n), **TOL, err_msg=name)
+        assert res["act"] * p == ref["act"] + kept_by_hand(c, q) * p  # 1/q^3 of the whole's + gathered buffers
+        if q == 2:
+            assert (res["fwd"], res["bwd"]) == block_by_hand(c)
         if c["heads"]:
-            assert sum(p[1].size for p in res["params"].values()) * 8 == whole == 8 * block3d_parameters(d, ff, 2)
-            assert block3d_bytes(rows, d, ff, 2, k) == {"forward": fwd, "backward": bwd}
-            cost = block3d_activation_bytes(*c["shape"][:2], d, c["heads"], ff, 2)
-            assert cost["pieces"] * 8 == ref["act"] and sum(cost.values()) == res["act"]
+            assert sum(m[1].size for m in res["params"].values()) * p == whole == p * block3d_parameters(d, ff, q)
+            assert block3d_bytes(rows, d, ff, q, k) == {"forward": res["fwd"], "backward": res["bwd"]}
+            cost = block3d_activation_bytes(*c["shape"][:2], d, c["heads"], ff, q)
+            assert cost["pieces"] * p == ref["act"] and sum(cost.values()) == res["act"]
 
 
 @st.composite
@@ -344,6 +352,34 @@ def test_mlp3d_equals_one_process(c: dict) -> None:
 @example({"shape": (8, 3, 16), "ff": 24, "heads": 4, "causal": True, "seed": 1})
 def test_block3d_equals_one_process(c: dict) -> None:
     check_block(c, run(block_run, 8, c=c))
+
+
+def test_block3d_on_27_ranks() -> None:
+    """q = 3: rings of 3 ranks; a layer norm all-reduces 18/9 x 2 = 4 row sums per rank along k, in
+    chunks 2, 1, 1: rank k sends every chunk but k in the reduce-scatter and all but k + 1 in the
+    all-gather (5, 6, 5 numbers for k = 0, 1, 2); backward's 8 numbers go in chunks 3, 3, 2 (10, 11, 11)."""
+    c = {"shape": (18, 2, 27), "ff": 54, "heads": 9, "causal": True, "seed": 4}
+    results = run(block_run, 27, c=c)
+    check_block(c, results, q=3)
+    for rank, res in enumerate(results):
+        k = coords(rank, 3)[1]
+        stat, pair = (5, 6, 5)[k], (10, 11, 11)[k]
+        assert res["fwd"]["allreduce"] == 2 * 2 * stat * 8 and res["bwd"]["allreduce"] == 2 * (2 * stat + pair) * 8
+
+
+def test_block_bytes_closed_form() -> None:
+    """``cost.tensor3d``'s docstring, per phase: ``(q-1)/q^3 (10 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)``
+    numbers for the products, ``(q-1)(5d + d_ff)(1/q^3 + 1/q^2)`` for the biases, the same with
+    ``d`` for each of the two layer norms' gain and shift, and the layer norms' ring all-reduces of
+    ``B/q^2`` numbers, ``2 (q-1)/q`` of them each: two per layer norm forward, four backward."""
+    for q, rows, d, ff in ((2, 12, 8, 32), (3, 27, 27, 108)):
+        products = (q - 1) * (10 * rows * d + 2 * rows * ff + 4 * d * d + 2 * d * ff) // q ** 3
+        biases = (q - 1) * (5 * d + ff) * (q + 1) // q ** 3
+        gains = 2 * 2 * (q - 1) * (d // q ** 3 + d // q ** 2)
+        stat = 2 * (q - 1) * (rows // q ** 2) // q
+        cost = block3d_bytes(rows, d, ff, q, 0)
+        assert sum(cost["forward"].values()) == (products + biases + gains + 2 * 2 * stat) * 8
+        assert sum(cost["backward"].values()) == (products + biases + gains + 2 * 4 * stat) * 8
 
 
 @pytest.mark.mpi
