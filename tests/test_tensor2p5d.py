@@ -269,6 +269,28 @@ def test_block2p5d_under_mpiexec_on_8_ranks() -> None:
     check_all({"kind": "block", "d": 2, "seed": 11, "heads": 2, "in": 8, "ff": 8, "shape": (4, 2, 8)}, "mpi")
 
 
+def accumulate(comm) -> tuple:
+    """Two backward passes on a Linear2p5D (d = 2), the first with the depth's sum off."""
+    grid = grid_2p5d(comm, 2)
+    layer = Linear2p5D(4, 8, grid).init_parameters(1, "l.")
+    for step in range(2):
+        layer.depth_allreduce.sync = step == 1
+        y = layer(Tensor(block_2p5d(rand(10 + step, 8, 4), grid)))
+        (y * block_2p5d(rand(20 + step, 8, 8), grid)).sum().backward()
+    return grid.i, grid.j, layer.weight.grad, layer.bias.grad
+
+
+def test_accumulation_sums_over_the_depth_once() -> None:
+    """With ``sync = False`` on all but the last of several backward passes (DDP's ``no_sync``), the
+    accumulated gradients equal one process's over the same batches."""
+    ref = Linear(4, 8).init_parameters(1, "l.")
+    for step in range(2):
+        (ref(Tensor(rand(10 + step, 8, 4))) * rand(20 + step, 8, 8)).sum().backward()
+    for i, j, dw, db in run(accumulate, 8):
+        np.testing.assert_allclose(dw, param_piece(ref.weight.grad, i, j), **TOL)
+        np.testing.assert_allclose(db, param_piece(ref.bias.grad, i, j), **TOL)
+
+
 def test_closed_forms() -> None:
     """The closed forms against the exact counts where every division is exact, and the paper's
     bandwidth term q times ours (whole matrices as the unit, b = h; cost module's docstring)."""

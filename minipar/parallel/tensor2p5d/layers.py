@@ -1,26 +1,27 @@
 """2.5-D layers (Wang et al. 2021, Tesseract): each layer of the stack runs the 2-D layer on its own
 ``q x q`` grid; the ``d`` layers hold the same weights and sum their gradients over the depth.
 
-Forward. Layer ``k`` of the stack holds rows ``[k b/d, (k+1) b/d)`` of every activation, split on its
-grid as ``tensor2d`` splits a whole batch (``grid.block_2p5d``), and the same ``1/q^2`` piece of every
-weight and bias as the ranks ``(i, j)`` of the other layers (``Parameter(full_shape=, shard=)`` slices
-of the single-process module, the same slice on every layer). So a 2.5-D layer IS the 2-D layer on
-a ``Grid2p5D`` (which is a ``Grid2D`` for layer ``k``): ``Linear2p5D`` is ``tensor2d.Linear2D`` on it,
-SUMMA's broadcasts and reduces stay inside the layer, and no activation crosses the depth. This is
-the paper's algorithm (its 2.5-D SUMMA: ``A`` in ``d q x q`` blocks, ``B`` in ``q x q`` blocks
-replicated over the ``d`` layers, ``C`` in ``d q x q``) and Colossal-AI's ``Linear2p5D``, whose weight
-is ``[in/q, out/q]`` on every rank whatever the depth.
+Forward. Layer ``k`` of the stack holds rows ``[k b/d, (k+1) b/d)`` of every activation, split on
+its grid as ``tensor2d`` splits a whole batch (``grid.block_2p5d``), and the same ``1/q^2`` piece of
+every weight and bias as the ranks ``(i, j)`` of the other layers (``Parameter(full_shape=,
+shard=)`` slices of the single-process module, the same slice on every layer). So a 2.5-D layer IS
+the 2-D layer on a ``Grid2p5D`` (which is a ``Grid2D`` for layer ``k``): ``Linear2p5D`` is
+``tensor2d.Linear2D`` on it, SUMMA's broadcasts and reduces stay inside the layer, and no activation
+crosses the depth. This is the paper's layout as the authors' Colossal-AI documents it (``X`` in ``d
+q x q`` blocks, reshaped into ``d`` layers of ``q x q``; the weight in ``q x q`` blocks; SUMMA on
+each layer), and Colossal-AI's ``Linear2p5D`` keeps a ``[in/q, out/q]`` weight on every rank
+whatever the depth.
 
 Backward. Within a layer SUMMA's backward gives each rank ``dW_ij`` summed over its layer's rows;
 the whole gradient sums the ``d`` layers' (``dW = sum_k X_k^T dY_k``): an all-reduce (sum) of every
 parameter piece over the depth (``mesh["pp"]``), as data parallelism over the ``d`` layers does, so
 each copy takes the same optimizer step. ``DepthAllReduce`` does it from a hook on each parameter
 (fired when its gradient is complete, as DDP's hooks; ``minipar.parallel.ddp``) with one blocking
-ring all-reduce per parameter and no buckets: the naive data parallelism, the paper's "all-reduce
-along the depth". It sums rather than averages: each rank's loss is its share of the one loss
-(``sum_r loss_r = loss``), so the sum is that loss's gradient. To accumulate over several backward
-passes, run all but the last with ``depth_allreduce.sync = False`` (the hook would otherwise sum the
-earlier, already summed part again), as DDP's ``no_sync``.
+ring all-reduce per parameter and no buckets: data parallelism over the depth in its naive form
+(DDP's buckets would cut the messages, not the bytes). It sums rather than averages: each rank's
+loss is its share of the one loss (``sum_r loss_r = loss``), so the sum is that loss's gradient. To
+accumulate over several backward passes, run all but the last with ``depth_allreduce.sync = False``
+(the hook would otherwise sum the earlier, already summed part again), as DDP's ``no_sync``.
 
 Memory per rank: ``1/q^2`` of every parameter (the whole, ``d`` copies over the ranks) and ``1/(d
 q^2)`` of every activation kept for backward (plus, per layer norm, its gathered gain, ``d_model/q``
