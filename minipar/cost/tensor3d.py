@@ -1,4 +1,4 @@
-"""3-D tensor parallelism (Bian et al. 2021): bytes each rank sends, parameters it holds.
+"""3-D tensor parallelism (Bian et al. 2021): bytes each rank sends, parameters and activations it holds.
 
 Derivation, on a ``q x q x q`` cube, rank ``(b, k, n)``, for ``Linear3D`` on an input of ``B`` rows
 (the product of its leading axes), ``K = in_features``, ``N = out_features``
@@ -28,14 +28,15 @@ A transformer block (``Block3D``: ``B`` = batch x sequence rows, width ``d``, ML
   ``d x d_ff``, ``proj`` of ``d_ff x d``; a layer on a swapped view moves the same bytes, on the
   other two axes): per phase ``(q-1)/q^3 (10 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)`` numbers for the
   products, ``18 B d + 12 d^2`` with ``d_ff = 4d``, plus ``(q-1)(5d + d_ff)(1/q^3 + 1/q^2)`` for the
-  biases. This is the paper's count (Sec. 3; Colossal-AI's table, ``6(q-1)/q^3`` of a matrix per
-  linear over forward and backward): per linear and phase three collectives, each moving
-  ``(q-1)/q^3`` of one of the three whole matrices.
+  biases. This is the paper's count per linear (Colossal-AI's documentation tabulates it as
+  ``6(q-1)/q^3``, forward and backward together): per linear and phase three collectives, each
+  moving ``(q-1)/q^3`` of one of the three whole matrices.
 - two ``LayerNorm3D``: forward two ring all-reduces of ``B/q^2`` numbers (row sums for the mean,
-  then the variance) along ``k``, ``2 (q-1)/q B/q^2`` each (``collectives.allreduce_bytes``, exact
-  per rank when ``q`` does not divide ``B/q^2``), and the plane all-gathers of gain and shift (a
-  bias's bytes, ``N = d``); backward the two statistics again, one all-reduce of ``2 B/q^2`` (the
-  sums of ``g dY`` and ``g dY xhat``) and the two plane reduce-scatters (``layernorm3d_bytes``).
+  then the variance) along ``k``, ``2 (q-1)/q B/q^2`` each (``collectives.allreduce_bytes`` gives
+  each rank's exact count when ``q`` does not divide ``B/q^2``), and the plane all-gathers of gain
+  and shift (a bias's bytes, ``N = d``); backward the two statistics again, one all-reduce of
+  ``2 B/q^2`` (the row sums of ``gain dY`` and ``gain dY xhat``) and the two plane reduce-scatters
+  (``layernorm3d_bytes``).
 - attention, GELU and the residual adds: no message (``Attention3D``: whole sequences, ``H/q`` heads
   per rank).
 

@@ -10,7 +10,7 @@ another, multiplies locally and reduce-scatters the partial output along the thi
 - ``model.py``: the transformer block: ``LayerNorm3D``, ``Attention3D``, ``MLP3D``, ``Block3D``
   and ``check_block``.
 
-Bytes per rank and parameters per rank are in ``minipar.cost.tensor3d``.
+Bytes, parameters and activations per rank, for a linear and for the block: ``minipar.cost.tensor3d``.
 """
 
 from minipar.parallel.tensor3d.layers import (

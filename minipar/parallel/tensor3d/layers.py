@@ -30,8 +30,9 @@ it is the input piece of the same cube with ``k`` and ``n`` swapped (``Cube3D.sw
 layer is therefore built on ``cube.swapped()`` and takes the first's output as it is, and its own
 output is an input piece of ``cube`` again, so every layer pair (the MLP's ``fc``/``proj``,
 attention's ``q``/``proj``) ends in the layout it started from (``model.py``). Colossal-AI does the
-same by swapping its input and output parallel groups in a global environment after every 3-D
-linear; here each layer is handed its view when it is built.
+same by swapping its input and output parallel groups in a global environment at the end of every
+3-D linear's constructor (``swap_in_out_group``); here each layer is handed its view when it is
+built.
 
 Bias (optional). ``Y``'s piece on rank ``(b, k, n)`` needs ``b_n``, the ``N/q`` entries of column
 block ``n``, on all ``q^2`` ranks ``(*, *, n)`` (the ``Plane``). Each stores a ``1/q^2`` piece of

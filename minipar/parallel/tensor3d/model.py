@@ -11,10 +11,12 @@ output piece, which is the input piece of the view with ``k`` and ``n`` exchange
 ``cube.swapped()``, and the pair ends in the layout it began with, where the residual adds are
 local. Three other ways were possible and are worse: redistributing the output back (an all-to-all
 of every activation, which the paper's layout exists to avoid); a ``transposed`` flag on each op
-(every op would branch on which axis plays ``k``); or Colossal-AI's global swap of its input and
-output groups after every linear (a layer built out of order silently gets the wrong groups). A
-view object keeps each op written once in the paper's ``(b, k, n)`` and says, where a layer is
-built, which physical axis plays which role.
+(every op would branch on which axis plays ``k``); or Colossal-AI's global state (each of its 3-D
+linears' constructors ends with ``swap_in_out_group()``, exchanging the input and output groups in
+a module-level environment, so layers must be built in the order data flows through them, and a
+layer built out of that order silently gets the wrong groups). A view object keeps each op written
+once in the paper's ``(b, k, n)`` and says, where a layer is built, which physical axis plays which
+role; ``Cube3D.swapped`` is an involution, so two linears bring the layout back.
 
 - ``LayerNorm3D``: an input piece's features are split along ``k``, so its ``q`` ranks ``(b, *, n)``
   all-reduce the row sums (mean, then variance). The gain and shift block ``k`` is used by the
