@@ -24,7 +24,8 @@ from minipar import trace
 from minipar.comm import launch
 from minipar.mesh import DeviceMesh
 from minipar.sharding import GlobalTensor, Partial, Replicate, Shard
-from minipar.sharding.propagate import elementwise, matmul, matmul_strategies, table_row
+from minipar.sharding.ops import elementwise, matmul
+from minipar.sharding.propagate import matmul_strategies, table_row
 from minipar.testing import run_each
 
 S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
@@ -67,15 +68,16 @@ def run_matmul(comm, mesh_kw: dict, axes: tuple, mkn: tuple, pairs: list, seed: 
 
 # ---- the seed's 4x5 @ 5x8 on 2 ranks: |A| = 160 bytes, |B| = 320 -----------------------------------------
 # Per-rank bytes on p = 2 (N = a tensor's global bytes): S -> B, S -> P, P -> S: N/2; P -> B: N; S(i) -> S(j):
-# N/4; from B: 0. Rules tried in order S(0)xB, BxS(1), PxB, BxP, BxB (S(1)xS(0) illegal: 5 rows of B).
+# N/4; from B: 0. Cheapest first, then fewest inputs' placements changed (a free slice or zeroing counts),
+# then rules in order S(0)xB, BxS(1), PxB, BxP, BxB (S(1)xS(0) illegal: 5 rows of B).
 SEED_TABLE = {  # (A, B): (C, bytes per rank)
     (S0, S1): (S1, 80),    # all-gather A (80); all-gather B to B would be 160
     (S0, B): (S0, 0),
     (S0, P): (P, 80),      # A to B (80), B x P; reduce-scatter B and BxS(1) would be 80 + 160
     (B, S1): (S1, 0),
-    (B, B): (S0, 0),       # every rule is free (slice, zero); the first is S(0) x B
+    (B, B): (B, 0),        # every rule is free (slice, zero), B x B changes nothing
     (B, P): (P, 0),
-    (P, S1): (S1, 160),    # all-reduce A (160) ties all-gather B (160): BxS(1) comes before PxB
+    (P, S1): (S1, 160),    # all-reduce A (160) ties all-gather B (160), one change each: BxS(1) before PxB
     (P, B): (P, 0),
     (P, P): (P, 160),      # all-reduce A (160), B x P; all-reduce B would be 320
 }
@@ -114,16 +116,18 @@ def hand_cost(src, dst, n_bytes: int, p: int) -> int:
 
 
 def hand_choice(pa, pb, m: int, k: int, n: int, p: int) -> tuple:
-    """The cheapest legal rule, first in the table's order among equals, from hand_cost."""
+    """The cheapest legal rule, then the one changing fewer placements, then first in the table's order,
+    from hand_cost."""
     table = [(S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B)]
     best = None
     for ra, rb, rc in table:
         if (ra == S1 or rb == S0) and k % p:
             continue
         cost = hand_cost(pa, ra, m * k * 8, p) + hand_cost(pb, rb, k * n * 8, p)
-        if best is None or cost < best[1]:
-            best = (rc, cost)
-    return best
+        key = (cost, (pa != ra) + (pb != rb))
+        if best is None or key < best[1]:
+            best = (rc, key)
+    return best[0], best[1][0]
 
 
 def test_divisible_matmul_every_pair_on_2_ranks() -> None:
@@ -181,14 +185,14 @@ def test_2x2_mesh_by_hand(pa: tuple, pb: tuple, want: tuple) -> None:
 
 # ---- elementwise add and mul on 2 ranks: x, y of shape (4, 6), N = 192 bytes each ------------------------
 # Per rank (p = 2): S(i) -> S(j) N/4 = 48; S -> B, S -> P, P -> S N/2 = 96; P -> B N = 192; from B 0.
-# Rules tried in order S(0), S(1), then P (add: P+P; mul: P*B, B*P), then B.
+# Cheapest, then fewest placements changed, then rules in order S(0), S(1), P (add: P+P; mul: P*B, B*P), B.
 SAME = {  # (x, y): (out, bytes) for add; MUL_DIFF overrides for mul
     (S0, S0): (S0, 0), (S0, S1): (S0, 48), (S0, B): (S0, 0), (S0, P): (S0, 96),  # S(0): 96 ties P (S->P 96)
     (S1, S0): (S0, 48), (S1, S1): (S1, 0), (S1, B): (S1, 0), (S1, P): (S1, 96),
-    (B, S0): (S0, 0), (B, S1): (S1, 0), (B, B): (S0, 0), (B, P): (P, 0),  # B + P: zero x (free)
+    (B, S0): (S0, 0), (B, S1): (S1, 0), (B, B): (B, 0), (B, P): (P, 0),  # B + P: zero x (free)
     (P, S0): (S0, 96), (P, S1): (S1, 96), (P, B): (P, 0), (P, P): (P, 0),
 }
-MUL_DIFF = {(P, P): (S0, 192)}  # P * P: two reduce-scatters (192) tie P*B (all-reduce y, 192): S(0) first
+MUL_DIFF = {(P, P): (P, 192)}  # P * P: two reduce-scatters (192, two changes) tie P*B (all-reduce y, 192, one)
 
 
 def run_elementwise(comm, op: str, sx: tuple, sy: tuple, pairs: list, seed: int, mesh_kw: dict | None = None,
@@ -256,32 +260,37 @@ BAD = [
     (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 5)), m, ("tp",), [B]),
                       GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "inner dimensions differ"),
     (lambda m: matmul(GlobalTensor.from_global(np.ones(4), m, ("tp",), [B]),
-                      GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "2-D tensors only"),
+                      GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "@ (k, n) or equal batch"),
     (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 5)), m, ("tp",), [S1]),
                       GlobalTensor.from_global(np.ones((5, 8)), m, ("tp",), [B])), "5 is not divisible by 2"),
     (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 4)), m, ("tp",), [B]),
                       GlobalTensor.from_global(np.ones((4, 8)), m, ("dp",), [B])), "same mesh and axes"),
     (lambda m: elementwise("add", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
                            GlobalTensor.from_global(np.ones((4,)), m, ("tp",), [B])), "do not broadcast"),
-    (lambda m: elementwise("sub", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
+    (lambda m: elementwise("div", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
                            GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [B])), "op must be one of"),
     (lambda m: elementwise("mul", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
                            GlobalTensor.from_global(np.ones((3,)), m, ("tp",), [S0])), "3 is not divisible by 2"),
 ]
 
 
-def run_bad(comm, i: int) -> tuple[str, int]:
+def run_bad(comm, bad: list, i: int) -> tuple[str, int]:
     mesh = DeviceMesh(comm, tp=2)
     with trace.recording(comm.world_rank) as rec, pytest.raises(ValueError) as err:
-        BAD[i][0](mesh)
+        bad[i][0](mesh)
     return str(err.value), sum(e.kind == "comm" for e in rec.events)
+
+
+def check_refused(bad: list, i: int) -> None:
+    """``bad[i]``'s call raises the same ``ValueError`` naming ``bad[i][1]`` on both ranks, before any message."""
+    out = launch(run_bad, 2, "threads", bad, i)
+    assert bad[i][1] in out[0][0], out[0][0]
+    assert all(o == (out[0][0], 0) for o in out)
 
 
 @pytest.mark.parametrize("i", range(len(BAD)), ids=[n for _, n in BAD])
 def test_bad_matmuls_refused_on_every_rank(i: int) -> None:
-    out = launch(run_bad, 2, "threads", i)
-    assert BAD[i][1] in out[0][0], out[0][0]
-    assert all(o == (out[0][0], 0) for o in out)
+    check_refused(BAD, i)
 
 
 @pytest.mark.mpi

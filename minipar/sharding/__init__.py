@@ -18,8 +18,9 @@ placements picks the collective on that axis's traced communicator.
 - ``minipar/cost/sharding.py``: the bytes each step sends per rank, from the collective formulas.
 """
 
+from minipar.sharding.ops import add, matmul, mul
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard
-from minipar.sharding.propagate import add, matmul, matmul_strategies, mul
+from minipar.sharding.propagate import matmul_strategies
 from minipar.sharding.redistribute import Step, plan, redistribute
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 

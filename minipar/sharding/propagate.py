@@ -21,10 +21,14 @@ unevenly (``k = 5`` on 2 ranks rules out ``S(1) x S(0)``) is not legal and is le
 
 Cost, and ties. A strategy's ``bytes`` is the most any one rank of the mesh sends for its
 redistributions (every rank computes the same number, so every rank picks the same strategy, with no
-message). Equal costs are broken by the order of ``RULES`` (on several axes: the first axis's rule
-first, then the next's, lexicographically): sharded outputs first (each rank computes ``1/p`` of C and
-nothing needs reducing later), then partial ones, replicated last. So ``B x B`` gives ``S(0)`` by a free
-local slice of A, and ``P x S(1)`` (all-reduce A or all-gather B, the same bytes on 2 ranks) gives ``S(1)``.
+message). Equal bytes are broken first by the number of inputs' placements changed (a free slice or
+zeroing counts one): an op keeps the layout it is given when that is free, as GSPMD's propagation
+carries a sharding through ops, so ``B x B`` stays ``B`` rather than slicing A to rows that the next op
+(or the backward) may want whole. Then by the order of ``RULES`` (on several axes: the first axis's
+rule first, then the next's, lexicographically): sharded outputs first (each rank computes ``1/p`` of C
+and nothing needs reducing later), then partial ones, replicated last. So ``S(1) x B`` (all-to-all A to
+rows, or slice B to rows: the slice is free) gives ``P``, and ``P x S(1)`` (all-reduce A or all-gather B,
+the same bytes on 2 ranks, one change each) gives ``S(1)``.
 
 Several mesh axes (2-D meshes). As GSPMD (Xu et al. 2021, "GSPMD: General and Scalable Parallelization
 for ML Computation Graphs") does, the rules apply to each axis independently: a strategy is one
@@ -55,7 +59,7 @@ import numpy as np
 
 from minipar.cost.sharding import redistribute_bytes
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
-from minipar.sharding.redistribute import plan, redistribute
+from minipar.sharding.redistribute import plan
 from minipar.sharding.tensor import GlobalTensor, check_layout
 
 S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
@@ -65,15 +69,30 @@ RULES: tuple[tuple[Placement, Placement, Placement], ...] = (
 Strategy = tuple[Any, ...]  # (placements needed per input..., output placements, bytes)
 
 
-def check_matmul(a: GlobalTensor, b: GlobalTensor) -> None:
-    """``ValueError`` unless ``a @ b`` is a 2-D matmul of tensors on the same mesh and axes."""
-    if len(a.shape) != 2 or len(b.shape) != 2:
-        raise ValueError(f"matmul: 2-D tensors only, got shapes {a.shape} and {b.shape}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape} ({a.shape[1]} != {b.shape[0]})")
+def check_matmul(a: GlobalTensor, b: GlobalTensor) -> tuple[int, ...]:
+    """The output shape of ``a @ b``: ``(..., m, k) @ (k, n)``, or ``(..., m, k) @ (..., k, n)`` with equal
+    batch dimensions; ``ValueError`` otherwise, or for tensors on different meshes or axes."""
+    ra, rb = len(a.shape), len(b.shape)
+    if ra < 2 or rb < 2 or (rb > 2 and (ra != rb or a.shape[:-2] != b.shape[:-2])):
+        raise ValueError(f"matmul: (..., m, k) @ (k, n) or equal batch dimensions only, got shapes {a.shape} "
+                         f"and {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape} ({a.shape[-1]} != {b.shape[-2]})")
     if a.mesh is not b.mesh or a.axes != b.axes:
         raise ValueError(f"matmul: both tensors must be on the same mesh and axes, got {a.axes} and {b.axes}; "
                          "redistribute one first")
+    return (*a.shape[:-1], b.shape[-1])
+
+
+def matmul_rules(ra: int, rb: int) -> list[tuple[tuple[Placement, ...], Placement]]:
+    """``RULES`` for ``(..., m, k) @ (k, n)`` (``rb = 2``) or batched operands of equal rank: a batch or
+    row dimension of A split alone (a 2-D B) or with B's same batch dimension gives that dimension of
+    C; then ``RULES``' columns, contraction, partial and replicated rules."""
+    r = ra
+    out = [((Shard(d), Shard(d) if rb > 2 else B), Shard(d)) for d in range(r - 2)]
+    out += [((Shard(ra - 2), B), Shard(r - 2)), ((B, Shard(rb - 1)), Shard(r - 1)),
+            ((Shard(ra - 1), Shard(rb - 2)), P), ((P, B), P), ((B, P), P), ((B, B), B)]
+    return out
 
 
 def _most_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], src: Sequence[Placement],
@@ -95,8 +114,9 @@ def _legal(shape: Sequence[int], t: GlobalTensor, placements: Sequence[Placement
 def strategies(inputs: Sequence[GlobalTensor], out_shape: Sequence[int],
                rules: Sequence[tuple[tuple[Placement, ...], Placement]]) -> list[Strategy]:
     """Every legal combination of one rule ``(input placements, output placement)`` per mesh axis, as
-    ``(needed placements by input, output placements, bytes)``, cheapest first, ties in ``rules``
-    order (lexicographic over the axes). ``bytes``: the most one rank sends for the redistributions."""
+    ``(needed placements by input, output placements, bytes)``, cheapest first; among equal bytes the
+    one changing fewer inputs' placements (a free slice or zeroing counts), then ``rules`` order
+    (lexicographic over the axes). ``bytes``: the most one rank sends for the redistributions."""
     t0 = inputs[0]
     out = []
     for per_axis in itertools.product(rules, repeat=len(t0.axes)):
@@ -108,27 +128,22 @@ def strategies(inputs: Sequence[GlobalTensor], out_shape: Sequence[int],
             continue
         sent = [_most_bytes(t.shape, t.local.itemsize, t.degrees, t.placements, pl)
                 for t, pl in zip(inputs, needed, strict=True)]
-        out.append((needed, placed, max(sum(per_rank) for per_rank in zip(*sent, strict=True))))
-    return sorted(out, key=lambda s: s[2])  # stable: rules order among equal costs
+        moves = sum(a != b for t, pl in zip(inputs, needed, strict=True) for a, b in zip(t.placements, pl, strict=True))
+        out.append((needed, placed, max(sum(per_rank) for per_rank in zip(*sent, strict=True)), moves))
+    out.sort(key=lambda s: (s[2], s[3]))  # stable: rules order among equal costs and moves
+    return [s[:3] for s in out]
 
 
 def matmul_strategies(a: GlobalTensor, b: GlobalTensor) -> list[Strategy]:
     """Every legal strategy ``(a_needed, b_needed, c_placements, bytes)`` (placements one per axis),
     cheapest first, ties in ``RULES`` order (module docstring). ``bytes``: the most one rank sends."""
-    check_matmul(a, b)
-    found = strategies([a, b], (a.shape[0], b.shape[1]), [((ra, rb), rc) for ra, rb, rc in RULES])
+    shape = check_matmul(a, b)
+    found = strategies([a, b], shape, matmul_rules(len(a.shape), len(b.shape)))
     return [(pa, pb, pc, n) for (pa, pb), pc, n in found]
 
 
-def matmul(a: GlobalTensor, b: GlobalTensor) -> GlobalTensor:
-    """``a @ b`` as a global tensor: the cheapest strategy's redistributions, then the local matmul."""
-    pa, pb, pc, _ = matmul_strategies(a, b)[0]
-    a2, b2 = redistribute(a, pa), redistribute(b, pb)
-    return GlobalTensor(a2.local @ b2.local, (a.shape[0], b.shape[1]), a.mesh, a.axes, pc)
-
-
 # ---- elementwise add and mul with numpy broadcasting ------------------------------------------------------
-OPS = {"add": lambda x, y: x + y, "mul": lambda x, y: x * y}
+OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply}
 
 
 def check_elementwise(op: str, x: GlobalTensor, y: GlobalTensor) -> tuple[int, ...]:
@@ -159,7 +174,7 @@ def elementwise_rules(op: str, shapes: Sequence[Sequence[int]], out_shape: Seque
             di = d - (len(out_shape) - len(sh))
             ins.append(Shard(di) if di >= 0 and sh[di] != 1 else B)
         rules.append((tuple(ins), Shard(d)))
-    rules += [((P, P), P)] if op == "add" else [((P, B), P), ((B, P), P)]
+    rules += [((P, B), P), ((B, P), P)] if op == "mul" else [((P, P), P)]
     return [*rules, ((B, B), B)]
 
 
@@ -168,22 +183,6 @@ def elementwise_strategies(op: str, x: GlobalTensor, y: GlobalTensor) -> list[St
     shape = check_elementwise(op, x, y)
     found = strategies([x, y], shape, elementwise_rules(op, [x.shape, y.shape], shape))
     return [(px, py, pc, n) for (px, py), pc, n in found]
-
-
-def elementwise(op: str, x: GlobalTensor, y: GlobalTensor) -> GlobalTensor:
-    """``x + y`` (``op="add"``) or ``x * y`` (``"mul"``) with numpy broadcasting, by the cheapest strategy."""
-    shape = check_elementwise(op, x, y)
-    px, py, pc, _ = elementwise_strategies(op, x, y)[0]
-    local = OPS[op](redistribute(x, px).local, redistribute(y, py).local)
-    return GlobalTensor(np.ascontiguousarray(local), shape, x.mesh, x.axes, pc)
-
-
-def add(x: GlobalTensor, y: GlobalTensor) -> GlobalTensor:
-    return elementwise("add", x, y)
-
-
-def mul(x: GlobalTensor, y: GlobalTensor) -> GlobalTensor:
-    return elementwise("mul", x, y)
 
 
 def table_row(a: GlobalTensor, b: GlobalTensor) -> str:

@@ -83,6 +83,35 @@ class GlobalTensor:
             raise ValueError(f"sharding: a piece of shape {local.shape} for a {self.shape} tensor placed "
                              f"{describe(self.placements)} over {self.axes}; each rank's piece has shape {want}")
         self.local = local
+        self.requires_grad, self.grad = False, None  # autograd (``minipar.sharding.autograd``)
+        self.parents: tuple[GlobalTensor, ...] = ()
+        self.backward_fn: Any = None
+        self.passes_gradient = False  # a redistribution's output (autograd.py)
+
+    def requires_grad_(self, flag: bool = True) -> GlobalTensor:
+        """Make this (leaf) tensor one whose gradient ``backward`` accumulates into ``.grad``."""
+        self.requires_grad = flag
+        return self
+
+    def backward(self, grad: GlobalTensor | None = None) -> None:
+        """Gradients of this tensor (ones for a scalar) into every leaf's ``.grad``
+        (``minipar.sharding.autograd``)."""
+        from minipar.sharding.autograd import backward
+
+        backward(self, grad)
+
+    @classmethod
+    def zeros(cls, shape: Sequence[int], mesh: DeviceMesh, axes: Sequence[str], placements: Sequence[Placement],
+              dtype: Any = np.float64) -> GlobalTensor:
+        """Zeros of ``shape`` laid out as ``placements``: each rank allocates its piece only."""
+        check_layout(shape, mesh.shape, axes, placements)
+        sl = local_slices(shape, [mesh.degree(a) for a in axes], [mesh.coords[a] for a in axes], placements)
+        return cls(np.zeros(tuple(s.stop - s.start for s in sl), dtype=dtype), shape, mesh, axes, placements)
+
+    @classmethod
+    def empty_like(cls, t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTensor:
+        """Zeros of ``t``'s shape, mesh and axes laid out as ``placements`` (each rank's piece only)."""
+        return cls.zeros(t.shape, t.mesh, t.axes, placements, t.local.dtype)
 
     @property
     def degrees(self) -> tuple[int, ...]:

@@ -1,0 +1,121 @@
+"""Reverse-mode autograd on global tensors: every op's backward is itself made of global ops.
+
+A ``GlobalTensor`` made by an op of ``minipar.sharding.ops`` from inputs that require gradients
+remembers them and a closure mapping its gradient to theirs (micrograd's shape, as
+``minipar.autograd``). A gradient is a global tensor of the same global shape, with placements of
+its own: each backward closure calls the same propagated ops as the forward (``ops.matmul``,
+``ops.sum``, ...), so the backward's placements and collectives are chosen by the same rules and
+the same cost, and no backward is written twice (once per placement).
+
+The placements that come out are OneFlow's duals (Yuan et al. 2021, Sec. 3.2): for a matmul
+``y = x W`` with ``x`` replicated (``B``) and ``W`` split by columns (``S(1)``), ``dx = dy W^T`` is
+``S(1) x S(0)``, a partial sum (``P``), with no message; the gradient of a ``P`` tensor must reach every
+piece whole (``B``); a split stays split. The engine adds one rule, PyTorch DTensor's: once a tensor's
+gradient is complete (every consumer's part added), it is brought to the tensor's own placements, a
+``Partial`` tensor's to ``Replicate`` (``grad_placements``), before the tensor's own backward runs and
+for a leaf's ``.grad``. So a replicated activation's partial gradient is all-reduced where it is
+complete, once (Megatron's ``f`` in backward), a replicated parameter's gradient is whole (a layer
+norm's under tensor parallelism; DDP's all-reduce under data parallelism), and a split tensor's partial
+gradient is reduce-scattered (sequence parallelism's backward). Redistributions are the exception:
+one is the identity on the global value, so its backward hands the gradient on as it arrives and the
+tensor it came from applies the rule (a ``P`` gradient meeting a split source is reduce-scattered,
+not all-reduced and then sliced).
+
+Gradients reaching a tensor from several consumers are added with ``ops.add`` (propagated too).
+Grad mode is per thread (ranks of the threads backend are threads): ``no_grad()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minipar.sharding.placement import Partial, Replicate
+
+if TYPE_CHECKING:
+    from minipar.sharding.tensor import GlobalTensor
+
+Backward = Callable[["GlobalTensor"], Sequence["GlobalTensor | None"]]
+_mode = threading.local()
+
+
+def grad_enabled() -> bool:
+    return getattr(_mode, "enabled", True)
+
+
+class no_grad:  # noqa: N801 - PyTorch's name
+    """Ops inside build no graph (the backward closures run inside one)."""
+
+    def __enter__(self) -> None:
+        self.prev = grad_enabled()
+        _mode.enabled = False
+
+    def __exit__(self, *exc: object) -> None:
+        _mode.enabled = self.prev
+
+
+def record(out: GlobalTensor, parents: Sequence[GlobalTensor], backward: Backward) -> GlobalTensor:
+    """Make ``out`` a node of the graph when grad mode is on and some parent requires a gradient;
+    ``backward(grad_of_out)`` returns one gradient (or None) per parent."""
+    if grad_enabled() and any(p.requires_grad for p in parents):
+        out.requires_grad, out.parents, out.backward_fn = True, tuple(parents), backward
+    return out
+
+
+def grad_placements(t: GlobalTensor) -> tuple:
+    """A gradient's placements for the tensor ``t``: ``t``'s own, ``Partial`` replaced by ``Replicate``."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
+
+
+def _order(out: GlobalTensor) -> list[GlobalTensor]:
+    """Every node behind ``out`` that requires a gradient, consumers before producers."""
+    seen, post = set(), []
+    stack: list[tuple[GlobalTensor, bool]] = [(out, False)]
+    while stack:
+        t, done = stack.pop()
+        if done:
+            post.append(t)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        stack.extend((p, False) for p in t.parents if p.requires_grad and id(p) not in seen)
+    return post[::-1]
+
+
+def backward(out: GlobalTensor, grad: GlobalTensor | None = None) -> None:
+    """Accumulate ``d out / d leaf`` into every leaf's ``.grad``; ``grad`` defaults to ones (for a
+    scalar loss), in ``out``'s placements with ``Partial`` read as ``Replicate``."""
+    from minipar.sharding import ops
+    from minipar.sharding.redistribute import redistribute
+    from minipar.sharding.tensor import GlobalTensor
+
+    if not out.requires_grad:
+        raise RuntimeError("backward: the tensor does not require a gradient (no input of its graph does)")
+    if grad is None:
+        seed = grad_placements(out)
+        like = GlobalTensor.empty_like(out, seed)
+        grad = GlobalTensor(np.ones_like(like.local), out.shape, out.mesh, out.axes, seed)
+    if grad.shape != out.shape:
+        raise ValueError(f"backward: gradient of shape {grad.shape} for a tensor of shape {out.shape}")
+    grads: dict[int, GlobalTensor] = {id(out): grad}
+    with no_grad():
+        for t in _order(out):
+            g = grads.pop(id(t), None)
+            if g is None:
+                continue
+            if not t.passes_gradient:
+                g = redistribute(g, grad_placements(t))
+            if t.backward_fn is None:  # a leaf
+                t.grad = g if t.grad is None else redistribute(ops.add(t.grad, g), grad_placements(t))
+                continue
+            for p, gp in zip(t.parents, t.backward_fn(g), strict=True):
+                if gp is None or not p.requires_grad:
+                    continue
+                if gp.shape != p.shape:
+                    raise AssertionError(f"gradient of shape {gp.shape} for a parent of shape {p.shape}")
+                grads[id(p)] = gp if id(p) not in grads else ops.add(grads[id(p)], gp)
