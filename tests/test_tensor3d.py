@@ -289,19 +289,23 @@ def block_by_hand(c: dict) -> tuple[Counter, Counter]:
         f, b = by_hand(rows, fin, fout, True, True)
         fwd.update(f)
         bwd.update(b)
-    if c["heads"]:
+    if c["heads"]:  # k and v use q's gathered input: 2 fewer gathers of X (B/4 x d/2) and reduce-scatters of dX
+        fwd["allgather"] -= 2 * rows // 4 * d // 2 * 8
+        bwd["reduce_scatter"] -= 2 * rows // 4 * d // 2 * 8
         fwd.update({"allreduce": 2 * 2 * rows // 4 * 8, "allgather": 4 * (d // 8 + d // 4) * 8})  # 2 x (gain, shift)
         bwd.update({"allreduce": 2 * 4 * rows // 4 * 8, "reduce_scatter": 4 * (d // 8 + d // 4) * 8})
     return fwd, bwd
 
 
 def kept_by_hand(c: dict, q: int) -> int:
-    """Bytes of the gathered buffers a rank keeps for backward: each linear's X_bk (B/q x in/q) and W_kn
-    (in/q x out/q), each layer norm's gain (d/q)."""
+    """Bytes of the gathered buffers a rank keeps for backward: each linear's W_kn (in/q x out/q) and X_bk
+    (B/q x in/q; one for q, k and v), each layer norm's gain (d/q)."""
     rows, d, ff = int(np.prod(c["shape"][:-1])), c["shape"][-1], c["ff"]
     kept = sum(rows // q * fin // q + fin // q * fout // q
                for fin, fout in [(d, ff), (ff, d)] + ([(d, d)] * 4 if c["heads"] else []))
-    return (kept + (2 * d // q if c["heads"] else 0)) * 8
+    if c["heads"]:
+        kept += 2 * d // q - 2 * (rows // q * d // q)  # two gains; k and v keep q's X_bk, not their own
+    return kept * 8
 
 
 def check_block(c: dict, results: list[dict], q: int = 2) -> None:
@@ -368,12 +372,12 @@ def test_block3d_on_27_ranks() -> None:
 
 
 def test_block_bytes_closed_form() -> None:
-    """``cost.tensor3d``'s docstring, per phase: ``(q-1)/q^3 (10 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)``
+    """``cost.tensor3d``'s docstring, per phase: ``(q-1)/q^3 (8 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)``
     numbers for the products, ``(q-1)(5d + d_ff)(1/q^3 + 1/q^2)`` for the biases, the same with
     ``d`` for each of the two layer norms' gain and shift, and the layer norms' ring all-reduces of
     ``B/q^2`` numbers, ``2 (q-1)/q`` of them each: two per layer norm forward, four backward."""
     for q, rows, d, ff in ((2, 12, 8, 32), (3, 27, 27, 108)):
-        products = (q - 1) * (10 * rows * d + 2 * rows * ff + 4 * d * d + 2 * d * ff) // q ** 3
+        products = (q - 1) * (8 * rows * d + 2 * rows * ff + 4 * d * d + 2 * d * ff) // q ** 3
         biases = (q - 1) * (5 * d + ff) * (q + 1) // q ** 3
         gains = 2 * 2 * (q - 1) * (d // q ** 3 + d // q ** 2)
         stat = 2 * (q - 1) * (rows // q ** 2) // q

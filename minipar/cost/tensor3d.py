@@ -26,11 +26,12 @@ A transformer block (``Block3D``: ``B`` = batch x sequence rows, width ``d``, ML
 
 - six ``Linear3D`` with biases and input gradients (``q, k, v, proj`` of ``d x d``, ``fc`` of
   ``d x d_ff``, ``proj`` of ``d_ff x d``; a layer on a swapped view moves the same bytes, on the
-  other two axes): per phase ``(q-1)/q^3 (10 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)`` numbers for the
-  products, ``18 B d + 12 d^2`` with ``d_ff = 4d``, plus ``(q-1)(5d + d_ff)(1/q^3 + 1/q^2)`` for the
-  biases. This is the paper's count per linear (Colossal-AI's documentation tabulates it as
-  ``6(q-1)/q^3``, forward and backward together): per linear and phase three collectives, each
-  moving ``(q-1)/q^3`` of one of the three whole matrices.
+  other two axes). Per linear and phase three collectives, each moving ``(q-1)/q^3`` of one of the
+  three whole matrices (the paper's count; Colossal-AI's documentation tabulates it as
+  ``6(q-1)/q^3``, forward and backward together), except that ``q``, ``k`` and ``v`` share one
+  gathered input and one reduce-scatter of its summed gradient (``GatherInput``, as a fused ``qkv``
+  layer): per phase ``(q-1)/q^3 (8 B d + 2 B d_ff + 4 d^2 + 2 d d_ff)`` numbers for the products,
+  ``16 B d + 12 d^2`` with ``d_ff = 4d``, plus ``(q-1)(5d + d_ff)(1/q^3 + 1/q^2)`` for the biases.
 - two ``LayerNorm3D``: forward two ring all-reduces of ``B/q^2`` numbers (row sums for the mean,
   then the variance) along ``k``, ``2 (q-1)/q B/q^2`` each (``collectives.allreduce_bytes`` gives
   each rank's exact count when ``q`` does not divide ``B/q^2``), and the plane all-gathers of gain
@@ -40,7 +41,7 @@ A transformer block (``Block3D``: ``B`` = batch x sequence rows, width ``d``, ML
 - attention, GELU and the residual adds: no message (``Attention3D``: whole sequences, ``H/q`` heads
   per rank).
 
-So the block sends ``~(q-1)/q^3 (18 B d + 12 d^2)`` numbers per phase per rank (``block3d_bytes``),
+So the block sends ``~(q-1)/q^3 (16 B d + 12 d^2)`` numbers per phase per rank (``block3d_bytes``),
 against Megatron's ``4 (t-1)/t B d`` per phase (two all-reduces): with ``p`` ranks the 3-D block moves
 ``~p^(-2/3)`` of the activations and the weights, Megatron ``~1`` of the activations and no weight.
 
@@ -53,11 +54,11 @@ output, the block's output) and the softmax, ``b H s^2`` (``cost.tensor.layer_te
 plus the two ``proj`` outputs, which the residual adds' nodes hold). Each is a piece on the cube
 (rows ``/q^2``, features or heads ``/q``). On top come the gathered buffers kept for backward,
 counted exactly: each ``Matmul3D`` keeps its gathered ``X_bk`` (``B K/q^2``, ``q`` times its input
-piece; ``q``, ``k`` and ``v`` gather the same input three times) and ``W_kn`` (``K N/q^2``, ``q``
-times the weight's piece), each layer norm its gathered gain (``d/q``). These are
-``(5 B d + B d_ff)/q^2`` input numbers, ``(4 d^2 + 2 d d_ff)/q^2`` weight numbers and ``2 d/q``
-gain numbers per block: the inputs are ``q`` times larger than the paper's ``1/q^3`` would suggest
-for them, the price of not gathering them again in backward (Colossal-AI keeps them too).
+piece; ``q``, ``k`` and ``v`` share one) and ``W_kn`` (``K N/q^2``, ``q`` times the weight's piece),
+each layer norm its gathered gain (``d/q``). These are ``(3 B d + B d_ff)/q^2`` input numbers,
+``(4 d^2 + 2 d d_ff)/q^2`` weight numbers and ``2 d/q`` gain numbers per block: the gathered inputs
+are ``q`` times the pieces the paper's ``1/q^3`` counts, the price of not gathering them again in
+backward (Colossal-AI's ``linear_3d`` saves its gathered input too).
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ from minipar.cost.collectives import allreduce_bytes, ring_bytes
 
 
 def linear3d_bytes(batch_rows: int, in_features: int, out_features: int, q: int, itemsize: int = 8,
-                   input_grad: bool = True, bias: bool = False) -> dict[str, dict[str, int]]:
+                   input_grad: bool = True, bias: bool = False,
+                   shared_input: bool = False) -> dict[str, dict[str, int]]:
     """Bytes every rank sends in one ``Linear3D`` forward and backward, by phase and collective, from
-    the ring formulas on the whole blocks gathered or scattered (module docstring)."""
+    the ring formulas on the whole blocks gathered or scattered (module docstring). ``shared_input``:
+    the input was gathered by another layer (``Linear3D.gathered``), which also reduce-scatters the
+    summed gradient: neither is counted here."""
     for name, n, by in (("batch_rows", batch_rows, q * q), ("in_features", in_features, q * q),
                         ("out_features", out_features, q ** 3 if bias else q)):
         if n % by:
@@ -78,11 +82,11 @@ def linear3d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
     x_block = batch_rows // q * in_features // q * itemsize  # X_bk, gathered along n
     w_block = in_features // q * out_features // q * itemsize  # W_kn, gathered along b
     y_block = batch_rows // q * out_features // q * itemsize  # Y_bn, reduce-scattered along k
-    fwd = {"allgather": ring_bytes("allgather", x_block, q) + ring_bytes("allgather", w_block, q),
+    x_bytes = 0 if shared_input else ring_bytes("allgather", x_block, q)  # the same either way
+    fwd = {"allgather": x_bytes + ring_bytes("allgather", w_block, q),
            "reduce_scatter": ring_bytes("reduce_scatter", y_block, q)}
     bwd = {"allgather": ring_bytes("allgather", y_block, q),
-           "reduce_scatter": ring_bytes("reduce_scatter", w_block, q)
-           + (ring_bytes("reduce_scatter", x_block, q) if input_grad else 0)}
+           "reduce_scatter": ring_bytes("reduce_scatter", w_block, q) + (x_bytes if input_grad else 0)}
     if bias:
         fwd["allgather"] += plane_bytes(out_features, q, itemsize)
         bwd["reduce_scatter"] += plane_bytes(out_features, q, itemsize)
@@ -120,23 +124,25 @@ def layernorm3d_bytes(batch_rows: int, d: int, q: int, k: int, itemsize: int = 8
                                  "reduce_scatter": pair})}
 
 
-def block3d_linears(d: int, d_ff: int) -> list[tuple[int, int]]:
-    """``(in, out)`` of the block's six linears: attention's ``q, k, v, proj``, the MLP's ``fc, proj``."""
-    return [(d, d)] * 4 + [(d, d_ff), (d_ff, d)]
+def block3d_linears(d: int, d_ff: int) -> list[tuple[int, int, bool]]:
+    """``(in, out, shared_input)`` of the block's six linears: attention's ``q, k, v, proj`` (``k`` and
+    ``v`` use ``q``'s gathered input), the MLP's ``fc, proj``."""
+    return [(d, d, False), (d, d, True), (d, d, True), (d, d, False), (d, d_ff, False), (d_ff, d, False)]
 
 
 def block3d_bytes(batch_rows: int, d: int, d_ff: int, q: int, k: int, itemsize: int = 8) -> dict[str, Counter]:
     """Bytes rank ``(b, k, n)`` sends in one ``Block3D`` forward and backward, by collective: two layer
     norms and six linears with biases (module docstring)."""
     parts = [layernorm3d_bytes(batch_rows, d, q, k, itemsize)] * 2
-    parts += [linear3d_bytes(batch_rows, fin, fout, q, itemsize, bias=True) for fin, fout in block3d_linears(d, d_ff)]
+    parts += [linear3d_bytes(batch_rows, fin, fout, q, itemsize, bias=True, shared_input=shared)
+              for fin, fout, shared in block3d_linears(d, d_ff)]
     return {phase: sum((Counter(p[phase]) for p in parts), Counter()) for phase in ("forward", "backward")}
 
 
 def block3d_parameters(d: int, d_ff: int, q: int) -> int:
     """Numbers of a ``Block3D`` held per rank: ``1/q^3`` of ``nn.Block``'s (two layer norms of ``2d``,
     six linears with biases)."""
-    whole = 2 * 2 * d + sum(fin * fout + fout for fin, fout in block3d_linears(d, d_ff))
+    whole = 2 * 2 * d + sum(fin * fout + fout for fin, fout, _ in block3d_linears(d, d_ff))
     return whole // q ** 3
 
 
@@ -147,6 +153,7 @@ def block3d_activation_bytes(batch: int, seq: int, d: int, n_heads: int, d_ff: i
     six ``Matmul3D`` and the layer norms' gathered ``gains``."""
     rows, linears = batch * seq, block3d_linears(d, d_ff)
     whole = (10 * rows * d + 2 * rows * d_ff + batch * n_heads * seq * seq) * itemsize  # block_activations
-    inputs = sum(rows * fin for fin, _ in linears)  # q, k and v each gather ln1's output: 5 B d + B d_ff
+    inputs = sum(rows * fin for fin, _, shared in linears if not shared)  # 3 B d + B d_ff
     return {"pieces": whole // q ** 3, "inputs": inputs // q ** 2 * itemsize,
-            "weights": sum(fin * fout for fin, fout in linears) // q ** 2 * itemsize, "gains": 2 * d // q * itemsize}
+            "weights": sum(fin * fout for fin, fout, _ in linears) // q ** 2 * itemsize,
+            "gains": 2 * d // q * itemsize}

@@ -23,7 +23,9 @@ Storage, each piece ``1/q^3`` of the whole:
 Backward is the transposed pattern (Colossal-AI's ``linear_3d`` backward): all-gather ``dY_bn`` along
 ``k``; ``dX_bk`` partial ``dY_bn W_kn^T`` reduce-scattered along ``n`` (rows, the layout of ``X``'s
 piece); ``dW_kn`` partial ``X_bk^T dY_bn`` reduce-scattered along ``b`` (rows, the layout of ``W``'s
-piece). The gathered ``X_bk`` and ``W_kn`` are kept from forward.
+piece). The gathered ``X_bk`` and ``W_kn`` are kept from forward. The input's all-gather and its
+gradient's reduce-scatter are their own op (``GatherInput``), so layers that read the same input
+(attention's ``q``, ``k``, ``v``) gather it once and reduce-scatter the sum of their gradients once.
 
 The output's piece is split like the input's with the roles of the ``k`` and ``n`` axes exchanged:
 it is the input piece of the same cube with ``k`` and ``n`` swapped (``Cube3D.swapped``). A second
@@ -185,14 +187,30 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
-class Matmul3D(Function):
-    """``Y = X W`` on the cube (module docstring): ``x`` this rank's input piece, ``w`` its weight
-    piece; returns its output piece. A gradient nobody asked for is neither computed nor sent (every
-    rank must ask for the same ones). Call as ``Matmul3D.apply(x, w, cube)``."""
+class GatherInput(Function):
+    """``X_bk`` from the input pieces: all-gather along ``n`` forward (rows, in rank order), reduce-scatter
+    the gradient along ``n`` backward, so ``dX_bk``'s partial sums from every product that used the
+    gathered block (``q``, ``k`` and ``v`` share one) are added before the one reduce-scatter. Bytes:
+    ``(q-1) B K/q^3`` each way. Call as ``GatherInput.apply(x, cube)``."""
 
     @staticmethod
-    def forward(ctx: Context, x: np.ndarray, w: np.ndarray, cube: Cube3D) -> np.ndarray:
-        xg = cube.along_n.allgather(x, algorithm=RING)  # X_bk
+    def forward(ctx: Context, x: np.ndarray, cube: Cube3D) -> np.ndarray:
+        ctx.cube = cube
+        return cube.along_n.allgather(x, algorithm=RING)
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
+        return ctx.cube.along_n.reduce_scatter(np.ascontiguousarray(grad), op="sum", algorithm=RING), None
+
+
+class Matmul3D(Function):
+    """``Y = X W`` on the cube (module docstring) from the gathered ``X_bk`` (``GatherInput``) and this
+    rank's weight piece ``w``; returns its output piece. Backward returns ``X_bk``'s partial gradient
+    ``dY_bn W_kn^T`` (``GatherInput`` reduce-scatters it). A gradient nobody asked for is neither
+    computed nor sent (every rank must ask for the same ones). Call as ``Matmul3D.apply(xg, w, cube)``."""
+
+    @staticmethod
+    def forward(ctx: Context, xg: np.ndarray, w: np.ndarray, cube: Cube3D) -> np.ndarray:
         wg = cube.along_b.allgather(w, algorithm=RING)  # W_kn
         ctx.cube = cube
         ctx.save_for_backward(xg, wg)
@@ -206,9 +224,8 @@ class Matmul3D(Function):
         if not (need_x or need_w):
             return None, None, None
         dy = cube.along_k.allgather(np.ascontiguousarray(grad), algorithm=RING)  # dY_bn
-        dx = cube.along_n.reduce_scatter(dy @ wg.T, op="sum", algorithm=RING) if need_x else None
         dw = cube.along_b.reduce_scatter(_rows(xg).T @ _rows(dy), op="sum", algorithm=RING) if need_w else None
-        return dx, dw, None
+        return (dy @ wg.T if need_x else None), dw, None
 
 
 class Linear3D(Module):
@@ -237,5 +254,10 @@ class Linear3D(Module):
     def forward(self, x: Tensor) -> Tensor:
         check_width(x, self.in_features // self.cube.q, self.in_features, self.cube.q, "Linear3D", "input_piece",
                     "piece")
-        y = Matmul3D.apply(x, self.weight, self.cube)
+        return self.gathered(GatherInput.apply(x, self.cube))
+
+    def gathered(self, xg: Tensor) -> Tensor:
+        """The layer on an input already gathered along ``n`` (``GatherInput``), which several layers
+        of the same input can share."""
+        y = Matmul3D.apply(xg, self.weight, self.cube)
         return AddBias2D.apply(y, self.bias, self.cube.output_grid()) if self.bias is not None else y

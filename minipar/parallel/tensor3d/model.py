@@ -27,8 +27,10 @@ role; ``Cube3D.swapped`` is an involution, so two linears bring the layout back.
   memory). Seen from one piece this is ``tensor2d``'s layer norm with the line along ``k`` as
   the grid row and the plane as the grid column, so ``LayerNorm2DOp`` runs on ``PieceGrid``
   unchanged: it keeps its input piece and the gathered gain (``d/q`` numbers).
-- ``Attention3D``: ``q``, ``k``, ``v`` are ``Linear3D`` on ``cube``; their outputs are output pieces,
-  rows ``[b B/q + k B/q^2, ...)`` (whole sequences) and features block ``n`` = heads ``[n H/q,
+- ``Attention3D``: ``q``, ``k``, ``v`` are ``Linear3D`` on ``cube`` that share one gathered input
+  (``GatherInput``: one all-gather forward, one reduce-scatter of the summed gradient backward, as a
+  fused ``qkv`` layer would, keeping ``nn.CausalSelfAttention``'s names); their outputs are output
+  pieces, rows ``[b B/q + k B/q^2, ...)`` (whole sequences) and features block ``n`` = heads ``[n H/q,
   (n+1) H/q)``, so attention runs locally on ``H/q`` heads with no message; the concatenated heads
   are an input piece of the swapped view, where ``proj`` lives, and its output is back in the
   block's layout.
@@ -51,7 +53,7 @@ from minipar.mesh import DeviceMesh
 from minipar.nn import Module
 from minipar.parallel.tensor2d.layers import check_width
 from minipar.parallel.tensor2d.model import LayerNorm2DOp
-from minipar.parallel.tensor3d.layers import Cube3D, Linear3D, as_cube, plane_piece
+from minipar.parallel.tensor3d.layers import Cube3D, GatherInput, Linear3D, as_cube, plane_piece
 
 
 def check_block(q: int, d: int, n_heads: int | None = None, d_ff: int | None = None) -> None:
@@ -107,7 +109,10 @@ class Attention3D(Module):
         self.proj = Linear3D(d, d, cube.swapped(), bias=True, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.local_heads, self.causal))
+        xg = GatherInput.apply(x, self.q.cube)  # X_bk once for q, k and v
+        heads = F.attention(self.q.gathered(xg), self.k.gathered(xg), self.v.gathered(xg), self.local_heads,
+                            self.causal)
+        return self.proj(heads)
 
 
 class MLP3D(Module):
