@@ -15,17 +15,19 @@ collectives ``allreduce``, ``reduce_scatter``, ``allgather``, ``all_to_all``, ``
 ``ireduce_scatter``, ``iallgather`` (``collectives.py``; algorithms in ``ring.py`` and
 ``tree.py``); control-plane objects ``send_object``, ``recv_object``, ``broadcast_object``,
 ``gather_object``, ``allgather_object``; ``split(color, key)`` and ``dup()``.
-Waits are guarded by a watchdog (``watchdog.py``; ``MINIPAR_TIMEOUT``), collectives are checked
+Waits are guarded by a watchdog (``watchdog.py``; ``MINIPAR_TIMEOUT``) and a failure detector
+(``detector.py``: a dead peer is ``PeerLost``; ``MINIPAR_PEER_DEADLINE``; ``faults.py`` kills a
+rank on purpose and runs jobs that survive it), collectives are checked
 for mismatches in debug mode (``MINIPAR_DEBUG=1``).
 """
 
 from minipar.comm.base import Request
 from minipar.comm.collectives import ALGORITHMS_BY_OP, OPS, Communicator, scatter_shape
-from minipar.comm.errors import Aborted, CollectiveMismatch, CommError, CommTimeout, RankError
+from minipar.comm.errors import Aborted, CollectiveMismatch, CommError, CommTimeout, PeerLost, RankError
 from minipar.comm.launch import launch, world
 from minipar.comm.ring import chunk_bounds
 
 __all__ = [
     "ALGORITHMS_BY_OP", "OPS", "Aborted", "CollectiveMismatch", "CommError", "CommTimeout", "Communicator",
-    "RankError", "Request", "chunk_bounds", "launch", "scatter_shape", "world",
+    "PeerLost", "RankError", "Request", "chunk_bounds", "launch", "scatter_shape", "world",
 ]

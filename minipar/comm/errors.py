@@ -18,6 +18,17 @@ class CommTimeout(CommError):
     peers: list[int] = []
 
 
+class PeerLost(CommError):
+    """A rank this wait depends on is dead: the failure detector (``detector.py``) heard nothing from
+    it for ``MINIPAR_PEER_DEADLINE`` seconds. ``.rank`` (world rank of the dead one), ``.operation``
+    (what this rank waited in), ``.declared_by`` (this world rank), ``.silence`` (seconds unheard)."""
+
+    rank: int = -1
+    operation: str = ""
+    declared_by: int = -1
+    silence: float = 0.0
+
+
 class CollectiveMismatch(CommError):
     """Debug mode (``MINIPAR_DEBUG=1``): ranks entered different collectives, shapes or dtypes."""
 

@@ -14,21 +14,22 @@ from minipar.comm.watchdog import default_timeout
 BACKENDS = ("threads", "mpi", "auto")
 
 
-def world(timeout: float | None = None) -> Communicator:
+def world(timeout: float | None = None, deadline: float | None = None) -> Communicator:
     """The world communicator: from ``mpiexec`` when run under it (mpi backend, cached per
     process), otherwise a size-1 in-process (threads backend) communicator.
-    ``timeout``: watchdog seconds (default ``MINIPAR_TIMEOUT`` or 60)."""
+    ``timeout``: watchdog seconds (default ``MINIPAR_TIMEOUT`` or 60); ``deadline``: seconds of
+    silence after which a peer is declared dead (``detector.py``; ``MINIPAR_PEER_DEADLINE``)."""
     from minipar.comm.mpi import mpi_world, under_mpiexec
 
     if under_mpiexec():
-        return mpi_world(timeout)
+        return mpi_world(timeout, deadline)
     from minipar.comm.threads import make_world
 
     return make_world(1, default_timeout(timeout))[1][0]
 
 
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads", *args: Any,
-           timeout: float | None = None, **kwargs: Any) -> list[Any]:
+           timeout: float | None = None, deadline: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; returns the results by rank.
 
     backend="threads": ``world_size`` threads in this process. If a rank raises, the other ranks
@@ -39,7 +40,9 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads", *a
     returns a list of length ``world_size`` holding this rank's result at index ``comm.rank``
     (None elsewhere), so ``launch(...)[comm.rank]`` reads the same on both backends.
     backend="auto": "mpi" under ``mpiexec``, else "threads".
-    ``timeout`` (keyword only, not passed to ``fn``): watchdog seconds for every wait.
+    ``timeout`` (keyword only, not passed to ``fn``): watchdog seconds for every wait; ``deadline``
+    (keyword only): the failure detector's (``detector.py``). On threads, a rank that calls
+    ``faults.kill`` stops there (its result is None) and raises nothing itself; the survivors see it die.
     """
     from minipar.comm.mpi import under_mpiexec
 
@@ -53,27 +56,30 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "threads", *a
         if not under_mpiexec():
             raise RuntimeError(f"launch(backend='mpi') must run under mpiexec: "
                                f"mpiexec -n {world_size} python your_script.py (or use backend='threads')")
-        comm = world(timeout)
+        comm = world(timeout, deadline)
         if comm.size != world_size:
             raise ValueError(f"launch: world_size={world_size} but mpiexec started {comm.size} ranks; "
                              f"run mpiexec -n {world_size} or pass world_size={comm.size}")
         results: list[Any] = [None] * world_size
         results[comm.rank] = fn(comm, *args, **kwargs)
         return results
-    return _launch_threads(fn, world_size, default_timeout(timeout), args, kwargs)
+    return _launch_threads(fn, world_size, default_timeout(timeout), deadline, args, kwargs)
 
 
-def _launch_threads(fn: Callable[..., Any], n: int, timeout: float, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> list[Any]:
+def _launch_threads(fn: Callable[..., Any], n: int, timeout: float, deadline: float | None,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    from minipar.comm.faults import Killed
     from minipar.comm.threads import make_world
 
-    world_, comms = make_world(n, timeout)
+    world_, comms = make_world(n, timeout, deadline)
     results: list[Any] = [None] * n
     errors: dict[int, tuple[float, BaseException]] = {}
 
     def body(r: int) -> None:
         try:
             results[r] = fn(comms[r], *args, **kwargs)
+        except Killed:  # a simulated dead process: it just stops
+            pass
         except BaseException as exc:  # re-raised in the caller below
             errors[r] = (time.monotonic(), exc)
             if not isinstance(exc, Aborted):
@@ -91,6 +97,8 @@ def _launch_threads(fn: Callable[..., Any], n: int, timeout: float, args: tuple[
         world_.abort("the launching thread was interrupted")
         raise
     finally:
+        if world_.heartbeat is not None:
+            world_.heartbeat.stop()
         for c in list(world_.comms):
             c.close()
     if not errors:

@@ -5,7 +5,9 @@ MPI progresses only inside MPI calls, so an operation done within it costs what 
 costs), then sleeps between tests, so a rank blocked in communication gives its core back (MPICH
 busy-polls inside blocking calls) and a stuck wait ends in ``CommTimeout``. Under ``mpiexec`` an
 uncaught exception on any rank (any thread) prints its traceback and calls ``MPI_Abort``: the whole
-job exits non-zero instead of hanging.
+job exits non-zero instead of hanging; once a peer is dead (``detector.py``) the rank exits by
+itself instead (``os._exit``: no ``MPI_Abort`` cutting the other survivors' reports short, no
+``MPI_Finalize`` waiting for the dead rank).
 
 Wire format: with a header, a message is a 16 x int64 header (dtype code, ndim, shape) on tag
 ``3t``, then the payload bytes on tag ``3t+1``. Header receives are matched in posting order, and
@@ -16,7 +18,9 @@ use tag ``3t+2``. The trace counts payload bytes only.
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import sys
 import threading
 import time
@@ -29,7 +33,8 @@ import numpy as np
 
 from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
-from minipar.comm.errors import CommTimeout
+from minipar.comm.detector import Detector, MpiHeartbeat, default_deadline
+from minipar.comm.errors import CommTimeout, PeerLost
 from minipar.comm.ring import chunk_bounds
 from minipar.comm.watchdog import PACE, RankState, default_timeout, poll, spin_for
 
@@ -209,14 +214,24 @@ _world: MpiCommunicator | None = None
 _lock = threading.Lock()
 
 
+def _peer_died() -> bool:
+    det = _world.state.detector if _world is not None else None
+    return det is not None and bool(det.dead)
+
+
 def _abort_hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
+    fault = issubclass(exc_type, PeerLost) or _peer_died()
     sys.stdout.flush()
-    sys.stderr.write(f"[minipar] rank {rank}: uncaught exception; aborting the MPI job\n"
+    sys.stderr.write(f"[minipar] rank {rank}: uncaught exception; "
+                     + ("a peer is dead: exiting\n" if fault else "aborting the MPI job\n")
                      + "".join(traceback.format_exception(exc_type, exc, tb)))  # one write: all or nothing
     sys.stderr.flush()
+    if fault:  # every survivor detects the death itself; MPI_Abort would cut their reports short, and
+        time.sleep(FORWARD_GRACE)  # MPI_Finalize would wait for the dead rank for ever
+        os._exit(1)
     # mpiexec forwards a rank's output asynchronously and Abort kills its forwarder: give it a moment
     # (seen: the traceback lost, only the first line delivered); ranks timing out at the same moment
     # print their view too
@@ -230,8 +245,19 @@ def _thread_hook(args: Any) -> None:
     _abort_hook(args.exc_type, args.exc_value, args.exc_traceback)
 
 
-def mpi_world(timeout: float | None = None) -> MpiCommunicator:
-    """The MPI world communicator (cached); installs the abort-on-uncaught-exception hooks."""
+def _at_exit(beat: MpiHeartbeat) -> None:
+    """Before MPI_Finalize (``atexit`` runs this before mpi4py's handler): say goodbye to the peers;
+    if one died, exit without MPI_Finalize, which would wait for it for ever."""
+    beat.stop()
+    if beat.detector.dead:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def mpi_world(timeout: float | None = None, deadline: float | None = None) -> MpiCommunicator:
+    """The MPI world communicator (cached); installs the abort-on-uncaught-exception hooks and, with
+    more than one rank, the failure detector (``detector.py``; ``deadline``: seconds)."""
     global _world
     with _lock:
         if _world is None:
@@ -241,6 +267,15 @@ def mpi_world(timeout: float | None = None) -> MpiCommunicator:
             _world = MpiCommunicator(MPI.COMM_WORLD, state)
             sys.excepthook = _abort_hook
             threading.excepthook = _thread_hook
-        elif timeout is not None:
-            _world.state.timeout = default_timeout(timeout)
+            if _world.size > 1:
+                # hydra signals the survivors of a dead rank with SIGUSR1, whose default action kills
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+                state.detector = Detector(_world.rank, [r for r in range(_world.size) if r != _world.rank],
+                                          default_deadline(state.timeout, deadline))
+                atexit.register(_at_exit, MpiHeartbeat(MPI.COMM_WORLD, state.detector))
+        else:
+            if timeout is not None:
+                _world.state.timeout = default_timeout(timeout)
+            if _world.state.detector is not None and (timeout is not None or deadline is not None):
+                _world.state.detector.deadline = default_deadline(_world.state.timeout, deadline)
         return _world

@@ -4,6 +4,7 @@ Messages are numpy arrays copied into a shared mailbox at send time (so a send c
 and the sender may reuse its buffer); a receive takes the oldest matching message, matching in the
 order receives were posted, like MPI. Ranks block on one condition variable, so a waiting rank
 costs no CPU, and the watchdog's deadline and the launch's abort flag are checked on every wake-up.
+The failure detector (``detector.py``) reads a shared heartbeat table; ``faults.kill`` silences a rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from minipar.comm.base import Done, Lazy, Pending, wire_tag
 from minipar.comm.collectives import Communicator
+from minipar.comm.detector import Detector, TableHeartbeat, default_deadline
 from minipar.comm.errors import Aborted
 from minipar.comm.watchdog import RankState
 
@@ -37,7 +39,7 @@ class _Recv:
 class World:
     """State shared by the ranks of one ``launch``: mailboxes, rendezvous slots, the abort flag."""
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int, timeout: float, deadline: float | None = None) -> None:
         self.size = size
         self.cond = threading.Condition()
         self.unclaimed: dict[Key, deque[np.ndarray]] = {}
@@ -48,6 +50,17 @@ class World:
         self.comms: list[ThreadsCommunicator] = []  # every communicator made, to close their workers
         for st in self.states:
             st.abort = lambda: self.failure
+        self.heartbeat: TableHeartbeat | None = None
+        if size > 1:
+            dl = default_deadline(timeout, deadline)
+            for st in self.states:
+                st.detector = Detector(st.world_rank, [r for r in range(size) if r != st.world_rank], dl)
+                st.detector.on_death = self.wake
+            self.heartbeat = TableHeartbeat([st.detector for st in self.states])
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
 
     def abort(self, reason: str) -> None:
         with self.cond:
@@ -116,6 +129,9 @@ class ThreadsCommunicator(Communicator):
             while not test():
                 if self.world.failure is not None:
                     raise Aborted(f"rank {self.world_rank}: {what} abandoned: {self.world.failure}")
+                det = self.state.detector
+                if det is not None and det.dead:
+                    det.raise_if_lost(what, peers, self.state.fail_fast)
                 waited = time.monotonic() - start
                 if waited >= limit:
                     raise self.state.timeout_error(what, peers, waited)
@@ -168,8 +184,9 @@ class _Into:
         return self.value is not None
 
 
-def make_world(world_size: int, timeout: float) -> tuple[World, list[ThreadsCommunicator]]:
-    world = World(world_size, timeout)
+def make_world(world_size: int, timeout: float,
+               deadline: float | None = None) -> tuple[World, list[ThreadsCommunicator]]:
+    world = World(world_size, timeout, deadline)
     comms = [ThreadsCommunicator(world, (), r, list(range(world_size))) for r in range(world_size)]
     return world, comms
 

@@ -4,7 +4,8 @@ A rank blocked in a receive or a collective polls its pending requests, spinning
 (not at all when the machine runs more ranks than cores) and then sleeping between tests (so it
 gives the core back to ranks that compute: MPICH would busy-poll otherwise), and raises
 ``CommTimeout`` after ``timeout`` seconds. The message names the operation, the peer ranks (world
-ranks) it waited for, and this rank's last completed operations.
+ranks) it waited for, and this rank's last completed operations. A peer the failure detector
+(``detector.py``) declared dead ends the wait earlier, with ``PeerLost``.
 
 The timeout is, in order: the ``timeout=`` argument of ``launch``/``world``, the environment
 variable ``MINIPAR_TIMEOUT`` (seconds), or 60 s.
@@ -16,6 +17,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from minipar.comm.errors import Aborted, CommTimeout
 
@@ -61,6 +63,8 @@ class RankState:
         self.current: str | None = None
         self.history: deque[str] = deque(maxlen=HISTORY)
         self.abort: Callable[[], str | None] = lambda: None  # threads backend: why the launch aborted
+        self.detector: Any = None  # detector.Detector once the backend starts one
+        self.fail_fast = True  # PeerLost for any dead rank (False: only for a wait's own peers)
 
     def done(self, what: str) -> None:
         self.history.append(what)
@@ -95,10 +99,13 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
         return
     start = time.monotonic()
     deadline = start + (state.timeout if timeout is None else timeout)
+    det = state.detector
     while not test():
         reason = state.abort()
         if reason is not None:
             raise Aborted(f"rank {state.world_rank}: {what} abandoned: {reason}")
+        if det is not None and det.dead:
+            det.raise_if_lost(what, peers, state.fail_fast)
         now = time.monotonic()
         if now > deadline:
             raise state.timeout_error(what, peers, now - start)

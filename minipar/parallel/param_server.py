@@ -24,11 +24,19 @@ Consistency (Li et al. sec. 4.1, "flexible consistency"; Ho et al. for the bound
   steps of the slowest worker's updates it missed; ``<= k``, and 0 in sync mode).
 
 Failures (Li et al. sec. 4.3, but for workers only): a server that has answered a worker's pull
-and hears no push from it within ``silence_timeout`` seconds declares it lost. Async: the worker is
-dropped (mark "worker dropped"), the version and averages use the live workers only, training goes
-on. Sync: ``WorkerLost`` names the worker (a synchronous step cannot complete without it); the run
-never hangs. ``stop_at={rank: c}`` simulates a pre-empted worker: it pulls step ``c`` and then sends
-nothing more (its process stays alive only to join the final trace/result collection).
+and hears no push from it within ``silence_timeout`` seconds declares it lost, and a worker whose
+process died (the failure detector, ``minipar.comm.detector``, declared it dead) is lost at once.
+A lost worker's pushes not yet received are never applied (a message is applied whole or not at
+all); in sync mode with several servers, the servers agree on every step's contributors
+(``allgather_object`` among servers) so a worker killed between its pushes to two servers counts on
+none. Async with several servers has no such agreement: a worker killed between its pushes leaves
+its last step applied to some servers' shards only (each shard's update whole); ``applied`` says
+which. Async: the worker is dropped (mark "worker dropped"), the version and averages use the live
+workers only, training goes on. Sync: ``WorkerLost`` names the worker (a synchronous step cannot
+complete without it) and the run never hangs; or, with ``shrink=True``, the step completes with the
+others and training goes on. ``stop_at={rank: c}`` simulates a pre-empted worker: it pulls step
+``c`` and then sends nothing more (its process stays alive only to join the final trace/result
+collection); ``die_at={rank: c}`` kills it for real (``minipar.comm.faults.kill``).
 
 Servers poll their posted receives with ``Request.test()`` and take pushes in arrival order (every
 poll sweep handles all that have arrived); the pushes carry no header beyond the array: a server
@@ -52,6 +60,8 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
+from minipar.comm import faults
+from minipar.comm.errors import PeerLost
 from minipar.cost import data as cost
 from minipar.datasets import shard
 from minipar.nn import Module, Parameter
@@ -61,8 +71,9 @@ MODES = ("sync", "async")
 TAG_PULL, TAG_PUSH = 1, 2
 
 
-class WorkerLost(RuntimeError):
-    """Synchronous parameter-server training lost a worker: it stopped pushing gradients."""
+class WorkerLost(PeerLost):
+    """Synchronous parameter-server training lost a worker: it stopped pushing gradients, or it died
+    (``.rank``: its world rank)."""
 
 
 def assign_parameters(nbytes: Sequence[int], n_servers: int) -> list[int]:
@@ -185,26 +196,38 @@ def train(comm: Any, model: Module, loss_fn: Callable[[Module, np.ndarray, np.nd
           mode: str = "sync", staleness: int = 0,
           optimizer: Callable[[list[Parameter]], Optimizer] = lambda ps: SGD(ps, lr=0.1),
           silence_timeout: float = 10.0, stop_at: dict[int, int] | None = None,
-          slow: dict[int, float] | None = None) -> Result:
+          slow: dict[int, float] | None = None, shrink: bool = False,
+          die_at: dict[int, int] | None = None) -> Result:
     """Run parameter-server training on every rank of ``comm`` (call on all ranks).
 
     ``model``: the same model on every rank (servers keep their shard's values, workers pull before
     each step); ``loss_fn(model, x, y)`` -> scalar Tensor; ``batch_fn(step)`` -> the GLOBAL batch
     ``(x, y)``, worker ``w`` (0-based) uses its ``shard``; ``optimizer(params)`` builds a server's
     optimizer for the parameters it owns; ``slow={rank: seconds}`` adds compute time to a worker's
-    steps (a straggler); ``stop_at={rank: step}`` silences a worker (see the module docstring).
+    steps (a straggler); ``stop_at={rank: step}`` silences a worker (see the module docstring);
+    ``die_at={rank: step}`` kills a worker (``faults.kill``) at that step, after its push reached
+    the first server only; ``shrink``: sync mode goes on without a dead worker instead of stopping.
     """
-    stop_at, slow = dict(stop_at or {}), dict(slow or {})
-    check_ps_config(comm, model, batch_fn, steps, n_servers, mode, staleness, silence_timeout, stop_at, slow)
+    stop_at, slow, die_at = dict(stop_at or {}), dict(slow or {}), dict(die_at or {})
+    check_ps_config(comm, model, batch_fn, steps, n_servers, mode, staleness, silence_timeout,
+                    {**stop_at, **die_at}, slow)
     lay = Layout(model, comm.size, n_servers)
-    if comm.rank < n_servers:
-        return _serve(comm, lay, optimizer, steps, mode, staleness, silence_timeout)
-    return _work(comm, lay, model, loss_fn, batch_fn, steps, stop_at.get(comm.rank), slow.get(comm.rank, 0.0))
+    state = comm.state
+    fail_fast, state.fail_fast = state.fail_fast, not (mode == "async" or shrink)
+    try:
+        # sync with several servers: they agree on each step's contributors (a worker may die between pushes)
+        servers = comm.split(int(comm.rank >= n_servers)) if mode == "sync" and n_servers > 1 else None
+        if comm.rank < n_servers:
+            return _serve(comm, lay, optimizer, steps, mode, staleness, silence_timeout, shrink, servers)
+        return _work(comm, lay, model, loss_fn, batch_fn, steps, stop_at.get(comm.rank), slow.get(comm.rank, 0.0),
+                     die_at.get(comm.rank))
+    finally:
+        state.fail_fast = fail_fast
 
 
 def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
           batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]], steps: int, stop: int | None,
-          slow: float) -> Result:
+          slow: float, die: int | None = None) -> Result:
     out = Result(comm.rank, "worker")
     w, n_w = comm.rank - len(lay.servers), len(lay.workers)
     trace.memory("parameters", sum(p.data.nbytes for _, p in lay.named))
@@ -224,6 +247,10 @@ def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
         with trace.span("B", step=c):
             loss.backward()
         trace.memory("gradients", sum(p.grad.nbytes for _, p in lay.named))
+        if die == c:  # pre-empted mid-push: the first server gets this step's gradient, the others not
+            if len(lay.servers) > 1:
+                comm.send(lay.flat(lay.servers[0], "grad"), lay.servers[0], TAG_PUSH, op="push", step=c)
+            faults.kill(comm)
         pushes = [comm.isend(lay.flat(s, "grad"), s, TAG_PUSH, op="push", step=c) for s in lay.servers]
         for req in pushes:
             req.wait()
@@ -232,7 +259,7 @@ def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
 
 
 def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimizer], steps: int, mode: str,
-           k: int, silence_timeout: float) -> Result:
+           k: int, silence_timeout: float, shrink: bool = False, servers: Any = None) -> Result:
     s = comm.rank
     out = Result(s, "server")
     opt = optimizer([lay.named[i][1] for i in lay.owned[s]])
@@ -280,15 +307,49 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
         else:
             del recvs[w]
         if mode == "sync" and len(round_grads) == len(live):  # every push of this step is in
-            c = version() - 1
-            for u in sorted(round_grads):
-                record(u, c, c)
-            apply(sum(round_grads[u] for u in sorted(round_grads)) / len(live))
-            round_grads.clear()
+            finish_round()
 
+    def lose(w: int, why: str, **args: Any) -> None:
+        """Drop worker ``w``: its pushes not yet received are never applied; in sync mode its push of the
+        unfinished step is discarded whole, and the step completes with the others."""
+        live.discard(w)
+        out.dropped.append(w)
+        round_grads.pop(w, None)
+        trace.mark("worker dropped", worker=w, step=clock[w], reason=why, **args)
+        if mode == "sync" and round_grads and len(round_grads) == len(live):
+            finish_round()
+        answer_pulls()  # the slowest clock may have moved
+
+    def finish_round() -> None:
+        c = min(clock[u] for u in round_grads) - 1
+        if servers is not None:  # a worker killed between its pushes reached some servers only: count it nowhere
+            agreed = set.intersection(*map(set, servers.allgather_object(sorted(round_grads))))
+            for u in sorted(set(round_grads) - agreed):
+                del round_grads[u]
+                live.discard(u)
+                out.dropped.append(u)
+                trace.mark("worker dropped", worker=u, step=c, reason="lost by another server")
+        for u in sorted(round_grads):
+            record(u, c, c)
+        apply(sum(round_grads[u] for u in sorted(round_grads)) / len(round_grads))
+        round_grads.clear()
+
+    det = comm.state.detector
     answer_pulls()
     delay = 0.0
     while any(clock[w] < steps for w in live):
+        if det is not None and det.dead:
+            det.raise_if_lost(f"parameter server rank {s}: serving", lay.servers, False)  # a server died
+            for w in sorted(live & set(det.dead)):
+                det.mark()
+                if mode == "sync" and not shrink:
+                    err = WorkerLost(
+                        f"parameter server rank {s} (sync): worker rank {w} died (no heartbeat for "
+                        f"{det.dead[w][2]:.2f} s) during step {clock[w]}; a synchronous step needs every "
+                        "worker. Pass shrink=True to go on with the others, or use mode='async'")
+                    err.rank, err.operation, err.declared_by = w, f"push of step {clock[w]}", comm.world_rank
+                    raise err
+                lose(w, "dead", silence=round(det.dead[w][2], 3))
         arrived = [w for w in sorted(recvs) if w in live and recvs[w].test()]
         for w in arrived:
             on_push(w, recvs[w].wait())
@@ -303,10 +364,7 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
                         f"{clock[w]} within silence_timeout={silence_timeout} s; a synchronous step needs "
                         "every worker. Use mode='async' to go on without it, or raise silence_timeout if it "
                         "is only slow")
-                live.discard(w)
-                out.dropped.append(w)
-                trace.mark("worker dropped", worker=w, step=clock[w], silence=round(now - pulled_at[w][1], 3))
-                answer_pulls()  # the slowest clock may have moved
+                lose(w, "silent", silence=round(now - pulled_at[w][1], 3))
         sends = [(w, r) for w, r in sends if not r.test()]
         if arrived:
             delay = 0.0

@@ -66,6 +66,8 @@ from typing import Any
 
 import numpy as np
 
+from minipar.comm.errors import PeerLost
+
 FORMAT, VERSION = "minipar.zero.checkpoint", 1
 META = "meta.json"
 KINDS = "biufc"  # bool, signed, unsigned, float, complex: what a shard may hold
@@ -270,7 +272,7 @@ def save(directory: str | os.PathLike[str], comm: Any, shards: dict[str, np.ndar
     mine, errors = _local_problem(write)
     try:
         files = _agree(comm, errors, what, mine)
-    except ValueError:
+    except (ValueError, PeerLost):  # a peer failed, or died before its file was complete: no commit
         if comm.rank == 0:
             _remove_tree(tmp)
         raise

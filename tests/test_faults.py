@@ -1,0 +1,181 @@
+"""Faults: the failure detector (threads and real mpiexec), the parameter server on spot workers and
+synchronous paradigms failing fast when a rank is SIGKILLed under ``mpiexec -disable-auto-cleanup``.
+
+Hypothesis draws which rank dies and at which step (few examples; the must-run cases are
+``@example``s). Times are ``time.monotonic()`` (one clock for every process of the machine): the
+victim notes when it kills itself, survivors when ``PeerLost`` reaches them, this process when the
+job ends. Expected parameters of the shrinking synchronous parameter server are computed here by one
+process on the rows of the live workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from fault_helpers import SIZES, ddp_rank, ps_batch, ps_loss, ps_rank, run_job, zero3_rank
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import minipar
+from minipar.comm import PeerLost, RankError, faults
+from minipar.comm.detector import default_deadline
+from minipar.datasets import shard
+from minipar.nn import MLP
+from minipar.optim import SGD
+
+DEADLINE = 1.0
+MARGIN = 1.0  # heartbeat period (0.2 s), the wait's poll and the report's 0.3 s forwarding grace
+FEW = settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+# ---- the detector on threads ------------------------------------------------------------------------
+def test_deadline_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINIPAR_PEER_DEADLINE", raising=False)
+    assert default_deadline(60.0) == 10.0
+    assert default_deadline(4.0) == 2.0
+    monkeypatch.setenv("MINIPAR_PEER_DEADLINE", "0.75")
+    assert default_deadline(4.0) == 0.75
+    assert default_deadline(4.0, 1.5) == 1.5
+    with pytest.raises(ValueError, match="below the communication timeout"):
+        default_deadline(4.0, 4.0)
+
+
+def _busy_then_reduce(comm: minipar.Communicator) -> float:
+    if comm.rank == 0:  # computes (holding the GIL in Python code) for 3 deadlines before it communicates
+        t = time.monotonic()
+        while time.monotonic() - t < 0.6:
+            sum(range(1000))
+    return float(comm.allreduce(np.ones(2) * (comm.rank + 1))[0])
+
+
+def test_busy_rank_is_not_declared_dead() -> None:
+    assert minipar.launch(_busy_then_reduce, 3, deadline=0.2, timeout=5) == [6.0, 6.0, 6.0]
+
+
+def _killed_on_threads(comm: minipar.Communicator) -> tuple[int, str, float]:
+    if comm.rank == 2:
+        time.sleep(0.1)
+        faults.kill(comm)
+    start = time.monotonic()
+    try:
+        while True:
+            comm.allreduce(np.ones(3))
+    except PeerLost as exc:
+        return exc.rank, exc.operation, time.monotonic() - start
+
+
+def test_thread_that_stops_heartbeating_is_lost() -> None:
+    out = minipar.launch(_killed_on_threads, 3, deadline=0.3, timeout=5)
+    assert out[2] is None
+    for dead, op, waited in out[:2]:
+        assert dead == 2 and op.startswith("allreduce(")
+        assert 0.3 <= waited <= 0.1 + 0.3 + 0.3
+
+
+def test_fail_fast_names_dead_rank_on_threads() -> None:
+    with pytest.raises(RankError, match=r"rank 2 \(world\) is dead"):
+        minipar.launch(lambda comm: (faults.kill(comm) if comm.rank == 2 else comm.barrier()), 3,
+                       deadline=0.2, timeout=5)
+
+
+# ---- parameter server on spot workers (mpiexec) -------------------------------------------------------
+def reference_shrinking(steps: int, n_w: int, victim_w: int, at: int) -> dict[str, np.ndarray]:
+    """Sync PS, worker ``victim_w`` lost at step ``at``: every step is SGD on the mean gradient of the
+    live workers' shards, i.e. one process on those rows (equal shard sizes)."""
+    model = MLP(SIZES, seed=1)
+    opt = SGD(model.parameters(), lr=0.1)
+    for c in range(steps):
+        x, y = ps_batch(c)
+        live = range(n_w) if c < at else [w for w in range(n_w) if w != victim_w]
+        xs = np.concatenate([shard(x, w, n_w) for w in live])
+        ys = np.concatenate([shard(y, w, n_w) for w in live])
+        opt.zero_grad()
+        ps_loss(model, xs, ys).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.mpi
+@FEW
+@given(mode=st.sampled_from(["async", "shrink"]), victim_w=st.integers(0, 1), at=st.integers(1, 6))
+@example(mode="async", victim_w=1, at=4)
+@example(mode="shrink", victim_w=0, at=3)
+def test_parameter_server_survives_a_killed_worker(mode: str, victim_w: int, at: int) -> None:
+    steps, n_servers = 10, (1 if mode == "async" else 2)
+    n = n_servers + 3
+    victim = n_servers + victim_w
+    job = run_job(ps_rank, n, DEADLINE, mode="async" if mode == "async" else "sync", n_servers=n_servers,
+                  steps=steps, victim=victim, at=at, shrink=mode == "shrink")
+    end = time.monotonic()
+    assert sorted(job.results) == [r for r in range(n) if r != victim], job.stderr[-2000:]
+    assert job.lost == {}
+    kill = job.killed[victim]
+    servers = [job.results[s] for s in range(n_servers)]
+    for res, declared in servers:
+        assert res.dropped == [victim]
+        assert 0 < declared[victim] - kill <= DEADLINE + MARGIN  # detection time
+        counts = Counter(a[0] for a in res.applied)  # updates applied, per worker
+        assert counts == {**{w: steps for w in range(n_servers, n) if w != victim}, victim: at}
+    assert end - kill <= steps * 0.2 + DEADLINE + 5  # no hang: the survivors finished their steps
+    for w in range(n_servers, n):
+        if w != victim:
+            losses = job.results[w][0].losses
+            assert len(losses) == steps and np.mean(losses[-4:]) < np.mean(losses[:4])
+    state = {k: v for res, _ in servers for k, v in res.params.items()}
+    if mode == "shrink":
+        ref = reference_shrinking(steps, 3, victim_w, at)
+        assert state.keys() == ref.keys()
+        for k in ref:
+            np.testing.assert_allclose(state[k], ref[k], rtol=1e-12, atol=1e-12)
+    else:
+        assert all(np.isfinite(v).all() for v in state.values())
+
+
+@pytest.mark.mpi
+def test_sync_parameter_server_stops_naming_the_worker() -> None:
+    job = run_job(ps_rank, 4, DEADLINE, mode="sync", n_servers=1, steps=10, victim=2, at=3)
+    end = time.monotonic()
+    kill = job.killed[2]
+    assert job.returncode != 0 and job.results == {}
+    assert "WorkerLost: parameter server rank 0 (sync): worker rank 2 died" in job.stderr
+    assert sorted(job.lost) == [0, 1, 3] and {d for _, d, _ in job.lost.values()} == {2}
+    assert all(t - kill <= DEADLINE + MARGIN for t, _, _ in job.lost.values())
+    assert end - kill <= DEADLINE + MARGIN + 2
+
+
+# ---- synchronous paradigms fail fast (mpiexec) ----------------------------------------------------------
+def check_fail_fast(job, n: int, victim: int) -> None:
+    end = time.monotonic()
+    kill = job.killed[victim]
+    survivors = [r for r in range(n) if r != victim]
+    assert job.returncode != 0 and job.results == {}
+    assert sorted(job.lost) == survivors, job.stderr[-2000:]
+    for r in survivors:
+        t, dead, message = job.lost[r]
+        assert dead == victim and f"rank {victim} (world) is dead" in message
+        assert 0 < t - kill <= DEADLINE + MARGIN  # detection time
+        assert f"PeerLost: rank {r}: " in job.stderr  # every survivor reports, naming the operation
+    assert end - kill <= DEADLINE + MARGIN + 2  # the whole job is gone soon after
+
+
+@pytest.mark.mpi
+@FEW
+@given(victim=st.integers(0, 2), at=st.integers(0, 3))
+@example(victim=1, at=2)
+def test_ddp_survivors_exit_fast(victim: int, at: int) -> None:
+    job = run_job(ddp_rank, 3, DEADLINE, steps=6, victim=victim, at=at)
+    check_fail_fast(job, 3, victim)
+
+
+@pytest.mark.mpi
+@FEW
+@given(victim=st.integers(0, 2), at=st.integers(0, 2), mid_save=st.booleans())
+@example(victim=0, at=1, mid_save=True)
+@example(victim=2, at=2, mid_save=False)
+def test_zero3_survivors_exit_fast_and_checkpoint_is_whole(victim: int, at: int, mid_save: bool) -> None:
+    job = run_job(zero3_rank, 3, DEADLINE, steps=4, victim=victim, at=at, mid_save=mid_save)
+    check_fail_fast(job, 3, victim)
+    assert job.ckpt_step == (at if at else None)  # the last complete checkpoint, never the interrupted one
