@@ -7,6 +7,7 @@
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
     minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE] [--zero 0 1]   fastest first
+    minipar run --elastic -n 3 [--max-restarts K] [--min-ranks M] script.py [args]   restart with the survivors
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
 output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
@@ -278,6 +279,32 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--ranks", type=int, required=True, help="ranks of the first run")
+    p.add_argument("--elastic", action="store_true", help="restart with the survivors when ranks are lost")
+    p.add_argument("--max-restarts", type=int, help="restarts at most (default 3; --elastic)")
+    p.add_argument("--min-ranks", type=int, default=1, help="give up below this many ranks (default 1)")
+    p.add_argument("--restart-n", type=int, metavar="N", help="restart with N ranks instead of the survivors")
+    p.add_argument("script", help="the Python script every rank runs (mpiexec -n N python script ...)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from minipar.elastic import elastic_loop, mpiexec_launcher
+
+    if not os.path.isfile(args.script):
+        raise UsageError(f"no script {args.script}; give the path of a Python file")
+    if not args.elastic and (args.restart_n is not None or args.max_restarts is not None):
+        raise UsageError("--max-restarts and --restart-n need --elastic")
+    restarts = (3 if args.max_restarts is None else args.max_restarts) if args.elastic else 0
+    launcher = mpiexec_launcher([sys.executable, args.script, *args.script_args])
+    try:
+        status, _ = elastic_loop(args.ranks, launcher, restarts, args.min_ranks, args.restart_n)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return status
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
@@ -287,6 +314,8 @@ COMMANDS: dict[str, Command] = {
                   _configure_calibrate, _run_calibrate),
     "plan": ("rank hybrid layouts (dp tp pp sp, ZeRO, recomputation) of a model on a cluster by predicted step time",
              _configure_plan, _run_plan),
+    "run": ("run a script under mpiexec; --elastic restarts it with the surviving ranks after a loss",
+            _configure_run, _run_run),
 }
 
 

@@ -1,0 +1,265 @@
+"""Elastic restart: ``minipar run --elastic -n N script.py`` runs ``mpiexec -n N`` and, when ranks
+were lost, runs it again with the survivors; the script resumes from its last complete sharded
+checkpoint, re-cut for the new world size, keeping the global batch.
+
+This is torchrun's design (TorchElastic: an agent restarts the whole worker group, each worker
+learns ``TORCHELASTIC_RESTART_COUNT`` and ``WORLD_SIZE`` and loads its last checkpoint), and that of
+DeepSpeed's elastic training (a global batch kept across world sizes by changing the gradient
+accumulation). The loop (``elastic_loop``)::
+
+    run k with N_k ranks  ->  all exited 0: done, status 0
+                          ->  no rank lost (a bug, a refusal): stop with that run's status
+                          ->  ranks lost: N_{k+1} = N_k - lost (or --restart-n), if >= --min-ranks
+                              and fewer than --max-restarts restarts so far: run again
+
+**Which ranks died.** Each rank runs under a tiny ``sh`` (``STATUS_SHELL``) that writes the rank's
+exit status to ``<status dir>/rank<PMI_RANK>`` when the rank ends, however it ends. A shell reports
+a rank killed by a signal as 128 + the signal (137 for SIGKILL: a pre-empted machine, the OOM
+killer), a survivor that gave up on a dead peer (``PeerLost`` or the watchdog's ``CommTimeout``)
+as its ordinary non-zero status. So *lost* = ranks whose status is >= 128. Why not the others:
+
+- mpiexec's own exit status is one number for the whole job (Hydra reports the worst one);
+- the ``PeerLost`` message names the dead rank only when the failure detector ran and the
+  survivors lived to print it (after an ``MPI_Abort`` Hydra kills every shell: those ranks have no
+  status file at all, and are *not* counted as lost: only a recorded signal death is);
+- a heartbeat file per rank would need a clock and a deadline a second time (the detector has one).
+
+The shell also ignores SIGUSR1, which Hydra sends to the survivors of a dead rank (its default
+action kills), and turns a rank killed by a signal into an ordinary exit of the shell, so that
+Hydra's proxy, which SIGKILLs all its processes when one of them dies *by a signal* even under
+``-disable-auto-cleanup``, lets the survivors finish (``faults.mpiexec_command`` does the same
+without recording the status).
+
+A failure with no lost rank is not restarted: a program error or a refusal (a global batch that
+does not divide over the survivors) would only fail again (torchrun restarts on any failure).
+
+**What the script sees** (environment, like torchrun's): ``MINIPAR_RESTART_COUNT`` (0 on the first
+run), ``MINIPAR_MAX_RESTARTS``, ``MINIPAR_WORLD_SIZE``, ``MINIPAR_LOST_RANKS`` (the previous run's
+lost ranks, comma-separated). ``restart_info()`` reads them; ``accumulation`` keeps the global batch
+(micro-batches per rank = global batch / (world x micro-batch), refused when not an integer);
+``save_ddp`` / ``load_ddp`` checkpoint a DDP replica and its AdamW state as shards
+(``minipar.parallel.zero.checkpoint``: each rank writes 1/N, loading at N' re-cuts and all-gathers);
+ZeRO and FSDP have ``save_checkpoint`` / ``load_checkpoint``. ``examples/elastic_train.py`` uses them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LOST_STATUS = 128  # a shell reports a process killed by signal s as 128 + s
+STATUS_SHELL = ('trap "" USR1; "$0" "$@"; s=$?; '
+                'printf "%s\\n" "$s" > "$MINIPAR_ELASTIC_STATUS/rank${PMI_RANK:-${PMIX_RANK:-0}}"; exit "$s"')
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One ``mpiexec`` run: its world size, mpiexec's exit status, each rank's recorded exit status
+    (a rank mpiexec tore down has none), and the wall seconds it took."""
+
+    ranks: int
+    returncode: int
+    statuses: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def lost(self) -> list[int]:
+        """Ranks killed by a signal (status >= 128): the machines the next run must do without."""
+        return sorted(r for r, s in self.statuses.items() if s >= LOST_STATUS)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.lost
+
+    def describe(self) -> str:
+        """One line: ranks, statuses, what was lost, time."""
+        shown = ", ".join(f"{r}:{self.statuses[r]}" if r in self.statuses else f"{r}:-" for r in range(self.ranks))
+        lost = "; ".join(f"rank {r} lost (killed by signal {self.statuses[r] - LOST_STATUS})" for r in self.lost)
+        return (f"{self.ranks} ranks, exit status {self.returncode} in {self.seconds:.1f} s "
+                f"(rank:status {shown}; '-' = torn down by mpiexec){'; ' + lost if lost else ''}")
+
+
+Launcher = Callable[[int, Mapping[str, str]], RunResult]
+
+
+def restart_env(count: int, max_restarts: int, ranks: int, lost: Sequence[int]) -> dict[str, str]:
+    """The environment a run's ranks get (torchrun's ``TORCHELASTIC_RESTART_COUNT`` & co)."""
+    return {"MINIPAR_RESTART_COUNT": str(count), "MINIPAR_MAX_RESTARTS": str(max_restarts),
+            "MINIPAR_WORLD_SIZE": str(ranks), "MINIPAR_LOST_RANKS": ",".join(map(str, lost))}
+
+
+def elastic_loop(n: int, launch: Launcher, max_restarts: int = 3, min_ranks: int = 1,
+                 restart_n: int | None = None, log: Callable[[str], None] | None = None) -> tuple[int, list[RunResult]]:
+    """Run ``launch(ranks, env)`` until it succeeds, loses no rank, or may not restart any more;
+    returns the final run's exit status (the first non-zero of mpiexec's and the ranks') and every
+    run. After a run that lost ranks the next has ``restart_n`` ranks if given, else the survivors."""
+    if n < 1 or max_restarts < 0 or min_ranks < 1 or (restart_n is not None and restart_n < 1):
+        raise ValueError(f"elastic: need -n >= 1, --max-restarts >= 0, --min-ranks >= 1, --restart-n >= 1; got "
+                         f"{n}, {max_restarts}, {min_ranks}, {restart_n}")
+    if n < min_ranks:
+        raise ValueError(f"elastic: -n {n} is below --min-ranks {min_ranks}")
+    say = log or (lambda line: print(f"minipar run: {line}", file=sys.stderr, flush=True))
+    runs: list[RunResult] = []
+    lost: list[int] = []
+    while True:
+        k = len(runs)
+        result = launch(n, restart_env(k, max_restarts, n, lost))
+        runs.append(result)
+        say(f"run {k}: {result.describe()}")
+        status = result.returncode or next((s for _, s in sorted(result.statuses.items()) if s), 0)
+        if result.ok:
+            return 0, runs
+        lost = result.lost
+        if not lost:
+            say(f"run {k} failed but lost no rank (a program error or a refusal, which a restart would repeat): "
+                f"not restarting; exit status {status}")
+            return status, runs
+        if k >= max_restarts:
+            say(f"ranks {lost} lost and {k} of --max-restarts {max_restarts} restarts used: giving up; "
+                f"exit status {status}")
+            return status, runs
+        nxt = restart_n if restart_n is not None else n - len(lost)
+        if nxt < min_ranks:
+            say(f"ranks {lost} lost: {nxt} ranks left, below --min-ranks {min_ranks}: giving up; exit status {status}")
+            return status, runs
+        why = f"--restart-n {restart_n}" if restart_n is not None else f"{n} - {len(lost)} lost"
+        say(f"restart {k + 1} of at most {max_restarts}: {nxt} ranks ({why}); the script resumes from its last "
+            "checkpoint")
+        n = nxt
+
+
+def mpiexec_launcher(argv: Sequence[str], mpiexec: str | os.PathLike[str] | None = None,
+                     extra_env: Mapping[str, str] | None = None) -> Launcher:
+    """A ``Launcher`` running ``mpiexec -disable-auto-cleanup -n N sh -c STATUS_SHELL argv...`` with
+    this process's stdout and stderr; each rank's exit status is read back from a fresh folder."""
+    exe = str(mpiexec or Path(sys.executable).parent / "mpiexec")
+
+    def launch(n: int, env: Mapping[str, str]) -> RunResult:
+        with tempfile.TemporaryDirectory(prefix="minipar-elastic-") as status_dir:
+            full = {**os.environ, **(extra_env or {}), **env, "MINIPAR_ELASTIC_STATUS": status_dir}
+            cmd = [exe, "-disable-auto-cleanup", "-n", str(n), "sh", "-c", STATUS_SHELL, *argv]
+            start = time.monotonic()
+            rc = subprocess.run(cmd, env=full).returncode
+            seconds = time.monotonic() - start
+            statuses = {}
+            for f in Path(status_dir).glob("rank*"):
+                try:
+                    statuses[int(f.name[4:])] = int(f.read_text().strip())
+                except ValueError:  # a status half-written when the shell itself was killed: none
+                    continue
+        return RunResult(n, rc, statuses, seconds)
+
+    return launch
+
+
+# ---- inside the script ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Restart:
+    """What ``minipar run --elastic`` told this run (``restart_info``)."""
+
+    count: int  # 0: the first run
+    max_restarts: int
+    world_size: int | None  # None when not started by minipar run
+    lost: tuple[int, ...]  # the previous run's lost ranks
+
+
+def restart_info(env: Mapping[str, str] | None = None) -> Restart:
+    """This run's place in the elastic loop, from the environment (a plain run: count 0)."""
+    env = os.environ if env is None else env
+    lost = tuple(int(r) for r in env.get("MINIPAR_LOST_RANKS", "").split(",") if r)
+    size = env.get("MINIPAR_WORLD_SIZE")
+    return Restart(int(env.get("MINIPAR_RESTART_COUNT", "0")), int(env.get("MINIPAR_MAX_RESTARTS", "0")),
+                   int(size) if size else None, lost)
+
+
+def accumulation(global_batch: int, world: int, micro_batch: int) -> int:
+    """Micro-batches per rank that keep ``global_batch`` on ``world`` ranks; ``ValueError`` naming the
+    world sizes that would work when it does not divide (call it before any message)."""
+    if min(global_batch, world, micro_batch) < 1:
+        raise ValueError(f"global batch, world size and micro-batch must be >= 1, got {global_batch}, {world}, "
+                         f"{micro_batch}")
+    per_step = world * micro_batch
+    if global_batch % per_step:
+        fits = [w for w in range(1, global_batch // micro_batch + 1) if global_batch % (w * micro_batch) == 0]
+        raise ValueError(f"the global batch of {global_batch} cannot be kept on {world} ranks with micro-batches of "
+                         f"{micro_batch}: {global_batch} / ({world} x {micro_batch}) is not an integer; world sizes "
+                         f"that keep it: {fits}")
+    return global_batch // per_step
+
+
+def checkpoint_exists(directory: str | os.PathLike[str]) -> bool:
+    """True when ``directory`` holds a complete checkpoint (or a crash between the commit's two renames
+    left one beside it, which ``checkpoint.load`` reads)."""
+    from minipar.parallel.zero import checkpoint
+
+    try:
+        where = checkpoint._resolve(Path(directory).absolute())
+    except ValueError:
+        return False
+    return (where / checkpoint.META).is_file()
+
+
+def _ddp_layout(ddp: Any, optimizer: Any, world: int) -> tuple[Any, list[int]]:
+    """The flat layout of the replica's parameters over ``world`` ranks, and each one's index in the
+    optimizer's list."""
+    from minipar.parallel.zero.flat import FlatLayout
+
+    params = ddp.parameters()
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    where = {id(p): i for i, p in enumerate(optimizer.params)}
+    missing = [names[id(p)] for p in params if id(p) not in where]
+    if missing or len(where) != len(params):
+        raise ValueError(f"save_ddp/load_ddp: the optimizer must hold exactly the DDP parameters (missing {missing})")
+    layout = FlatLayout(tuple(names[id(p)] for p in params), tuple(p.data.shape for p in params), world)
+    return layout, [where[id(p)] for p in params]
+
+
+def save_ddp(directory: str | os.PathLike[str], ddp: Any, optimizer: Any, meta: dict[str, Any] | None = None) -> None:
+    """Checkpoint a DDP replica and its AdamW state (every rank calls): the flat parameters and both
+    moments cut into N shards, rank r writing shard r only (the replicas are equal: each rank saves
+    1/N of the bytes), atomically (``checkpoint.save``). ``meta``: the caller's (the step, ...)."""
+    from minipar.parallel.zero import checkpoint
+
+    comm = ddp.comm
+    layout, index = _ddp_layout(ddp, optimizer, comm.size)
+    states = [optimizer.state[i] for i in index]
+    lo, hi = layout.shard_range(comm.rank)
+    arrays = {"model/param": layout.flatten([p.data for p in ddp.parameters()])[lo:hi]}
+    for key in ("exp_avg", "exp_avg_sq"):
+        arrays[f"model/{key}"] = layout.flatten([s.get(key) for s in states])[lo:hi]
+    steps = {s.get("step", 0) for s in states}
+    if len(steps) != 1:
+        raise ValueError(f"save_ddp: the parameters took different numbers of AdamW steps {sorted(steps)}")
+    full = {**(meta or {}), "adam_step": steps.pop(), "params": {"model": layout.described()}}
+    checkpoint.save(directory, comm, arrays, dict.fromkeys(arrays, layout.numel), full)
+
+
+def load_ddp(directory: str | os.PathLike[str], ddp: Any, optimizer: Any) -> dict[str, Any]:
+    """Put a ``save_ddp`` checkpoint (of any world size) back into the replica and AdamW; returns its
+    meta. Each rank loads its re-cut shard and one all-gather per array rebuilds the replica."""
+    from minipar.parallel.zero import checkpoint
+
+    comm = ddp.comm
+    layout, index = _ddp_layout(ddp, optimizer, comm.size)
+    names = ("model/param", "model/exp_avg", "model/exp_avg_sq")
+    shards, meta = checkpoint.load(directory, comm, dict.fromkeys(names, layout.numel))
+    full = {n: comm.allgather(shards[n]) for n in names}
+    if meta["params"]["model"] != layout.described():
+        raise ValueError(f"load_ddp: {directory} holds parameters {meta['params']['model']}, this model "
+                         f"{layout.described()}")
+    params = ddp.parameters()
+    moments = [layout.views(full[f"model/{k}"]) for k in ("exp_avg", "exp_avg_sq")]
+    for j, (p, value) in enumerate(zip(params, layout.views(full["model/param"]), strict=True)):
+        p.data[...] = value
+        optimizer.state[index[j]] = {} if not meta["adam_step"] else {
+            "step": meta["adam_step"], "exp_avg": np.array(moments[0][j]), "exp_avg_sq": np.array(moments[1][j])}
+    return meta

@@ -1,0 +1,209 @@
+"""Elastic restart (``minipar.elastic``, ``minipar run --elastic``): the restart loop on a fake
+launcher (no MPI), the global batch kept or refused, and under real ``mpiexec`` a rank of a DDP or
+ZeRO-3 job killed at a drawn step: the job restarts smaller, resumes from the last complete
+checkpoint, leaves no half-written one, ends in bounded time, and ends with the parameters of one
+process that trained on every global batch without interruption."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import budget
+
+from minipar import nn
+from minipar.cli import main as cli_main
+from minipar.elastic import RunResult, accumulation, elastic_loop, restart_info
+from minipar.optim import AdamW
+from minipar.parallel.zero import checkpoint
+from minipar.testing import ROOT
+
+SCRIPT = ROOT / "examples" / "elastic_train.py"
+_spec = importlib.util.spec_from_file_location("elastic_train", SCRIPT)
+example_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example_script)
+
+
+# ---- the loop, on a fake launcher -------------------------------------------------------------------
+class FakeLauncher:
+    """Plays back one dict of per-rank exit statuses per run (a rank left out: none recorded, as after
+    an ``MPI_Abort``; runs past the list: every rank 0) and keeps what each run was given. mpiexec's
+    status is the worst rank's (Hydra's), 1 when some rank recorded none."""
+
+    def __init__(self, runs: list[dict[int, int]]) -> None:
+        self.runs, self.calls = runs, []
+
+    def __call__(self, n: int, env: dict[str, str]) -> RunResult:
+        k = len(self.calls)
+        statuses = self.runs[k] if k < len(self.runs) else dict.fromkeys(range(n), 0)
+        self.calls.append((n, dict(env)))
+        return RunResult(n, max(statuses.values()) if len(statuses) == n else 1, statuses, 0.5)
+
+
+def quiet(lines: list[str]):
+    return lines.append
+
+
+def test_success_first_time_runs_once_with_restart_count_zero():
+    fake, log = FakeLauncher([{0: 0, 1: 0, 2: 0}]), []
+    status, runs = elastic_loop(3, fake, max_restarts=3, log=quiet(log))
+    assert (status, len(runs)) == (0, 1)
+    assert fake.calls == [(3, {"MINIPAR_RESTART_COUNT": "0", "MINIPAR_MAX_RESTARTS": "3", "MINIPAR_WORLD_SIZE": "3",
+                               "MINIPAR_LOST_RANKS": ""})]
+
+
+def test_a_killed_rank_restarts_the_survivors_who_learn_it():
+    fake, log = FakeLauncher([{0: 1, 1: 137, 2: 1}, {0: 0, 1: 0}]), []
+    status, runs = elastic_loop(3, fake, max_restarts=2, log=quiet(log))
+    assert status == 0 and [n for n, _ in fake.calls] == [3, 2]
+    assert fake.calls[1][1] == {"MINIPAR_RESTART_COUNT": "1", "MINIPAR_MAX_RESTARTS": "2", "MINIPAR_WORLD_SIZE": "2",
+                                "MINIPAR_LOST_RANKS": "1"}
+    assert runs[0].lost == [1] and runs[1].lost == []
+    assert "rank 1 lost (killed by signal 9)" in log[0] and "2 ranks (3 - 1 lost)" in log[1]
+
+
+def test_a_failure_that_lost_no_rank_is_not_restarted():
+    # every rank refused (status 2), or ranks torn down by mpiexec after an MPI_Abort (no status): no loss
+    for statuses in ({0: 2, 1: 2}, {0: 1}):
+        fake, log = FakeLauncher([statuses]), []
+        status, runs = elastic_loop(2, fake, max_restarts=3, log=quiet(log))
+        assert (status, len(runs)) == ((2 if statuses == {0: 2, 1: 2} else 1), 1)
+        assert "lost no rank" in log[-1]
+
+
+def test_limits_max_restarts_min_ranks_and_restart_n():
+    lose_one = [{0: 137, **{r: 1 for r in range(1, n)}} for n in (5, 4, 3, 2)]  # rank 0 lost each time
+    status, runs = elastic_loop(5, FakeLauncher(lose_one), max_restarts=1, log=quiet([]))
+    assert (status, [r.ranks for r in runs]) == (137, [5, 4])  # one restart, then give up
+    status, runs = elastic_loop(5, FakeLauncher(lose_one), max_restarts=9, min_ranks=3, log=quiet([]))
+    assert (status, [r.ranks for r in runs]) == (137, [5, 4, 3])  # 2 left would be below 3
+    fake = FakeLauncher([{0: 1, 1: 137, 2: 137}, {r: 0 for r in range(4)}])
+    status, runs = elastic_loop(3, fake, restart_n=4, log=quiet([]))
+    assert (status, [r.ranks for r in runs]) == (0, [3, 4])  # replacement machines: a new N
+    with pytest.raises(ValueError, match="below --min-ranks"):
+        elastic_loop(2, fake, min_ranks=3)
+
+
+@given(st.integers(2, 6), st.lists(st.sets(st.integers(0, 5), min_size=1, max_size=2), max_size=4),
+       st.integers(0, 4))
+@budget(20)
+def test_world_sizes_shrink_by_the_lost_ranks(n, losses, max_restarts):
+    runs, sizes = [], [n]
+    for lost in losses:  # run k loses ``lost`` (those below its size): statuses 137, the others 1
+        size = sizes[-1]
+        runs.append({r: (137 if r in lost else 1) for r in range(size)})
+        sizes.append(size - len({r for r in lost if r < size}))
+        if sizes[-1] == size or sizes[-1] < 1:
+            break
+    status, done = elastic_loop(n, FakeLauncher(runs), max_restarts=max_restarts, log=quiet([]))
+    # by hand: a run with no loss ends the loop; so do a spent restart budget and an empty world
+    expected = [n]
+    for k in range(len(runs)):
+        if sizes[k + 1] == sizes[k] or k >= max_restarts or sizes[k + 1] < 1:
+            break
+        expected.append(sizes[k + 1])
+    assert [r.ranks for r in done] == expected
+    last = len(expected) - 1
+    assert status == (0 if last == len(runs) else 137 if sizes[last + 1] < sizes[last] else 1)
+
+
+def test_accumulation_keeps_the_global_batch_or_names_what_works():
+    assert [accumulation(12, w, 2) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(ValueError, match=r"12 cannot be kept on 4 ranks.*world sizes that keep it: \[1, 2, 3, 6\]"):
+        accumulation(12, 4, 2)
+
+
+def test_restart_info_reads_the_environment():
+    info = restart_info({"MINIPAR_RESTART_COUNT": "2", "MINIPAR_MAX_RESTARTS": "3", "MINIPAR_WORLD_SIZE": "4",
+                         "MINIPAR_LOST_RANKS": "0,3"})
+    assert (info.count, info.max_restarts, info.world_size, info.lost) == (2, 3, 4, (0, 3))
+    assert restart_info({}).count == 0 and restart_info({}).world_size is None
+
+
+def test_cli_refuses_bad_input_with_status_2(capsys, tmp_path):
+    assert cli_main(["run", "-n", "2", str(tmp_path / "missing.py")]) == 2
+    assert "no script" in capsys.readouterr().err
+    assert cli_main(["run", "-n", "2", "--max-restarts", "1", str(SCRIPT)]) == 2
+    assert "need --elastic" in capsys.readouterr().err
+    assert cli_main(["run", "--elastic", "-n", "1", "--min-ranks", "2", str(SCRIPT)]) == 2
+
+
+# ---- under mpiexec ------------------------------------------------------------------------------
+STEPS, GLOBAL, MICRO, RANKS, DEADLINE = 4, 12, 2, 3, 1.0
+BOUND = 30.0  # seconds for a whole elastic job: two launches, a detection (DEADLINE), a margin for CI
+
+
+def reference(steps: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """One process, no interruption: AdamW on each whole global batch (the loss: its mean)."""
+    model = nn.GPT(**example_script.MODEL, seed=seed)
+    opt = AdamW(model.parameters(), lr=example_script.LR, weight_decay=example_script.WEIGHT_DECAY)
+    for step in range(steps):
+        x, y = example_script.batch(seed, step, GLOBAL)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        opt.step()
+    return {n: p.data for n, p in model.named_parameters()}
+
+
+def run_cli(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, MINIPAR_TIMEOUT="5", MINIPAR_PEER_DEADLINE=str(DEADLINE), OPENBLAS_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "minipar.cli", "run", *args], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.mpi
+@given(paradigm=st.sampled_from(["ddp", "zero3"]), victim=st.integers(0, RANKS - 1),
+       step=st.integers(0, STEPS - 1), phase=st.sampled_from(["step", "save"]))
+@example(paradigm="ddp", victim=1, step=2, phase="step")  # resume at 2 ranks, 3 micro-batches each
+@example(paradigm="zero3", victim=0, step=1, phase="save")  # rank 0 dies mid-save: its temporary folder is left
+@example(paradigm="zero3", victim=2, step=0, phase="step")  # no checkpoint yet: the restart starts afresh
+@budget(1)
+def test_killed_rank_restarts_smaller_and_ends_as_one_process(tmp_path_factory, paradigm, victim, step, phase):
+    tmp = tmp_path_factory.mktemp("elastic")
+    proc, wall = run_cli(tmp, "--elastic", "-n", str(RANKS), "--max-restarts", "2", str(SCRIPT),
+                         "--paradigm", paradigm, "--steps", str(STEPS), "--global-batch", str(GLOBAL),
+                         "--micro-batch", str(MICRO), "--ckpt", "ckpt", "--out", "final.npz",
+                         "--kill-rank", str(victim), "--kill-step", str(step), "--kill-phase", phase)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert wall < BOUND
+    runs = re.findall(r"minipar run: run (\d): (\d) ranks, exit status (\d+) .*?\(rank:status ([^;)]*)", proc.stderr)
+    statuses = [dict(tuple(map(int, s.split(":"))) for s in r[3].split(", ")) for r in runs]
+    assert [int(r[1]) for r in runs] == [3, 2]
+    assert statuses[0][victim] == 137 and all(s == 1 for r, s in statuses[0].items() if r != victim)
+    assert statuses[1] == {0: 0, 1: 0}
+    # the kill at step s, before its compute or inside its save: the last complete checkpoint had s steps
+    first, second = proc.stdout.split("resumed at step" if step else "fresh start on 2")[0], proc.stdout
+    assert "fresh start on 3 ranks, 2 micro-batches" in first
+    assert (f"resumed at step {step} on 2 ranks, 3 micro-batches of 2 per rank (restart 1, lost [{victim}])"
+            if step else "fresh start on 2 ranks, 3 micro-batches of 2 per rank (restart 1)") in second
+    assert sorted(p.name for p in tmp.iterdir()) == ["ckpt", "final.npz"]  # no ckpt.tmp-X / ckpt.old-X
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["meta.json", "rank00000.npz", "rank00001.npz"]
+    want = reference(STEPS)
+    final = np.load(tmp / "final.npz")
+    saved = checkpoint.state_dict(tmp / "ckpt")
+    assert sorted(final.files) == sorted(want) == sorted(saved)
+    for name, value in want.items():
+        np.testing.assert_allclose(final[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(saved[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.mpi
+def test_a_global_batch_the_ranks_cannot_keep_is_refused_and_not_restarted(tmp_path):
+    proc, _ = run_cli(tmp_path, "--elastic", "-n", "2", str(SCRIPT), "--global-batch", "6", "--micro-batch", "2",
+                      "--ckpt", "ckpt")
+    assert proc.returncode == 2
+    assert ("refused: the global batch of 6 cannot be kept on 2 ranks with micro-batches of 2: 6 / (2 x 2) is not "
+            "an integer; world sizes that keep it: [1, 3]") in proc.stderr
+    assert "lost no rank" in proc.stderr and "restart 1" not in proc.stderr
+    assert not (tmp_path / "ckpt").exists()
