@@ -19,7 +19,10 @@
 - ``hybrid.py``: HybridGPT's exact bytes per mesh axis per rank, model states, activation peak.
 - ``sharding.py``: global tensors: the collective each placement change needs and its bytes per rank.
 - ``tensor2d.py``: 2-D (SUMMA) tensor parallelism: bytes per rank of a linear, an MLP, a block.
-- ``tensor3d.py``: 3-D tensor parallelism on a q x q x q cube: bytes per rank of a linear.
+- ``tensor2p5d.py``: 2.5-D (Tesseract) tensor parallelism on d stacked q x q grids: bytes per rank in the layer and
+  over the depth, parameters 1/q^2, activations 1/(d q^2).
+- ``tensor3d.py``: 3-D tensor parallelism on a q x q x q cube: bytes per rank of a linear and of a transformer block;
+  parameters and activations per rank.
 - ``calibrate`` (``minipar/calibrate.py``, not here: it measures) writes the cluster files ``perf`` reads.
 
 Traces, tests and lessons import from here; the derivations are in each module's docstring and in

@@ -91,7 +91,6 @@ def backward(out: GlobalTensor, grad: GlobalTensor | None = None) -> None:
     """Accumulate ``d out / d leaf`` into every leaf's ``.grad``; ``grad`` defaults to ones (for a
     scalar loss), in ``out``'s placements with ``Partial`` read as ``Replicate``."""
     from minipar.sharding import ops
-    from minipar.sharding.redistribute import redistribute
     from minipar.sharding.tensor import GlobalTensor
 
     if not out.requires_grad:
@@ -109,9 +108,9 @@ def backward(out: GlobalTensor, grad: GlobalTensor | None = None) -> None:
             if g is None:
                 continue
             if not t.passes_gradient:
-                g = redistribute(g, grad_placements(t))
+                g = ops.redistribute(g, grad_placements(t), "gradient")
             if t.backward_fn is None:  # a leaf
-                t.grad = g if t.grad is None else redistribute(ops.add(t.grad, g), grad_placements(t))
+                t.grad = g if t.grad is None else ops.redistribute(ops.add(t.grad, g), grad_placements(t), "gradient")
                 continue
             for p, gp in zip(t.parents, t.backward_fn(g), strict=True):
                 if gp is None or not p.requires_grad:

@@ -40,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from minipar import trace
 from minipar.functional import _gelu, _gelu_backward
 from minipar.sharding import propagate
 from minipar.sharding.autograd import record
-from minipar.sharding.placement import Partial, Placement, Replicate, Shard
+from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 from minipar.sharding.redistribute import redistribute as _redistribute
 from minipar.sharding.tensor import GlobalTensor, local_slices
 
@@ -64,7 +65,7 @@ def _run(name: str, inputs: Sequence[GlobalTensor], out_shape: Sequence[int], ru
     if not found:
         raise ValueError(f"{name}: no placement of the output {tuple(out_shape)} is legal on this mesh")
     needed, placed, _ = found[0]
-    moved = [redistribute(t, pl) for t, pl in zip(inputs, needed, strict=True)]
+    moved = [redistribute(t, pl, name) for t, pl in zip(inputs, needed, strict=True)]
     t0 = inputs[0]
     piece = np.require(local(moved, placed), requirements="C")  # not ascontiguousarray: 0-d stays 0-d
     out = GlobalTensor(piece, out_shape, t0.mesh, t0.axes, placed)
@@ -76,11 +77,15 @@ def _pieces(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     return lambda moved, placed: fn(*[m.local for m in moved])
 
 
-def redistribute(t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTensor:
-    """``minipar.sharding.redistribute`` on the graph: its backward passes the gradient on as it is."""
+def redistribute(t: GlobalTensor, placements: Sequence[Placement], why: str = "") -> GlobalTensor:
+    """``minipar.sharding.redistribute`` on the graph: its backward passes the gradient on as it is.
+    While a trace records, a ``redistribute`` mark names the op that needed it (``why``), the shape and
+    both placements (what a lesson lists; nothing is computed otherwise)."""
     placements = tuple(placements)
     if placements == t.placements:
         return t
+    if trace.current() is not None:
+        trace.mark("redistribute", op=why, shape=list(t.shape), src=describe(t.placements), dst=describe(placements))
     out = _redistribute(t, placements)
     out.passes_gradient = True  # autograd: its gradient goes on to t as it arrives
     return record(out, (t,), lambda g: (g,))
@@ -90,7 +95,8 @@ def whole(x: GlobalTensor, axis: int) -> GlobalTensor:
     """``x`` with ``axis`` whole and no partial sum on any rank (a reduced, gathered copy if needed): the
     input of an op that normalises along ``axis`` (layer norm)."""
     axis %= len(x.shape)
-    return redistribute(x, tuple(B if isinstance(p, Partial) or p == Shard(axis) else p for p in x.placements))
+    return redistribute(x, tuple(B if isinstance(p, Partial) or p == Shard(axis) else p for p in x.placements),
+                        "whole rows")
 
 
 def constant(value: Any, like: GlobalTensor) -> GlobalTensor:
