@@ -19,6 +19,9 @@ al. 2002, which scales to thousands of ranks but is needless at minipar's handfu
 - Cost with no fault: the thread wakes ``5 / deadline`` times a second and sends ``p - 1`` 8-byte
   messages (one outstanding per peer at most: a dead peer's queue never fills up); a wait tests one
   dict for emptiness per poll. Nothing on a message's path changes.
+- Too short a deadline declares live ranks dead: a heartbeat late by more than the deadline (a
+  loaded machine: measured with 0.05 s and two busy cores) looks like a death. Keep it well above
+  the scheduling jitter (>= 0.5 s; the tests use 1 s); the first deadline after start-up is doubled.
 - A rank that ends normally says goodbye (``stop``, from ``atexit``): its peers mark it as *left*,
   never dead, so ranks finishing at different times raise nothing.
 
@@ -75,7 +78,7 @@ class Detector:
     def __init__(self, world_rank: int, peers: Iterable[int], deadline: float) -> None:
         self.world_rank = world_rank
         self.deadline = deadline
-        now = time.monotonic()
+        now = time.monotonic() + deadline  # a first grace: the peers may still be starting their beats
         self.last = dict.fromkeys(peers, now)
         self.dead: dict[int, tuple[float, float, float]] = {}  # rank -> (monotonic, perf_counter, silence)
         self.left: set[int] = set()
