@@ -178,10 +178,12 @@ def test_killed_rank_restarts_smaller_and_ends_as_one_process(tmp_path_factory, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert wall < BOUND
     runs = re.findall(r"minipar run: run (\d): (\d) ranks, exit status (\d+) .*?\(rank:status ([^;)]*)", proc.stderr)
-    statuses = [dict(tuple(map(int, s.split(":"))) for s in r[3].split(", ")) for r in runs]
+    statuses = [dict(s.split(":") for s in r[3].split(", ")) for r in runs]
     assert [int(r[1]) for r in runs] == [3, 2]
-    assert statuses[0][victim] == 137 and all(s == 1 for r, s in statuses[0].items() if r != victim)
-    assert statuses[1] == {0: 0, 1: 0}
+    # survivors: 1 (PeerLost, or CommTimeout) or '-' (torn down by mpiexec after an MPI_Abort)
+    assert statuses[0] == {str(r): "137" if r == victim else statuses[0][str(r)] for r in range(RANKS)}
+    assert all(statuses[0][str(r)] in ("1", "-") for r in range(RANKS) if r != victim)
+    assert statuses[1] == {"0": "0", "1": "0"}
     # the kill at step s, before its compute or inside its save: the last complete checkpoint had s steps
     first, second = proc.stdout.split("resumed at step" if step else "fresh start on 2")[0], proc.stdout
     assert "fresh start on 3 ranks, 2 micro-batches" in first
