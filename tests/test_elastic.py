@@ -22,7 +22,8 @@ from strategies import budget
 
 from minipar import nn
 from minipar.cli import main as cli_main
-from minipar.elastic import STATUS_SHELL, RunResult, accumulation, elastic_loop, restart_info
+from minipar.comm import launch
+from minipar.elastic import STATUS_SHELL, RunResult, accumulation, elastic_loop, load_ddp, restart_info, save_ddp
 from minipar.optim import AdamW
 from minipar.parallel.zero import checkpoint
 from minipar.testing import ROOT
@@ -147,8 +148,40 @@ def test_cli_refuses_bad_input_with_status_2(capsys, tmp_path):
     assert cli_main(["run", "--elastic", "-n", "1", "--min-ranks", "2", str(SCRIPT)]) == 2
 
 
+# ---- DDP checkpoints re-cut (threads backend) --------------------------------------------------------
+def _ddp_after_steps(comm, directory, steps, save):
+    from minipar.parallel.ddp import DistributedDataParallel, train_step
+
+    model = nn.GPT(**example_script.MODEL, seed=4)
+    ddp = DistributedDataParallel(model, comm)
+    opt = AdamW(model.parameters(), lr=0.05)
+    if not save:
+        meta = load_ddp(directory, ddp, opt)
+        return meta, {n: p.data.copy() for n, p in model.named_parameters()}, opt.state
+    for step in range(steps):
+        train_step(ddp, opt, lambda m, x, y: m.loss(x, y), *example_script.batch(4, step, 6))
+    save_ddp(directory, ddp, opt, {"step": steps})
+    return None, {n: p.data.copy() for n, p in model.named_parameters()}, opt.state
+
+
+@pytest.mark.parametrize("saved, loaded", [(3, 2), (2, 3), (3, 1)])
+def test_ddp_checkpoint_is_one_nth_per_rank_and_loads_at_any_world_size(tmp_path, saved, loaded):
+    _, want, state = launch(_ddp_after_steps, saved, "threads", tmp_path / "ck", 2, True)[0]
+    numel = sum(v.size for v in want.values())
+    per_rank = -(-numel // saved)  # ceil: every rank writes one padded slice of each flat array
+    for r in range(saved):
+        with np.load(tmp_path / "ck" / f"rank{r:05d}.npz") as f:
+            assert [f[k].shape for k in f.files] == [(per_rank,)] * 3  # param, exp_avg, exp_avg_sq
+    for meta, params, got in launch(_ddp_after_steps, loaded, "threads", tmp_path / "ck", 0, False):
+        assert (meta["step"], meta["adam_step"]) == (2, 2)
+        assert params.keys() == want.keys() and all(np.array_equal(params[n], want[n]) for n in want)
+        for s, w in zip(got, state, strict=True):
+            assert s["step"] == w["step"] == 2
+            assert np.array_equal(s["exp_avg"], w["exp_avg"]) and np.array_equal(s["exp_avg_sq"], w["exp_avg_sq"])
+
+
 # ---- under mpiexec ------------------------------------------------------------------------------
-STEPS, GLOBAL, MICRO, RANKS, DEADLINE = 4, 12, 2, 3, 1.0
+STEPS, GLOBAL, MICRO, DEADLINE = 4, 12, 2, 1.0
 BOUND = 30.0  # seconds for a whole elastic job: two launches, a detection (DEADLINE), a margin for CI
 
 
@@ -173,15 +206,17 @@ def run_cli(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
 
 
 @pytest.mark.mpi
-@given(paradigm=st.sampled_from(["ddp", "zero3"]), victim=st.integers(0, RANKS - 1),
+@given(paradigm=st.sampled_from(["ddp", "zero3"]), ranks=st.sampled_from([2, 3]), victim=st.integers(0, 2),
        step=st.integers(0, STEPS - 1), phase=st.sampled_from(["step", "save"]))
-@example(paradigm="ddp", victim=1, step=2, phase="step")  # resume at 2 ranks, 3 micro-batches each
-@example(paradigm="zero3", victim=0, step=1, phase="save")  # rank 0 dies mid-save: its temporary folder is left
-@example(paradigm="zero3", victim=2, step=0, phase="step")  # no checkpoint yet: the restart starts afresh
+@example(paradigm="ddp", ranks=3, victim=1, step=2, phase="step")  # resume at 2 ranks, 3 micro-batches each
+@example(paradigm="zero3", ranks=3, victim=0, step=1, phase="save")  # rank 0 dies mid-save: its temporary folder
+@example(paradigm="zero3", ranks=3, victim=2, step=0, phase="step")  # no checkpoint yet: the restart starts afresh
+@example(paradigm="ddp", ranks=2, victim=0, step=3, phase="save")  # down to 1 rank, 6 micro-batches; the last step
 @budget(1)
-def test_killed_rank_restarts_smaller_and_ends_as_one_process(tmp_path_factory, paradigm, victim, step, phase):
+def test_killed_rank_restarts_smaller_and_ends_as_one_process(tmp_path_factory, paradigm, ranks, victim, step, phase):
+    victim %= ranks
     tmp = tmp_path_factory.mktemp("elastic")
-    proc, wall = run_cli(tmp, "--elastic", "-n", str(RANKS), "--max-restarts", "2", str(SCRIPT),
+    proc, wall = run_cli(tmp, "--elastic", "-n", str(ranks), "--max-restarts", "2", str(SCRIPT),
                          "--paradigm", paradigm, "--steps", str(STEPS), "--global-batch", str(GLOBAL),
                          "--micro-batch", str(MICRO), "--ckpt", "ckpt", "--out", "final.npz",
                          "--kill-rank", str(victim), "--kill-step", str(step), "--kill-phase", phase)
@@ -189,20 +224,23 @@ def test_killed_rank_restarts_smaller_and_ends_as_one_process(tmp_path_factory, 
     assert wall < BOUND
     runs = re.findall(r"minipar run: run (\d): (\d) ranks, exit status (\d+) in ([\d.]+) s \(rank:status ([^;)]*)",
                       proc.stderr)
+    assert [int(r[1]) for r in runs] == [ranks, ranks - 1]
     assert float(runs[0][3]) < BOUND / 2  # the survivors of the kill did not hang: they ended by themselves
     statuses = [dict(s.split(":") for s in r[4].split(", ")) for r in runs]
-    assert [int(r[1]) for r in runs] == [3, 2]
     # survivors: 1 (PeerLost, or CommTimeout) or '-' (torn down by mpiexec after an MPI_Abort)
-    assert statuses[0] == {str(r): "137" if r == victim else statuses[0][str(r)] for r in range(RANKS)}
-    assert all(statuses[0][str(r)] in ("1", "-") for r in range(RANKS) if r != victim)
-    assert statuses[1] == {"0": "0", "1": "0"}
-    # the kill at step s, before its compute or inside its save: the last complete checkpoint had s steps
-    first, second = proc.stdout.split("resumed at step" if step else "fresh start on 2")[0], proc.stdout
-    assert "fresh start on 3 ranks, 2 micro-batches" in first
-    assert (f"resumed at step {step} on 2 ranks, 3 micro-batches of 2 per rank (restart 1, lost [{victim}])"
-            if step else "fresh start on 2 ranks, 3 micro-batches of 2 per rank (restart 1)") in second
+    assert statuses[0][str(victim)] == "137" and len(statuses[0]) == ranks
+    assert all(statuses[0][str(r)] in ("1", "-") for r in range(ranks) if r != victim)
+    assert statuses[1] == {str(r): "0" for r in range(ranks - 1)}
+    # killed at step s, before its compute or inside its save: the last complete checkpoint had done s steps
+    said = [line for line in proc.stdout.splitlines() if line.startswith(("fresh start", "resumed"))]
+    m0, m1 = GLOBAL // (ranks * MICRO), GLOBAL // ((ranks - 1) * MICRO)  # micro-batches per rank: 2, 3 or 3, 6
+    assert said == [f"fresh start on {ranks} ranks, {m0} micro-batches of {MICRO} per rank (restart 0)",
+                    f"resumed at step {step} on {ranks - 1} ranks, {m1} micro-batches of {MICRO} per rank (restart 1, "
+                    f"lost [{victim}])" if step else
+                    f"fresh start on {ranks - 1} ranks, {m1} micro-batches of {MICRO} per rank (restart 1)"]
     assert sorted(p.name for p in tmp.iterdir()) == ["ckpt", "final.npz"]  # no ckpt.tmp-X / ckpt.old-X
-    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["meta.json", "rank00000.npz", "rank00001.npz"]
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["meta.json"] + [f"rank{r:05d}.npz"
+                                                                               for r in range(ranks - 1)]
     want = reference(STEPS)
     final = np.load(tmp / "final.npz")
     saved = checkpoint.state_dict(tmp / "ckpt")
