@@ -84,8 +84,9 @@ class RunResult:
         """One line: ranks, statuses, what was lost, time."""
         shown = ", ".join(f"{r}:{self.statuses[r]}" if r in self.statuses else f"{r}:-" for r in range(self.ranks))
         lost = "; ".join(f"rank {r} lost (killed by signal {self.statuses[r] - LOST_STATUS})" for r in self.lost)
+        torn = "; '-': none recorded, torn down by mpiexec" if len(self.statuses) < self.ranks else ""
         return (f"{self.ranks} ranks, exit status {self.returncode} in {self.seconds:.1f} s "
-                f"(rank:status {shown}; '-' = torn down by mpiexec){'; ' + lost if lost else ''}")
+                f"(rank:status {shown}{torn}){'; ' + lost if lost else ''}")
 
 
 Launcher = Callable[[int, Mapping[str, str]], RunResult]
