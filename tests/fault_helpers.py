@@ -171,3 +171,49 @@ def zero3_rank(comm: Any, outdir: str, steps: int, victim: int, at: int, mid_sav
         return steps
 
     return noting_loss(comm, outdir, body)
+
+
+# ---- pipeline, tensor and sequence parallelism ---------------------------------------------------------
+def model_parallel_rank(comm: Any, outdir: str, paradigm: str, steps: int, victim: int, at: int) -> int:
+    """Train ``steps`` steps of a tiny model split across the ranks (``paradigm``: "pipeline" 1F1B on an
+    MLP, "tensor" Megatron with sequence parallelism, "sequence" ring attention); the victim dies
+    before step ``at``."""
+    from minipar.optim import AdamW
+
+    rng = np.random.default_rng(4)
+    if paradigm == "pipeline":
+        from minipar.parallel.pipeline import Pipeline, mlp
+
+        pipe = Pipeline(comm, mlp([4] + [6] * comm.size + [2], seed=4), "1f1b", microbatches=2 * comm.size)
+        opt = SGD(pipe.parameters(), lr=0.05)
+
+        def one(step: int) -> None:
+            pipe.step(rng.normal(size=(4 * comm.size, 4)), rng.normal(size=(4 * comm.size, 2)), opt)
+    else:
+        if paradigm == "tensor":
+            from minipar.parallel.tensor.model import TensorParallelGPT
+
+            model: Any = TensorParallelGPT(6, 3, 6, 3, 1, comm, sequence_parallel=True, seed=4)
+        else:
+            from minipar.parallel.sequence.model import SequenceParallelGPT
+
+            model = SequenceParallelGPT(6, 2 * comm.size, 6, 3, 1, comm, method="ring", seed=4)
+        adam = AdamW(model.parameters(), lr=1e-2)
+
+        def one(step: int) -> None:
+            x, y = rng.integers(0, 6, (2, 2, model.seq_len if paradigm == "tensor" else 2 * comm.size))
+            if paradigm == "sequence":
+                x, y = model.shard(x), model.shard(y)
+            adam.zero_grad()
+            model.loss(x, y).backward()
+            model.sync_grads()
+            adam.step()
+
+    def body() -> int:
+        for step in range(steps):
+            if comm.rank == victim and step == at:
+                die(comm, outdir)
+            one(step)
+        return steps
+
+    return noting_loss(comm, outdir, body)

@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from fault_helpers import SIZES, ddp_rank, ps_batch, ps_loss, ps_rank, run_job, zero3_rank
+from fault_helpers import SIZES, ddp_rank, model_parallel_rank, ps_batch, ps_loss, ps_rank, run_job, zero3_rank
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -114,9 +114,10 @@ def test_parameter_server_survives_a_killed_worker(mode: str, victim_w: int, at:
     assert job.lost == {}
     kill = job.killed[victim]
     servers = [job.results[s] for s in range(n_servers)]
-    for res, declared in servers:
+    detected = [declared[victim] - kill for _, declared in servers if victim in declared]
+    assert detected and all(0 < t <= DEADLINE + MARGIN for t in detected)  # a server may learn it from another
+    for res, _ in servers:
         assert res.dropped == [victim]
-        assert 0 < declared[victim] - kill <= DEADLINE + MARGIN  # detection time
         counts = Counter(a[0] for a in res.applied)  # updates applied, per worker
         assert counts == {**{w: steps for w in range(n_servers, n) if w != victim}, victim: at}
     assert end - kill <= steps * 0.2 + DEADLINE + 5  # no hang: the survivors finished their steps
@@ -174,8 +175,14 @@ def test_ddp_survivors_exit_fast(victim: int, at: int) -> None:
 @FEW
 @given(victim=st.integers(0, 2), at=st.integers(0, 2), mid_save=st.booleans())
 @example(victim=0, at=1, mid_save=True)
-@example(victim=2, at=2, mid_save=False)
 def test_zero3_survivors_exit_fast_and_checkpoint_is_whole(victim: int, at: int, mid_save: bool) -> None:
     job = run_job(zero3_rank, 3, DEADLINE, steps=4, victim=victim, at=at, mid_save=mid_save)
     check_fail_fast(job, 3, victim)
     assert job.ckpt_step == (at if at else None)  # the last complete checkpoint, never the interrupted one
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("paradigm", ["pipeline", "tensor", "sequence"])
+def test_model_parallel_survivors_exit_fast(paradigm: str) -> None:
+    job = run_job(model_parallel_rank, 3, DEADLINE, paradigm=paradigm, steps=5, victim=1, at=2)
+    check_fail_fast(job, 3, 1)

@@ -21,9 +21,12 @@ al. 2002, which scales to thousands of ranks but is needless at minipar's handfu
   dict for emptiness per poll. Nothing on a message's path changes.
 - Too short a deadline declares live ranks dead: a heartbeat late by more than the deadline (a
   loaded machine: measured with 0.05 s and two busy cores) looks like a death. Keep it well above
-  the scheduling jitter (>= 0.5 s; the tests use 1 s); the first deadline after start-up is doubled.
+  the scheduling jitter (>= 0.5 s; the tests use 1 s). A peer not heard yet at all (still starting
+  its thread) gets twice the deadline.
 - A rank that ends normally says goodbye (``stop``, from ``atexit``): its peers mark it as *left*,
-  never dead, so ranks finishing at different times raise nothing.
+  never dead, so ranks finishing at different times raise nothing. It then waits until every peer
+  has left or died before ``MPI_Finalize`` (which waits for ever for a rank that died; with one dead,
+  the rank exits without it): the last rank to finish decides when all exit.
 
 Policy (``RankState.fail_fast``): synchronous training cannot go on without any rank, so by default
 a wait raises ``PeerLost`` as soon as any world rank is dead (a survivor blocked on a survivor that
@@ -78,8 +81,8 @@ class Detector:
     def __init__(self, world_rank: int, peers: Iterable[int], deadline: float) -> None:
         self.world_rank = world_rank
         self.deadline = deadline
-        now = time.monotonic() + deadline  # a first grace: the peers may still be starting their beats
-        self.last = dict.fromkeys(peers, now)
+        self.last = dict.fromkeys(peers, time.monotonic())
+        self.met: set[int] = set()  # peers heard at least once; the others may still be starting: 2x deadline
         self.dead: dict[int, tuple[float, float, float]] = {}  # rank -> (monotonic, perf_counter, silence)
         self.left: set[int] = set()
         self.lock = threading.Lock()
@@ -95,6 +98,7 @@ class Detector:
         when = time.monotonic() if when is None else when
         if peer in self.last and when > self.last[peer]:
             self.last[peer] = when
+            self.met.add(peer)
 
     def bye(self, peer: int) -> None:
         self.left.add(peer)
@@ -105,7 +109,8 @@ class Detector:
         new = []
         with self.lock:
             for peer, t in self.last.items():
-                if peer not in self.dead and peer not in self.left and now - t > self.deadline:
+                limit = self.deadline if peer in self.met else 2 * self.deadline
+                if peer not in self.dead and peer not in self.left and now - t > limit:
                     self.dead[peer] = (now, trace.now(), now - t)
                     new.append(peer)
         if new:
@@ -160,8 +165,9 @@ class MpiHeartbeat:
         self.comm = mpicomm.Dup()  # collective: every rank builds its heartbeat at world() time
         self.detector = detector
         self.peers = [r for r in range(self.comm.Get_size()) if r != self.comm.Get_rank()]
-        self.beat = np.array([BEAT], dtype=np.int64)
+        self.beat, self.bye = np.array([BEAT], dtype=np.int64), np.array([BYE], dtype=np.int64)
         self.sends: dict[int, Any] = {}
+        self.bye_sent: set[int] = set()
         self.inbox = np.zeros(1, dtype=np.int64)
         self.status = MPI.Status()
         self.recv = self.comm.Irecv([self.inbox, MPI.INT64_T], MPI.ANY_SOURCE, 0)
@@ -179,29 +185,44 @@ class MpiHeartbeat:
             self.recv = self.comm.Irecv([self.inbox, self.MPI.INT64_T], self.MPI.ANY_SOURCE, 0)
 
     def _send(self, kind: int) -> None:
-        msg = self.beat if kind == BEAT else self.np.array([BYE], dtype=self.np.int64)
+        msg = self.beat if kind == BEAT else self.bye
         for p in self.peers:
             req = self.sends.get(p)
-            if p in self.detector.dead or (req is not None and not req.Test()):
-                continue  # at most one heartbeat in flight per peer
+            if p in self.detector.dead or p in self.bye_sent or (req is not None and not req.Test()):
+                continue  # at most one message in flight per peer (a dead peer's queue fills up)
             self.sends[p] = self.comm.Isend([msg, self.MPI.INT64_T], p, 0)
+            if kind == BYE:
+                self.bye_sent.add(p)
+
+    def _settled(self) -> bool:
+        """Leaving: every peer has had our goodbye and has left or died (MPI_Finalize with a peer that
+        dies meanwhile would wait for it for ever; one already dead is ``_at_exit``'s ``os._exit``)."""
+        det = self.detector
+        return all(p in det.dead or (p in self.bye_sent and p in det.left) for p in self.peers)
 
     def _loop(self) -> None:
         try:
-            while not self.stopping.wait(self.detector.period):
-                self._send(BEAT)
+            while True:  # the first heartbeat at once: a peer killed right after start-up is met already
+                leaving = self.stopping.is_set()
+                self._send(BYE if leaving else BEAT)
                 self._drain()
                 self.detector.check()
+                if leaving and self._settled():
+                    return
+                if leaving:
+                    time.sleep(self.detector.period / 4)
+                else:
+                    self.stopping.wait(self.detector.period)
         except Exception:  # noqa: BLE001 -- the MPI library is going away under us: stop beating
             return
 
     def stop(self) -> None:
-        """Say goodbye to the peers (they will not declare this rank dead) and end the thread."""
+        """Leave: say goodbye to the peers (they will not declare this rank dead), and wait until each
+        peer has left or died (as long as ``MPI_Finalize`` would wait for a live one); then end the
+        thread, which must not call MPI once ``MPI_Finalize`` runs."""
         self.stopping.set()
-        self.thread.join(5 * self.detector.period + 1)
+        self.thread.join()
         try:
-            self._drain()
-            self._send(BYE)
             end = time.monotonic() + 0.2
             live = [r for p, r in self.sends.items() if p not in self.detector.dead]
             while not all(r.Test() for r in live) and time.monotonic() < end:
