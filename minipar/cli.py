@@ -282,8 +282,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--ranks", type=int, required=True, help="ranks of the first run")
     p.add_argument("--elastic", action="store_true", help="restart with the survivors when ranks are lost")
-    p.add_argument("--max-restarts", type=int, help="restarts at most (default 3; --elastic)")
-    p.add_argument("--min-ranks", type=int, default=1, help="give up below this many ranks (default 1)")
+    p.add_argument("--max-restarts", type=int, metavar="K", help="restarts at most (default 3; --elastic)")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="M", help="give up below this many ranks (default 1)")
     p.add_argument("--restart-n", type=int, metavar="N", help="restart with N ranks instead of the survivors")
     p.add_argument("script", help="the Python script every rank runs (mpiexec -n N python script ...)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
