@@ -44,6 +44,14 @@ from minipar.testing import run
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 
+def close(got: np.ndarray, whole: np.ndarray, want: np.ndarray, err_msg: str = "") -> None:
+    """``got == want`` (a piece of ``whole``) to 1e-12 relative, and absolutely to 1e-12 of ``whole``'s
+    largest magnitude: a block's gradients sum terms of that size, and an entry near zero keeps their
+    rounding (measured: 1.8e-12 on an entry of 0.59 among entries of ~300)."""
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * max(1.0, float(np.abs(whole).max())),
+                               err_msg=err_msg)
+
+
 def sent(events: list, rank: int) -> Counter:
     return summarise(events, rank)["bytes"]
 
@@ -319,14 +327,14 @@ def check_block(c: dict, results: list[dict], q: int = 2) -> None:
     whole = sum(g.size for _, g, _ in ref["params"].values())
     for rank, res in enumerate(results):
         b, k, n = coords(rank, q)
-        np.testing.assert_allclose(res["y"], act_piece(ref["y"], q, b, k, n), **TOL)
-        np.testing.assert_allclose(res["dx"], act_piece(ref["dx"], q, b, k, n), **TOL)
+        close(res["y"], ref["y"], act_piece(ref["y"], q, b, k, n))
+        close(res["dx"], ref["dx"], act_piece(ref["dx"], q, b, k, n))
         for name, (init, grad, updated) in ref["params"].items():
             mine = res["params"][name]
             assert mine[1].size * p == grad.size  # exactly 1/q^3 of every parameter
             np.testing.assert_array_equal(mine[0], param_piece(name, init, q, b, k, n))  # a slice, bit for bit
-            np.testing.assert_allclose(mine[1], param_piece(name, grad, q, b, k, n), **TOL)
-            np.testing.assert_allclose(mine[2], param_piece(name, updated, q, b, k, n), **TOL, err_msg=name)
+            close(mine[1], grad, param_piece(name, grad, q, b, k, n), name)
+            close(mine[2], updated, param_piece(name, updated, q, b, k, n), name)
         assert res["act"] * p == ref["act"] + kept_by_hand(c, q) * p  # 1/q^3 of the whole's + gathered buffers
         if q == 2:
             assert (res["fwd"], res["bwd"]) == block_by_hand(c)
