@@ -186,3 +186,20 @@ def test_zero3_survivors_exit_fast_and_checkpoint_is_whole(victim: int, at: int,
 def test_model_parallel_survivors_exit_fast(paradigm: str) -> None:
     job = run_job(model_parallel_rank, 3, DEADLINE, paradigm=paradigm, steps=5, victim=1, at=2)
     check_fail_fast(job, 3, 1)
+
+
+def _ps_on_threads_then_gather(comm: minipar.Communicator) -> tuple[list, list | None]:
+    from minipar.parallel import param_server as ps
+
+    res = ps.train(comm, MLP(SIZES, seed=1), ps_loss, ps_batch, 6, mode="async", silence_timeout=4.0,
+                   optimizer=lambda params: SGD(params, lr=0.1), die_at={2: 2})
+    return res, comm.gather_object(len(res.losses) if res.role == "worker" else res.dropped, survivors=True)
+
+
+def test_parameter_server_on_threads_and_a_survivors_gather() -> None:
+    out = minipar.launch(_ps_on_threads_then_gather, 4, deadline=0.3, timeout=5)
+    assert out[2] is None  # the killed worker's thread left launch's function
+    server = out[0][0]
+    assert server.dropped == [2]
+    assert Counter(a[0] for a in server.applied) == {1: 6, 3: 6, 2: 2}
+    assert out[0][1] == [[2], 6, None, 6]  # rank 0 gathers from the survivors only

@@ -321,20 +321,29 @@ class PointToPoint(ABC):
         self._check_tag(tag, "recv_object")
         return self._recv_obj(CTL, src, tag + 1, f"recv_object from rank {self.group_ranks[src]}")
 
-    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
-        """Every rank's ``obj`` as a list by rank on ``root``; None elsewhere (linear, tag 0 of CTL)."""
+    def gather_object(self, obj: Any, root: int = 0, survivors: bool = False) -> list[Any] | None:
+        """Every rank's ``obj`` as a list by rank on ``root``; None elsewhere (linear, tag 0 of CTL).
+        ``survivors``: ranks the failure detector declares dead before their object arrives are
+        skipped (None in the list) instead of raising ``PeerLost`` (e.g. a trace after a lost worker)."""
         self._check_root(root, "gather_object")
-        if self.rank != root:
-            pending = self._send_obj(CTL, obj, root, 0)
-            self._wait(pending.done, "gather_object (send to root)", [self.group_ranks[root]])
-            return None
-        out: list[Any] = [None] * self.size
-        out[root] = obj
-        pendings = {r: self._post_recv(CTL, r, 0, None, None) for r in range(self.size) if r != root}
-        self._wait(lambda: all([p.done() for p in pendings.values()]), "gather_object (root)",
-                   [self.group_ranks[r] for r, p in pendings.items() if not p.done()])
+        det = self.state.detector if survivors else None
+        dead = (lambda r: self.group_ranks[r] in det.dead) if det is not None else (lambda r: False)
+        fail_fast = self.state.fail_fast
+        self.state.fail_fast = fail_fast and det is None
+        try:
+            if self.rank != root:
+                pending = self._send_obj(CTL, obj, root, 0)
+                self._wait(pending.done, "gather_object (send to root)", [self.group_ranks[root]])
+                return None
+            out: list[Any] = [None] * self.size
+            out[root] = obj
+            pendings = {r: self._post_recv(CTL, r, 0, None, None) for r in range(self.size) if r != root}
+            self._wait(lambda: all([p.done() or dead(r) for r, p in pendings.items()]), "gather_object (root)",
+                       Lazy(lambda: [self.group_ranks[r] for r, p in pendings.items() if not p.done() and not dead(r)]))
+        finally:
+            self.state.fail_fast = fail_fast
         for r, p in pendings.items():
-            out[r] = pickle.loads(p.value.tobytes())
+            out[r] = pickle.loads(p.value.tobytes()) if p.done() else None
         return out
 
     def broadcast_object(self, obj: Any = None, root: int = 0) -> Any:
