@@ -41,6 +41,8 @@ def test_deadline_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_deadline(4.0, 1.5) == 1.5
     with pytest.raises(ValueError, match="below the communication timeout"):
         default_deadline(4.0, 4.0)
+    monkeypatch.setenv("MINIPAR_PEER_DEADLINE", "off")
+    assert default_deadline(4.0) is None
 
 
 def _busy_then_reduce(comm: minipar.Communicator) -> float:

@@ -35,8 +35,9 @@ parameter server's servers and workers) sets ``fail_fast = False``: then only a 
 rank itself raises.
 
 Deadline: the ``deadline=`` argument of ``launch``/``world``, else ``MINIPAR_PEER_DEADLINE``
-(seconds), else the smaller of 10 s and half the watchdog timeout. The threads backend has the same
-detector with a shared table instead of messages: ``faults.kill`` stops a rank's heartbeats.
+(seconds, or ``off`` for no detector), else the smaller of 10 s and half the watchdog timeout. The
+threads backend has the same detector with a shared table instead of messages: ``faults.kill``
+stops a rank's heartbeats.
 """
 
 from __future__ import annotations
@@ -54,15 +55,18 @@ DEFAULT_DEADLINE = 10.0
 BEAT, BYE = 1, 2  # heartbeat message kinds
 
 
-def default_deadline(timeout: float, deadline: float | None = None) -> float:
+def default_deadline(timeout: float, deadline: float | None = None) -> float | None:
     """Resolve the detection deadline: argument, then ``MINIPAR_PEER_DEADLINE``, then
-    ``min(10, timeout / 2)``; it must be below the watchdog ``timeout``."""
+    ``min(10, timeout / 2)``; it must be below the watchdog ``timeout``. None when the variable is
+    ``off`` (no detector: a dead peer is a ``CommTimeout`` after ``timeout``)."""
     if deadline is None:
         raw = os.environ.get("MINIPAR_PEER_DEADLINE", "")
+        if raw.strip().lower() == "off":
+            return None
         try:
             deadline = float(raw) if raw else min(DEFAULT_DEADLINE, timeout / 2)
         except ValueError:
-            raise ValueError(f"MINIPAR_PEER_DEADLINE={raw!r} is not a number of seconds") from None
+            raise ValueError(f"MINIPAR_PEER_DEADLINE={raw!r} is not a number of seconds (or off)") from None
     deadline = float(deadline)
     if not 0 < deadline < timeout:
         raise ValueError(f"the peer deadline must be > 0 and below the communication timeout ({timeout} s), "

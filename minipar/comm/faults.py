@@ -34,7 +34,8 @@ def kill(comm: Any) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-    comm.world.heartbeat.silence(comm.world_rank)
+    if comm.world.heartbeat is not None:
+        comm.world.heartbeat.silence(comm.world_rank)
     raise Killed(f"rank {comm.world_rank} killed")
 
 

@@ -267,15 +267,16 @@ def mpi_world(timeout: float | None = None, deadline: float | None = None) -> Mp
             _world = MpiCommunicator(MPI.COMM_WORLD, state)
             sys.excepthook = _abort_hook
             threading.excepthook = _thread_hook
-            if _world.size > 1:
+            dl = default_deadline(state.timeout, deadline)
+            if _world.size > 1 and dl is not None:
                 # hydra signals the survivors of a dead rank with SIGUSR1, whose default action kills
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-                state.detector = Detector(_world.rank, [r for r in range(_world.size) if r != _world.rank],
-                                          default_deadline(state.timeout, deadline))
+                state.detector = Detector(_world.rank, [r for r in range(_world.size) if r != _world.rank], dl)
                 atexit.register(_at_exit, MpiHeartbeat(MPI.COMM_WORLD, state.detector))
         else:
             if timeout is not None:
                 _world.state.timeout = default_timeout(timeout)
             if _world.state.detector is not None and (timeout is not None or deadline is not None):
-                _world.state.detector.deadline = default_deadline(_world.state.timeout, deadline)
+                _world.state.detector.deadline = default_deadline(_world.state.timeout, deadline) or \
+                    _world.state.detector.deadline
         return _world

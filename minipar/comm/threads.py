@@ -51,8 +51,8 @@ class World:
         for st in self.states:
             st.abort = lambda: self.failure
         self.heartbeat: TableHeartbeat | None = None
-        if size > 1:
-            dl = default_deadline(timeout, deadline)
+        dl = default_deadline(timeout, deadline)
+        if size > 1 and dl is not None:
             for st in self.states:
                 st.detector = Detector(st.world_rank, [r for r in range(size) if r != st.world_rank], dl)
                 st.detector.on_death = self.wake
