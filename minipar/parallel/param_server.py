@@ -29,9 +29,11 @@ process died (the failure detector, ``minipar.comm.detector``, declared it dead)
 A lost worker's pushes not yet received are never applied (a message is applied whole or not at
 all); in sync mode with several servers, the servers agree on every step's contributors
 (``allgather_object`` among servers) so a worker killed between its pushes to two servers counts on
-none. Async with several servers has no such agreement: a worker killed between its pushes leaves
-its last step applied to some servers' shards only (each shard's update whole); ``applied`` says
-which. Async: the worker is dropped (mark "worker dropped"), the version and averages use the live
+none. Async with several servers has no such agreement: each server drops the worker when its own
+detector declares it (the ``1/W_live`` scaling of the others' pushes may switch at slightly
+different moments on different servers), and a worker killed between its pushes leaves its last
+step applied to some servers' shards only (each shard's update whole); ``applied`` says which.
+Async: the worker is dropped (mark "worker dropped"), the version and averages use the live
 workers only, training goes on. Sync: ``WorkerLost`` names the worker (a synchronous step cannot
 complete without it) and the run never hangs; or, with ``shrink=True``, the step completes with the
 others and training goes on. ``stop_at={rank: c}`` simulates a pre-empted worker: it pulls step
