@@ -63,7 +63,8 @@ def matmul_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...]]:
 # Valid by construction (multiples, not filters): every draw is a configuration the paradigm accepts.
 # An mpiexec property draws ``mpi_jobs``: a world size and a list of configurations for it, all run in
 # one job (``minipar.testing.run_each``), so the start-up cost is paid once per job. Hypothesis tries
-# the simplest draw first, so ``budget(2)`` on such a property means the simplest job plus one random.
+# the simplest draw first, so ``budget(1)`` on such a property means the simplest job (p = 2, minimal
+# configurations) beside its ``@example`` jobs; the thorough profile adds random jobs.
 
 
 def mpi_jobs(configs: Callable[[int], st.SearchStrategy], worlds: tuple[int, int] = (2, 4), min_size: int = 2,

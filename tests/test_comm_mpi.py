@@ -44,7 +44,7 @@ def config(seed: int, shape: tuple, dtype: str, op: str, rows: list[int], root: 
 
 # every job runs every all-reduce algorithm (ring, recursive doubling, naive, native) on each
 # configuration; these always run too: "mean", non-empty buffers, p = 3 (not a power of two) and 4
-@budget(2)
+@budget(1)  # the simplest drawn job (p = 2) beside the @examples; thorough: 10 drawn jobs
 @given(mpi_jobs(collective_configs))
 @example((4, [config(7, (5, 3), "float32", "mean", [2, 0, 3, 1], 3), config(8, (6,), "float64", "max", [1] * 4, 0)]))
 @example((3, [config(11, (7,), "float64", "mean", [1, 2, 0], 1), config(12, (2, 4), "float32", "sum", [0, 3, 1], 2)]))

@@ -110,7 +110,7 @@ def test_ddp_equals_single_process_threads(world_cfg):
 
 
 @pytest.mark.mpi
-@budget(2)
+@budget(1)  # the simplest drawn job (p = 2) beside the @examples; thorough: 10 drawn jobs
 @given(mpi_jobs(ddp_configs))
 @example((4, [config(4, alg, model, acc, cap, opt) for alg, model, acc, cap, opt in [
     ("ring", "gpt", 2, 64, "adamw"), ("recursive_doubling", "mlp", 1, 1 << 20, "sgd"),

@@ -176,7 +176,7 @@ def attention_and_gpt(comm, c: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.mpi
-@budget(2)
+@budget(1)  # the simplest drawn job (p = 2) beside the @examples; thorough: 10 drawn jobs
 @given(job=sp_jobs())
 @example(job=(4, EXAMPLES[:3]))
 @example(job=(2, [EXAMPLES[3], config("hybrid", 2, 4, zigzag=True, pu=1, layers=1)]))

@@ -248,7 +248,7 @@ def layers_and_gpt(comm, c: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.mpi
-@budget(2)
+@budget(1)  # the simplest drawn job (p = 2) beside the @examples; thorough: 10 drawn jobs
 @given(job=mpi_jobs(lambda t: tp_configs(t=t), min_size=2, max_size=3))
 @example(job=(2, [SEQ_EXAMPLES[0], config(2, False, 3, "sgd")]))
 @example(job=(4, [SEQ_EXAMPLES[1], config(4, False, 2)]))
