@@ -1,10 +1,13 @@
 """Every lesson starts alike: its natural number of ranks in-process (said in one line), ``--ranks``,
-and a wrong world size reported once, by rank 0, before any work, under mpiexec and in-process."""
+and a wrong world size reported once, by rank 0, before any work, under mpiexec and in-process. And
+every lesson whose walkthrough notebook (threads) shows its ``mpiexec`` command runs under it here."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,11 +17,24 @@ LESSONS = {"01_collectives": 1, "02_pipeline": 3, "02b_zero_bubble": 1, "03_data
            "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3}
 
 
-def lesson(name: str, *args: str, ranks: int | None = None) -> subprocess.CompletedProcess:
+# lesson: (mpiexec ranks, arguments, what the run writes, relative to the run's folder); the commands
+# the notebooks show in their last section ("{out}" is the run's folder)
+MPI_RUNS = {"01_collectives": (4, ("--n", "65536", "--reps", "2", "--out", "{out}"), "trace.json"),
+            "03_data_parallel": (4, ("--steps", "4", "--out", "{out}"), "report.html"),
+            "04_tensor_parallel": (4, ("--steps", "2"), "runs/04_tensor_parallel/report.html"),
+            "05_sequence_parallel": (4, (), "runs/05_sequence_parallel/report.html"),
+            "06_zero": (4, ("--steps", "2"), "runs/06_zero/report.html"),
+            "07_offload": (2, (), "runs/07_offload/report.html"),
+            "08_hybrid": (8, (), "runs/08_hybrid/report.html")}
+
+
+def lesson(name: str, *args: str, ranks: int | None = None, cwd: Path = ROOT,
+           timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "lessons" / name / "lesson.py"), *args]
     if ranks is not None:
         cmd = [str(mpiexec_path()), "-n", str(ranks), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    env = {**{k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}, "OPENBLAS_NUM_THREADS": "1", "NO_COLOR": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 @pytest.mark.mpi
@@ -46,3 +62,15 @@ def test_in_process_run_says_so_in_one_line(tmp_path) -> None:
     first = proc.stdout.splitlines()[0]
     assert first.startswith("(no mpiexec: 3 ranks run as threads of this process")
     assert "on 3 ranks" in proc.stdout and (tmp_path / "report.html").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.mpi8] if MPI_RUNS[n][0] == 8 else [])
+                                  for n in MPI_RUNS])
+def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
+    ranks, args, written = MPI_RUNS[name]
+    proc = lesson(name, *(a.format(out=tmp_path) for a in args), ranks=ranks, cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert (tmp_path / written).exists()
+    if name == "08_hybrid":
+        assert "Every rank's bytes on every axis equal the formula." in proc.stdout
