@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import given
 from hypothesis import strategies as st
 from strategies import budget, hybrid_configs
 
@@ -185,7 +185,6 @@ def _mpi_job(world: int, fixed: list[dict], drawn: list[dict], tmp: str) -> None
 @pytest.mark.mpi
 @budget(1)
 @given(drawn=st.lists(hybrid_configs(4), min_size=1, max_size=2))
-@example(drawn=[])
 def test_meshes_of_4_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
     fixed = [config({"pp": 2, "tp": 2}, sequence_parallel=True), config({"dp": 2, "sp": 2}, sp_method="ring",
                                                                         zero_stage=1)]
@@ -196,7 +195,6 @@ def test_meshes_of_4_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
 @pytest.mark.mpi8
 @budget(1)
 @given(drawn=st.lists(hybrid_configs(8), min_size=1, max_size=1))
-@example(drawn=[])
 def test_meshes_of_8_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
     _mpi_job(8, [EXAMPLES[0], EXAMPLES[1]], drawn, str(tmp_path_factory.mktemp("hy8")))
 
