@@ -16,8 +16,9 @@ from collections import Counter
 import numpy as np
 import pytest
 from fault_helpers import SIZES, ddp_rank, model_parallel_rank, ps_batch, ps_loss, ps_rank, run_job, zero3_rank
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
+from strategies import budget
 
 import minipar
 from minipar.comm import PeerLost, RankError, faults
@@ -28,7 +29,7 @@ from minipar.optim import SGD
 
 DEADLINE = 1.0
 MARGIN = 1.0  # heartbeat period (0.2 s), the wait's poll and the report's 0.3 s forwarding grace
-FEW = settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+FEW = budget(1)  # one drawn job beside the @example jobs (ten under the thorough profile)
 
 
 # ---- the detector on threads ------------------------------------------------------------------------
@@ -53,6 +54,7 @@ def _busy_then_reduce(comm: minipar.Communicator) -> float:
     return float(comm.allreduce(np.ones(2) * (comm.rank + 1))[0])
 
 
+@pytest.mark.alone
 def test_busy_rank_is_not_declared_dead() -> None:
     assert minipar.launch(_busy_then_reduce, 3, deadline=0.2, timeout=5) == [6.0, 6.0, 6.0]
 
@@ -69,6 +71,7 @@ def _killed_on_threads(comm: minipar.Communicator) -> tuple[int, str, float]:
         return exc.rank, exc.operation, time.monotonic() - start
 
 
+@pytest.mark.alone
 def test_thread_that_stops_heartbeating_is_lost() -> None:
     out = minipar.launch(_killed_on_threads, 3, deadline=0.3, timeout=5)
     assert out[2] is None
