@@ -41,6 +41,7 @@ class Job:
     killed: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of its kill
     lost: dict[int, tuple[float, int, str]] = field(default_factory=dict)  # rank -> (time, dead, message)
     ckpt_step: int | None = None  # meta "step" of the complete checkpoint in outdir/ckpt (consolidated)
+    leftovers: list[str] = field(default_factory=list)  # outdir's ckpt.tmp-X / ckpt.old-X siblings
 
 
 def run_job(fn: Any, n: int, deadline: float, timeout: float = 60, **kwargs: Any) -> Job:
@@ -65,6 +66,7 @@ def run_job(fn: Any, n: int, deadline: float, timeout: float = 60, **kwargs: Any
                 job.killed[int(f.name[6:])] = float(f.read_text())
             elif f.name.startswith("lost"):
                 job.lost[int(f.name[4:])] = pickle.loads(f.read_bytes())
+        job.leftovers = sorted(f.name for f in outdir.iterdir() if f.name.startswith("ckpt."))
         if (outdir / "ckpt").exists():
             from minipar.parallel.zero import checkpoint
 
