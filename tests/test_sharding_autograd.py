@@ -146,7 +146,8 @@ def test_data_parallel_in_annotations_is_ddp() -> None:
 
 
 # ---- drawn op chains: global result and gradients equal minipar.autograd on whole arrays ---------------
-CHAIN_OPS = ["matmul", "add_row", "mul", "gelu", "exp", "scale", "softmax", "layer_norm", "transpose", "reshape"]
+CHAIN_OPS = ["matmul", "add_row", "mul", "gelu", "exp", "scale", "softmax", "softmax0", "layer_norm", "transpose",
+             "reshape", "sum_keep", "broadcast"]
 
 
 def apply_chain(chain: list[str], x, operands: dict, lib: str):
@@ -167,6 +168,13 @@ def apply_chain(chain: list[str], x, operands: dict, lib: str):
             x = ops.scale(x, -1.5) if g else x * -1.5
         elif op == "softmax":
             x = ops.softmax(x, -1) if g else F.softmax(x, -1)
+        elif op == "softmax0":  # along a leading axis
+            x = ops.softmax(x, 0) if g else F.softmax(x, 0)
+        elif op == "sum_keep":  # sum over axis 1 kept, broadcast back by the next op
+            x = ops.mul(x, ops.sum(x, 1, keepdims=True)) if g else x * x.sum(axis=1, keepdims=True)
+        elif op == "broadcast":  # (4, 4, 4) -> its first row broadcast: a size-1 dimension
+            x = ops.broadcast_to(ops.sum(x, 0, keepdims=True), (4, 4, 4)) if g else (
+                x.sum(axis=0, keepdims=True) + Tensor(np.zeros((4, 4, 4))))
         elif op == "layer_norm":
             w, b = o
             x = snn.layer_norm(x, w, b) if g else F.layer_norm(x, w, b)
@@ -221,7 +229,7 @@ def reference_chain(c: dict) -> tuple[float, list[np.ndarray]]:
 
 
 PLACEMENT = st.sampled_from([S0, S1, Shard(2), B, P])
-MESHES = [{"tp": 2}, {"dp": 2, "tp": 2}]
+MESHES = [{"tp": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "dp": 2, "tp": 2}]
 
 
 @budget(4)
@@ -286,3 +294,98 @@ BAD = [
 @pytest.mark.parametrize("i", range(len(BAD)), ids=[n for _, n in BAD])
 def test_bad_annotations_refused_on_every_rank(i: int) -> None:
     check_refused(BAD, i)
+
+
+# ---- review findings, pinned ----------------------------------------------------------------------------
+def backward_bytes(comm, make) -> tuple[dict, list]:
+    """Forward ``make(mesh)`` -> (loss, leaves), backward under a trace: bytes this rank sent, the
+    leaves' whole gradients."""
+    mesh = DeviceMesh(comm, tp=comm.size)
+    loss, leaves = make(mesh)
+    with trace.recording(comm.world_rank) as rec:
+        loss.backward()
+    return sent(rec.events, comm.world_rank), [t.grad.to_global() for t in leaves]
+
+
+def broadcast_then_split(mesh):
+    x = GlobalTensor.from_global(np.arange(4.0), mesh, ("tp",), [B]).requires_grad_()
+    m = GlobalTensor.from_global(np.ones((64, 4)), mesh, ("tp",), [S0])
+    return ops.sum(ops.mul(ops.broadcast_to(x, (64, 4)), m)), [x]
+
+
+def sequence_split_weight(mesh):
+    rng = np.random.default_rng(0)
+    x = GlobalTensor.from_global(rng.normal(size=(4, 8, 4)), mesh, ("tp",), [S1]).requires_grad_()
+    w = GlobalTensor.from_global(rng.normal(size=(4, 2)), mesh, ("tp",), [B]).requires_grad_()
+    y = ops.matmul(x, w)
+    return ops.sum(ops.mul(y, y)), [x, w]
+
+
+def test_a_split_gradient_of_a_replicated_tensor_is_not_gathered() -> None:
+    """d(broadcast x) arrives split by rows: summed where it is (a partial sum of 4 numbers), all-reduced
+    at the leaf: 2 (p-1)/p x 32 bytes = 32 on 2 ranks, not an all-gather of the 64 x 4 gradient."""
+    for nbytes, (dx,) in launch(backward_bytes, 2, "threads", broadcast_then_split):
+        assert nbytes == {"allreduce": 32}
+        np.testing.assert_array_equal(dx, np.full(4, 64.0))
+
+
+def test_a_sequence_split_weight_gradient_is_one_all_reduce() -> None:
+    """x (4, 8, 4) split by sequence on 4 ranks, W (4, 2) whole: dW is a partial sum from the local
+    products (no message) and one all-reduce of its 64 bytes at the leaf, 2 (3/4) 64 = 96 per rank."""
+    rng = np.random.default_rng(0)
+    x, w = Tensor(rng.normal(size=(4, 8, 4)), requires_grad=True), Tensor(rng.normal(size=(4, 2)), requires_grad=True)
+    y = x @ w
+    (y * y).sum().backward()
+    for nbytes, (dx, dw) in launch(backward_bytes, 4, "threads", sequence_split_weight):
+        assert nbytes == {"allreduce": 96}
+        np.testing.assert_allclose(dx, x.grad, **TOL)
+        np.testing.assert_allclose(dw, w.grad, **TOL)
+
+
+def run_aliasing(comm) -> tuple[float, float]:
+    mesh = DeviceMesh(comm, tp=2)
+    x, y = (GlobalTensor.from_global(np.ones(4), mesh, ("tp",), [B]).requires_grad_() for _ in range(2))
+    g = GlobalTensor.from_global(np.full(4, 3.0), mesh, ("tp",), [B])
+    ops.add(x, y).backward(g)
+    x.grad.local *= 0.5  # neither y's gradient nor the caller's array may change
+    g.local[...] = 7.0
+    return float(y.grad.local[0]), float(x.grad.local[0])
+
+
+def test_gradients_are_not_aliased() -> None:
+    assert launch(run_aliasing, 2, "threads") == [(3.0, 1.5)] * 2
+
+
+def run_partial_leaf(comm) -> tuple:
+    mesh = DeviceMesh(comm, tp=2)
+    base = GlobalTensor.from_global(np.arange(4.0), mesh, ("tp",), [B])
+    leaf = ops.redistribute(base, [P]).requires_grad_()  # made by a redistribution, but a leaf
+    ops.sum(ops.mul(leaf, leaf)).backward()
+    return leaf.grad.placements, leaf.grad.to_global()
+
+
+def test_a_partial_leaf_gets_a_whole_gradient() -> None:
+    for where, g in launch(run_partial_leaf, 2, "threads"):
+        assert where == (B,)
+        np.testing.assert_array_equal(g, 2 * np.arange(4.0))
+
+
+def run_split_ids(comm, ids: np.ndarray) -> tuple[str, int]:
+    mesh = DeviceMesh(comm, tp=2)
+    table = GlobalTensor.from_global(np.ones((4, 2)), mesh, ("tp",), [B])
+    with trace.recording(comm.world_rank) as rec, pytest.raises(ValueError) as err:
+        ops.embedding(table, GlobalTensor.from_global(ids, mesh, ("tp",), [S0]))
+    return str(err.value), sum(e.kind == "comm" and e.op != "allreduce" for e in rec.events)
+
+
+def test_split_ids_out_of_range_are_refused_on_every_rank() -> None:
+    out = launch(run_split_ids, 2, "threads", np.array([0, 1, 2, 9]))  # only rank 1 holds the bad id
+    assert all("integers in [0, 4)" in msg and n == 0 for msg, n in out)
+
+
+def test_cross_entropy_refuses_targets_out_of_range() -> None:
+    def body(comm):
+        mesh = DeviceMesh(comm, tp=2)
+        with pytest.raises(ValueError, match=r"in \[0, 4\)"):
+            snn.cross_entropy(GlobalTensor.from_global(np.zeros((2, 4)), mesh, ("tp",), [B]), np.array([1, 7]))
+    launch(body, 2, "threads")

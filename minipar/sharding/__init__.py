@@ -13,8 +13,13 @@ placements picks the collective on that axis's traced communicator.
   ``to_global`` for tests and examples.
 - ``redistribute.py``: ``redistribute(t, placements)``: single-axis steps (all-reduce, reduce-scatter,
   all-gather, all-to-all, local slice, local zeroing) in a documented order; ``plan`` lists them.
-- ``propagate.py``: the output placement of a matmul and of elementwise add / mul from their inputs'
-  (OneFlow's SBP rules, per mesh axis as GSPMD does), the cheapest legal strategy chosen by bytes.
+- ``propagate.py``: the rules of a matmul and of elementwise ops (OneFlow's SBP signatures, per mesh
+  axis as GSPMD does) and the chooser of the cheapest legal strategy (bytes, then fewest changes).
+- ``ops.py``: every op the tiny GPT needs on global tensors (matmul, elementwise, unary, reductions,
+  softmax, logsumexp, reshape, transpose, embedding), each propagated and differentiable.
+- ``autograd.py``: the backward pass on global tensors (backward made of the same ops; gradients'
+  placements and where partial ones are reduced).
+- ``nn.py``: ``minipar.nn``'s layers with placed weights; ``MEGATRON``: Megatron as annotations.
 - ``minipar/cost/sharding.py``: the bytes each step sends per rank, from the collective formulas.
 """
 

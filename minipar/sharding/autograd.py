@@ -7,19 +7,25 @@ its own: each backward closure calls the same propagated ops as the forward (``o
 ``ops.sum``, ...), so the backward's placements and collectives are chosen by the same rules and
 the same cost, and no backward is written twice (once per placement).
 
-The placements that come out are OneFlow's duals (Yuan et al. 2021, Sec. 3.2): for a matmul
-``y = x W`` with ``x`` replicated (``B``) and ``W`` split by columns (``S(1)``), ``dx = dy W^T`` is
-``S(1) x S(0)``, a partial sum (``P``), with no message; the gradient of a ``P`` tensor must reach every
-piece whole (``B``); a split stays split. The engine adds one rule, PyTorch DTensor's: once a tensor's
-gradient is complete (every consumer's part added), it is brought to the tensor's own placements, a
-``Partial`` tensor's to ``Replicate`` (``grad_placements``), before the tensor's own backward runs and
-for a leaf's ``.grad``. So a replicated activation's partial gradient is all-reduced where it is
-complete, once (Megatron's ``f`` in backward), a replicated parameter's gradient is whole (a layer
-norm's under tensor parallelism; DDP's all-reduce under data parallelism), and a split tensor's partial
-gradient is reduce-scattered (sequence parallelism's backward). Redistributions are the exception:
-one is the identity on the global value, so its backward hands the gradient on as it arrives and the
-tensor it came from applies the rule (a ``P`` gradient meeting a split source is reduce-scattered,
-not all-reduced and then sliced).
+The placements that come out are OneFlow's duals (Yuan et al. 2021): for a matmul ``y = x W`` with
+``x`` replicated (``B``) and ``W`` split by columns (``S(1)``), ``dx = dy W^T`` is ``S(1) x S(0)``, a
+partial sum (``P``), with no message; the gradient of a ``P`` tensor must reach every piece whole
+(``B``); a split stays split. The engine adds one rule, after DTensor's ``Redistribute.backward``
+(which turns a partial gradient into the forward's placement at each redistribution): once a
+tensor's gradient is complete (every consumer's part added), on every mesh axis where it is still a
+partial sum it is reduced to the tensor's own placement there (``B`` for a replicated or partial
+tensor: an all-reduce; ``S(i)`` for a split one: a reduce-scatter), before the tensor's own backward
+runs; other axes keep the gradient's placement (a split gradient of a replicated tensor is not
+gathered: the ops behind it work on any placement). So a replicated activation's partial gradient
+is all-reduced where it is complete, once (Megatron's ``f`` in backward, and the layer norm before
+it then sees a whole gradient, so its own gradients are whole), and a split tensor's partial
+gradient is reduce-scattered (sequence parallelism's backward). A leaf's ``.grad`` takes the leaf's
+own placements on every axis (``grad_placements``: ``Partial`` read as ``Replicate``, each piece's
+derivative being the whole gradient), as DTensor gives a parameter's gradient the parameter's
+placements: a replicated parameter's gradient is whole (DDP's all-reduce under data parallelism).
+Redistributions are the exception: one is the identity on the global value, so its backward hands
+the gradient on as it arrives and the tensor it came from applies the rule (a ``P`` gradient meeting
+a split source is reduce-scattered, not all-reduced and then sliced).
 
 Gradients reaching a tensor from several consumers are added with ``ops.add`` (propagated too).
 Grad mode is per thread (ranks of the threads backend are threads): ``no_grad()``.
@@ -66,8 +72,19 @@ def record(out: GlobalTensor, parents: Sequence[GlobalTensor], backward: Backwar
 
 
 def grad_placements(t: GlobalTensor) -> tuple:
-    """A gradient's placements for the tensor ``t``: ``t``'s own, ``Partial`` replaced by ``Replicate``."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
+    """A leaf's gradient's placements: ``t``'s own, ``Partial`` replaced by ``Replicate``."""
+    return whole_sums(t.placements)
+
+
+def whole_sums(placements: Sequence) -> tuple:
+    """``placements`` with every ``Partial`` made ``Replicate`` (the sum, whole on every rank)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def reduced(t: GlobalTensor, g: GlobalTensor) -> tuple:
+    """``g``'s placements with each partial axis reduced to ``t``'s own placement there (module docstring)."""
+    return tuple(want if isinstance(have, Partial) else have
+                 for want, have in zip(whole_sums(t.placements), g.placements, strict=True))
 
 
 def _order(out: GlobalTensor) -> list[GlobalTensor]:
@@ -107,11 +124,12 @@ def backward(out: GlobalTensor, grad: GlobalTensor | None = None) -> None:
             g = grads.pop(id(t), None)
             if g is None:
                 continue
-            if not t.passes_gradient:
-                g = ops.redistribute(g, grad_placements(t), "gradient")
-            if t.backward_fn is None:  # a leaf
-                t.grad = g if t.grad is None else ops.redistribute(ops.add(t.grad, g), grad_placements(t), "gradient")
+            if t.backward_fn is None:  # a leaf: its own placements; a copy (g may be another's, or the caller's)
+                g = ops.redistribute(g if t.grad is None else ops.add(t.grad, g), grad_placements(t), "gradient")
+                t.grad = GlobalTensor(g.local.copy(), g.shape, g.mesh, g.axes, g.placements)
                 continue
+            if not t.passes_gradient:
+                g = ops.redistribute(g, reduced(t, g), "gradient")
             for p, gp in zip(t.parents, t.backward_fn(g), strict=True):
                 if gp is None or not p.requires_grad:
                     continue

@@ -26,6 +26,7 @@ import numpy as np
 from minipar.mesh import DeviceMesh
 from minipar.nn import Init, init_values
 from minipar.sharding import ops
+from minipar.sharding.autograd import whole_sums
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 
@@ -41,13 +42,14 @@ class Module:
 
     def __init__(self, mesh: DeviceMesh, axes: Sequence[str], placements: Placements | None = None) -> None:
         self.mesh, self.axes, self.placements = mesh, tuple(axes), dict(placements or {})
+        self.inits: dict[int, Init] = {}  # each parameter's initialiser, by the parameter's id
 
     def param(self, name: str, shape: Sequence[int], init: Init) -> GlobalTensor:
         """A parameter of the whole ``shape``, laid out as ``placements[name]`` (replicated if absent)."""
         where = tuple(self.placements.get(name, [Replicate()] * len(self.axes)))
         check_layout(shape, self.mesh.shape, self.axes, where)
         t = GlobalTensor.zeros(shape, self.mesh, self.axes, where).requires_grad_()
-        t.init = init  # type: ignore[attr-defined]
+        self.inits[id(t)] = init
         return t
 
     def sub(self, prefix: str) -> Placements:
@@ -61,15 +63,22 @@ class Module:
             elif isinstance(value, Module):
                 yield from value.named_parameters(f"{prefix}{name}.")
 
+    def modules(self) -> Iterator[Module]:
+        yield self
+        for value in vars(self).values():
+            if isinstance(value, Module):
+                yield from value.modules()
+
     def parameters(self) -> list[GlobalTensor]:
         return [p for _, p in self.named_parameters()]
 
     def init_parameters(self, seed: int = 0, prefix: str = "") -> Module:
         """Each rank draws its piece of every parameter's single-process initial value (``minipar.nn``'s
         ``init_parameters(seed, prefix)``); along a ``Partial`` axis coordinate 0 holds it."""
+        inits = {k: v for m in self.modules() for k, v in m.inits.items()}
         for name, p in self.named_parameters(prefix):
             index = local_slices(p.shape, p.degrees, p.coords, p.placements)
-            init_values(seed, name, p.shape, p.init, index, out=p.local)  # type: ignore[attr-defined]
+            init_values(seed, name, p.shape, inits[id(p)], index, out=p.local)
             if any(isinstance(q, Partial) and c for q, c in zip(p.placements, p.coords, strict=True)):
                 p.local[...] = 0.0
         return self
@@ -196,7 +205,10 @@ def cross_entropy(logits: GlobalTensor, targets: np.ndarray) -> GlobalTensor:
     targets = np.asarray(targets)
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: targets of shape {targets.shape} for logits {logits.shape}")
-    where = tuple(Replicate() if isinstance(p, Partial) else p for p in logits.placements)
+    if not np.issubdtype(targets.dtype, np.integer) or (targets.size and (targets.min() < 0 or
+                                                                          targets.max() >= logits.shape[-1])):
+        raise ValueError(f"cross_entropy: targets must be integers in [0, {logits.shape[-1]}) (the classes)")
+    where = whole_sums(logits.placements)
     sl = local_slices(logits.shape, logits.degrees, logits.coords, where)
     mask = targets[sl[:-1]][..., None] == np.arange(sl[-1].start, sl[-1].stop)
     onehot = GlobalTensor(mask.astype(logits.local.dtype), logits.shape, logits.mesh, logits.axes, where)

@@ -3,8 +3,9 @@ inputs if it must, computes on the local pieces, and records a backward made of 
 
 Every op has a rule per mesh axis (``propagate.py``'s format: the placements its inputs must have on
 that axis, and the output's placement then), and the shared chooser (``propagate.strategies``) takes
-the cheapest legal combination, ties in rule order (sharded outputs first, then partial, then
-replicated). Rules, per mesh axis, for an input of ``n`` dimensions:
+the cheapest legal combination; among equal bytes the one changing fewer inputs' placements, then
+rule order (sharded outputs first, then partial, then replicated). Rules, per mesh axis, for an
+input of ``n`` dimensions:
 
 - ``matmul`` (``propagate.matmul_rules``): OneFlow's table, batch dimensions split alike.
 - ``add``, ``sub``, ``mul`` with broadcasting (``propagate.elementwise_rules``).
@@ -43,7 +44,7 @@ import numpy as np
 from minipar import trace
 from minipar.functional import _gelu, _gelu_backward
 from minipar.sharding import propagate
-from minipar.sharding.autograd import record
+from minipar.sharding.autograd import record, whole_sums
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 from minipar.sharding.redistribute import redistribute as _redistribute
 from minipar.sharding.tensor import GlobalTensor, local_slices
@@ -86,17 +87,16 @@ def redistribute(t: GlobalTensor, placements: Sequence[Placement], why: str = ""
         return t
     if trace.current() is not None:
         trace.mark("redistribute", op=why, shape=list(t.shape), src=describe(t.placements), dst=describe(placements))
-    out = _redistribute(t, placements)
-    out.passes_gradient = True  # autograd: its gradient goes on to t as it arrives
-    return record(out, (t,), lambda g: (g,))
+    out = record(_redistribute(t, placements), (t,), lambda g: (g,))
+    out.passes_gradient = out.backward_fn is not None  # autograd: its gradient goes on to t as it arrives
+    return out
 
 
 def whole(x: GlobalTensor, axis: int) -> GlobalTensor:
     """``x`` with ``axis`` whole and no partial sum on any rank (a reduced, gathered copy if needed): the
     input of an op that normalises along ``axis`` (layer norm)."""
     axis %= len(x.shape)
-    return redistribute(x, tuple(B if isinstance(p, Partial) or p == Shard(axis) else p for p in x.placements),
-                        "whole rows")
+    return redistribute(x, tuple(B if p == Shard(axis) else p for p in whole_sums(x.placements)), "whole rows")
 
 
 def constant(value: Any, like: GlobalTensor) -> GlobalTensor:
@@ -117,15 +117,25 @@ def matmul(a: GlobalTensor, b: GlobalTensor) -> GlobalTensor:
     def backward(g: GlobalTensor, out: GlobalTensor, a2: GlobalTensor, b2: GlobalTensor) -> tuple:
         ga = matmul(g, swap_last(b2)) if a2.requires_grad else None
         gb = None
-        if b2.requires_grad and len(b2.shape) == 2 < len(a2.shape):  # fold the batch rows into one
-            k, n = b2.shape
-            gb = matmul(swap_last(reshape(a2, (-1, k))), reshape(g, (-1, n)))
+        if b2.requires_grad and len(b2.shape) == 2 < len(a2.shape):  # a weight: sum over the batch rows
+            gb = weight_gradient(a2, g)
         elif b2.requires_grad:
             gb = matmul(swap_last(a2), g)
         return ga, gb
 
     rules = propagate.matmul_rules(len(a.shape), len(b.shape))
     return _run("matmul", [a, b], out_shape, rules, _pieces(np.matmul), backward)
+
+
+def weight_gradient(a: GlobalTensor, g: GlobalTensor) -> GlobalTensor:
+    """``dW = sum over the rows of a^T g`` for ``a (..., m, k) @ W (k, n)``. When no leading dimension but
+    the first is split, the rows fold into one matrix for free (``(rows, k)^T (rows, n)``); otherwise
+    (a sequence split, say) a batched product summed over the batch: a split contraction gives a
+    partial sum, no message (folding would first move both operands)."""
+    lead = [p.dim for t in (a, g) for p in t.placements if isinstance(p, Shard) and p.dim < len(t.shape) - 1]
+    if all(d == 0 for d in lead):
+        return matmul(swap_last(reshape(a, (-1, a.shape[-1]))), reshape(g, (-1, g.shape[-1])))
+    return sum(matmul(swap_last(a), g), tuple(range(len(a.shape) - 2)))
 
 
 def sum_to(g: GlobalTensor, shape: Sequence[int]) -> GlobalTensor:
@@ -331,12 +341,18 @@ def _rows_of(t: GlobalTensor, placements: Sequence[Placement]) -> tuple[int, int
 
 def embedding(table: GlobalTensor, ids: GlobalTensor) -> GlobalTensor:
     """``table[ids]`` for integer ``ids``, a global tensor on the same mesh and axes (rules in the module
-    docstring). Each rank checks its own ids' range: replicated ids fail on every rank alike before
-    any message; split ids fail on the rank holding the bad one (the others' watchdog ends them)."""
+    docstring). Ids out of range are refused on every rank before any message of the lookup: replicated
+    ids are checked by each rank alike; split ones by each rank on its piece, the ranks then agreeing
+    by a one-number all-reduce (the only message, and only when the ids are split)."""
     rows, width = table.shape
     n = len(ids.shape)
-    if not np.issubdtype(ids.local.dtype, np.integer) or (ids.local.size and (
-            ids.local.min() < 0 or ids.local.max() >= rows)):
+    if not np.issubdtype(ids.local.dtype, np.integer) or any(isinstance(p, Partial) for p in ids.placements):
+        raise ValueError(f"embedding: ids must be integers, split or replicated (not partial), got "
+                         f"{ids.local.dtype} placed {describe(ids.placements)}")
+    bad = int(bool(ids.local.size) and (ids.local.min() < 0 or ids.local.max() >= rows))
+    if any(isinstance(p, Shard) for p in ids.placements):  # pieces differ: agree before raising (8 bytes)
+        bad = int(ids.mesh.comm.allreduce(np.array([bad]), op="max", algorithm="native")[0])
+    if bad:
         raise ValueError(f"embedding: ids must be integers in [0, {rows}) for a table of {rows} rows")
     shape = (*ids.shape, width)
     rules: Rules = [((Shard(d), B), Shard(d)) for d in range(n)]

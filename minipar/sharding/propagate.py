@@ -1,9 +1,10 @@
-"""Sharding propagation on global tensors (issue 17 item 3, first rules): 2-D matmul, elementwise add and mul.
+"""Sharding propagation: the rules of a matmul and of elementwise ops, and the cheapest-strategy chooser
+every op of ``minipar.sharding.ops`` uses.
 
 OneFlow's SBP signatures of a matmul (Yuan et al. 2021, "OneFlow: Redesign the Distributed Deep
 Learning Framework from Scratch"; the seed document's 4x5 by 5x8 example): on ONE mesh axis,
 with ``A`` of shape ``(m, k)`` and ``B`` of shape ``(k, n)``, the placements under which each rank's
-local ``A_piece @ B_piece`` is its piece of ``C`` with no message are (``RULES``, in this order)::
+local ``A_piece @ B_piece`` is its piece of ``C`` with no message are (``matmul_rules``, in this order)::
 
     A      B      C
     S(0)   B      S(0)    rows of A: rows of C
@@ -13,22 +14,24 @@ local ``A_piece @ B_piece`` is its piece of ``C`` with no message are (``RULES``
     B      P      P       B = sum of pieces: so is C
     B      B      B       every rank computes all of C
 
-Any other pair is made legal by redistributing one or both inputs to a rule's pair first
-(``minipar.sharding.redistribute``); its cost is the bytes of those redistributions
-(``minipar.cost.sharding.redistribute_bytes`` over ``plan``'s steps). ``matmul_strategies`` lists every
-legal strategy with its cost; ``matmul`` runs the cheapest. A rule whose pair would split a dimension
-unevenly (``k = 5`` on 2 ranks rules out ``S(1) x S(0)``) is not legal and is left out; ``B x B`` always is.
+with, for ``(..., m, k) @ (k, n)`` or batched operands of equal rank, a rule per batch dimension
+first (split alone in A, or alike in both). Any other pair is made legal by redistributing one or
+both inputs to a rule's pair first (``minipar.sharding.redistribute``); its cost is the bytes of
+those redistributions (``minipar.cost.sharding.redistribute_bytes`` over ``plan``'s steps).
+``matmul_strategies`` lists every legal strategy with its cost; ``ops.matmul`` runs the cheapest. A
+rule whose pair would split a dimension unevenly (``k = 5`` on 2 ranks rules out ``S(1) x S(0)``) is
+not legal and is left out; ``B x B`` always is.
 
 Cost, and ties. A strategy's ``bytes`` is the most any one rank of the mesh sends for its
 redistributions (every rank computes the same number, so every rank picks the same strategy, with no
 message). Equal bytes are broken first by the number of inputs' placements changed (a free slice or
 zeroing counts one): an op keeps the layout it is given when that is free, as GSPMD's propagation
 carries a sharding through ops, so ``B x B`` stays ``B`` rather than slicing A to rows that the next op
-(or the backward) may want whole. Then by the order of ``RULES`` (on several axes: the first axis's
-rule first, then the next's, lexicographically): sharded outputs first (each rank computes ``1/p`` of C
-and nothing needs reducing later), then partial ones, replicated last. So ``S(1) x B`` (all-to-all A to
-rows, or slice B to rows: the slice is free) gives ``P``, and ``P x S(1)`` (all-reduce A or all-gather B,
-the same bytes on 2 ranks, one change each) gives ``S(1)``.
+(or the backward) may want whole. Then by the order of the rules (on several axes: the first axis's
+rule first, then the next's, lexicographically): sharded outputs first (each rank computes ``1/p`` of
+C and nothing needs reducing later), then partial ones, replicated last. So ``S(1) x B`` (all-to-all
+A to rows, or slice B to rows: the slice is free) gives ``P``; for the seed's shapes ``P x S(1)``
+(all-reduce A or all-gather B: 160 bytes each on 2 ranks, one change each) gives ``S(1)``.
 
 Several mesh axes (2-D meshes). As GSPMD (Xu et al. 2021, "GSPMD: General and Scalable Parallelization
 for ML Computation Graphs") does, the rules apply to each axis independently: a strategy is one
@@ -36,21 +39,25 @@ rule per axis, and the local matmul is right because it is bilinear (a partial s
 split on another combine). The tile order of ``tensor.py`` agrees: C's dimension 0 is sharded by exactly
 the axes sharding A's dimension 0 (rule ``S(0) x B``), in the same order, and the contraction dimension
 by the same axes in A and B (rule ``S(1) x S(0)``). The costs of the per-axis choices are not additive
-(a piece's size depends on the other axes), so every combination (``6^axes``) is costed as a whole.
+(a piece's size depends on the other axes), so every combination (``rules ^ axes``) is costed as a
+whole, except on an axis of degree 1, where any change is free and only the rules keeping the inputs
+as they are compete (the same choice, found faster); the bytes of a redistribution are cached by
+shapes and placements.
 
-Elementwise ``add`` and ``mul`` with numpy broadcasting (``elementwise_rules``): per axis the output is
-``S(d)`` when each input is split along the dimension that becomes ``d`` (replicated where it broadcasts
-along ``d``), ``P`` from ``P + P`` (add; ``P + B`` becomes legal by zeroing the ``B``, free) or from ``P * B``
-and ``B * P`` (mul; ``P * P`` is not a rule: one side is reduced first), ``B`` from ``B, B``. The same
-chooser (``strategies``) costs and orders them.
+Elementwise ops with numpy broadcasting (``elementwise_rules``): per axis the output is ``S(d)`` when
+each input is split along the dimension that becomes ``d`` (replicated where it broadcasts along
+``d``), ``P`` from ``P + P`` or ``P - P`` (``P + B`` becomes legal by zeroing the ``B``, free) or from
+``P * B`` and ``B * P`` (a product of two sums is not the sum of the products, so ``P * P`` is
+redistributed first), ``B`` from ``B, B``. The same chooser costs and orders them.
 
-Refused, with ``ValueError`` on every rank before any message: inputs that are not 2-D, inner dimensions
-that differ, shapes that do not broadcast, inputs on different meshes or axes. Uneven splits are already
-refused when the inputs are made.
+Refused, with ``ValueError`` on every rank before any message: a matmul of other ranks or unequal
+batch dimensions, inner dimensions that differ, shapes that do not broadcast, inputs on different
+meshes or axes. Uneven splits are already refused when the inputs are made.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -58,13 +65,12 @@ from typing import Any
 import numpy as np
 
 from minipar.cost.sharding import redistribute_bytes
+from minipar.mesh import MeshShape
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 from minipar.sharding.redistribute import plan
 from minipar.sharding.tensor import GlobalTensor, check_layout
 
-S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
-RULES: tuple[tuple[Placement, Placement, Placement], ...] = (
-    (S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B))
+B, P = Replicate(), Partial()
 
 Strategy = tuple[Any, ...]  # (placements needed per input..., output placements, bytes)
 
@@ -85,9 +91,9 @@ def check_matmul(a: GlobalTensor, b: GlobalTensor) -> tuple[int, ...]:
 
 
 def matmul_rules(ra: int, rb: int) -> list[tuple[tuple[Placement, ...], Placement]]:
-    """``RULES`` for ``(..., m, k) @ (k, n)`` (``rb = 2``) or batched operands of equal rank: a batch or
-    row dimension of A split alone (a 2-D B) or with B's same batch dimension gives that dimension of
-    C; then ``RULES``' columns, contraction, partial and replicated rules."""
+    """The table of the module docstring for ``(..., m, k) @ (k, n)`` (``rb = 2``) or batched operands
+    of equal rank: a batch or row dimension of A split alone (a 2-D B) or with B's same batch
+    dimension gives that dimension of C; then columns, contraction, partial and replicated."""
     r = ra
     out = [((Shard(d), Shard(d) if rb > 2 else B), Shard(d)) for d in range(r - 2)]
     out += [((Shard(ra - 2), B), Shard(r - 2)), ((B, Shard(rb - 1)), Shard(r - 1)),
@@ -95,20 +101,32 @@ def matmul_rules(ra: int, rb: int) -> list[tuple[tuple[Placement, ...], Placemen
     return out
 
 
-def _most_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], src: Sequence[Placement],
-                dst: Sequence[Placement]) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def _most_bytes(shape: tuple[int, ...], itemsize: int, degrees: tuple[int, ...], src: tuple[Placement, ...],
+                dst: tuple[Placement, ...]) -> tuple[int, ...]:
     """The bytes each rank sends for ``src -> dst``, one entry per combination of coordinates."""
     steps = [(s.axis, str(s.src), str(s.dst)) for s in plan(src, dst)]
-    return [sum(redistribute_bytes(shape, itemsize, degrees, coords, [str(p) for p in src], steps))
-            for coords in itertools.product(*[range(d) for d in degrees])]
+    return tuple(sum(redistribute_bytes(shape, itemsize, degrees, coords, [str(p) for p in src], steps))
+                 for coords in itertools.product(*[range(d) for d in degrees]))
 
 
-def _legal(shape: Sequence[int], t: GlobalTensor, placements: Sequence[Placement]) -> bool:
+@functools.lru_cache(maxsize=4096)
+def _legal(shape: tuple[int, ...], mesh: MeshShape, axes: tuple[str, ...], placements: tuple[Placement, ...]) -> bool:
     try:
-        check_layout(shape, t.mesh.shape, t.axes, placements)
+        check_layout(shape, mesh, axes, placements)
     except ValueError:
         return False
     return True
+
+
+def _axis_rules(inputs: Sequence[GlobalTensor], k: int, rules: Sequence[tuple[tuple[Placement, ...], Placement]]
+                ) -> Sequence[tuple[tuple[Placement, ...], Placement]]:
+    """The rules worth trying on axis ``k``: all of them, or on an axis of degree 1 those that change no
+    input's placement there (if any do)."""
+    if inputs[0].degrees[k] > 1:
+        return rules
+    keep = [r for r in rules if all(t.placements[k] == p for t, p in zip(inputs, r[0], strict=True))]
+    return keep or rules
 
 
 def strategies(inputs: Sequence[GlobalTensor], out_shape: Sequence[int],
@@ -118,13 +136,14 @@ def strategies(inputs: Sequence[GlobalTensor], out_shape: Sequence[int],
     one changing fewer inputs' placements (a free slice or zeroing counts), then ``rules`` order
     (lexicographic over the axes). ``bytes``: the most one rank sends for the redistributions."""
     t0 = inputs[0]
+    mesh, axes, out_shape = t0.mesh.shape, t0.axes, tuple(out_shape)
     out = []
-    for per_axis in itertools.product(rules, repeat=len(t0.axes)):
+    for per_axis in itertools.product(*[_axis_rules(inputs, k, rules) for k in range(len(axes))]):
         needed = tuple(tuple(r[0][i] for r in per_axis) for i in range(len(inputs)))
         placed = tuple(r[1] for r in per_axis)
-        if not all(_legal(t.shape, t, pl) for t, pl in zip(inputs, needed, strict=True)):
+        if not all(_legal(t.shape, mesh, axes, pl) for t, pl in zip(inputs, needed, strict=True)):
             continue
-        if not _legal(out_shape, t0, placed):
+        if not _legal(out_shape, mesh, axes, placed):
             continue
         sent = [_most_bytes(t.shape, t.local.itemsize, t.degrees, t.placements, pl)
                 for t, pl in zip(inputs, needed, strict=True)]
@@ -136,7 +155,7 @@ def strategies(inputs: Sequence[GlobalTensor], out_shape: Sequence[int],
 
 def matmul_strategies(a: GlobalTensor, b: GlobalTensor) -> list[Strategy]:
     """Every legal strategy ``(a_needed, b_needed, c_placements, bytes)`` (placements one per axis),
-    cheapest first, ties in ``RULES`` order (module docstring). ``bytes``: the most one rank sends."""
+    cheapest first, ties as the module docstring says. ``bytes``: the most one rank sends."""
     shape = check_matmul(a, b)
     found = strategies([a, b], shape, matmul_rules(len(a.shape), len(b.shape)))
     return [(pa, pb, pc, n) for (pa, pb), pc, n in found]
