@@ -4,6 +4,13 @@ One run writes one trace file. Every rank records its own events into a per-thre
 (one thread per rank on the ``threads`` backend, one process per rank under ``mpiexec``); when
 ``record`` ends, the events are gathered to rank 0, which writes the file whole or not at all.
 
+A lost rank (``minipar.comm.faults``): the gather skips ranks the failure detector declares dead,
+and the file's meta names them (``lost_ranks``, world ranks). A killed process cannot send its
+events, so while a trace records, ``faults.kill`` first writes the dying rank's events so far to a
+side file next to the trace (``spill``: ``<path>.rank<r>.lost``), and rank 0 merges the side files
+of the lost ranks. The side file stands in for a per-rank on-disk log (a production tracer flushes
+its buffer as it goes): a real SIGKILL from outside loses the rank's events, and its lane is empty.
+
 Event kinds:
 - ``compute``: a span of work (``name`` "F", "B", "opt", ...; ``stage``/``microbatch``/``chunk``).
 - ``comm``: one message, recorded by its sender and its receiver: ``src``, ``dst``, ``nbytes``,
@@ -93,11 +100,13 @@ class Trace:
 
 
 class Recorder:
-    """Collects one rank's events."""
+    """Collects one rank's events; ``spill_path``: where ``spill`` writes them if the rank is killed
+    while a trace file records (None: nowhere)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.events: list[Event] = []
+        self.spill_path: str | None = None
 
     def add(self, kind: str, name: str, t0: float, t1: float, **fields: Any) -> Event:
         ev = Event(self.rank, kind, name, t0, t1, **fields)
@@ -171,12 +180,42 @@ def message(
                 algorithm=algorithm, step=step, **fields)
 
 
+def spill_path(path: str | os.PathLike[str], rank: int) -> str:
+    """The side file of world rank ``rank``'s events, next to the trace at ``path``."""
+    return f"{os.fspath(path)}.rank{rank}.lost"
+
+
+def spill(rec: Recorder) -> None:
+    """Write ``rec``'s events so far to its side file (atomically), if a trace file records: what a
+    rank about to be killed leaves behind (``faults.kill``), standing in for a per-rank on-disk log."""
+    if rec.spill_path is None:
+        return
+    tmp = f"{rec.spill_path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump([e.to_dict() for e in rec.events], fh, default=_jsonable)
+    os.replace(tmp, rec.spill_path)
+
+
+def _unspill(path: str, rank: int) -> list[Event]:
+    """A lost rank's spilled events (the side file read and removed); none when it left no file."""
+    side = spill_path(path, rank)
+    try:
+        with open(side) as fh:
+            events = [Event(**d) for d in json.load(fh)]
+    except (OSError, ValueError, TypeError):  # no side file (killed from outside), or a torn one
+        return []
+    os.remove(side)
+    return events
+
+
 @contextmanager
 def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -> Iterator[Recorder]:
     """Record every rank's events while the block runs; rank 0 writes one file at ``path``.
 
     All ranks of ``comm`` (the world when None) enter together. If the block raises, nothing is
     written. ``path=None`` records without writing (the events stay on the yielded recorder).
+    Ranks the failure detector declares dead are skipped by the gather; their spilled events (see
+    the module docstring) are merged and ``meta["lost_ranks"]`` names them (rank 0 must survive).
     """
     if comm is None:
         from minipar.comm import world
@@ -184,12 +223,22 @@ def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -
         comm = world()
     rank = comm.world_rank if hasattr(comm, "world_rank") else comm.rank
     with recording(rank) as rec:
+        if path is not None:
+            rec.spill_path = spill_path(path, rank)
+            if os.path.exists(rec.spill_path):  # a side file from an earlier run of this path
+                os.remove(rec.spill_path)
         yield rec
-    gathered = comm.gather_object([e.to_dict() for e in rec.events], root=0)
+    gathered = comm.gather_object([e.to_dict() for e in rec.events], root=0, survivors=True)
     if comm.rank == 0 and path is not None:
-        events = [Event(**d) for part in gathered for d in part]
+        ranks = list(getattr(comm, "group_ranks", range(comm.size)))
+        lost = [ranks[i] for i, part in enumerate(gathered) if part is None]
+        events = [Event(**d) for part in gathered if part is not None for d in part]
+        for r in lost:
+            events += _unspill(os.fspath(path), r)
         meta.setdefault("world_size", comm.size)
         meta.setdefault("backend", getattr(comm, "backend", "unknown"))
+        if lost:
+            meta["lost_ranks"] = lost
         save(Trace(meta, events), path)
 
 

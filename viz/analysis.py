@@ -11,7 +11,8 @@ Definitions
   (a stage's update inside an asynchronous pipeline's step, PipeDream) -> optimizer; anything else
   -> other.
 - **Step window** (``window``): from the earliest start to the latest end of any *compute or comm*
-  event on any rank. Memory samples and marks do not stretch it. One window for the whole trace,
+  event on any rank, or fault mark (``FAULT_MARKS``: a survivor's wait for a dead rank ends when its
+  detector declares it dead). Memory samples and other marks do not stretch it. One window for the whole trace,
   so every rank's bubble is measured against the same step time, as in GPipe's analysis
   (bubble fraction (p-1)/(m+p-1) of the step for GPipe and 1F1B).
 - **Busy time of a rank** (``busy``): the length of the union of its compute spans, clipped to
@@ -39,6 +40,7 @@ from minipar.trace import Event, Trace
 KINDS = ("forward", "backward", "input gradient", "weight gradient", "optimizer", "other")
 PIPELINE_KINDS = ("forward", "backward", "input gradient", "weight gradient")  # a stage's work on a micro-batch
 ARROWS = {"down": "\u2193", "up": "\u2191"}  # a span's args["direction"] (Chimera) -> its label's arrow
+FAULT_MARKS = ("killed", "peer declared dead")  # minipar.comm.faults / detector: they stretch the window
 _KIND_BY_NAME = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "opt": "optimizer",
                  "step": "optimizer", "U": "optimizer"}  # U: a stage's update inside an asynchronous pipeline's step
 
@@ -84,8 +86,9 @@ def compute_spans(trace: Trace, rank: int) -> list[Event]:
 
 
 def window(trace: Trace) -> tuple[float, float]:
-    """(start, end) of the step: extent of all compute and comm events; (0, 0) if there are none."""
-    spans = [e for e in trace.events if e.kind in ("compute", "comm")]
+    """(start, end) of the step: extent of all compute and comm events (and fault marks); (0, 0) if
+    there are none."""
+    spans = [e for e in trace.events if e.kind in ("compute", "comm") or (e.kind == "mark" and e.name in FAULT_MARKS)]
     if not spans:
         return 0.0, 0.0
     return min(e.t0 for e in spans), max(e.t1 for e in spans)

@@ -14,7 +14,8 @@ previous label; otherwise the label is shortened (chunk dropped; ``ring`` or ``a
 alone) or left out and the block is filled with its kind's character (``>`` forward,
 ``<`` backward, ``(`` input gradient and ``=`` weight gradient of a split backward, ``*`` optimizer,
 ``#`` other, ``~`` communication). With colour each block is also
-painted by kind, so the lanes read with and without colour.
+painted by kind, so the lanes read with and without colour. A lost rank's lane ends in ``X`` (blank
+after), a survivor's "peer declared dead" is ``!`` (``viz.faults``).
 
 Cell size (``layout``): a block needs a cell per character of its short label plus one, so a
 cell is the lower quartile over compute spans (calls if there are none) of duration / (label
@@ -37,6 +38,7 @@ from rich.text import Text
 
 from minipar.trace import Event, Trace, load
 from viz import analysis as A
+from viz import faults
 from viz import messages as M
 from viz.style import ranks
 
@@ -147,7 +149,7 @@ def _render(cells: list[Owner], chunks: bool, several: set[str], labelled: set[i
         if owner is None:
             text.append(IDLE_CHAR * (end - c), IDLE_STYLE)
         elif isinstance(owner, str):
-            text.append(owner * (end - c), COMM_STYLE)
+            text.append(owner * (end - c), faults.CHAR_STYLES.get(owner, COMM_STYLE))
         else:
             is_call = isinstance(owner, Call)
             fill = COMM_CHAR if is_call else FILL[A.kind_of(owner)]
@@ -200,7 +202,7 @@ def lanes(trace: Trace, columns: int, bands: int = 1) -> list[list[Text]]:
     out: list[list[Text]] = [[] for _ in range(bands)]
     calls = collective_calls(trace)
     for rank in range(trace.world_size):
-        cells = _cells(trace, rank, bands * columns, lo, dt, calls[rank])
+        cells = faults.mark_cells(trace, rank, _cells(trace, rank, bands * columns, lo, dt, calls[rank]), lo, dt)
         labelled: set[int] = set()
         for b in range(bands):
             out[b].append(_render(cells[b * columns:(b + 1) * columns], chunks, several, labelled))
@@ -263,7 +265,7 @@ def timeline_text(trace: Trace, width: int = 80, max_bands: int = MAX_BANDS) -> 
 
 
 def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: tuple[str, ...] = tuple(STYLES),
-           call: str | None = None, directions: bool = False) -> list[Text]:
+           call: str | None = None, directions: bool = False, lost: bool = False) -> list[Text]:
     """What the blocks (of ``kinds``) and characters mean, and the time one cell covers, wrapped to
     ``width``; ``call`` (e.g. "allreduce ring") explains collective calls, ``directions`` Chimera's
     two pipelines."""
@@ -281,6 +283,9 @@ def legend(cell: float | None = None, unit: str = "s", width: int = 80, kinds: t
         items.append(Text.assemble((f"{call}~~", CALL_STYLE), " one collective call"))
     items.append(Text.assemble((COMM_CHAR, COMM_STYLE), " message (sending or waiting)"))
     items.append(Text.assemble((IDLE_CHAR, IDLE_STYLE), " idle"))
+    if lost:
+        items.append(Text.assemble((faults.KILL_CHAR, faults.CHAR_STYLES[faults.KILL_CHAR]), " killed (lane ends)  ",
+                                   (faults.DETECT_CHAR, faults.CHAR_STYLES[faults.DETECT_CHAR]), " peer declared dead"))
     if cell is not None:
         items.append(Text(f"1 cell = {A.fmt_time(cell, unit)}"))
     lines = [Text()]
@@ -388,7 +393,8 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
                    key=lambda c: c.op == "barrier")  # a call that moves data explains more
     call = _labels(calls[0], False, _ops_with_several_algorithms(trace))[0] if calls else None
     directions = any(A.direction(e) for e in trace.events if e.kind == "compute")
-    for line in legend(dt or None, unit, width, kinds, call, directions):
+    lost = bool(faults.lost_ranks(trace) or faults.detections(trace))
+    for line in legend(dt or None, unit, width, kinds, call, directions, lost):
         console.print(line, soft_wrap=True)
     for table in traffic_tables(trace, min(width, console.width)):
         console.print(table)

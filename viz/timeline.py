@@ -10,6 +10,8 @@ profilers draw a GPU's compute and communication streams, so communication that 
   "allreduce ring 12.0 MiB", one colour per op/algorithm; its steps are listed on hover. The
   individual messages ("messages (steps)") and the send -> receive arrows are legend entries,
   hidden until clicked.
+- A run that lost a rank (``viz.faults``): its lanes end with a red cross, hatched grey after;
+  each survivor's "peer declared dead" is a red tick on its lane, a server's "worker dropped" a diamond.
 - A trace with only compute (or only messages) gets one lane per rank, named "rank r". The
   simulator's messages carry no payload and take no rank time: simulated traces get no comm lane.
 
@@ -27,8 +29,8 @@ from plotly.subplots import make_subplots
 
 from minipar.trace import Event, Trace
 from viz import analysis as A
+from viz import faults, style
 from viz import messages as M
-from viz import style
 from viz.style import COLORS, comm_color, shade
 
 COMPUTE_WIDTH = 0.88  # bar thickness on the compute lane (lanes are 1 apart: rank r at 2r and 2r + 1)
@@ -171,6 +173,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
     if lane.comm:
         _add_comm(fig, trace, lane, where, name, show_legend)
     _add_idle(fig, trace, lane, row)
+    faults.add_faults(fig, trace, lane.compute, lane.comm, where, show_legend)  # a lost rank's lane stops
     lo, hi = A.window(trace)
     fig.update_yaxes(tickmode="array", tickvals=[y for y, _ in lane.ticks], ticktext=[t for _, t in lane.ticks],
                      range=[lane.bottom + 0.6, -0.6], zeroline=False, showgrid=False, **where)

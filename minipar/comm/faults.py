@@ -11,6 +11,11 @@ MPICH's Hydra: ``-disable-auto-cleanup``, and each rank started under a ``sh`` t
 the rank's status. The shell matters: Hydra's proxy (``pmip.c``) SIGKILLs every process it started
 when one of them dies *by a signal*, even with ``-disable-auto-cleanup`` (MPICH 5.0.2, measured);
 the shell turns a SIGKILLed rank into an ordinary exit with status 137.
+
+While a trace file records (``trace.record`` with a path), ``kill`` first adds a "killed" mark and
+writes the rank's events so far to a side file next to the trace (``trace.spill``), which rank 0
+merges: it stands in for a per-rank on-disk log. A real SIGKILL from outside writes nothing, and the
+rank's events are lost with it. With no trace recording this costs one thread-local lookup.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from minipar import trace
+
 SPOT_SHELL = 'trap "" USR1; "$0" "$@"; exit $?'
 
 
@@ -29,7 +36,12 @@ class Killed(BaseException):  # noqa: N818 -- not an error: the simulated end of
 
 
 def kill(comm: Any) -> NoReturn:
-    """End this rank abruptly (SIGKILL under mpiexec; silenced heartbeats + ``Killed`` on threads)."""
+    """End this rank abruptly (SIGKILL under mpiexec; silenced heartbeats + ``Killed`` on threads);
+    a recording trace gets a "killed" mark and the rank's events spilled to a side file first."""
+    rec = trace.current()
+    if rec is not None:
+        trace.mark("killed", rank=comm.world_rank)
+        trace.spill(rec)
     if comm.backend == "mpi":
         sys.stdout.flush()
         sys.stderr.flush()
