@@ -156,16 +156,22 @@ def test_gpt_step_bytes(case) -> None:
     check_gpt_step(case, launch(gpt_step_run, 4, method=method, ulysses=pu, zigzag=zigzag))
 
 
+def either_run(comm, fn, kw: dict):
+    """``fn(comm, **kw)``: attention_run's and gpt_step_run's configurations in one ``run_each`` job."""
+    return fn(comm, **kw)
+
+
 @pytest.mark.mpi
 def test_traffic_under_mpiexec() -> None:
     """The same hand-worked bytes with one process per rank (4 ranks, one mpiexec job)."""
     cases = [c for c in TRAFFIC if c[1] == 4]
-    configs = [{"method": c[0], "ulysses": c[2], "zigzag": c[3]} for c in cases]
-    for case, results in zip(cases, run_each(attention_run, 4, configs, timeout=120), strict=True):
-        check_traffic(case, results)
-    configs = [{"method": c[0], "ulysses": c[1], "zigzag": c[2]} for c in GPT_STEPS]
-    for case, results in zip(GPT_STEPS, run_each(gpt_step_run, 4, configs, timeout=120), strict=True):
-        check_gpt_step(case, results)
+    configs = [{"fn": attention_run, "kw": {"method": c[0], "ulysses": c[2], "zigzag": c[3]}} for c in cases]
+    configs += [{"fn": gpt_step_run, "kw": {"method": c[0], "ulysses": c[1], "zigzag": c[2]}} for c in GPT_STEPS]
+    results = run_each(either_run, 4, configs, timeout=120)
+    for case, res in zip(cases, results[:len(cases)], strict=True):
+        check_traffic(case, res)
+    for case, res in zip(GPT_STEPS, results[len(cases):], strict=True):
+        check_gpt_step(case, res)
 
 
 def megatron_sp_run(comm, s: int) -> dict[str, int]:

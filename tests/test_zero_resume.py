@@ -18,7 +18,7 @@ from minipar import nn, trace
 from minipar.autograd import Tensor
 from minipar.optim import AdamW
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel, checkpoint
-from minipar.testing import run
+from minipar.testing import run, run_each
 
 V, S, D, H, L, B = 16, 8, 6, 2, 2, 12  # d_model 6: units of 78 + ... elements, padding on 4 ranks
 LR = 1e-2
@@ -190,15 +190,23 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(mode) -> None:
     assert all(r[0][1][0] == r[0][2][0] for r in results[:-1])
 
 
+def either_run(comm, fn, kw: dict):
+    """``fn(comm, **kw)``: ``uninterrupted`` and ``hsdp`` (both on 4 ranks) in one ``run_each`` job."""
+    return fn(comm, **kw)
+
+
 @pytest.mark.mpi
 def test_resume_and_hybrid_sharding_under_mpiexec(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
-    want = run(uninterrupted, 4, "mpi", mode="fsdp", precision="fp64", path=path)[0]
+    full, hybrid = run_each(either_run, 4, [{"fn": uninterrupted, "kw": {"mode": "fsdp", "precision": "fp64",
+                                                                         "path": path}},
+                                            {"fn": hsdp, "kw": {"group": 2}}])
+    want = full[0]
     for got in run(resumed, 2, "mpi", mode="fsdp", precision="fp64", path=path):
         for name, value in want.items():
             assert np.allclose(got[name], value, rtol=0, atol=1e-12), name
     reference_state = reference(2)
-    for state, _, _ in run(hsdp, 4, "mpi", group=2):
+    for state, _, _ in hybrid:
         for name, value in reference_state.items():
             assert np.allclose(state[name], value, rtol=0, atol=1e-12), name
 
