@@ -5,6 +5,7 @@ every lesson whose walkthrough notebook (threads) shows its ``mpiexec`` command 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from minipar.testing import ROOT, mpiexec_path
 
 LESSONS = {"01_collectives": 1, "02_pipeline": 3, "02b_zero_bubble": 1, "03_data_parallel": 2, "04_tensor_parallel": 3,
-           "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3}
+           "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3, "10_faults": 3}
 
 
 # lesson: (mpiexec ranks, arguments, what the run writes, relative to the run's folder); the commands
@@ -25,7 +26,8 @@ MPI_RUNS = {"01_collectives": (4, ("--n", "65536", "--reps", "2", "--out", "{out
             "05_sequence_parallel": (4, (), "runs/05_sequence_parallel/report.html"),
             "06_zero": (4, ("--steps", "2"), "runs/06_zero/report.html"),
             "07_offload": (2, (), "runs/07_offload/report.html"),
-            "08_hybrid": (8, (), "runs/08_hybrid/report.html")}
+            "08_hybrid": (8, (), "runs/08_hybrid/report.html"),
+            "10_faults": (4, ("--out", "{out}"), "report.html")}
 
 
 def lesson(name: str, *args: str, ranks: int | None = None, cwd: Path = ROOT,
@@ -74,3 +76,7 @@ def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
     assert (tmp_path / written).exists()
     if name == "08_hybrid":
         assert "Every rank's bytes on every axis equal the formula." in proc.stdout
+    if name == "10_faults":  # real SIGKILLs: updates accounted, survivors stopped in time, the restart exact
+        text = " ".join(proc.stdout.split())
+        assert "No lost and no doubled update" in text and "naming rank 2." in text, proc.stdout[-3000:]
+        assert float(re.search(r"max \|difference\| (\S+) ", text).group(1)) < 1e-10
