@@ -119,19 +119,23 @@ def child(part: str, out: Path, kill: bool) -> int:
 
 
 # ---- the lesson -------------------------------------------------------------------------------------------
-def lesson(res: dict[str, Any], out: Path) -> Path:
-    """Print the three parts' numbers and timelines; write the report."""
+def lesson(res: dict[str, Any], out: Path) -> list[str]:
+    """Print the three parts' numbers and timelines; write the report. Returns what did not hold."""
     console = make_console()
     note = time_sharing(RANKS)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
-    traces = show.parameter_server(console, res["ps"])
-    traces += show.ddp(console, res["ddp"])
-    traces += show.elastic_restart(console, res["runs"], res["reference"])
+    problems: list[str] = []
+    traces = show.parameter_server(console, res["ps"], problems)
+    traces += show.ddp(console, res["ddp"], problems)
+    traces += show.elastic_restart(console, res["runs"], res["reference"], problems)
     console.rule("[bold]the restarted run's timeline (2 ranks, 3 micro-batches each)")
     titles = ["1. async parameter server, worker 2 killed", "2. DDP, rank 2 killed: every survivor stops",
               "3a. elastic run 0 (3 ranks), rank 1 killed", "3b. elastic run 1 (2 ranks), resumed"]
-    return finish(traces, out / "report.html", console, timeline=traces[-1], titles=titles[:len(traces)])
+    finish(traces, out / "report.html", console, timeline=traces[-1], titles=titles[:len(traces)])
+    for problem in problems:
+        console.print(f"[red]did not hold:[/red] {problem}", highlight=False)
+    return problems
 
 
 def relaunch_under_mpiexec(argv: list[str]) -> int:
@@ -170,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not args.mpi:
         print(f"(no mpiexec: {RANKS} ranks run as threads of this process; --mpi for real processes)")
-    lesson(run_mpi(out) if args.mpi else run_threads(out), out)
-    return 0
+    return 1 if lesson(run_mpi(out) if args.mpi else run_threads(out), out) else 0
 
 
 if __name__ == "__main__":

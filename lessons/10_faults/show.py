@@ -1,5 +1,6 @@
 """Lesson 10's printed sections: the numbers of each run, measured from its trace (the kill, each
-survivor's "peer declared dead", the server's "worker dropped") and held against what should be."""
+survivor's "peer declared dead", the server's "worker dropped") and held against what should be; each
+section appends what did not hold to ``problems`` (the lesson then exits non-zero)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def stall(t: mtrace.Trace, worker: int) -> tuple[float, int]:
     return max(gaps) if gaps else (0.0, 0)
 
 
-def parameter_server(console: Console, res: dict[str, Any]) -> list[str]:
+def parameter_server(console: Console, res: dict[str, Any], problems: list[str]) -> list[str]:
     t = mtrace.load(res["trace"])
     console.rule(f"[bold]1. asynchronous parameter server (k = {P.STALENESS}): worker {P.PS_VICTIM} killed before "
                  f"its push of step {P.PS_KILL}")
@@ -86,12 +87,14 @@ def parameter_server(console: Console, res: dict[str, Any]) -> list[str]:
                   highlight=False)
     console.print(f"The loss still falls: {losses[0]:.3f} at step 0, {losses[-1]:.3f} at step {len(losses) - 1}.",
                   highlight=False)
+    problems += [] if ok else ["parameter server: updates lost or doubled"]
+    problems += [] if losses[-1] < losses[0] else ["parameter server: the loss did not fall"]
     print_timeline(t, console=console, title="async parameter server: rank 0 serves, worker 2 killed (X), "
                                               "the server's detector declares it dead (!)")
     return [res["trace"]]
 
 
-def ddp(console: Console, res: dict[str, Any]) -> list[str]:
+def ddp(console: Console, res: dict[str, Any], problems: list[str]) -> list[str]:
     t = mtrace.load(res["trace"])
     console.rule(f"[bold]2. DDP: rank {P.DDP_VICTIM} killed before step {P.DDP_KILL}; every survivor stops")
     declared, stopped = after_kill(t, "peer declared dead"), after_kill(t, "PeerLost")
@@ -112,17 +115,20 @@ def ddp(console: Console, res: dict[str, Any]) -> list[str]:
     console.print(f"All {len(res['stopped'])} survivors stopped within the deadline, naming rank {P.DDP_VICTIM}."
                   if ok and len(res["stopped"]) == 3 else "[red]a survivor did not stop in time[/red]",
                   highlight=False)
+    problems += [] if ok and len(res["stopped"]) == 3 else ["DDP: a survivor did not stop in time"]
     full, meta = checkpoint.consolidate(res["ckpt"])  # checks every shard file's sha256
     ckpt = Path(res["ckpt"])
     left = sorted(p.name for p in ckpt.parent.glob(f"{ckpt.name}.*"))
     console.print(f"The checkpoint on disk is step {meta['step']}'s (the last complete one; every shard's checksum "
                   f"verified, {sum(a.size for a in full.values()):,} numbers); temporary or old copies left: "
                   f"{left or 'none'}.", highlight=False)
+    problems += [] if meta["step"] == P.DDP_KILL and not left else ["DDP: not the last complete checkpoint"]
     print_timeline(t, console=console, title="DDP: rank 2 killed (X); the survivors' detectors declare it dead (!)")
     return [res["trace"]]
 
 
-def elastic_restart(console: Console, runs: list[dict[str, Any]], reference: dict[str, Any]) -> list[str]:
+def elastic_restart(console: Console, runs: list[dict[str, Any]], reference: dict[str, Any],
+                    problems: list[str]) -> list[str]:
     console.rule(f"[bold]3. elastic restart: {P.EL_RANKS} ranks lose rank {P.EL_VICTIM} before step {P.EL_KILL}, "
                  "the job restarts smaller")
     table = Table(title=f"runs of the elastic loop: global batch {P.BATCH} every step", title_justify="left")
@@ -138,6 +144,9 @@ def elastic_restart(console: Console, runs: list[dict[str, Any]], reference: dic
     diff = max(float(np.max(np.abs(final[k] - reference["params"][k]))) for k in reference["params"])
     console.print(f"Final parameters after {P.EL_STEPS} steps vs the uninterrupted run on {P.EL_RANKS} ranks: max "
                   f"|difference| {diff:.1e} (float64 rounding: the same sums in another order).", highlight=False)
+    shape = [(r["ranks"], r["start"]) for r in runs]
+    problems += [] if diff < 1e-10 and shape == [(P.EL_RANKS, 0), (P.EL_RANKS - 1, P.EL_KILL)] else [
+        f"elastic: runs {shape}, max difference {diff:.1e}"]
     traces = [r["trace"] for r in runs if r["trace"]]
     print_timeline(traces[0], console=console, title=f"elastic run 0: {P.EL_RANKS} ranks, rank {P.EL_VICTIM} "
                                                      "killed (X), the survivors stop (!)")
