@@ -10,6 +10,7 @@ process on the rows of the live workers.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 
@@ -21,11 +22,13 @@ from hypothesis import strategies as st
 from strategies import budget
 
 import minipar
+from minipar import elastic
 from minipar.comm import PeerLost, RankError, faults
 from minipar.comm.detector import default_deadline
 from minipar.datasets import shard
 from minipar.nn import MLP
 from minipar.optim import SGD
+from minipar.testing import ROOT
 
 DEADLINE = 1.0
 MARGIN = 1.0  # heartbeat period (0.2 s), the wait's poll and the report's 0.3 s forwarding grace
@@ -211,3 +214,28 @@ def test_parameter_server_on_threads_and_a_survivors_gather() -> None:
     assert server.dropped == [2]
     assert Counter(a[0] for a in server.applied) == {1: 6, 3: 6, 2: 2}
     assert out[0][1] == [[2], 6, None, 6]  # rank 0 gathers from the survivors only
+
+
+EXIT_SCRIPT = """
+import sys
+import numpy as np
+from minipar.comm import PeerLost, faults, world
+comm = world()
+if comm.rank == 1:
+    faults.kill(comm)
+try:
+    comm.allreduce(np.ones(4))
+except PeerLost:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.mpi
+def test_a_survivor_keeps_the_status_it_exits_with(tmp_path) -> None:
+    """A survivor that catches PeerLost and exits 3 ends with 3 (not the 0 of the os._exit that skips
+    MPI_Finalize); the killed rank with 128 + SIGKILL."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {"MINIPAR_PEER_DEADLINE": "0.5", "PYTHONPATH": str(ROOT)}
+    result = elastic.mpiexec_launcher([sys.executable, str(script)], extra_env=env)(2, {})
+    assert result.statuses == {0: 3, 1: 137}

@@ -27,7 +27,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -245,14 +245,25 @@ def _thread_hook(args: Any) -> None:
     _abort_hook(args.exc_type, args.exc_value, args.exc_traceback)
 
 
+_exit_status = [0]  # the status sys.exit was last asked for (_at_exit's os._exit keeps it)
+
+
+def _exit(status: object = None) -> NoReturn:
+    """``sys.exit``, remembering the status it will exit with (None: 0, an int: itself, anything else
+    is printed and exits 1), for ``_at_exit``. A bare ``raise SystemExit(n)`` is not seen: 0."""
+    _exit_status[0] = 0 if status is None else status if isinstance(status, int) else 1
+    raise SystemExit(status)
+
+
 def _at_exit(beat: MpiHeartbeat) -> None:
     """Before MPI_Finalize (``atexit`` runs this before mpi4py's handler): say goodbye to the peers;
-    if one died, exit without MPI_Finalize, which would wait for it for ever."""
+    if one died, exit without MPI_Finalize, which would wait for it for ever, with the status the
+    script asked ``sys.exit`` for (a survivor that catches ``PeerLost`` and exits 1 ends with 1)."""
     beat.stop()
     if beat.detector.dead:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(_exit_status[0])
 
 
 def mpi_world(timeout: float | None = None, deadline: float | None = None) -> MpiCommunicator:
@@ -273,6 +284,7 @@ def mpi_world(timeout: float | None = None, deadline: float | None = None) -> Mp
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
                 state.detector = Detector(_world.rank, [r for r in range(_world.size) if r != _world.rank], dl)
                 atexit.register(_at_exit, MpiHeartbeat(MPI.COMM_WORLD, state.detector))
+                sys.exit = _exit  # os._exit at exit would lose the status otherwise
         else:
             if timeout is not None:
                 _world.state.timeout = default_timeout(timeout)
