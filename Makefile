@@ -27,8 +27,10 @@ demo: install
 browser:
 	@bash scripts/install-chromium.sh || { test -z "$$CI" && echo "warning: chromium not installed; the browser test will be skipped"; }
 
+# Two pytest-xdist workers: tests on threads and notebooks (one core each) run two at a time; an mpiexec
+# test (it fills both cores) or one that measures time (marker `alone`) runs by itself (tests/conftest.py).
 test: install browser
-	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider
+	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider -n 2
 
 # Ten times as many hypothesis examples per property (run before resolving an issue).
 thorough: install browser

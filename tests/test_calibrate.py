@@ -31,6 +31,8 @@ from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
 from minipar.testing import ROOT, run
 
+pytestmark = pytest.mark.alone  # measures this machine's speed
+
 QUICK = quick_options(True)
 
 

@@ -91,6 +91,7 @@ def test_split_grid_rows_and_columns():
     check_grid(launch(grid, 4))
 
 
+@pytest.mark.alone
 def test_rank_failure_names_the_rank_and_wakes_the_others():
     def fn(comm):
         if comm.rank == 2:
@@ -104,6 +105,7 @@ def test_rank_failure_names_the_rank_and_wakes_the_others():
     assert "rank 0: Aborted" in str(info.value)
 
 
+@pytest.mark.alone
 def test_skipped_collective_times_out_naming_the_missing_rank():
     def fn(comm):
         if comm.rank != 1:
