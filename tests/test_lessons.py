@@ -15,7 +15,7 @@ import pytest
 from minipar.testing import ROOT, mpiexec_path
 
 LESSONS = {"01_collectives": 1, "02_pipeline": 3, "02b_zero_bubble": 1, "03_data_parallel": 2, "04_tensor_parallel": 3,
-           "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3, "10_faults": 3}
+           "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3, "09_sharding": 4, "10_faults": 3}
 
 
 # lesson: (mpiexec ranks, arguments, what the run writes, relative to the run's folder); the commands
@@ -27,6 +27,7 @@ MPI_RUNS = {"01_collectives": (4, ("--n", "65536", "--reps", "2", "--out", "{out
             "06_zero": (4, ("--steps", "2"), "runs/06_zero/report.html"),
             "07_offload": (2, (), "runs/07_offload/report.html"),
             "08_hybrid": (8, (), "runs/08_hybrid/report.html"),
+            "09_sharding": (8, (), "runs/09_sharding/report.html"),
             "10_faults": (4, ("--out", "{out}"), "report.html")}
 
 
@@ -76,6 +77,12 @@ def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
     assert (tmp_path / written).exists()
     if name == "08_hybrid":
         assert "Every rank's bytes on every axis equal the formula." in proc.stdout
+    if name == "09_sharding":  # the seed table, Megatron as annotations, 1-D / 2.5-D / 3-D: all as the formulas
+        text = " ".join(proc.stdout.split())
+        for sentence in ("Every product equals numpy's and every measured byte count the prediction.",
+                         "Annotated and hand-written send the same bytes, the formula's.",
+                         "Measured equals the formula for every layout."):
+            assert sentence in text, proc.stdout[-3000:]
     if name == "10_faults":  # real SIGKILLs: updates accounted, survivors stopped in time, the restart exact
         text = " ".join(proc.stdout.split())
         assert "No lost and no doubled update" in text and "naming rank 2." in text, proc.stdout[-3000:]
