@@ -208,12 +208,23 @@ def _unspill(path: str, rank: int) -> list[Event]:
     return events
 
 
+def _remove_side_files(path: str, ranks: list[int]) -> None:
+    """Remove the side files (and half-written ones) that ranks ``ranks`` may have spilled for ``path``."""
+    for r in ranks:
+        for side in (spill_path(path, r), f"{spill_path(path, r)}.tmp"):
+            try:
+                os.remove(side)
+            except FileNotFoundError:
+                pass
+
+
 @contextmanager
 def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -> Iterator[Recorder]:
     """Record every rank's events while the block runs; rank 0 writes one file at ``path``.
 
     All ranks of ``comm`` (the world when None) enter together. If the block raises, nothing is
-    written. ``path=None`` records without writing (the events stay on the yielded recorder).
+    written, and the side files of this trace's killed ranks are removed. ``path=None`` records
+    without writing (the events stay on the yielded recorder).
     Ranks the failure detector declares dead are skipped by the gather; their spilled events (see
     the module docstring) are merged and ``meta["lost_ranks"]`` names them (rank 0 must survive).
     """
@@ -227,7 +238,12 @@ def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -
             rec.spill_path = spill_path(path, rank)
             if os.path.exists(rec.spill_path):  # a side file from an earlier run of this path
                 os.remove(rec.spill_path)
-        yield rec
+        try:
+            yield rec
+        except Exception:  # no trace: nor the side files of its killed ranks (a killed rank's end is no Exception)
+            if path is not None:
+                _remove_side_files(os.fspath(path), list(getattr(comm, "group_ranks", range(comm.size))))
+            raise
     gathered = comm.gather_object([e.to_dict() for e in rec.events], root=0, survivors=True)
     if comm.rank == 0 and path is not None:
         ranks = list(getattr(comm, "group_ranks", range(comm.size)))

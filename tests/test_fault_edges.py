@@ -5,14 +5,17 @@ temporary directory left behind). All on the threads backend, each well under a 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import pytest
 from fault_helpers import SIZES, ps_batch, ps_loss
 
 import minipar
 from minipar import trace
-from minipar.comm import PeerLost
+from minipar.comm import PeerLost, RankError, faults
 from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
@@ -65,3 +68,34 @@ def test_sync_parameter_server_on_a_sub_communicator_names_the_dead_worker() -> 
     assert rank == 3  # a world rank, like every PeerLost's
     assert "worker rank 2 died (world rank 3;" in message  # before the fix: no WorkerLost, a CommTimeout
     assert out[0] is None and out[3] is None and out[2] == out[4] == ("PeerLost", 3)
+
+
+# ---- L4: a trace whose block raises leaves no side file -----------------------------------------------
+def _kill_in_a_trace(comm: minipar.Communicator, path: str) -> None:
+    with trace.record(path, comm):
+        if comm.rank == 2:
+            faults.kill(comm)  # spills its events to <path>.rank2.lost, then leaves
+        comm.barrier()  # the survivors fail fast: PeerLost out of the recorded block
+
+
+def test_a_trace_that_raises_leaves_no_side_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    with pytest.raises(RankError, match=r"PeerLost"):
+        minipar.launch(_kill_in_a_trace, 3, deadline=0.3, timeout=5, path=str(path))
+    assert sorted(os.listdir(tmp_path)) == []  # before the fix: ['t.json.rank2.lost']
+
+
+def _kill_in_a_tolerant_trace(comm: minipar.Communicator, path: str) -> int:
+    with trace.record(path, comm):
+        if comm.rank == 2:
+            faults.kill(comm)
+    return comm.rank
+
+
+def test_a_trace_that_completes_still_merges_the_side_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    assert minipar.launch(_kill_in_a_tolerant_trace, 3, deadline=0.3, timeout=5, path=str(path)) == [0, 1, None]
+    t = trace.load(path)
+    assert t.meta["lost_ranks"] == [2]
+    assert [(e.rank, e.name) for e in t.events if e.kind == "mark"] == [(2, "killed")]
+    assert sorted(os.listdir(tmp_path)) == ["t.json"]
