@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fault_helpers import SIZES, ps_batch, ps_loss
 
@@ -19,6 +20,7 @@ from minipar.comm import PeerLost, RankError, faults
 from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
+from minipar.parallel.zero import checkpoint
 
 
 # ---- M4: the parameter server translates world ranks <-> communicator ranks ---------------------------
@@ -99,3 +101,43 @@ def test_a_trace_that_completes_still_merges_the_side_file(tmp_path: Path) -> No
     assert t.meta["lost_ranks"] == [2]
     assert [(e.rank, e.name) for e in t.events if e.kind == "mark"] == [(2, "killed")]
     assert sorted(os.listdir(tmp_path)) == ["t.json"]
+
+
+# ---- L5: a peer lost during the save's first broadcast leaves no temporary directory -------------------
+def _save_meeting_a_dead_peer(comm: minipar.Communicator, directory: str) -> str:
+    agree = checkpoint._agree
+
+    def agree_then_die(c: Any, errors: list[str], what: str, extra: Any = None) -> list[Any]:
+        out = agree(c, errors, what, extra)
+        if c.rank == 1:
+            faults.kill(comm)  # right after the arguments are agreed, before rank 0's broadcast of the tmp
+        return out
+
+    if comm.rank == 0:  # rank 0's broadcast waits for the death (a wait that a dead peer ends)
+        real = comm.broadcast_object
+
+        def broadcast_to_the_dead(obj: Any = None, root: int = 0) -> Any:
+            comm.broadcast_object = real  # type: ignore[method-assign]
+            det = comm.state.detector
+            while 1 not in det.dead:
+                det.check()
+            det.raise_if_lost("broadcast_object (root)", [1, 2], True)
+            return real(obj, root)
+
+        comm.broadcast_object = broadcast_to_the_dead  # type: ignore[method-assign]
+    elif comm.rank == 1:
+        checkpoint._agree = agree_then_die  # type: ignore[assignment]  # threads: rank 1 alone calls it
+    try:
+        checkpoint.save(directory, comm, {"w": np.arange(2.0)}, {"w": 2 * comm.size})
+    except PeerLost as exc:
+        return f"PeerLost {exc.rank}"
+    finally:
+        checkpoint._agree = agree
+    return "saved"
+
+
+def test_a_save_whose_broadcast_meets_a_dead_peer_leaves_no_temporary(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    out = minipar.launch(_save_meeting_a_dead_peer, 3, deadline=0.2, timeout=5, directory=str(directory))
+    assert out == ["PeerLost 1", None, "PeerLost 1"]
+    assert sorted(os.listdir(tmp_path)) == []  # before the fix: ['ckpt.tmp-<12 hex>']

@@ -258,8 +258,7 @@ def save(directory: str | os.PathLike[str], comm: Any, shards: dict[str, np.ndar
             return path
 
         tmp, errors = _local_problem(prepare)
-    tmp, errors = comm.broadcast_object((tmp, errors))
-    _raise_if(what, errors)
+    made = tmp  # rank 0: the directory it made (None elsewhere, or if prepare failed)
 
     # every rank writes its file
     def write() -> tuple[str, str]:
@@ -269,12 +268,14 @@ def save(directory: str | os.PathLike[str], comm: Any, shards: dict[str, np.ndar
         _write_file(tmp / file_name(comm.rank), data)
         return file_name(comm.rank), hashlib.sha256(data).hexdigest()
 
-    mine, errors = _local_problem(write)
-    try:
+    try:  # from the moment rank 0 made the directory: a peer lost in the broadcast too leaves none
+        tmp, errors = comm.broadcast_object((tmp, errors))
+        _raise_if(what, errors)
+        mine, errors = _local_problem(write)
         files = _agree(comm, errors, what, mine)
     except (ValueError, PeerLost):  # a peer failed, or died before its file was complete: no commit
-        if comm.rank == 0:
-            _remove_tree(tmp)
+        if made is not None:
+            _remove_tree(made)
         raise
 
     # rank 0 writes meta.json and commits
