@@ -14,15 +14,23 @@ accumulation). The loop (``elastic_loop``)::
 
 **Which ranks died.** Each rank runs under a tiny ``sh`` (``STATUS_SHELL``) that writes the rank's
 exit status to ``<status dir>/rank<PMI_RANK>`` when the rank ends, however it ends. A shell reports
-a rank killed by a signal as 128 + the signal (137 for SIGKILL: a pre-empted machine, the OOM
-killer), a survivor that gave up on a dead peer (``PeerLost`` or the watchdog's ``CommTimeout``)
-as its ordinary non-zero status. So *lost* = ranks whose status is >= 128. Why not the others:
+a rank killed by a signal as 128 + the signal: 137 for SIGKILL (a pre-empted machine, the OOM
+killer), 143 for SIGTERM (a polite reclaim); a survivor that gave up on a dead peer (``PeerLost``,
+the watchdog's ``CommTimeout``) exits with an ordinary non-zero status. So a rank is *lost* when
 
-- mpiexec's own exit status is one number for the whole job (Hydra reports the worst one);
-- the ``PeerLost`` message names the dead rank only when the failure detector ran and the
-  survivors lived to print it (after an ``MPI_Abort`` Hydra kills every shell: those ranks have no
-  status file at all, and are *not* counted as lost: only a recorded signal death is);
-- a heartbeat file per rank would need a clock and a deadline a second time (the detector has one).
+- its status is 137 or 143 (``LOST_SIGNALS``); another signal (SIGSEGV 139, SIGABRT 134) is the
+  program's own crash, which a restart would only repeat; or
+- it has no status while other ranks recorded theirs and no rank of the run aborted: its shell died
+  with it (the whole machine went). A rank that calls ``MPI_Abort`` first leaves ``aborted<rank>``
+  in the folder (``minipar.comm.mpi``'s abort hook), and Hydra then kills every shell: those ranks
+  have no status and are torn down, not lost. When no rank recorded anything (Hydra tore the whole
+  job down, as it does when a rank's shell is killed on this machine), the loop cannot tell which
+  machine went and does not restart.
+
+Why not the others: mpiexec's own exit status is one number for the whole job (Hydra ORs the ranks'
+statuses: 1 and 2 give 3, 137 and 3 give 139); the ``PeerLost`` message names the dead rank only
+when the failure detector ran and the survivors lived to print it; a heartbeat file per rank would
+need a clock and a deadline a second time (the detector has one).
 
 The shell also ignores SIGUSR1, which Hydra sends to the survivors of a dead rank (its default
 action kills), and turns a rank killed by a signal into an ordinary exit of the shell, so that
@@ -57,6 +65,7 @@ from typing import Any
 import numpy as np
 
 LOST_STATUS = 128  # a shell reports a process killed by signal s as 128 + s
+LOST_SIGNALS = (9, 15)  # SIGKILL, SIGTERM: the machine was taken away (not the program's own crash)
 STATUS_SHELL = ('trap "" USR1; "$0" "$@"; s=$?; '
                 'printf "%s\\n" "$s" > "$MINIPAR_ELASTIC_STATUS/rank${PMI_RANK:-${PMIX_RANK:-0}}"; exit "$s"')
 
@@ -70,11 +79,15 @@ class RunResult:
     returncode: int
     statuses: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    aborted: frozenset[int] = frozenset()  # ranks that called MPI_Abort (their marker files)
 
     @property
     def lost(self) -> list[int]:
-        """Ranks killed by a signal (status >= 128): the machines the next run must do without."""
-        return sorted(r for r, s in self.statuses.items() if s >= LOST_STATUS)
+        """The machines the next run must do without (module docstring): killed by SIGKILL or SIGTERM,
+        or gone with their shell when no rank aborted."""
+        killed = {r for r, s in self.statuses.items() if s - LOST_STATUS in LOST_SIGNALS}
+        gone = set() if self.aborted or not self.statuses else set(range(self.ranks)) - set(self.statuses)
+        return sorted(killed | gone)
 
     @property
     def ok(self) -> bool:
@@ -83,8 +96,10 @@ class RunResult:
     def describe(self) -> str:
         """One line: ranks, statuses, what was lost, time."""
         shown = ", ".join(f"{r}:{self.statuses[r]}" if r in self.statuses else f"{r}:-" for r in range(self.ranks))
-        lost = "; ".join(f"rank {r} lost (killed by signal {self.statuses[r] - LOST_STATUS})" for r in self.lost)
-        torn = "; '-': none recorded, torn down by mpiexec" if len(self.statuses) < self.ranks else ""
+        lost = "; ".join(f"rank {r} lost (killed by signal {self.statuses[r] - LOST_STATUS})" if r in self.statuses
+                         else f"rank {r} lost (gone with its shell)" for r in self.lost)
+        torn = ("; '-': none recorded, torn down by mpiexec after an MPI_Abort"
+                if self.aborted and len(self.statuses) < self.ranks else "")
         return (f"{self.ranks} ranks, exit status {self.returncode} in {self.seconds:.1f} s "
                 f"(rank:status {shown}{torn}){'; ' + lost if lost else ''}")
 
@@ -157,7 +172,8 @@ def mpiexec_launcher(argv: Sequence[str], mpiexec: str | os.PathLike[str] | None
                     statuses[int(f.name[4:])] = int(f.read_text().strip())
                 except ValueError:  # a status half-written when the shell itself was killed: none
                     continue
-        return RunResult(n, rc, statuses, seconds)
+            aborted = frozenset(int(f.name[7:]) for f in Path(status_dir).glob("aborted*"))
+        return RunResult(n, rc, statuses, seconds, aborted)
 
     return launch
 

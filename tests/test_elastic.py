@@ -6,7 +6,9 @@ process that trained on every global batch without interruption."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import operator
 import os
 import re
 import subprocess
@@ -36,18 +38,22 @@ _spec.loader.exec_module(example_script)
 
 # ---- the loop, on a fake launcher -------------------------------------------------------------------
 class FakeLauncher:
-    """Plays back one dict of per-rank exit statuses per run (a rank left out: none recorded, as after
-    an ``MPI_Abort``; runs past the list: every rank 0) and keeps what each run was given. mpiexec's
-    status is the worst rank's (Hydra's), 1 when some rank recorded none."""
+    """Plays back one dict of per-rank exit statuses per run (runs past the list: every rank 0) and
+    keeps what each run was given. A rank left out recorded no status: torn down after an
+    ``MPI_Abort`` of the first rank listed (its marker), or, with ``gone=True``, its shell died with it.
+    mpiexec's status is the ranks' statuses OR-ed (Hydra's), 1 when some rank recorded none."""
 
-    def __init__(self, runs: list[dict[int, int]]) -> None:
-        self.runs, self.calls = runs, []
+    def __init__(self, runs: list[dict[int, int]], gone: bool = False) -> None:
+        self.runs, self.calls, self.gone = runs, [], gone
 
     def __call__(self, n: int, env: dict[str, str]) -> RunResult:
         k = len(self.calls)
         statuses = self.runs[k] if k < len(self.runs) else dict.fromkeys(range(n), 0)
         self.calls.append((n, dict(env)))
-        return RunResult(n, max(statuses.values()) if len(statuses) == n else 1, statuses, 0.5)
+        missing = len(statuses) < n
+        aborted = frozenset([min(statuses, default=0)]) if missing and not self.gone else frozenset()
+        status = 1 if missing else functools.reduce(operator.or_, statuses.values(), 0)
+        return RunResult(n, status, statuses, 0.5, aborted)
 
 
 def quiet(lines: list[str]):
@@ -117,6 +123,17 @@ def test_world_sizes_shrink_by_the_lost_ranks(n, losses, max_restarts):
     assert status == (0 if last == len(runs) else 137 if sizes[last + 1] < sizes[last] else 1)
 
 
+def test_a_machine_gone_is_lost_and_a_crash_is_not():
+    # a rank with no status while nobody aborted: its shell died with it (the machine went): lost;
+    # a rank killed by SIGSEGV (139) or SIGABRT (134): the program's own crash: not lost, no restart
+    fake, log = FakeLauncher([{0: 1, 2: 1}], gone=True), []
+    status, runs = elastic_loop(3, fake, max_restarts=3, log=quiet(log))
+    assert runs[0].lost == [1] and [n for n, _ in fake.calls] == [3, 2] and status == 0
+    for crash in (139, 134):
+        status, runs = elastic_loop(2, FakeLauncher([{0: 1, 1: crash}]), max_restarts=3, log=quiet([]))
+        assert runs[0].lost == [] and len(runs) == 1 and status == 1 | crash
+
+
 def test_status_shell_records_how_each_rank_ended(tmp_path):
     # the shell mpiexec starts each rank under: a SIGKILLed rank is 137 (lost), an exit its status
     for rank, code, want in ((3, "os.kill(os.getpid(), signal.SIGKILL)", 137), (0, "sys.exit(7)", 7)):
@@ -124,7 +141,10 @@ def test_status_shell_records_how_each_rank_ended(tmp_path):
         proc = subprocess.run(["sh", "-c", STATUS_SHELL, sys.executable, "-c", f"import os, signal, sys; {code}"],
                               env=env)
         assert proc.returncode == want and (tmp_path / f"rank{rank}").read_text() == f"{want}\n"
-    assert RunResult(4, 137, {0: 7, 3: 137}).lost == [3]
+    assert RunResult(4, 137, {0: 7, 1: 1, 2: 1, 3: 137}).lost == [3]
+    assert RunResult(4, 137, {0: 7, 3: 137}, aborted=frozenset({0})).lost == [3]  # 1, 2 torn down by the abort
+    assert RunResult(4, 137, {0: 7, 3: 137}).lost == [1, 2, 3]  # nobody aborted: 1, 2 went with their shells
+    assert RunResult(4, 9, {}).lost == []  # the whole job torn down: which machine went is unknown
 
 
 def test_accumulation_keeps_the_global_batch_or_names_what_works():

@@ -14,15 +14,19 @@ al. 2002, which scales to thousands of ranks but is needless at minipar's handfu
 - Why a thread and not a ping answered inside waits: a rank busy computing for longer than the
   deadline enters no wait and could not answer, and would be declared dead; its heartbeat thread
   keeps beating (numpy releases the GIL; Python switches threads every 5 ms). So the detector tells
-  a dead *process* from a slow one; a live process that never enters an operation (a program bug)
-  is still the watchdog's ``CommTimeout``.
-- Cost with no fault: the thread wakes ``5 / deadline`` times a second and sends ``p - 1`` 8-byte
+  a dead *process* from a slow one, with one exception: a single C call that holds the GIL for
+  longer than the deadline (``sum(range(2 * 10**8))``, a long pure-C loop without releasing)
+  starves the thread and gets its rank declared dead. A live process that never enters an
+  operation (a program bug) is still the watchdog's ``CommTimeout``.
+- Cost with no fault: the thread wakes once per ``period`` (``deadline / 5``, at most once a second)
+  and sends ``p - 1`` 8-byte
   messages (one outstanding per peer at most: a dead peer's queue never fills up); a wait tests one
   dict for emptiness per poll. Nothing on a message's path changes.
 - Too short a deadline declares live ranks dead: a heartbeat late by more than the deadline (a
   loaded machine: measured with 0.05 s and two busy cores) looks like a death. Keep it well above
   the scheduling jitter (>= 0.5 s; the tests use 1 s). A peer not heard yet at all (still starting
-  its thread) gets twice the deadline.
+  its thread) gets twice the deadline; the clocks start when the heartbeat's communicator exists
+  (every rank has called ``world()``), so a rank slow to start is not silent.
 - A rank that ends normally says goodbye (``stop``, from ``atexit``): its peers mark it as *left*,
   never dead, so ranks finishing at different times raise nothing. It then waits until every peer
   has left or died before ``MPI_Finalize`` (which waits for ever for a rank that died; with one dead,
@@ -43,6 +47,7 @@ stops a rank's heartbeats.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -57,8 +62,10 @@ BEAT, BYE = 1, 2  # heartbeat message kinds
 
 def default_deadline(timeout: float, deadline: float | None = None) -> float | None:
     """Resolve the detection deadline: argument, then ``MINIPAR_PEER_DEADLINE``, then
-    ``min(10, timeout / 2)``; it must be below the watchdog ``timeout``. None when the variable is
-    ``off`` (no detector: a dead peer is a ``CommTimeout`` after ``timeout``)."""
+    ``min(10, timeout / 2)``; it must be below the watchdog ``timeout``: an argument that is not is
+    refused, the environment's is lowered to ``timeout / 2`` (one exported value serves launches with
+    short timeouts too). None when the variable is ``off`` (no detector: a dead peer is a
+    ``CommTimeout`` after ``timeout``)."""
     if deadline is None:
         raw = os.environ.get("MINIPAR_PEER_DEADLINE", "")
         if raw.strip().lower() == "off":
@@ -67,6 +74,8 @@ def default_deadline(timeout: float, deadline: float | None = None) -> float | N
             deadline = float(raw) if raw else min(DEFAULT_DEADLINE, timeout / 2)
         except ValueError:
             raise ValueError(f"MINIPAR_PEER_DEADLINE={raw!r} is not a number of seconds (or off)") from None
+        if deadline >= timeout:
+            deadline = timeout / 2
     deadline = float(deadline)
     if not 0 < deadline < timeout:
         raise ValueError(f"the peer deadline must be > 0 and below the communication timeout ({timeout} s), "
@@ -92,6 +101,12 @@ class Detector:
         self.lock = threading.Lock()
         self.on_death: Callable[[], None] = lambda: None  # wake waits (threads backend)
         self._marked: dict[int, set[int]] = {}  # id(recorder) -> ranks marked in that trace
+
+    def restart(self) -> None:
+        """Every peer heard now: the transport is up (peers that started late were not silent)."""
+        with self.lock:
+            now = time.monotonic()
+            self.last = dict.fromkeys(self.last, now)
 
     @property
     def period(self) -> float:
@@ -161,12 +176,14 @@ class Detector:
 class MpiHeartbeat:
     """The MPI transport of a ``Detector``: a daemon thread beating on its own duplicate communicator."""
 
-    def __init__(self, mpicomm: Any, detector: Detector) -> None:
+    def __init__(self, mpicomm: Any, detector: Detector, wait: Callable[[Callable[[], bool]], None]) -> None:
         import numpy as np
         from mpi4py import MPI
 
         self.MPI, self.np = MPI, np
-        self.comm = mpicomm.Dup()  # collective: every rank builds its heartbeat at world() time
+        self.comm, req = mpicomm.Idup()  # collective: every rank builds its heartbeat at world() time;
+        wait(req.Test)  # waited under the watchdog (a rank dead before it joins: CommTimeout, not a hang)
+        detector.restart()  # the clocks start once every peer is here (a late peer is not silent)
         self.detector = detector
         self.peers = [r for r in range(self.comm.Get_size()) if r != self.comm.Get_rank()]
         self.beat, self.bye = np.array([BEAT], dtype=np.int64), np.array([BYE], dtype=np.int64)
@@ -217,7 +234,9 @@ class MpiHeartbeat:
                     time.sleep(self.detector.period / 4)
                 else:
                     self.stopping.wait(self.detector.period)
-        except Exception:  # noqa: BLE001 -- the MPI library is going away under us: stop beating
+        except Exception as err:  # noqa: BLE001 -- the MPI library is going away under us: stop beating
+            if not self.stopping.is_set():  # mid-run: peers will declare this rank dead; say why
+                sys.stderr.write(f"[minipar] rank {self.detector.world_rank}: heartbeat stopped: {err!r}\n")
             return
 
     def stop(self) -> None:

@@ -232,6 +232,10 @@ def _abort_hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> N
     if fault:  # every survivor detects the death itself; MPI_Abort would cut their reports short, and
         time.sleep(FORWARD_GRACE)  # MPI_Finalize would wait for the dead rank for ever
         os._exit(1)
+    folder = os.environ.get("MINIPAR_ELASTIC_STATUS")  # minipar run --elastic: torn down, not lost
+    if folder:
+        with open(os.path.join(folder, f"aborted{rank}"), "w"):
+            pass
     # mpiexec forwards a rank's output asynchronously and Abort kills its forwarder: give it a moment
     # (seen: the traceback lost, only the first line delivered); ranks timing out at the same moment
     # print their view too
@@ -245,22 +249,33 @@ def _thread_hook(args: Any) -> None:
     _abort_hook(args.exc_type, args.exc_value, args.exc_traceback)
 
 
-_exit_status = [0]  # the status sys.exit was last asked for (_at_exit's os._exit keeps it)
+_exit_status = [0]  # the status sys.exit was last asked for (the os._exit fallback keeps it)
 
 
 def _exit(status: object = None) -> NoReturn:
     """``sys.exit``, remembering the status it will exit with (None: 0, an int: itself, anything else
-    is printed and exits 1), for ``_at_exit``. A bare ``raise SystemExit(n)`` is not seen: 0."""
+    is printed and exits 1), for ``_at_exit``'s fallback. A bare ``raise SystemExit(n)`` is not seen."""
     _exit_status[0] = 0 if status is None else status if isinstance(status, int) else 1
     raise SystemExit(status)
 
 
-def _at_exit(beat: MpiHeartbeat) -> None:
-    """Before MPI_Finalize (``atexit`` runs this before mpi4py's handler): say goodbye to the peers;
-    if one died, exit without MPI_Finalize, which would wait for it for ever, with the status the
-    script asked ``sys.exit`` for (a survivor that catches ``PeerLost`` and exits 1 ends with 1)."""
-    beat.stop()
-    if beat.detector.dead:
+def _at_exit(beat: MpiHeartbeat | None, finalize: bool) -> None:
+    """At exit, after the atexit handlers registered later: say goodbye to the peers, then
+    ``MPI_Finalize`` unless a peer died (it would wait for the dead one for ever). When this module
+    imported mpi4py it turned mpi4py's own finalization off (``finalize``), so with a dead peer the
+    process simply exits: its status (``sys.exit(n)``, ``raise SystemExit(n)``, an error) and its
+    buffered files are kept. When the script imported mpi4py first, mpi4py finalizes after this
+    handler, and a dead peer leaves only ``os._exit``, with the status ``sys.exit`` was asked for."""
+    if beat is not None:
+        beat.stop()
+    dead = beat is not None and bool(beat.detector.dead)
+    if finalize:
+        from mpi4py import MPI
+
+        if not dead and not MPI.Is_finalized():
+            MPI.Finalize()
+        return
+    if dead:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status[0])
@@ -272,6 +287,11 @@ def mpi_world(timeout: float | None = None, deadline: float | None = None) -> Mp
     global _world
     with _lock:
         if _world is None:
+            import mpi4py
+
+            finalize = "mpi4py.MPI" not in sys.modules  # then _at_exit finalizes, not mpi4py
+            if finalize:
+                mpi4py.rc.finalize = False
             from mpi4py import MPI
 
             state = RankState(MPI.COMM_WORLD.Get_rank(), default_timeout(timeout))
@@ -279,12 +299,18 @@ def mpi_world(timeout: float | None = None, deadline: float | None = None) -> Mp
             sys.excepthook = _abort_hook
             threading.excepthook = _thread_hook
             dl = default_deadline(state.timeout, deadline)
+            beat = None
             if _world.size > 1 and dl is not None:
                 # hydra signals the survivors of a dead rank with SIGUSR1, whose default action kills
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-                state.detector = Detector(_world.rank, [r for r in range(_world.size) if r != _world.rank], dl)
-                atexit.register(_at_exit, MpiHeartbeat(MPI.COMM_WORLD, state.detector))
-                sys.exit = _exit  # os._exit at exit would lose the status otherwise
+                peers = [r for r in range(_world.size) if r != _world.rank]
+                state.detector = Detector(_world.rank, peers, dl)
+                beat = MpiHeartbeat(MPI.COMM_WORLD, state.detector,
+                                    lambda test: poll(state, test, "the failure detector's start-up (dup)", peers))
+                if not finalize:
+                    sys.exit = _exit  # the os._exit fallback would lose the status otherwise
+            if finalize or beat is not None:
+                atexit.register(_at_exit, beat, finalize)
         else:
             if timeout is not None:
                 _world.state.timeout = default_timeout(timeout)
