@@ -89,6 +89,25 @@ def noting_loss(comm: Any, outdir: str, body: Any) -> Any:
         raise
 
 
+# ---- a busy rank ----------------------------------------------------------------------------------
+def busy_rank(comm: Any, outdir: str, busy: float) -> tuple[float, float, dict[int, float]]:
+    """Rank 0 computes for ``busy`` seconds (numpy matmuls in a Python loop: each BLAS call releases
+    the GIL, and between calls the interpreter switches threads every 5 ms, so the heartbeat thread
+    beats) while the others wait in an all-reduce; returns (the sum, rank 0's compute seconds, this
+    rank's declared-dead table)."""
+    comm.barrier()
+    held = 0.0
+    if comm.rank == 0:
+        a = np.random.default_rng(0).normal(size=(120, 120))
+        t = time.monotonic()
+        while time.monotonic() - t < busy:
+            a = np.tanh(a @ a.T / 120)
+        held = time.monotonic() - t
+    total = float(comm.allreduce(np.ones(2) * (comm.rank + 1))[0])
+    det = comm.state.detector
+    return total, held, {r: s for r, (_, _, s) in det.dead.items()}
+
+
 # ---- parameter server ------------------------------------------------------------------------------
 def ps_loss(model: Module, x: np.ndarray, y: np.ndarray) -> minipar.Tensor:
     return F.mse_loss(model(minipar.Tensor(x)), minipar.Tensor(y))

@@ -16,7 +16,17 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from fault_helpers import SIZES, ddp_rank, model_parallel_rank, ps_batch, ps_loss, ps_rank, run_job, zero3_rank
+from fault_helpers import (
+    SIZES,
+    busy_rank,
+    ddp_rank,
+    model_parallel_rank,
+    ps_batch,
+    ps_loss,
+    ps_rank,
+    run_job,
+    zero3_rank,
+)
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget
@@ -24,14 +34,23 @@ from strategies import budget
 import minipar
 from minipar import elastic
 from minipar.comm import PeerLost, RankError, faults
-from minipar.comm.detector import default_deadline
+from minipar.comm.detector import Detector, default_deadline
 from minipar.datasets import shard
 from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.testing import ROOT
 
 DEADLINE = 1.0
-MARGIN = 1.0  # heartbeat period (0.2 s), the wait's poll and the report's 0.3 s forwarding grace
+MARGIN = 1.0  # for a whole job's end: the detection's period, the wait's poll and the report's 0.3 s grace
+PERIOD = Detector(0, [], DEADLINE).period  # the heartbeat period: deadline / 5 = 0.2 s
+
+
+def detected_in_time(seconds: float) -> bool:
+    """A death is declared within one heartbeat period of the deadline after the kill (the last beat
+    heard was up to a period before the kill; the check runs every period), plus 0.3 s for a survivor
+    to hear of it in its wait and note it (measured 0.94-1.13 s at a 1 s deadline). The never-heard
+    2x limit (2 s) fails this."""
+    return DEADLINE - PERIOD <= seconds <= DEADLINE + PERIOD + 0.3
 FEW = budget(1)  # one drawn job beside the @example jobs (ten under the thorough profile)
 
 
@@ -59,7 +78,21 @@ def _busy_then_reduce(comm: minipar.Communicator) -> float:
 
 @pytest.mark.alone
 def test_busy_rank_is_not_declared_dead() -> None:
+    """On threads only the shared table's beats are at stake (it cannot fail: see the mpiexec test)."""
     assert minipar.launch(_busy_then_reduce, 3, deadline=0.2, timeout=5) == [6.0, 6.0, 6.0]
+
+
+@pytest.mark.mpi
+def test_busy_process_is_not_declared_dead() -> None:
+    """Under mpiexec: rank 0 computes with numpy (BLAS releasing the GIL, Python between calls) for 3
+    deadlines while the others wait; its heartbeat thread keeps it alive in every peer's detector."""
+    deadline = 0.5
+    job = run_job(busy_rank, 3, deadline, busy=3 * deadline)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert sorted(job.results) == [0, 1, 2]
+    assert job.results[0][1] >= 3 * deadline  # rank 0 really was busy for 3 deadlines
+    for total, _, dead in job.results.values():
+        assert total == 6.0 and dead == {}  # 1 + 2 + 3, and nobody declared dead
 
 
 def _killed_on_threads(comm: minipar.Communicator) -> tuple[int, str, float]:
@@ -108,8 +141,8 @@ def reference_shrinking(steps: int, n_w: int, victim_w: int, at: int) -> dict[st
 
 @pytest.mark.mpi
 @FEW
-@given(mode=st.sampled_from(["async", "shrink"]), victim_w=st.integers(0, 1), at=st.integers(1, 6))
-@example(mode="async", victim_w=1, at=4)
+@given(mode=st.sampled_from(["async", "shrink"]), victim_w=st.integers(0, 2), at=st.integers(0, 9))
+@example(mode="async", victim_w=2, at=0)  # the last worker, before its first push
 @example(mode="shrink", victim_w=0, at=3)
 def test_parameter_server_survives_a_killed_worker(mode: str, victim_w: int, at: int) -> None:
     steps, n_servers = 10, (1 if mode == "async" else 2)
@@ -123,11 +156,13 @@ def test_parameter_server_survives_a_killed_worker(mode: str, victim_w: int, at:
     kill = job.killed[victim]
     servers = [job.results[s] for s in range(n_servers)]
     detected = [declared[victim] - kill for _, declared in servers if victim in declared]
-    assert detected and all(0 < t <= DEADLINE + MARGIN for t in detected)  # a server may learn it from another
+    assert detected and all(detected_in_time(t) for t in detected), detected  # a server may learn it from another
+    # every live worker's every step once, the victim's steps before its death, nothing else
+    want = {(w, c) for w in range(n_servers, n) for c in range(steps if w != victim else at)}
     for res, _ in servers:
         assert res.dropped == [victim]
-        counts = Counter(a[0] for a in res.applied)  # updates applied, per worker
-        assert counts == {**{w: steps for w in range(n_servers, n) if w != victim}, victim: at}
+        done = [(a[0], a[1]) for a in res.applied]  # (worker, step) per applied update
+        assert len(done) == len(set(done)) and set(done) == want
     assert end - kill <= steps * 0.2 + DEADLINE + 5  # no hang: the survivors finished their steps
     for w in range(n_servers, n):
         if w != victim:
@@ -151,7 +186,7 @@ def test_sync_parameter_server_stops_naming_the_worker() -> None:
     assert job.returncode != 0 and job.results == {}
     assert "WorkerLost: parameter server rank 0 (sync): worker rank 2 died" in job.stderr
     assert sorted(job.lost) == [0, 1, 3] and {d for _, d, _ in job.lost.values()} == {2}
-    assert all(t - kill <= DEADLINE + MARGIN for t, _, _ in job.lost.values())
+    assert all(detected_in_time(t - kill) for t, _, _ in job.lost.values()), job.lost
     assert end - kill <= DEADLINE + MARGIN + 2
 
 
@@ -165,7 +200,7 @@ def check_fail_fast(job, n: int, victim: int) -> None:
     for r in survivors:
         t, dead, message = job.lost[r]
         assert dead == victim and f"rank {victim} (world) is dead" in message
-        assert 0 < t - kill <= DEADLINE + MARGIN  # detection time
+        assert detected_in_time(t - kill), (r, t - kill)  # detection time
         assert f"PeerLost: rank {r}: " in job.stderr  # every survivor reports, naming the operation
     assert end - kill <= DEADLINE + MARGIN + 2  # the whole job is gone soon after
 
