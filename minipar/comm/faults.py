@@ -51,14 +51,6 @@ def kill(comm: Any) -> NoReturn:
     raise Killed(f"rank {comm.world_rank} killed")
 
 
-def dead_ranks(comm: Any) -> list[int]:
-    """World ranks this rank's failure detector has declared dead, in the order declared."""
-    det = comm.state.detector
-    if det is None:
-        return []
-    return sorted(det.dead, key=lambda r: det.dead[r][0])
-
-
 def mpiexec_command(n: int, argv: list[str], mpiexec: str | os.PathLike[str] | None = None) -> list[str]:
     """``mpiexec -disable-auto-cleanup -n n sh -c ... argv``: a job whose survivors outlive a dead rank."""
     exe = str(mpiexec or Path(sys.executable).parent / "mpiexec")
