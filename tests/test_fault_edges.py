@@ -104,15 +104,17 @@ def test_a_trace_that_completes_still_merges_the_side_file(tmp_path: Path) -> No
 
 
 # ---- L5: a peer lost during the save's first broadcast leaves no temporary directory -------------------
+AGREE = checkpoint._agree  # the real one; the test patches the module's for all ranks at once
+
+
+def _agree_then_die(c: Any, errors: list[str], what: str, extra: Any = None) -> list[Any]:
+    out = AGREE(c, errors, what, extra)
+    if c.rank == 1:
+        faults.kill(c)  # right after the arguments are agreed, before rank 0's broadcast of the tmp
+    return out
+
+
 def _save_meeting_a_dead_peer(comm: minipar.Communicator, directory: str) -> str:
-    agree = checkpoint._agree
-
-    def agree_then_die(c: Any, errors: list[str], what: str, extra: Any = None) -> list[Any]:
-        out = agree(c, errors, what, extra)
-        if c.rank == 1:
-            faults.kill(comm)  # right after the arguments are agreed, before rank 0's broadcast of the tmp
-        return out
-
     if comm.rank == 0:  # rank 0's broadcast waits for the death (a wait that a dead peer ends)
         real = comm.broadcast_object
 
@@ -125,18 +127,18 @@ def _save_meeting_a_dead_peer(comm: minipar.Communicator, directory: str) -> str
             return real(obj, root)
 
         comm.broadcast_object = broadcast_to_the_dead  # type: ignore[method-assign]
-    elif comm.rank == 1:
-        checkpoint._agree = agree_then_die  # type: ignore[assignment]  # threads: rank 1 alone calls it
     try:
         checkpoint.save(directory, comm, {"w": np.arange(2.0)}, {"w": 2 * comm.size})
     except PeerLost as exc:
         return f"PeerLost {exc.rank}"
-    finally:
-        checkpoint._agree = agree
     return "saved"
 
 
-def test_a_save_whose_broadcast_meets_a_dead_peer_leaves_no_temporary(tmp_path: Path) -> None:
+def test_a_save_whose_broadcast_meets_a_dead_peer_leaves_no_temporary(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # patched here, before any rank starts, and undone after: a rank patching a module's global while
+    # another reads it left the killer in place for the next tests of the process
+    monkeypatch.setattr(checkpoint, "_agree", _agree_then_die)
     directory = tmp_path / "ckpt"
     out = minipar.launch(_save_meeting_a_dead_peer, 3, deadline=0.2, timeout=5, directory=str(directory))
     assert out == ["PeerLost 1", None, "PeerLost 1"]
