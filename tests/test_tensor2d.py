@@ -30,6 +30,7 @@ from minipar.nn import Block, FeedForward, Linear
 from minipar.optim import SGD
 from minipar.parallel.tensor2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
 from minipar.testing import run
+from viz.analysis import sent_by_op
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -37,13 +38,6 @@ TOL = {"rtol": 1e-12, "atol": 1e-12}
 def rand(seed: int, *shape: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=shape)
 
-
-def sent(events: list, rank: int) -> Counter:
-    out: Counter = Counter()
-    for e in events:
-        if e.kind == "comm" and e.src == rank:
-            out[e.op] += e.nbytes
-    return out
 
 
 def randomise(layer, seed: int) -> None:
@@ -75,7 +69,8 @@ def layer_run(comm, c: dict) -> dict:
     SGD(layer.parameters(), lr=0.1).step()  # elementwise: each piece's update is the whole's, sliced
     params = {n: (p.data.size, p.grad, p.data) for n, p in layer.named_parameters()}
     return {"ij": (grid.i, grid.j), "y": y.data, "act": act, "dx": x.grad, "params": params,
-            "fwd": sent(rec.events[:mark], comm.world_rank), "bwd": sent(rec.events[mark:], comm.world_rank)}
+            "fwd": sent_by_op(rec.events[:mark], comm.world_rank),
+            "bwd": sent_by_op(rec.events[mark:], comm.world_rank)}
 
 
 def reference(c: dict) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], int]:
@@ -204,7 +199,7 @@ def first_layer(comm) -> tuple:
     layer = Linear2D(4, 8, grid).init_parameters(1, "l.")
     with trace.record(None, comm) as rec:
         (layer(Tensor(block(rand(1, 6, 4), grid))) * block(rand(2, 6, 8), grid)).sum().backward()
-    return grid.i, grid.j, layer.weight.grad, sent(rec.events, comm.world_rank)
+    return grid.i, grid.j, layer.weight.grad, sent_by_op(rec.events, comm.world_rank)
 
 
 def test_input_without_gradient_skips_its_summa() -> None:

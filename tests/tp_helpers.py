@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 
 from minipar.autograd import Tensor
+from viz.analysis import sent_by_op
 
 TOL = {"rtol": 1e-8, "atol": 1e-10}
 
@@ -58,9 +59,7 @@ def summarise(events: list, rank: int) -> dict:
         calls[(span.args["layer"], span.name)] = Counter(e.op for e in inside if e.step == 0)
         for e in inside:
             block_bytes[(span.args["layer"], e.op)] += e.nbytes
-    total: Counter = Counter()
-    for e in sends:
-        total[e.op] += e.nbytes
+    total = sent_by_op(events, rank)
     peaks: dict[str, int] = {}
     for e in events:
         if e.kind == "memory":

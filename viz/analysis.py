@@ -32,6 +32,8 @@ Costs: every function is O(E log E) in the number of events E (one sort), except
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +158,16 @@ def op_key(event: Event) -> str:
     """``"allreduce/ring"`` when the message names its algorithm, else just the op."""
     op = event.op or event.name
     return f"{op}/{event.algorithm}" if event.algorithm else op
+
+
+def sent_by_op(events: Iterable[Event], rank: int) -> Counter:
+    """Bytes ``rank`` sent among ``events`` (one rank's recording, or a whole trace's), by op: counted
+    once, from the sender's own record (as ``Trace.bytes_sent``)."""
+    out: Counter = Counter()
+    for e in events:
+        if e.kind == "comm" and e.rank == rank and e.src == rank:
+            out[e.op] += e.nbytes or 0
+    return out
 
 
 def bytes_by_op(trace: Trace) -> dict[str, list[int]]:

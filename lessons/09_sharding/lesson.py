@@ -24,7 +24,6 @@ Writes runs/09_sharding/{1d,2p5d,3d}.json and report.html.
 from __future__ import annotations
 
 import importlib
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from minipar.parallel.tensor2p5d import Block2p5D, block_2p5d, grid_2p5d
 from minipar.parallel.tensor3d import Block3D, cube_3d, input_piece
 from minipar.sharding import GlobalTensor, Replicate, ops
 from minipar.sharding import nn as snn
+from viz.analysis import sent_by_op
 
 table = importlib.import_module("lessons.09_sharding.table")  # section 1
 BATCH, SEQ, D, HEADS, D_FF, SEED, RANKS = 8, 4, 16, 8, 32, 3, 8
@@ -58,14 +58,6 @@ def inputs() -> tuple[np.ndarray, np.ndarray]:
     """The block's input and the fixed tensor the loss ``sum(y * r)`` weighs its output with."""
     rng = np.random.default_rng(SEED)
     return rng.normal(size=(BATCH, SEQ, D)), rng.normal(size=(BATCH, SEQ, D))
-
-
-def sent(events: list, rank: int) -> Counter:
-    out: Counter = Counter()
-    for e in events:
-        if e.kind == "comm" and e.src == rank:
-            out[e.op] += e.nbytes
-    return out
 
 
 # ---- 2. Megatron in annotations ----------------------------------------------------------------------------
@@ -91,8 +83,8 @@ def annotated(comm: Any) -> dict[str, Any]:
     moves = [(i < mark, e.args) for i, e in enumerate(rec.events) if e.kind == "mark" and e.name == "redistribute"]
     return {"y": float(np.abs(y.local - ty.data.transpose(1, 0, 2)).max()), "grads": worst,
             "dx": float(np.abs(gx.grad.local - tx.grad.transpose(1, 0, 2)).max()),
-            "bytes": [sent(rec.events[:mark], comm.world_rank), sent(rec.events[mark:], comm.world_rank),
-                      sent(rec2.events[:mark2], comm.world_rank), sent(rec2.events[mark2:], comm.world_rank)],
+            "bytes": [sent_by_op(part, comm.world_rank) for part in (rec.events[:mark], rec.events[mark:],
+                                                                      rec2.events[:mark2], rec2.events[mark2:])],
             "moves": moves, "placements": {n: str(p.placements[0]) for n, p in layer.named_parameters()}}
 
 
@@ -158,7 +150,8 @@ def three_ways(comm: Any, out_dir: Path) -> dict[str, Any]:
             with trace.span("B", args={"layer": 0}):
                 (y * piece(r)).sum().backward()
         want = unpiece(piece(whole_y.data)) if unpiece else piece(whole_y.data)
-        res[kind] = {"fwd": sent(rec.events[:mark], comm.world_rank), "bwd": sent(rec.events[mark:], comm.world_rank),
+        me = comm.world_rank
+        res[kind] = {"fwd": sent_by_op(rec.events[:mark], me), "bwd": sent_by_op(rec.events[mark:], me),
                      "params": sum(p.data.size for p in block.parameters()), "act": act,
                      "diff": float(np.abs((unpiece(y.data) if unpiece else y.data) - want).max())}
     return res

@@ -21,6 +21,7 @@ from minipar.mesh import DeviceMesh
 from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, ops, plan
 from minipar.sharding.placement import describe
 from minipar.sharding.propagate import matmul_strategies
+from viz.analysis import sent_by_op
 
 M, K, N = 4, 5, 8
 ONE = [Shard(0), Shard(1), Replicate(), Partial()]
@@ -50,7 +51,7 @@ def run(mesh: DeviceMesh) -> list[dict[str, Any]]:
         na, nb, pc, predicted = matmul_strategies(a, b)[0]
         with trace.recording(mesh.rank) as rec:
             c = ops.matmul(a, b)
-        sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == mesh.rank)
+        sent = sum(sent_by_op(rec.events, mesh.rank).values())
         right = bool(np.array_equal(c.to_global(), x @ y))
         rows.append({**row, "needs": f"{describe(na)} x {describe(nb)}", "C": describe(pc)[1:-1],
                      "how": ", ".join(steps_of("A", (pa,), na) + steps_of("B", (pb,), nb)) or "none (local)",
