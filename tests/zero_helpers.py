@@ -13,6 +13,10 @@ from minipar import nn, trace
 
 LR, WEIGHT_DECAY = 1e-2, 0.1
 SMALL_CAP, LARGE_CAP = 200, 1 << 20
+# Gradients: each rank sums its rows, the ring adds N partial sums in another order than one process,
+# then / N: a few ulps of the largest term (seen: 2e-16 absolute on entries <= O(1)). test_zero asserts
+# it of ZeRO's and FSDP's gradients; the parameter checks after AdamW steps (``tolerances``) rely on it.
+GRAD_TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 def config(mode: str, world: int, cap: int = SMALL_CAP, reshard: bool = True, prefetch: bool = True,
