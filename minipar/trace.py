@@ -21,7 +21,19 @@ Event kinds:
   ``args = {"src", "dst", "modelled_s"}`` with tiers "cpu", "device", "nvme".
 
 Times are seconds on the machine's monotonic clock while recording, and relative to the earliest
-event when saved. Tracing that is off costs one thread-local lookup per call.
+event when saved (``meta["clock"]`` is "wall"; ``minipar.replay`` writes "replay"). Tracing that is
+off costs one thread-local lookup per call.
+
+CPU time (format version 2): a compute span also records ``c0``/``c1``, the CPU seconds of the
+thread that ran it (``time.thread_time``: a rank's own thread on ``threads``, the process's main
+thread under ``mpiexec``), which does not grow while the thread waits for a core, so it means the
+same however many ranks share the machine. A message records the CPU time at its post (``c0``) and
+completion (``c1``), and ``tw``/``cw``, the wall and CPU time at which its rank began to wait for it
+(absent when it was never waited for, e.g. a send found complete by ``test()``); ``tag`` and ``cid``
+(the communicator, the same string on every rank) are MPI's matching key with ``src``/``dst``. An
+event recorded by another thread of the rank (a communicator's worker, ``comm/asyncwork.py``) says
+which in ``thread`` (1, 2, ...; absent: the rank's own thread). Version-1 traces still load; they
+have none of these, so they cannot be replayed.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT = "minipar-trace"
-VERSION = 1
+VERSION = 2  # 2: CPU times, waits, matching keys and threads (see the module docstring)
 KINDS = ("compute", "comm", "memory", "mark", "transfer")
 
 
@@ -61,6 +73,13 @@ class Event:
     microbatch: int | None = None
     chunk: int | None = None
     args: dict[str, Any] = field(default_factory=dict)
+    c0: float | None = None  # CPU seconds of the recording thread at t0 and t1 (version 2)
+    c1: float | None = None
+    tw: float | None = None  # comm: wall and CPU time at which the rank began to wait for it
+    cw: float | None = None
+    thread: int | None = None  # the rank's thread that recorded it (None: its own)
+    tag: int | None = None  # comm: wire tag (context and tag) and communicator id: the matching key
+    cid: str | None = None
 
     @property
     def duration(self) -> float:
@@ -74,6 +93,7 @@ class Event:
 class Trace:
     meta: dict[str, Any]
     events: list[Event]
+    version: int = VERSION  # the file format it was read from (saving writes the current one)
 
     def by_rank(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
@@ -101,15 +121,23 @@ class Trace:
 
 class Recorder:
     """Collects one rank's events; ``spill_path``: where ``spill`` writes them if the rank is killed
-    while a trace file records (None: nowhere)."""
+    while a trace file records (None: nowhere). The thread that made it is the rank's own (lane 0);
+    other threads that record into it get lanes 1, 2, ... in the order they first record."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.events: list[Event] = []
         self.spill_path: str | None = None
+        self._lanes = {threading.get_ident(): 0}
+        self._lock = threading.Lock()
 
     def add(self, kind: str, name: str, t0: float, t1: float, **fields: Any) -> Event:
-        ev = Event(self.rank, kind, name, t0, t1, **fields)
+        ident = threading.get_ident()
+        lane = self._lanes.get(ident)
+        if lane is None:
+            with self._lock:
+                lane = self._lanes.setdefault(ident, len(self._lanes))
+        ev = Event(self.rank, kind, name, t0, t1, thread=lane or None, **fields)
         self.events.append(ev)
         return ev
 
@@ -119,6 +147,11 @@ _local = threading.local()
 
 def now() -> float:
     return time.perf_counter()
+
+
+def cpu() -> float:
+    """CPU seconds of the calling thread (it does not grow while the thread waits for a core)."""
+    return time.thread_time()
 
 
 def current() -> Recorder | None:
@@ -145,11 +178,11 @@ def span(name: str, kind: str = "compute", **fields: Any) -> Iterator[None]:
     if rec is None:
         yield
         return
-    t0 = now()
+    t0, c0 = now(), cpu()
     try:
         yield
     finally:
-        rec.add(kind, name, t0, now(), **fields)
+        rec.add(kind, name, t0, now(), c0=c0, c1=cpu(), **fields)
 
 
 def memory(label: str, nbytes: int, **fields: Any) -> None:
@@ -168,16 +201,32 @@ def mark(name: str, **args: Any) -> None:
         rec.add("mark", name, t, t, args=args)
 
 
-def message(
-    src: int, dst: int, nbytes: int, t0: float, t1: float, op: str, algorithm: str | None = None,
-    step: int | None = None, **fields: Any,
-) -> None:
-    """Record one message on this rank (sender or receiver side)."""
-    rec = current()
-    if rec is not None:
-        direction = "send" if src == rec.rank else "recv"
-        rec.add("comm", direction, t0, t1, src=src, dst=dst, nbytes=int(nbytes), op=op,
-                algorithm=algorithm, step=step, **fields)
+class Message:
+    """What a trace keeps of one message until it completes (``minipar.comm`` makes one per message
+    while a trace records): posted (``t0``, ``c0``), waited for (``tw``, ``cw``: set by the first wait,
+    also one after a ``test()`` completed it), then its event (``done``, on the sender's or the
+    receiver's side by ``src``; ``nbytes`` None: the received array's)."""
+
+    __slots__ = ("rec", "src", "dst", "nbytes", "fields", "t0", "c0", "tw", "cw", "event")
+
+    def __init__(self, rec: Recorder, src: int, dst: int, nbytes: int | None, **fields: Any) -> None:
+        self.rec, self.src, self.dst, self.nbytes, self.fields = rec, src, dst, nbytes, fields
+        self.t0, self.c0 = now(), cpu()
+        self.tw: float | None = None
+        self.cw: float | None = None
+        self.event: Event | None = None
+
+    def waiting(self) -> None:
+        if self.tw is None:
+            self.tw, self.cw = now(), cpu()
+            if self.event is not None:
+                self.event.tw, self.event.cw = self.tw, self.cw
+
+    def done(self, value: Any) -> None:
+        nbytes = value.nbytes if self.nbytes is None else self.nbytes
+        self.event = self.rec.add("comm", "send" if self.src == self.rec.rank else "recv", self.t0, now(),
+                                  c0=self.c0, c1=cpu(), tw=self.tw, cw=self.cw, src=self.src, dst=self.dst,
+                                  nbytes=int(nbytes), **self.fields)
 
 
 def spill_path(path: str | os.PathLike[str], rank: int) -> str:
@@ -253,6 +302,7 @@ def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -
             events += _unspill(os.fspath(path), r)
         meta.setdefault("world_size", comm.size)
         meta.setdefault("backend", getattr(comm, "backend", "unknown"))
+        meta.setdefault("clock", "wall")
         if lost:
             meta["lost_ranks"] = lost
         save(Trace(meta, events), path)
@@ -266,6 +316,8 @@ def save(trace: Trace, path: str | os.PathLike[str]) -> None:
         d = e.to_dict()
         d["t0"] = e.t0 - t_base
         d["t1"] = e.t1 - t_base
+        if e.tw is not None:
+            d["tw"] = e.tw - t_base
         events.append(d)
     doc = {"format": FORMAT, "version": VERSION, "meta": trace.meta, "events": events}
     path = os.fspath(path)
@@ -315,7 +367,12 @@ def load(path: str | os.PathLike[str]) -> Trace:
         problem = _event_problem(e)
         if problem:
             raise TraceError(f"{path}: malformed trace event #{i} ({problem})")
-    return Trace(dict(meta), events)
+    return Trace(dict(meta), events, version)
+
+
+def has_cpu_times(trace: Trace) -> bool:
+    """True when the trace's events carry CPU times (format version 2, recorded by a run)."""
+    return trace.version >= 2 and any(e.c0 is not None for e in trace.events if e.kind in ("compute", "comm"))
 
 
 def _event_problem(e: Event) -> str | None:
@@ -327,69 +384,19 @@ def _event_problem(e: Event) -> str | None:
         return f"kind {e.kind!r} is not one of {KINDS}"
     if not isinstance(e.rank, int) or not isinstance(e.name, str) or not (number(e.t0) and number(e.t1)):
         return "rank must be an int, name a string, t0 and t1 numbers"
-    for k in ("src", "dst", "nbytes", "step", "stage", "microbatch", "chunk"):
+    for k in ("src", "dst", "nbytes", "step", "stage", "microbatch", "chunk", "thread", "tag"):
         if getattr(e, k) is not None and not isinstance(getattr(e, k), int):
             return f"{k} must be an int, got {getattr(e, k)!r}"
+    for k in ("c0", "c1", "tw", "cw"):
+        if getattr(e, k) is not None and not number(getattr(e, k)):
+            return f"{k} must be a number, got {getattr(e, k)!r}"
+    if e.cid is not None and not isinstance(e.cid, str):
+        return f"cid must be a string, got {e.cid!r}"
     return None
 
 
 def to_chrome(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Export to Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing).
+    """Export to Chrome-trace JSON for https://ui.perfetto.dev (``minipar.chrome``)."""
+    from minipar.chrome import to_chrome as write
 
-    Each rank is a process (``pid`` = rank, named "rank r"), so its memory samples are its own
-    counters. Spans ("X" events) must nest on a thread or Perfetto drops them, and a rank's messages
-    overlap each other and its compute; so the spans are packed first-fit into as many threads as
-    needed ("main", then "overlap 1", ...), each holding properly nested spans. Times are whole
-    nanoseconds, written in microseconds.
-    """
-    ns = [(round(e.t0 * 1e9), max(round(e.t1 * 1e9), round(e.t0 * 1e9))) for e in trace.events]
-    spans = [i for i, e in enumerate(trace.events) if e.kind in ("compute", "comm", "transfer")]
-    lane = _nest_lanes([(trace.events[i].rank, *ns[i], i) for i in spans])
-    out: list[dict[str, Any]] = []
-    for i, e in enumerate(trace.events):
-        base = {"pid": e.rank, "tid": lane.get(i, 0), "ts": ns[i][0] / 1e3, "cat": e.kind}
-        extra = {k: v for k, v in e.to_dict().items() if k not in ("rank", "kind", "name", "t0", "t1")}
-        if e.kind == "memory":
-            out.append({**base, "ph": "C", "name": e.name, "args": {"bytes": e.nbytes}})
-        elif e.kind == "mark":
-            out.append({**base, "ph": "i", "s": "t", "name": e.name, "args": extra})
-        else:
-            label = e.name if e.microbatch is None else f"{e.name}{e.microbatch}"
-            if e.kind == "comm":
-                label = f"{e.op}:{e.name} {e.src}->{e.dst}"
-            elif e.kind == "transfer":
-                label = f"{e.args.get('src')}->{e.args.get('dst')} {e.name}"
-            out.append({**base, "ph": "X", "name": label, "dur": (ns[i][1] - ns[i][0]) / 1e3, "args": extra})
-    ranks = sorted({e.rank for e in trace.events} | set(range(trace.world_size)))
-    for r in ranks:
-        out.append({"ph": "M", "pid": r, "name": "process_name", "args": {"name": f"rank {r}"}})
-        out.append({"ph": "M", "pid": r, "name": "process_sort_index", "args": {"sort_index": r}})
-        for t in sorted({lane[i] for i in spans if trace.events[i].rank == r} | {0}):
-            name = "main" if t == 0 else f"overlap {t}"
-            out.append({"ph": "M", "pid": r, "tid": t, "name": "thread_name", "args": {"name": name}})
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"traceEvents": out, "displayTimeUnit": "ms", "metadata": trace.meta}, fh,
-                  default=_jsonable)
-    os.replace(tmp, path)
-
-
-def _nest_lanes(spans: list[tuple[int, int, int, int]]) -> dict[int, int]:
-    """``{index: lane}`` for ``(rank, start, end, index)`` spans: first fit, by start (longest
-    first on ties), into the lowest lane of the rank where the span starts after or nests inside
-    what is open there. O(S L) for S spans and L lanes."""
-    stacks: dict[int, list[list[int]]] = {}
-    lane: dict[int, int] = {}
-    for rank, a, b, i in sorted(spans, key=lambda s: (s[0], s[1], -s[2])):
-        lanes = stacks.setdefault(rank, [])
-        for k, open_ends in enumerate([*lanes, []]):
-            while open_ends and open_ends[-1] <= a:
-                open_ends.pop()
-            if not open_ends or b <= open_ends[-1]:
-                if k == len(lanes):
-                    lanes.append(open_ends)
-                open_ends.append(b)
-                lane[i] = k
-                break
-    return lane
+    write(trace, path)

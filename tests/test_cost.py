@@ -68,7 +68,7 @@ def test_alpha_beta_gamma_by_hand() -> None:
     assert rs == pytest.approx(3 * (alpha + n / 4 * beta + n / 4 * gamma))
     assert collective_time("allreduce", "ring", n, 1, alpha, beta) == 0.0
     with pytest.raises(ValueError, match="no alpha-beta-gamma formula"):
-        collective_time("all_to_all", "pairwise", n, 4, alpha, beta)
+        collective_time("gather", "linear", n, 4, alpha, beta)
 
 
 def test_tree_broadcast_bytes_by_hand() -> None:

@@ -12,6 +12,12 @@ preempts that compute. So on MPI its waits never spin and sleep half the time wa
 of the compute thread per backward instead of 140-150 with a pace of 1/8, the GIL never blocking
 it (no voluntary switch of the compute thread during backward).
 
+Traced, the caller's thread records a mark "async posted" where it queues a job and "async wait"
+where it waits for it, and the worker "async start" and "async end" around it (``args``: ``cid`` of
+the worker's communicator and ``job``, its number there; ``c0``: the thread's CPU time), so
+``minipar.replay`` can start each job no earlier than it was posted and hold the caller's wait
+until the job is done.
+
 ``iallreduce_in_place(comm, buf)`` is the same for a buffer the caller hands over: no copy of the
 input for the ring, which reduces ``buf`` itself (DDP's buckets: fresh buffers every step would cost a
 page fault per 4 KiB page while backward runs, see ``minipar.parallel.ddp``).
@@ -58,6 +64,7 @@ class Worker:
         if hasattr(comm, "spin"):  # mpi: never spin and wake up seldom; the compute this overlaps needs
             comm.spin, comm.pace = 0.0, 0.5  # the cores (measured: 30 instead of 140 preemptions a step)
         self.queue: queue.Queue[Any] = queue.Queue()
+        self.jobs = 0  # jobs queued so far (their numbers in the trace's async marks)
         self.thread = threading.Thread(target=self._loop, name=f"minipar-async-{comm.world_rank}",
                                        daemon=True)
         self.thread.start()
@@ -69,23 +76,29 @@ class Worker:
 
     def submit_call(self, owner: Communicator, what: str, fn: Callable[[Communicator], Any]) -> Request:
         """Queue ``fn(duplicate communicator)``; ``wait()`` returns its result."""
-        fut = Future()
-        self.queue.put((fut, fn, trace.current()))
+        fut, rec, job = Future(), trace.current(), {"cid": self.comm.cid, "job": self.jobs}
+        self.jobs += 1
+        _mark(rec, "async posted", job)
+        self.queue.put((fut, fn, rec, job))
         peers = [g for g in owner.group_ranks if g != owner.world_rank]
-        return _AsyncRequest(owner, fut, what, peers)
+        req = _AsyncRequest(owner, fut, what, peers)
+        req._job = (rec, job) if rec is not None else None
+        return req
 
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            fut, fn, rec = item
+            fut, fn, rec, job = item
             trace._local.recorder = rec
+            _mark(rec, "async start", job)
             try:
                 fut.value = fn(self.comm)
             except BaseException as exc:  # handed to the caller's wait()
                 fut.error = exc
             finally:
+                _mark(rec, "async end", job)
                 trace._local.recorder = None
                 fut.event.set()
                 self.comm._notify()
@@ -96,11 +109,23 @@ class Worker:
         self.comm.close()
 
 
+def _mark(rec: trace.Recorder | None, name: str, job: dict[str, Any]) -> None:
+    """An async mark (module docstring) on the calling thread, when a trace records."""
+    if rec is not None:
+        t = trace.now()
+        rec.add("mark", name, t, t, c0=trace.cpu(), args=dict(job))
+
+
 class _AsyncRequest(Request):
+    _job: tuple[trace.Recorder, dict[str, Any]] | None = None
+
     def wait(self) -> Any:
         """Sleep on the future's event until the worker is done (no polling: a caller spinning on
         the GIL would stall the worker it waits for), then re-raise the collective's error. The
         worker's own watchdog ends a stuck collective; the caller waits a little longer."""
+        if self._job is not None:
+            _mark(self._job[0], "async wait", self._job[1])
+            self._job = None
         if not self._finished:
             limit = 2 * self._comm.timeout + 5
             if not self._pending.event.wait(limit):

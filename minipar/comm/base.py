@@ -10,11 +10,15 @@ Messages travel in three contexts so they never match each other: ``P2P`` (the u
 ``recv``), ``COLL`` (the hand-written collectives) and ``CTL`` (pickled control-plane objects, not
 traced). With ``header=True`` a message carries its shape and dtype (one small extra message on
 MPI); collectives that know the receive shape send the payload alone (``header=False``).
-Every array message is recorded by ``minipar.trace.message`` on the sender and on the receiver,
-with world ranks and payload bytes. Point-to-point calls may label their message for the trace with
-keyword-only ``stage``, ``microbatch`` and ``chunk`` (pipeline work): each side's event carries the
-labels that side passed. Unlabelled calls pass a shared ``NOWHERE`` tuple and labels are only read
-when tracing is on, so the untraced path costs three ``is None`` tests more than before.
+Every array message is recorded in the trace on the sender and on the receiver, with world ranks
+and payload bytes, when it completes: ``t0`` and ``c0`` (wall and CPU time) when it was posted,
+``tw``/``cw`` when the rank began to wait for it (``wait()``, or a collective step's wait), ``t1``/``c1``
+when it completed, and MPI's matching key (``cid``, the communicator's id, the same on every rank,
+and the wire ``tag``): what ``minipar.replay`` needs to replay the run on a modelled network, a
+non-blocking transfer overlapping the compute between its post and its wait. Point-to-point calls
+may label their message for the trace with keyword-only ``stage``, ``microbatch`` and ``chunk``
+(pipeline work): each side's event carries the labels that side passed. Whether a trace records is
+looked up once per message, when it is posted; an untraced request carries nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Done:
 class Request:
     """Handle of a non-blocking operation: ``test()`` -> finished?, ``wait()`` -> array or None."""
 
+    _note: trace.Message | None = None  # set while a trace records (``PointToPoint._traced``)
+
     def __init__(self, comm: PointToPoint, pending: Pending, what: str, peers: Sequence[int],
                  on_done: Callable[[Any], Any] | None = None) -> None:
         self._comm, self._pending, self._what, self._peers = comm, pending, what, peers
@@ -86,6 +92,8 @@ class Request:
             self._finished = True
             value = self._pending.value
             self._value = self._on_done(value) if self._on_done is not None else value
+            if self._note is not None:
+                self._note.done(value)
 
     def test(self) -> bool:
         """True once the operation has finished (makes progress, never blocks)."""
@@ -95,6 +103,8 @@ class Request:
 
     def wait(self) -> Any:
         """Block (under the watchdog) until finished; a receive returns the array, a send None."""
+        if self._note is not None:
+            self._note.waiting()
         if not self._finished:
             self._comm._wait(self._pending.done, self._what, self._peers)
             self._finish()
@@ -143,6 +153,7 @@ class PointToPoint(ABC):
         self.state = state
         self.debug = debug_enabled()
         self._children = 0  # split/dup calls so far: all ranks make them in the same order
+        self.cid = "w"  # this communicator's id in traces, equal on its ranks: "w", a child "w.3", ...
         self._async: Any = None  # background worker for non-blocking collectives (asyncwork.py)
 
     def __repr__(self) -> str:
@@ -196,11 +207,14 @@ class PointToPoint(ABC):
         if not isinstance(tag, int | np.integer) or not 0 <= tag < MAX_TAG:
             raise ValueError(f"{what}: tag must be an int in [0, {MAX_TAG}), got {tag!r}")
 
-    def _trace(self, src: int, dst: int, nbytes: int, t0: float, op: str, algorithm: str | None,
-               step: int | None, where: Where = NOWHERE) -> None:
-        if trace.current() is not None:
-            trace.message(self.group_ranks[src], self.group_ranks[dst], nbytes, t0, trace.now(), op,
-                          algorithm, step, stage=where[0], microbatch=where[1], chunk=where[2])
+    def _note_for(self, src: int, dst: int, nbytes: int | None, wire: int, op: str, algorithm: str | None,
+              step: int | None, where: Where) -> trace.Message | None:
+        """A message's ``trace.Message`` when a trace records, else None (the one thread-local lookup it costs)."""
+        rec = trace.current()
+        if rec is None:
+            return None
+        return trace.Message(rec, self.group_ranks[src], self.group_ranks[dst], nbytes, op=op, algorithm=algorithm,
+                             step=step, stage=where[0], microbatch=where[1], chunk=where[2], tag=wire, cid=self.cid)
 
     # ---- point to point on arrays -----------------------------------------------------------
     # ``stage``, ``microbatch``, ``chunk`` (keyword-only, optional): labels recorded on this side's
@@ -260,24 +274,20 @@ class PointToPoint(ABC):
 
     def _isend(self, ctx: int, arr: np.ndarray, dst: int, tag: int, header: bool, op: str,
                algorithm: str | None, step: int | None, where: Where = NOWHERE) -> Request:
-        t0 = trace.now()
+        note = self._note_for(self.rank, dst, arr.nbytes, wire_tag(ctx, tag, 0), op, algorithm, step, where)
         pending = self._post_send(ctx, arr, dst, tag, header)
-        nbytes = arr.nbytes
-        return Request(self, pending, f"{op} to rank {self.group_ranks[dst]}", [self.group_ranks[dst]],
-                       lambda _: self._trace(self.rank, dst, nbytes, t0, op, algorithm, step, where))
+        req = Request(self, pending, f"{op} to rank {self.group_ranks[dst]}", [self.group_ranks[dst]])
+        req._note = note
+        return req
 
     def _irecv(self, ctx: int, src: int, tag: int, like: tuple[tuple[int, ...], np.dtype] | None,
                out: np.ndarray | None, op: str, algorithm: str | None, step: int | None,
                where: Where = NOWHERE) -> Request:
-        t0 = trace.now()
+        note = self._note_for(src, self.rank, None, wire_tag(ctx, tag, 0), op, algorithm, step, where)
         pending = self._post_recv(ctx, src, tag, like, out)
-
-        def done(value: np.ndarray) -> np.ndarray:
-            self._trace(src, self.rank, value.nbytes, t0, op, algorithm, step, where)
-            return value
-
-        return Request(self, pending, f"{op} from rank {self.group_ranks[src]}", [self.group_ranks[src]],
-                       done)
+        req = Request(self, pending, f"{op} from rank {self.group_ranks[src]}", [self.group_ranks[src]])
+        req._note = note
+        return req
 
     def _step(self, sends: Sequence[tuple[int, np.ndarray]], recvs: Sequence[tuple[int, Any]], op: str,
               algorithm: str | None, step: int | None, header: bool = False) -> list[np.ndarray]:
@@ -291,6 +301,9 @@ class PointToPoint(ABC):
             rreqs.append(self._irecv(COLL, src, 0, like, out, op, algorithm, step))
         sreqs = [self._isend(COLL, arr, dst, 0, header, op, algorithm, step) for dst, arr in sends]
         reqs = rreqs + sreqs
+        for r in reqs:
+            if r._note is not None:
+                r._note.waiting()
         peers = Lazy(lambda: [p for r in reqs if not r._pending.done() for p in r._peers])
         what = f"{op}({algorithm}) step {step}"
         self._wait(lambda: all([r._pending.done() for r in reqs]), what, peers)
@@ -375,9 +388,13 @@ class PointToPoint(ABC):
         members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
         ranks = [r for _, r in members]
         self._children += 1
-        return self._make_split(int(color), ranks, ranks.index(self.rank))
+        child = self._make_split(int(color), ranks, ranks.index(self.rank))
+        child.cid = f"{self.cid}.{self._children}"
+        return child
 
     def dup(self) -> Communicator:
         """A communicator with the same ranks and a separate message space (call on every rank)."""
         self._children += 1
-        return self._make_dup()
+        child = self._make_dup()
+        child.cid = f"{self.cid}.{self._children}"
+        return child

@@ -9,7 +9,7 @@ is sent, so a bad call fails the same way everywhere.
 the watchdog; on the threads backend a direct shared-memory exchange (every rank reads the others'
 arrays). Either way the trace gets ONE comm event per rank, ``name="native"``, ``src = dst =
 None`` (the library's internal messages are invisible), ``nbytes`` = this rank's input bytes; so
-``Trace.bytes_sent`` does not count it.
+``Trace.bytes_sent`` does not count it. ``args["group"]`` names the world ranks of the call.
 """
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ class Communicator(PointToPoint):
         return out
 
     def _native_traced(self, name: str, arr: np.ndarray | None, **kw: Any) -> Any:
-        t0 = trace.now()
+        t0, c0 = trace.now(), trace.cpu()
         out = self._native(name, arr, **kw)
         rec = trace.current()
-        if rec is not None:
+        if rec is not None:  # the group and cid let minipar.replay meet the ranks of one call
             rec.add("comm", "native", t0, trace.now(), nbytes=0 if arr is None else arr.nbytes, op=name,
-                    algorithm="native")
+                    algorithm="native", c0=c0, c1=trace.cpu(), cid=self.cid, args={"group": self.group_ranks})
         return out
 
     def _native(self, name: str, arr: np.ndarray | None, **kw: Any) -> Any:

@@ -75,7 +75,11 @@ def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float
       (p = p' + e, p' = 2^floor(lg p)) the ``e`` extra ranks first fold into partners and get the result
       back: ``(lg p' + 2)(alpha + n beta) + (lg p' + 1) n gamma`` (Thakur et al. 2005, Sec. 4.1);
     - naive all-reduce (gather to one rank, reduce, send back; its links are sequential)
-      ``2(p-1)(alpha + n beta) + (p-1) n gamma``.
+      ``2(p-1)(alpha + n beta) + (p-1) n gamma``;
+    - binomial-tree broadcast ``ceil(lg p)(alpha + n beta)`` and reduce ``ceil(lg p)(alpha + n beta +
+      n gamma)`` (Thakur et al. 2005, Sec. 3 and 4.2); pairwise all-to-all ``(p-1)(alpha + n/p beta)``
+      (Sec. 3.5; n = the bytes one rank sends to all); dissemination barrier ``ceil(lg p) alpha``
+      (Hensgen, Finkel & Manber 1988).
     """
     if p == 1:
         return 0.0
@@ -94,4 +98,13 @@ def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float
         return (lg + 2) * (alpha + n * beta) + (lg + 1) * n * gamma
     if op == "allreduce" and algorithm == "naive":
         return 2 * steps * (alpha + n * beta) + steps * n * gamma
+    rounds = (p - 1).bit_length()  # ceil(lg p)
+    if (op, algorithm) == ("broadcast", "tree"):
+        return rounds * (alpha + n * beta)
+    if (op, algorithm) == ("reduce", "tree"):
+        return rounds * (alpha + n * beta + n * gamma)
+    if (op, algorithm) == ("all_to_all", "pairwise"):
+        return steps * (alpha + n / p * beta)
+    if (op, algorithm) == ("barrier", "dissemination"):
+        return rounds * alpha
     raise ValueError(f"no alpha-beta-gamma formula for {op} with {algorithm!r}")

@@ -160,7 +160,7 @@ class DistributedDataParallel:
         self._sync = True
         self._next = 0  # index of the next bucket to start
         self._inflight = 0  # bytes of the flat bucket buffers being all-reduced
-        self._ready_at: float | None = None
+        self._ready_at: tuple[float, float] | None = None  # (wall, CPU) time the last gradient was ready
         self._handles = [p.register_hook(self._on_grad_ready) for _, p in named]
         for b in self.buckets:  # sec. 3.2: every replica starts from broadcast_from's parameters
             mine = comm.rank == broadcast_from
@@ -207,7 +207,7 @@ class DistributedDataParallel:
 
     def _start_ready_buckets(self) -> None:
         """Start buckets in index order while the next one is complete; after the last, finish."""
-        t = trace.now()
+        t, c = trace.now(), trace.cpu()
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
                 self.buckets[self._next].params):
             b = self.buckets[self._next]
@@ -217,7 +217,7 @@ class DistributedDataParallel:
             self._inflight += b.nbytes
             trace.memory("gradient buckets", self._inflight)
         if self._next == len(self.buckets):  # every gradient is ready: wait, write back (like PyTorch)
-            self._ready_at = t
+            self._ready_at = (t, c)
             for b in self.buckets:
                 b.unflatten(b.request.wait(), "grad")
                 b.request = None
@@ -229,13 +229,13 @@ class DistributedDataParallel:
     def backward(self, loss: Tensor, **fields: Any) -> None:
         """``loss.backward()`` with a "B" span (``fields`` go on it) that ends when the last gradient
         is ready; then checks that every bucket was all-reduced (outside ``no_sync``)."""
-        t0 = trace.now()
+        t0, c0 = trace.now(), trace.cpu()
         self._ready_at = None
         loss.backward()
-        t1 = self._ready_at if self._sync and self._ready_at is not None else trace.now()
+        t1, c1 = self._ready_at if self._sync and self._ready_at is not None else (trace.now(), trace.cpu())
         rec = trace.current()
         if rec is not None:
-            rec.add("compute", "B", t0, t1, **fields)
+            rec.add("compute", "B", t0, t1, c0=c0, c1=c1, **fields)
         if self._sync and any(b.ready for b in self.buckets):
             missing = [n for b in self.buckets for i, n in enumerate(b.names) if i not in b.ready]
             raise RuntimeError(f"DistributedDataParallel: backward produced no gradient for {missing}; every "
