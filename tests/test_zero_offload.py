@@ -2,7 +2,7 @@
 
 - float64: moves between tiers are copies, so offload trains to exactly ``ZeroDataParallel`` stage 2's
   parameters (bit for bit, same buckets) and to one process's ``nn.GPT`` + ``AdamW`` on the global
-  batch within ``test_zero``'s tolerances (their reasoning is there).
+  batch within ``test_zero``'s tolerances plus AdamW's drift (``tests/tolerances.py``).
 - mixed precision: one rank equals a single-process float16 / float32-master reference written here,
   bit for bit (the same float16 sums in the same order); two ranks equal ``ZeroDataParallel`` in mixed
   precision bit for bit (the same reduce-scatter, the same unscale and AdamW, only the place differs).
@@ -29,7 +29,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget, mpi_jobs, zero_configs
-from zero_helpers import LR, WEIGHT_DECAY, batch, build, config, padded, param_sizes, rows
+from tolerances import assert_close_after_adamw
+from zero_helpers import GRAD_TOL, LR, PARAM_TOL, WEIGHT_DECAY, batch, build, config, padded, param_sizes, rows
 
 from minipar import launch, nn, trace
 from minipar.autograd import Tensor
@@ -42,9 +43,6 @@ from minipar.tiers import DeviceOutOfMemory, NotOnDevice, Tiers
 
 PSI = 548  # parameters of config(...) by hand, above
 BIG_BUDGET = 1 << 30
-# test_zero's tolerances (reasoning there): parameters after 3 AdamW steps; entries whose step-0
-# gradient is below 1e-4 in size get 3e-8 (AdamW's slope lr / eps on rounding-level gradients)
-PARAM_TOL, SMALL_GRAD, SMALL_GRAD_TOL = {"rtol": 1e-10, "atol": 1e-11}, 1e-4, {"rtol": 0, "atol": 3e-8}
 
 
 def one_bucket(world: int, **kw) -> dict:
@@ -119,36 +117,38 @@ def reference(c: dict, delayed: bool = False, warmup: int = 0) -> dict:
     parameters from before it; ``flush`` (after the loop) applies the last one."""
     model = build(c)
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    pending, grads0 = None, None
+    applied: dict[str, list[np.ndarray]] = {n: [] for n, _ in model.named_parameters()}
+    pending = None
     for i in range(c["steps"]):
         x, y = batch(c, i)
         opt.zero_grad()
         model.loss(x, y).backward()
         grads = {n: p.grad.copy() for n, p in model.named_parameters()}
-        grads0 = grads0 or grads
         if not delayed or i < warmup:
-            opt.step()
+            apply(model, opt, grads, applied)
             continue
         if pending is not None:
-            apply(model, opt, pending)
+            apply(model, opt, pending, applied)
         pending = grads
     if pending is not None:
-        apply(model, opt, pending)
-    return {"final": model.state_dict(), "grads0": grads0}
+        apply(model, opt, pending, applied)
+    return {"final": model.state_dict(), "grads": applied}
 
 
-def apply(model: nn.Module, opt: AdamW, grads: dict[str, np.ndarray]) -> None:
+def apply(model: nn.Module, opt: AdamW, grads: dict[str, np.ndarray], applied: dict[str, list[np.ndarray]]) -> None:
+    """One AdamW step on ``grads``, noted in ``applied`` (each parameter's gradient at every step)."""
     for n, p in model.named_parameters():
         p.grad = grads[n]
+        applied[n].append(grads[n])
     opt.step()
 
 
 def assert_close_to(ref: dict, final: dict) -> None:
+    """test_zero's tolerances plus AdamW's drift of the gradients of each step ``ref`` applied: the
+    reduce-scatter is ZeroDataParallel's (test_zero asserts GRAD_TOL of its gradients)."""
     assert final.keys() == ref["final"].keys()
     for k, want in ref["final"].items():
-        small = np.abs(ref["grads0"][k]) < SMALL_GRAD
-        for part, tol in ((~small, PARAM_TOL), (small, SMALL_GRAD_TOL)):
-            np.testing.assert_allclose(final[k][part], want[part], err_msg=k, **tol)
+        assert_close_after_adamw(final[k], want, ref["grads"][k], LR, GRAD_TOL, PARAM_TOL, err_msg=k)
 
 
 def assert_equal(a: dict, b: dict) -> None:
