@@ -16,6 +16,7 @@ from minipar.parallel.sequence import OnlineSoftmax, SequenceParallelGPT
 # Attention alone: a handful of float64 sums of O(1) terms per output, in another order than the
 # single-process softmax (block by block, rescaled): differences are a few ulps, ~1e-15.
 ATTN_TOL = {"rtol": 1e-12, "atol": 1e-12}
+LR = 1e-2  # the GPT's AdamW (``train``)
 
 
 def config(method: str, p: int, seq: int, zigzag: bool = False, causal: bool = True, pu: int | None = None,
@@ -42,12 +43,14 @@ def qkv_grad(c: dict) -> list[np.ndarray]:
 
 
 def train(model: GPT, c: dict, steps: int = 2) -> dict:
-    """``steps`` AdamW steps on configuration ``c``'s batches: parameters before, step 0's gradients,
-    losses, parameters after. A ``SequenceParallelGPT`` gets its own positions and syncs its
-    gradients; ``nn.GPT`` gets the whole sequence, and its logits are kept (the per-token losses)."""
+    """``steps`` AdamW steps on configuration ``c``'s batches: parameters before, each step's gradients
+    (``grads``: name -> one array per step), losses, parameters after. A ``SequenceParallelGPT`` gets its
+    own positions and syncs its gradients; ``nn.GPT`` gets the whole sequence, and its logits are kept
+    (the per-token losses)."""
     sequence_parallel = isinstance(model, SequenceParallelGPT)
-    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    out: dict = {"init": model.state_dict(), "losses": [], "logits": []}
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out: dict = {"init": model.state_dict(), "losses": [], "logits": [],
+                 "grads": {n: [] for n, _ in model.named_parameters()}}
     for step in range(steps):
         x, y = batch(c, step)
         if sequence_parallel:
@@ -59,8 +62,8 @@ def train(model: GPT, c: dict, steps: int = 2) -> dict:
         loss.backward()
         if sequence_parallel:
             model.sync_grads()
-        if step == 0:
-            out["grads"] = {n: p.grad.copy() for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            out["grads"][n].append(p.grad.copy())
         opt.step()
         out["losses"].append(loss.item())
     out["final"] = model.state_dict()
