@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget, pipeline_configs
-from test_pipeline_runtime import _batches, _model, _optimizer, config, reference
+from test_pipeline_runtime import _batches, _model, _optimizer, assert_equal_to_reference, config, reference
 
 from minipar import testing
 from minipar.parallel.pipeline import make_schedule, mlp, simulate, validate
@@ -175,12 +175,8 @@ def _check(cfgs: list[dict], results: list[list[dict]]) -> None:
             assert got["losses"] == pytest.approx(ref_losses, rel=1e-10, abs=1e-12), (r, cfg)
             assert got["peaks"] == [sim.peak_stash[r]] * 2  # measured on the rank = simulated
         for replica in (0, 1):  # down and up: both equal the single-process model
-            state, grads = results[0][i]["state"][replica], results[0][i]["grads"][replica]
-            assert sorted(state) == sorted(ref_state)
-            for name, value in ref_state.items():
-                np.testing.assert_allclose(state[name], value, rtol=1e-9, atol=1e-9, err_msg=f"{name} {cfg}")
-                np.testing.assert_allclose(grads[name], ref_grads[name], rtol=1e-9, atol=1e-12,
-                                           err_msg=f"grad {name} {cfg}")
+            got = results[0][i]
+            assert_equal_to_reference(cfg, got["state"][replica], got["grads"][replica], ref_state, ref_grads)
 
 
 @st.composite
