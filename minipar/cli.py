@@ -3,6 +3,8 @@
     minipar view TRACE... -o report.html      one self-contained HTML report of the traces
     minipar view TRACE... --terminal [--width N]   the timeline in the terminal (the default)
     minipar view TRACE --chrome out.json       Chrome-trace JSON for https://ui.perfetto.dev
+    minipar view TRACE [--clock replay|wall] [--cluster local|nvlink|infiniband|FILE]   which times to show
+    minipar replay TRACE --cluster local|nvlink|infiniband|a100-selene|FILE -o OUT.json   re-timed on a cluster
     minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
@@ -14,6 +16,8 @@ output path that cannot be written, a bad option) prints one line ``minipar: err
 stderr and exits with status 2, without a traceback, before anything is printed or written.
 Subcommands are registered in ``COMMANDS``; add one with a ``(configure_parser, run)`` pair.
 ``viz`` is imported only inside ``view`` so the library itself never depends on the viewer.
+``view`` shows a recorded trace replayed (``minipar.replay``: CPU time per span, the ``--cluster``
+network, default ``local``) when it has CPU times, its wall-clock times with ``--clock wall``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minipar.trace import Trace
 
 EXIT_USAGE = 2
 EXAMPLE_TRACE = "runs/02_pipeline/1f1b.json"
@@ -95,6 +103,39 @@ def _configure_view(p: argparse.ArgumentParser) -> None:
     p.add_argument("--terminal", action="store_true", help="print the timeline in the terminal")
     p.add_argument("--width", type=int, metavar="N", help="terminal line width (default: the terminal's)")
     p.add_argument("--chrome", metavar="JSON", help="export the (single) TRACE as Chrome-trace JSON")
+    p.add_argument("--clock", choices=("replay", "wall"), help="replay (CPU time per span on --cluster; the "
+                   "default for a trace with CPU times) or wall (the times as recorded)")
+    p.add_argument("--cluster", metavar="PRESET|FILE", help="network of the replay: local (default), nvlink, "
+                   "infiniband, a100-selene, or a cluster file from 'minipar calibrate'")
+
+
+def _replayed(traces: list[Trace], clock: str | None, spec: str | None) -> list[Trace]:
+    """The traces on the clock ``view`` shows: replayed on ``spec`` (default local) with ``--clock replay``,
+    and by default when a recorded trace has CPU times (else, or if it cannot be, as recorded, said
+    on stderr); a replay's output as it is."""
+    from minipar.replay import ReplayError, cluster_named, replay
+    from minipar.trace import has_cpu_times
+
+    done = [t.meta.get("clock") == "replay" for t in traces]
+    if clock == "wall" and (spec or any(done)):
+        raise UsageError("--clock wall shows recorded times: drop --cluster, and view the recorded trace, not a replay")
+    try:
+        cluster = cluster_named(spec or "local")
+        out = []
+        for t, was in zip(traces, done, strict=True):
+            try:
+                out.append(replay(t, cluster) if not was and (clock == "replay" or clock is None and has_cpu_times(t))
+                           else t)
+            except ReplayError as exc:
+                if clock == "replay":
+                    raise
+                print(f"times as recorded: {exc}", file=sys.stderr)
+                out.append(t)
+    except ReplayError as exc:
+        raise UsageError(str(exc)) from None
+    if any(t.meta.get("clock") == "replay" and not was for t, was in zip(out, done, strict=True)):
+        print(f"times replayed: one core per rank, network {cluster.name} (--clock wall: as recorded)", file=sys.stderr)
+    return out
 
 
 def _run_view(args: argparse.Namespace) -> int:
@@ -114,6 +155,7 @@ def _run_view(args: argparse.Namespace) -> int:
         traces = [load(path) for path in args.traces]
     except TraceError as exc:
         raise UsageError(str(exc)) from None
+    traces = _replayed(traces, args.clock, args.cluster)
     terminal = args.terminal or not (args.output or args.chrome)
     try:
         if args.output:
@@ -136,6 +178,35 @@ def _run_view(args: argparse.Namespace) -> int:
                 print_timeline(trace, width=args.width, title=args.title[i] if args.title else None)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+    return 0
+
+
+def _configure_replay(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE", help="a trace recorded by a run (with CPU times)")
+    p.add_argument("--cluster", required=True, metavar="PRESET|FILE",
+                   help="local, nvlink, infiniband, a100-selene, or a cluster file from 'minipar calibrate'")
+    p.add_argument("-o", "--output", metavar="JSON", required=True, help="write the replayed trace here")
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from minipar.replay import ReplayError, cluster_named, replay
+    from minipar.trace import TraceError, load, save
+
+    _not_a_folder(args.trace)
+    _check_writable(args.output, "-o")
+    try:
+        cluster = cluster_named(args.cluster)
+        out = replay(load(args.trace), cluster)
+    except (TraceError, ReplayError) as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        save(out, args.output)
+    except OSError as exc:
+        raise UsageError(f"cannot write output {args.output} (-o): {exc.strerror or exc}") from None
+    spans = [e for e in out.events if e.kind in ("compute", "comm")]
+    step = max((e.t1 for e in spans), default=0.0) - min((e.t0 for e in spans), default=0.0)
+    print(f"{out.meta['replay']['label']}: {step * 1e3:.3f} ms from first to last event")
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 
@@ -308,6 +379,8 @@ def _run_run(args: argparse.Namespace) -> int:
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
+    "replay": ("re-time a recorded trace on a modelled cluster (CPU time per span, alpha-beta links)",
+               _configure_replay, _run_replay),
     "simulate": ("simulate a pipeline schedule: action order, bubble, stash, timeline", _configure_simulate,
                  _run_simulate),
     "calibrate": ("measure this machine's alpha, beta, gamma and FLOP/s; write a cluster file",

@@ -14,7 +14,8 @@
 - ``cluster.py``: a cluster (FLOP/s, memory, alpha-beta links inside and across nodes, gamma) and its file.
 - ``layout.py``: a GPT (``ModelSpec``) and a layout (``Layout``, with ``check``), what perf and the planner take.
 - ``perf.py``: a GPT's step time, TFLOP/s per GPU and memory per GPU under a dp x tp x pp x sp layout.
-- ``presets.py``: published models (GPT-3 175B, Narayanan et al. 2021 Table 1) and clusters (a100-selene).
+- ``presets.py``: published models (GPT-3 175B, Narayanan et al. 2021 Table 1) and clusters (a100-selene);
+  the networks a replay runs on (local, nvlink, infiniband).
 - ``planner.py``: every layout of a GPU count ranked by predicted step time; pipeline stage slicing.
 - ``hybrid.py``: HybridGPT's exact bytes per mesh axis per rank, model states, activation peak.
 - ``sharding.py``: global tensors: the collective each placement change needs and its bytes per rank.

@@ -13,6 +13,10 @@
 - ``CLUSTERS``: ``a100-selene``, NVIDIA Selene's DGX A100 nodes as Narayanan et al. 2021 Sec. 5
   describe them (8 x 80 GB A100 per node, NVLink/NVSwitch inside, 8 x 200 Gb/s HDR InfiniBand per
   node).
+- ``NETWORKS``: what ``minipar.replay`` replays a trace on: ``local`` (this machine with one core per
+  rank, measured), ``nvlink`` (every rank in one NVLink node), ``infiniband`` (every rank its own
+  node), ``a100-selene``. A replay keeps each span's measured CPU time and takes the links and
+  ``gamma`` (per byte a collective reduces) from these.
 """
 
 from __future__ import annotations
@@ -97,3 +101,23 @@ def calibrate_efficiency(model: ModelSpec, layout: Layout, cluster: Cluster, tfl
         lo, hi = (mid, hi) if predict(model, layout, replace(cluster, efficiency=mid)).tflops_per_gpu < \
             tflops_per_gpu else (lo, mid)
     return (lo + hi) / 2
+
+
+ONE_NODE = 1 << 20  # gpus_per_node of a network that puts every rank in one node
+_SELENE = CLUSTERS["a100-selene"]
+NETWORKS: dict[str, Cluster] = {
+    "local": Cluster(
+        name="local", gpus_per_node=ONE_NODE, peak_flops=63.4e9, efficiency=0.83, memory_bytes=12638031872.0,
+        intra=Link(13.4e-6, 1 / 11.2e9), inter=Link(13.4e-6, 1 / 11.2e9), gamma=1 / 20.0e9,
+        source="this machine with one core per rank: minipar calibrate -n 2 (mpi, MPICH shared memory) on the idle "
+               "2-core development machine, 2026-11-27: neighbour exchange alpha 13.4 us and 11.2 GB/s through "
+               "minipar's message path; gamma = np.add alone, 20.0 GB/s (a reduction's addition: calibrate's "
+               "gamma, 0.84 GB/s, is a GPT step's memory-bound work per byte); 63.4 GFLOP/s one rank alone, "
+               "52.7 per rank with both cores busy"),
+    "nvlink": replace(_SELENE, name="nvlink", gpus_per_node=ONE_NODE, inter=_SELENE.intra,
+                      source="every rank in one NVLink/NVSwitch node: a100-selene's intra link. " + _SELENE.source),
+    "infiniband": replace(_SELENE, name="infiniband", gpus_per_node=1, intra=_SELENE.inter,
+                          source="every rank its own node on HDR InfiniBand: a100-selene's inter link. "
+                                 + _SELENE.source),
+    "a100-selene": _SELENE,
+}

@@ -1,0 +1,411 @@
+"""A trace re-timed on a modelled cluster: each rank's recorded work at its CPU time, its recorded
+messages on alpha-beta links, in the order the run recorded them.
+
+This is SimGrid's offline replay of MPI traces (Desprez, Markomanolis, Quinson & Suter 2011,
+"Assessing the performance of MPI applications through time-independent trace replay"; Casanova et
+al. 2014, "Versatile, scalable, and accurate simulation of distributed applications and platforms",
+JPDC 74(10)) and what ASTRA-sim 2.0 does with Chakra execution traces (Won et al. 2023; Sridharan et
+al. 2023): wall-clock time taken with more ranks than cores measures the scheduler; CPU time and the
+recorded dependencies do not. ``replay(trace.load("run.json"), cluster_named("local"))``.
+
+Each thread of each rank (``Event.thread``: its own, a communicator's worker) runs its recorded
+events in the order they happened on it (docs/formulas.md, section 11, has the rules at length):
+
+- a compute span lasts its CPU time (``c1 - c0``) less the CPU time of the communication recorded
+  inside it (a wait, the gap between two steps of one collective call); a span without CPU times
+  lasts its wall time (``meta["replay"]["spans_without_cpu"]``); time outside spans is free;
+- a message of ``n`` bytes leaves when posted, once its sender's outgoing and its receiver's incoming
+  port are free (one message at a time each way), and takes ``alpha + n beta`` of ``cluster.intra``
+  (both ranks in one node of ``gpus_per_node``) or ``cluster.inter``; a send never blocks its rank;
+- a receive, matched to its send as MPI matches them (``cid``, ``tag``, source, destination, in
+  posting order), completes when its rank waits for it (``tw``; never waited: where ``test()`` found
+  it) and the data has arrived, plus ``n gamma`` where the collective reduces what it receives;
+- a native collective starts when the last rank of its group enters it and lasts ``collective_time``
+  of the algorithm minipar writes by hand for it (``NATIVE_AS``);
+- a non-blocking collective's job starts on its worker thread when posted and after the worker's
+  previous job; the caller's wait ends when the job has;
+- memory samples, marks and transfers keep their place between their thread's neighbours, by
+  wall-clock fraction.
+
+The result has the trace format, ``meta["clock"] = "replay"`` and ``meta["cluster"]``, so every viewer
+reads it. Only the viewer, the lessons and the CLI import this module. Cost: O(E log E), E events.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import os
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any
+
+from minipar.comm.base import COLL
+from minipar.cost.cluster import Cluster, Link
+from minipar.cost.collectives import collective_time
+from minipar.cost.presets import NETWORKS
+from minipar.trace import Event, Trace, has_cpu_times
+
+NATIVE_AS = {"allreduce": "ring", "reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree",
+             "reduce": "tree", "all_to_all": "pairwise", "barrier": "dissemination"}
+PRESETS: dict[str, Cluster] = NETWORKS  # local, nvlink, infiniband, a100-selene (minipar.cost.presets)
+
+
+class ReplayError(ValueError):
+    """A trace that cannot be replayed, or a cluster that cannot be read: one line saying why."""
+
+
+def cluster_named(spec: str) -> Cluster:
+    """A preset (``PRESETS``) by name, else the cluster file at path ``spec`` (``minipar calibrate``)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if not os.path.exists(spec) and not spec.endswith(".json"):
+        raise ReplayError(f"no cluster preset {spec!r}; choose one of {', '.join(PRESETS)} or give a cluster file")
+    try:
+        return Cluster.load(spec)
+    except OSError as exc:
+        raise ReplayError(f"cannot read cluster file {spec}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ReplayError(str(exc).splitlines()[0]) from None
+
+
+def check_replayable(trace: Trace) -> None:
+    """``ReplayError`` in one line unless ``trace`` carries what a replay needs."""
+    if trace.version < 2:
+        raise ReplayError(f"trace format version {trace.version} has no CPU times, so it cannot be replayed; "
+                          "record it again with this minipar")
+    if trace.meta.get("clock") == "replay":
+        raise ReplayError(f"this trace is already a replay (on {trace.meta.get('cluster')}); replay the recorded one")
+    if trace.meta.get("lost_ranks"):
+        raise ReplayError(f"the trace lost ranks {trace.meta['lost_ranks']}: their last messages are missing, "
+                          "and a replay needs every message; view it with --clock wall")
+    if not has_cpu_times(trace):
+        raise ReplayError(f"the trace has no CPU times (backend {trace.meta.get('backend', 'unknown')}: "
+                          "only a recorded run has them); nothing to replay")
+
+
+@dataclass
+class _Point:
+    """A place in one thread's program: ``what`` happens to event ``i`` at wall time ``wall``."""
+
+    wall: float
+    order: int  # tie-break at equal wall times (see ORDER)
+    i: int
+    what: str  # begin end post wait done native op anchor0 anchor1
+    cpu: float | None = None
+
+
+ORDER = {"end": 0, "post": 1, "wait": 2, "done": 3, "op": 4, "native": 4, "begin": 5, "anchor0": 6, "anchor1": 6}
+ASYNC = ("async posted", "async start", "async end", "async wait")
+
+
+def _is_message(e: Event) -> bool:
+    return e.kind == "comm" and e.src is not None and e.dst is not None
+
+
+def _points(events: list[Event]) -> dict[tuple[int, int], list[_Point]]:
+    """Every thread's points in program order (its events by wall time)."""
+    lanes: dict[tuple[int, int], list[_Point]] = defaultdict(list)
+    for i, e in enumerate(events):
+        add = lanes[(e.rank, e.thread or 0)].append
+        if e.kind == "compute":
+            add(_Point(e.t0, ORDER["begin"], i, "begin", e.c0))
+            add(_Point(e.t1, ORDER["end"], i, "end", e.c1))
+        elif _is_message(e):
+            add(_Point(e.t0, ORDER["post"], i, "post", e.c0))
+            if e.tw is not None or e.rank == e.dst:  # a receive never waited for: where test() found it
+                tw = e.t1 if e.tw is None else e.tw
+                cw = e.c1 if e.tw is None else e.cw
+                add(_Point(tw, ORDER["wait"], i, "wait", cw))
+                add(_Point(max(tw, e.t1), ORDER["done"], i, "done", max(cw or 0.0, e.c1 or 0.0)))
+        elif e.kind == "comm" and e.algorithm == "native":
+            add(_Point(e.t0, ORDER["native"], i, "native", e.c0))
+            add(_Point(e.t1, ORDER["done"], i, "done", e.c1))
+        elif e.kind == "mark" and e.name in ASYNC:
+            add(_Point(e.t0, ORDER["op"], i, "op", e.c0))
+        else:
+            add(_Point(e.t0, ORDER["anchor0"], i, "anchor0"))
+            if e.t1 != e.t0:
+                add(_Point(e.t1, ORDER["anchor1"], i, "anchor1"))
+    for pts in lanes.values():
+        pts.sort(key=lambda p: (p.wall, p.order))
+    return lanes
+
+
+def _coll_key(e: Event) -> tuple[Any, ...] | None:
+    """The collective call a message belongs to (None: a point-to-point message)."""
+    return (e.cid, e.op, e.algorithm) if e.tag is not None and e.tag >> 22 == COLL else None
+
+
+def _program(events: list[Event], pts: list[_Point], stats: dict[str, int]) -> list[tuple[str, Any]]:
+    """A thread's ops: ``("compute", seconds)`` between its points (module docstring), then the point."""
+    ops: list[tuple[str, Any]] = []
+    open_spans: dict[int, bool] = {}  # span index -> has CPU times
+    waiting = 0
+    prev: _Point | None = None
+    for p in pts:
+        if p.what.startswith("anchor"):
+            ops.append(("anchor", p))
+            continue
+        e = events[p.i]
+        if prev is not None and open_spans and not waiting:
+            pe = events[prev.i]
+            gap = prev.what == "done" and p.what == "post" and _is_message(e) and _is_message(pe) \
+                and _coll_key(e) is not None and _coll_key(e) == _coll_key(pe)  # between a collective's steps
+            cpu_ok = all(open_spans.values()) and p.cpu is not None and prev.cpu is not None
+            d = (p.cpu - prev.cpu) if cpu_ok else (p.wall - prev.wall)  # type: ignore[operator]
+            if not gap and d > 0:
+                ops.append(("compute", d))
+        if p.what == "begin":
+            open_spans[p.i] = e.c0 is not None and e.c1 is not None
+            stats["spans_without_cpu"] += not open_spans[p.i]
+        elif p.what == "end":
+            open_spans.pop(p.i, None)
+        elif p.what in ("wait", "native"):
+            waiting += 1
+        elif p.what == "done":
+            waiting -= 1
+        ops.append((p.what, p))
+        prev = p
+    return ops
+
+
+def _match(events: list[Event]) -> dict[int, int]:
+    """Receive event index -> its send's: MPI's order on (cid, tag, src, dst)."""
+    sends: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    recvs: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        if _is_message(e):
+            (sends if e.rank == e.src else recvs)[(e.cid, e.tag, e.src, e.dst)].append(i)
+    out = {}
+    for key, rs in recvs.items():
+        ss = sorted(sends.get(key, []), key=lambda i: events[i].t0)
+        for k, r in enumerate(sorted(rs, key=lambda i: events[i].t0)):
+            if k >= len(ss):
+                e = events[r]
+                raise ReplayError(f"rank {e.dst}'s receive #{k} from rank {e.src} ({e.op}, tag {e.tag}) has no "
+                                  "matching send in the trace (a lost rank?)")
+            out[r] = ss[k]
+    return out
+
+
+def _group_sizes(events: list[Event]) -> dict[tuple[str | None, int], int]:
+    """(cid, rank) -> how many ranks exchange messages with it on that communicator (its p)."""
+    parent: dict[tuple[Any, int], tuple[Any, int]] = {}
+
+    def find(x: tuple[Any, int]) -> tuple[Any, int]:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for e in events:
+        if _is_message(e):
+            parent[find((e.cid, e.src))] = find((e.cid, e.dst))  # type: ignore[arg-type]
+    size: dict[tuple[Any, int], int] = defaultdict(int)
+    for x in list(parent):
+        size[find(x)] += 1
+    return {x: size[find(x)] for x in parent}
+
+
+def reduces(op: str | None, algorithm: str | None, step: int | None, p: int) -> bool:
+    """Whether a rank reduces what it receives in this step of a collective on ``p`` ranks."""
+    if op == "reduce_scatter" or (op, algorithm) == ("reduce", "tree"):
+        return True
+    if op != "allreduce" or step is None:
+        return False
+    if algorithm == "ring":
+        return step < p - 1
+    if algorithm == "naive":
+        return step == 0
+    if algorithm == "recursive_doubling":
+        pp = 1 << (p.bit_length() - 1)
+        return pp == p or step != pp.bit_length()  # not the result sent back to a folded rank
+    return False
+
+
+def replay(trace: Trace, cluster: Cluster) -> Trace:
+    """``trace`` re-timed on ``cluster`` (module docstring); ``ReplayError`` if it cannot be."""
+    check_replayable(trace)
+    events = trace.events
+    stats = {"spans_without_cpu": 0}
+    lanes = {k: _program(events, pts, stats) for k, pts in sorted(_points(events).items())}
+    match, sizes = _match(events), _group_sizes(events)
+    sim = _Sim(events, lanes, match, sizes, cluster)
+    sim.run()
+    meta = {**trace.meta, "clock": "replay", "cluster": cluster.name,
+            "replay": {"from_clock": trace.meta.get("clock", "wall"), "cluster_source": cluster.source, **stats,
+                       "label": f"replayed: one core per rank, network {cluster.name}"}}
+    return Trace(meta, sim.retimed(), trace.version)
+
+
+class _Sim:
+    """The discrete-event replay: every thread is a lane with a clock; the lane with the earliest
+    clock runs its next op, so messages take the ports in the order of their posting times."""
+
+    def __init__(self, events: list[Event], lanes: dict[tuple[int, int], list[tuple[str, Any]]],
+                 match: dict[int, int], sizes: dict[tuple[Any, int], int], cluster: Cluster) -> None:
+        self.events, self.lanes, self.match, self.sizes, self.cluster = events, lanes, match, sizes, cluster
+        self.clock = dict.fromkeys(lanes, 0.0)
+        self.pc = dict.fromkeys(lanes, 0)
+        self.reached: dict[tuple[int, str], float] = {}  # (event, what) -> replay time reached
+        self.left: dict[tuple[int, str], float] = {}  # (event, what) -> replay time left (after a block)
+        self.arrival: dict[int, float] = {}  # send event -> arrival of its data
+        self.free: dict[tuple[str, int], float] = defaultdict(float)  # ("out"|"in", rank) -> port free at
+        self.blocked: dict[Any, list[tuple[int, int]]] = defaultdict(list)
+        self.async_at: dict[tuple[int, str, int, str], float] = {}  # (rank, cid, job, mark) -> time
+        seen: dict[tuple[Any, ...], int] = defaultdict(int)
+        self.native_of: dict[int, tuple[Any, ...]] = {}  # native event -> (cid, group, ordinal)
+        self.native_in: dict[tuple[Any, ...], dict[int, float]] = defaultdict(dict)
+        self.native_end: dict[tuple[Any, ...], float] = {}
+        self.native_bytes: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for i in (p.i for ops in lanes.values() for what, p in ops if what == "native"):
+            e = events[i]  # each rank's k-th native call on a group meets the others' k-th
+            mine = (e.rank, e.cid, tuple(e.args.get("group", ())))
+            self.native_of[i] = key = (*mine[1:], seen[mine])
+            seen[mine] += 1
+            self.native_bytes[key].append(e.nbytes or 0)
+
+    def link(self, a: int, b: int) -> Link:
+        g = self.cluster.gpus_per_node
+        return self.cluster.intra if a // g == b // g else self.cluster.inter
+
+    def run(self) -> None:
+        heap = [(0.0, n, lane) for n, lane in enumerate(self.lanes)]
+        seq = len(heap)
+        while heap:
+            _, _, lane = heapq.heappop(heap)
+            woken = self.step(lane)
+            if woken is None:
+                continue  # blocked: a later event pushes it again
+            for w in woken:
+                seq += 1
+                heapq.heappush(heap, (self.clock[w], seq, w))
+        stuck = [lane for lane in self.lanes if self.pc[lane] < len(self.lanes[lane])]
+        if stuck:
+            where = "; ".join(self._where(lane) for lane in stuck[:3])
+            more = f" (and {len(stuck) - 3} more)" if len(stuck) > 3 else ""
+            raise ReplayError(f"the replay cannot go on: {where}{more}")
+
+    def _where(self, lane: tuple[int, int]) -> str:
+        what, p = self.lanes[lane][self.pc[lane]]
+        e = self.events[p.i]
+        return f"rank {lane[0]} thread {lane[1]} waits at {what} ({e.kind} {e.name} {e.op or ''})"
+
+    def _block(self, key: Any, lane: tuple[int, int]) -> None:
+        self.blocked[key].append(lane)
+
+    def _wake(self, key: Any) -> list[tuple[int, int]]:
+        return self.blocked.pop(key, [])
+
+    def step(self, lane: tuple[int, int]) -> list[tuple[int, int]] | None:
+        """Run ``lane``'s next op: the lanes to schedule next (itself first), or None if it blocked."""
+        ops, k = self.lanes[lane], self.pc[lane]
+        if k >= len(ops):
+            return []
+        what, arg = ops[k]
+        t = self.clock[lane]
+        woken: list[tuple[int, int]] = []
+        if what == "compute":
+            self.clock[lane] = t + arg
+        elif what != "anchor":
+            e = self.events[arg.i]
+            self.reached.setdefault((arg.i, what), t)
+            if what == "post" and e.rank == e.src:
+                start = max(t, self.free[("out", e.src)], self.free[("in", e.dst)])  # type: ignore[index]
+                end = start + self.link(e.src, e.dst).seconds(e.nbytes or 0)  # type: ignore[arg-type]
+                self.free[("out", e.src)] = self.free[("in", e.dst)] = end  # type: ignore[index]
+                self.arrival[arg.i] = end
+                woken = self._wake(("msg", arg.i))
+            elif what == "wait" and e.rank == e.dst:
+                sent = self.match.get(arg.i)
+                if sent not in self.arrival:
+                    self._block(("msg", sent), lane)
+                    return None
+                t = max(t, self.arrival[sent])
+                if _coll_key(e) and reduces(e.op, e.algorithm, e.step, self.sizes.get((e.cid, e.rank), 1)):
+                    t += (e.nbytes or 0) * self.cluster.gamma
+            elif what == "native":
+                t, woken = self._native(arg.i, lane, t)
+                if t is None:
+                    return None
+            elif what == "op":
+                t, woken = self._async(e, lane, t)
+                if t is None:
+                    return None
+            self.clock[lane] = t
+            self.left[(arg.i, what)] = t
+        self.pc[lane] = k + 1
+        return [lane, *woken]
+
+    def _native(self, i: int, lane: tuple[int, int], t: float) -> tuple[Any, list[tuple[int, int]]]:
+        key = self.native_of[i]
+        if key in self.native_end:
+            return max(t, self.native_end[key]), []
+        self.native_in[key][lane[0]] = t
+        members = self.native_in[key]
+        group = key[1] or (lane[0],)
+        if len(members) < len(group):
+            self._block(("native", key), lane)
+            return None, []
+        e, p = self.events[i], len(group)
+        sizes = self.native_bytes[key]
+        n = sum(sizes) if e.op == "allgather" else max(sizes)
+        nodes = {r // self.cluster.gpus_per_node for r in group}
+        link = self.cluster.intra if len(nodes) == 1 else self.cluster.inter
+        alg = NATIVE_AS.get(str(e.op), "ring")
+        cost = collective_time(str(e.op), alg, n, p, link.alpha, link.beta, self.cluster.gamma)
+        self.native_end[key] = end = max(members.values()) + cost
+        return end, self._wake(("native", key))
+
+    def _async(self, e: Event, lane: tuple[int, int], t: float) -> tuple[Any, list[tuple[int, int]]]:
+        job = (e.rank, e.args.get("cid"), e.args.get("job"))
+        need = {"async start": "async posted", "async wait": "async end"}.get(e.name)
+        if need is None:  # posted, end: a time the other thread waits for
+            self.async_at[(*job, e.name)] = t
+            return t, self._wake((*job, e.name))
+        if (*job, need) not in self.async_at:
+            self._block((*job, need), lane)
+            return None, []
+        return max(t, self.async_at[(*job, need)]), []
+
+    def retimed(self) -> list[Event]:
+        """The events with their replay times (anchors placed between their thread's neighbours)."""
+        out = list(self.events)
+        timed = {lane: [(p.wall, self.reached[(p.i, w)], self.left[(p.i, w)]) for w, p in ops
+                        if w not in ("compute", "anchor")] for lane, ops in self.lanes.items()}
+        for lane, ops in self.lanes.items():
+            mine = timed[lane] or timed.get((lane[0], 0), [])  # a thread of anchors alone: the rank's own
+            walls = [w for w, _, _ in mine]
+            for what, p in ops:
+                if what == "anchor":
+                    t, e = _between(mine, walls, p.wall), self.events[p.i]
+                    if p.what == "anchor1":
+                        out[p.i] = replace(out[p.i], t1=t)
+                    else:
+                        out[p.i] = replace(out[p.i], t0=t, t1=t if e.t1 == e.t0 else e.t1)
+        for i, e in enumerate(out):
+            if e.kind == "compute":
+                out[i] = replace(e, t0=self.reached[(i, "begin")], t1=self.reached[(i, "end")])
+            elif _is_message(e):
+                t1 = self.arrival[i] if e.rank == e.src else self.left[(i, "wait")]
+                out[i] = replace(e, t0=self.reached[(i, "post")], t1=t1, tw=self.reached.get((i, "wait")))
+            elif (i, "native") in self.reached:
+                out[i] = replace(e, t0=self.reached[(i, "native")], t1=self.left[(i, "native")])
+            elif (i, "op") in self.reached:  # a job's start when it started, the others when reached
+                t = (self.left if e.name == "async start" else self.reached)[(i, "op")]
+                out[i] = replace(e, t0=t, t1=t)
+        return out
+
+
+def _between(timed: list[tuple[float, float, float]], walls: list[float], wall: float) -> float:
+    """Replay time of a wall time on a thread: between its neighbouring points, by wall fraction."""
+    k = bisect.bisect_right(walls, wall)
+    if not timed:
+        return 0.0
+    if k == 0:
+        return timed[0][1]
+    if k == len(timed):
+        return timed[-1][2]
+    (w0, _, t0), (w1, t1, _) = timed[k - 1], timed[k]
+    return t0 if w1 <= w0 else t0 + (t1 - t0) * (wall - w0) / (w1 - w0)
+
