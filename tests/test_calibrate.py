@@ -1,5 +1,6 @@
-"""`minipar calibrate`: the fits on exact synthetic data, a 2-rank calibration against a matmul timed
-here, the cluster file round trip and refusal, the CLI, and one run under mpiexec."""
+"""`minipar calibrate`: the fits on exact synthetic data, a 2-rank calibration (the relations between its
+fields, which hold whatever the machine's speed or load: no rate is asserted), the cluster file round
+trip and refusal, the CLI, and one run under mpiexec."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import math
 import os
 import subprocess
 import sys
-import time
 
-import numpy as np
 import pytest
 
 from minipar.calibrate import (
@@ -30,8 +29,6 @@ from minipar.calibrate import (
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
 from minipar.testing import ROOT, run
-
-pytestmark = pytest.mark.alone  # measures this machine's speed
 
 QUICK = quick_options(True)
 
@@ -134,18 +131,6 @@ def test_table_warns_when_other_programs_ran():
     assert "warning: other programs kept 0.80 cores busy" in busy.table()
 
 
-def _my_matmul_rate() -> float:
-    """FLOP/s of the GPT's MLP matmul (256 x 128) @ (128 x 512), timed here (best of 20)."""
-    rng = np.random.default_rng(1)
-    a, b = rng.standard_normal((256, 128)), rng.standard_normal((128, 512))
-    best = math.inf
-    for _ in range(20):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 256 * 128 * 512 / best
-
-
 def _check_cluster(c: Cluster, ranks: int, backend: str) -> None:
     assert c.name.endswith(f"{ranks} ranks, {backend}")
     assert c.gpus_per_node == ranks and c.intra == c.inter
@@ -163,8 +148,6 @@ def test_calibrate_two_thread_ranks(tmp_path):
     assert c.flops == pytest.approx(c.peak_flops * c.efficiency, rel=1e-12)
     assert c.flops == pytest.approx(m0.matmul_shared, rel=1e-12)  # the shared rate is the achievable one
     assert c.peak_flops == max(m0.matmul_solo, m0.matmul_shared)
-    mine = _my_matmul_rate()
-    assert 0.2 * mine <= c.flops <= 5 * mine, (c.flops, mine)
     assert [n for n, _ in m0.exchange] == list(QUICK["sizes"])
     assert c.gamma == gamma_from_gpt(m0.gpt_seconds, m0.matmul_shared, GPT, floor=m0.add_gamma)
     assert m0.reduce_gamma >= m0.add_gamma > 0
@@ -207,7 +190,5 @@ def test_cli_under_mpiexec_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     c = Cluster.load(str(out))
     _check_cluster(c, 2, "mpi")
-    mine = _my_matmul_rate()
-    assert 0.2 * mine <= c.flops <= 5 * mine, (c.flops, mine)
     # the printed fit is the file's: alpha in microseconds, 1/beta in GB/s
     assert f"{c.intra.alpha * 1e6:.1f} us" in proc.stdout and f"{1 / c.intra.beta / 1e9:.2f} GB/s" in proc.stdout
