@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 export OPENBLAS_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test thorough notebook lint browser bench clean
+.PHONY: install demo test test-sse thorough notebook lint browser bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,17 @@ browser:
 test: install browser
 	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider -n 2
 
-# Ten times as many hypothesis examples per property (run before resolving an issue).
+# The equality tests (marker `equality`, tests/conftest.py) again with SSE-only kernels: numpy's dispatch
+# targets above the baseline turned off (every one the installed numpy names) and OpenBLAS's Prescott
+# kernels, so a tolerance is proven on other rounding than this CPU's. CI runs it after `make test`.
+test-sse: install
+	OPENBLAS_CORETYPE=Prescott NPY_DISABLE_CPU_FEATURES="$$($(PY) -c 'from numpy._core._multiarray_umath import __cpu_dispatch__ as d; print(" ".join(d))')" \
+		$(PY) -m pytest tests -m equality -p no:cacheprovider -n 2
+
+# Exploration: random draws, ten times as many examples per property, the run's seed printed (run it
+# before resolving an issue; what it finds becomes an @example).
 thorough: install browser
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider -n 2
 
 # JupyterLab on the lessons' walkthrough notebooks (they run on the in-process threads backend).
 notebook: install
