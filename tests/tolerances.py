@@ -10,11 +10,13 @@ rounding noise (far below eps = 1e-8), and AdamW divides it by its own root plus
 exp, tanh and reductions on AVX-512, AVX2 and SSE machines). Such parameters in the tests' models:
 
 - attention's key bias, always: softmax ignores a number added to every score of a row, and a key
-  bias adds ``q . b`` to all of them;
-- query and key weights and biases when the sequence is one token long: a softmax over one key is 1;
-- with d_model = 2, what feeds the residual stream (embeddings, the projections into it): a 2-wide
-  layer norm outputs +-1 whatever its input's scale, so its input gradient is only what its eps
-  leaves (``strategies.sp_configs`` says why d_model = 1 is not drawn).
+  bias adds ``q . b`` to all of them (measured: |g| 1e-23 to 1e-16);
+- with d_model = 2, everything below the final layer norm (embeddings, every block): a 2-wide layer
+  norm outputs +-1 whatever its input's scale, so the gradient reaches its input only through the
+  norm's eps: small, not zero (|g| 1e-9 to 1e-5), yet where AdamW's slope is still up to lr / eps
+  (``strategies.sp_configs`` says why d_model = 1 is not drawn);
+- query and key weights and biases on a one-token sequence: a softmax over one key is 1 (exactly zero
+  in one process; a blockwise softmax may leave rounding).
 
 The derivation (``minipar.optim.AdamW``, PyTorch's rule) at step t, with the bias corrections folded
 into the weights::
