@@ -172,6 +172,18 @@ def recording(rank: int) -> Iterator[Recorder]:
 
 
 @contextmanager
+def bound(rec: Recorder | None) -> Iterator[None]:
+    """Record into ``rec``, a rank's recorder, from another thread of the rank (a worker) while the
+    block runs; the thread gets its own lane (``Event.thread``)."""
+    prev = current()
+    _local.recorder = rec
+    try:
+        yield
+    finally:
+        _local.recorder = prev
+
+
+@contextmanager
 def span(name: str, kind: str = "compute", **fields: Any) -> Iterator[None]:
     """Record the enclosed block as one span: ``with trace.span("F", stage=1, microbatch=3):``."""
     rec = current()

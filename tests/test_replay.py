@@ -23,10 +23,12 @@ import pytest
 from minipar import cli, datasets, launch, testing
 from minipar import functional as F
 from minipar import trace as mtrace
+from minipar.autograd import Tensor
 from minipar.cost.cluster import Cluster, Link
 from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.parallel.ddp import DistributedDataParallel, train_step
+from minipar.parallel.offload import ZeroOffload
 from minipar.parallel.pipeline import (
     Chimera,
     Pipeline,
@@ -37,7 +39,9 @@ from minipar.parallel.pipeline import (
     simulate,
     simulate_chimera,
 )
+from minipar.parallel.tensor import TensorParallelGPT
 from minipar.replay import ReplayError, replay
+from minipar.tiers import Tiers
 from minipar.trace import Trace
 
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "U": 0.5}  # simulate's defaults: W = I = B / 2; U set below
@@ -215,6 +219,83 @@ def test_ddp_overlap_hides_the_buckets_on_a_fast_link_and_shows_the_tail_on_a_sl
     assert ends == [2.53125, 4.0, 4.625, 7.5, 8.125, 9.625]
     assert slow["B"] == (1.0, 7.0) and slow["opt"] == (9.625, 10.625)
     assert slow["opt"][1] - (fast["opt"][1] - last) == 2.625
+
+
+# ---- ZeRO-Offload's delayed parameter update: the CPU AdamW beside the next forward and backward ------
+def _dpu_steps(comm) -> list[mtrace.Event]:
+    off = ZeroOffload(MLP([8, 16, 4], seed=0), comm, Tiers(1 << 30), delayed_update=True)
+    x, y = datasets.regression(8, 8, 4, seed=0)
+    with mtrace.record(None, comm) as rec:
+        for _ in range(3):
+            off.backward(F.mse_loss(off(Tensor(x)), Tensor(y)))
+            off.step()
+        off.flush()
+    off.close()
+    return rec.events
+
+
+def _running_cpu(events: list[mtrace.Event], cost: dict[str, float]) -> Trace:
+    """Each thread's CPU clock advanced by ``cost[name]`` at every compute span's end and by nothing
+    else: spans and marks get the clock's reading where they are."""
+    out, clock = list(events), {}
+    points = sorted([(e.t0, 1, i) for i, e in enumerate(events)] + [(e.t1, 0, i) for i, e in enumerate(events)
+                                                                     if e.kind == "compute"])
+    for _, is_start, i in points:
+        e, lane = out[i], (out[i].rank, out[i].thread)
+        now = clock.setdefault(lane, 0.0)
+        if is_start:
+            out[i] = replace(e, c0=now, c1=now if e.kind != "compute" else None)
+        else:
+            clock[lane] = now + cost.get(e.name, 0.0)
+            out[i] = replace(e, c1=clock[lane])
+    return Trace({"world_size": 1}, out)
+
+
+def test_dpu_cpu_adam_replays_beside_the_next_forward_and_backward():
+    # by hand, F 1, B 2, CPU AdamW 4 (the background thread), the rest free: step i posts its AdamW when
+    # its backward ends; step i + 1's forward and backward (3 units) run beside it, then its step waits
+    # for it (1 unit exposed): AdamW 3-7, 7-11, 11-15 (flush waits for the last): 15, not 3 x 7 = 21
+    events = [e for rank in launch(_dpu_steps, 1, "threads") for e in rank]
+    out = replay(_running_cpu(events, {"F": 1.0, "B": 2.0, "cpu adam": 4.0}), cluster())
+    spans = {(e.name, e.thread, e.t0, e.t1) for e in out.events if e.kind == "compute" and e.name != "opt"}
+    assert spans == {("F", None, 0.0, 1.0), ("B", None, 1.0, 3.0), ("cpu adam", 1, 3.0, 7.0),
+                     ("F", None, 3.0, 4.0), ("B", None, 4.0, 6.0), ("cpu adam", 1, 7.0, 11.0),
+                     ("F", None, 7.0, 8.0), ("B", None, 8.0, 10.0), ("cpu adam", 1, 11.0, 15.0)}
+    assert max(e.t1 for e in out.events) == 15.0
+
+
+def _library_spans(comm) -> list[mtrace.Event]:
+    """A tensor-parallel GPT's step (its blocks' backward spans), ZeRO-Offload with and without DPU."""
+    idx = np.arange(16).reshape(2, 8) % 16
+    with mtrace.record(None, comm) as rec:
+        TensorParallelGPT(16, 8, 8, 2, 1, comm).loss(idx, idx).backward()
+        for delayed in (False, True):
+            off = ZeroOffload(MLP([8, 16, 4], seed=0), comm, Tiers(1 << 30), delayed_update=delayed)
+            x, y = datasets.regression(8, 8, 4, seed=0)
+            off.backward(F.mse_loss(off(Tensor(x)), Tensor(y)))
+            off.step()
+            off.close()
+    return rec.events
+
+
+def test_every_span_the_library_records_has_cpu_times():
+    events = [e for rank in launch(_library_spans, 2, "threads") for e in rank]
+    spans = [e for e in events if e.kind == "compute"]
+    assert {e.name for e in spans} >= {"F", "B", "opt", "cpu adam"}
+    assert [e for e in spans if e.c0 is None or e.c1 is None] == []
+
+
+def test_ddp_reads_no_cpu_clock_when_nothing_records(monkeypatch):
+    def refuse() -> float:
+        raise AssertionError("time.thread_time read while no trace records")
+
+    def step(comm) -> None:
+        ddp = DistributedDataParallel(MLP([8, 16, 4], seed=0), comm, bucket_cap_bytes=1)
+        x, y = datasets.regression(8, 8, 4, seed=0)
+        train_step(ddp, SGD(ddp.parameters(), lr=0.1), lambda m, a, b: F.mse_loss(m(a), b), x, y)
+
+    monkeypatch.setattr(mtrace, "cpu", refuse)
+    launch(step, 2, "threads")
 
 
 # ---- refusals: version 1, no CPU times, the CLI --------------------------------------------------------

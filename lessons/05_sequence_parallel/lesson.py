@@ -92,14 +92,15 @@ class Measured(Module):
     def forward(self, x: Tensor) -> Tensor:
         if mtrace.current() is None:
             return self.block(x)
-        start, began = seq_mark(), [0.0]
+        start, began = seq_mark(), [0.0, 0.0]
         if self.spans:
             def done() -> None:
-                mtrace.current().add("compute", "B", began[0], mtrace.now(), args={"layer": self.layer})
+                mtrace.current().add("compute", "B", began[0], mtrace.now(), c0=began[1], c1=mtrace.cpu(),
+                                     args={"layer": self.layer})
                 self.sample(-self.held)
 
             def starts() -> None:
-                began[0] = mtrace.now()
+                began[:] = mtrace.now(), mtrace.cpu()
 
             with mtrace.span("F", args={"layer": self.layer}):
                 out = on_backward.apply(self.block(on_backward.apply(x, done)), starts)

@@ -16,7 +16,8 @@ Traced, the caller's thread records a mark "async posted" where it queues a job 
 where it waits for it, and the worker "async start" and "async end" around it (``args``: ``cid`` of
 the worker's communicator and ``job``, its number there; ``c0``: the thread's CPU time), so
 ``minipar.replay`` can start each job no earlier than it was posted and hold the caller's wait
-until the job is done.
+until the job is done. ``job_mark`` writes one such mark (ZeRO-Offload's delayed CPU step uses
+it too, with ``cid`` "cpu adam").
 
 ``iallreduce_in_place(comm, buf)`` is the same for a buffer the caller hands over: no copy of the
 input for the ring, which reduces ``buf`` itself (DDP's buckets: fresh buffers every step would cost a
@@ -78,7 +79,7 @@ class Worker:
         """Queue ``fn(duplicate communicator)``; ``wait()`` returns its result."""
         fut, rec, job = Future(), trace.current(), {"cid": self.comm.cid, "job": self.jobs}
         self.jobs += 1
-        _mark(rec, "async posted", job)
+        job_mark(rec, "async posted", job)
         self.queue.put((fut, fn, rec, job))
         peers = [g for g in owner.group_ranks if g != owner.world_rank]
         req = _AsyncRequest(owner, fut, what, peers)
@@ -92,13 +93,13 @@ class Worker:
                 return
             fut, fn, rec, job = item
             trace._local.recorder = rec
-            _mark(rec, "async start", job)
+            job_mark(rec, "async start", job)
             try:
                 fut.value = fn(self.comm)
             except BaseException as exc:  # handed to the caller's wait()
                 fut.error = exc
             finally:
-                _mark(rec, "async end", job)
+                job_mark(rec, "async end", job)
                 trace._local.recorder = None
                 fut.event.set()
                 self.comm._notify()
@@ -109,8 +110,9 @@ class Worker:
         self.comm.close()
 
 
-def _mark(rec: trace.Recorder | None, name: str, job: dict[str, Any]) -> None:
-    """An async mark (module docstring) on the calling thread, when a trace records."""
+def job_mark(rec: trace.Recorder | None, name: str, job: dict[str, Any]) -> None:
+    """An async mark (module docstring) on the calling thread, when a trace records; also what
+    ``ZeroOffload``'s CPU AdamW thread marks with DPU, so a replay overlaps it as a job."""
     if rec is not None:
         t = trace.now()
         rec.add("mark", name, t, t, c0=trace.cpu(), args=dict(job))
@@ -124,7 +126,7 @@ class _AsyncRequest(Request):
         the GIL would stall the worker it waits for), then re-raise the collective's error. The
         worker's own watchdog ends a stuck collective; the caller waits a little longer."""
         if self._job is not None:
-            _mark(self._job[0], "async wait", self._job[1])
+            job_mark(self._job[0], "async wait", self._job[1])
             self._job = None
         if not self._finished:
             limit = 2 * self._comm.timeout + 5

@@ -207,7 +207,7 @@ class DistributedDataParallel:
 
     def _start_ready_buckets(self) -> None:
         """Start buckets in index order while the next one is complete; after the last, finish."""
-        t, c = trace.now(), trace.cpu()
+        ready_at = (trace.now(), trace.cpu()) if trace.current() is not None else None  # traced: B's end
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
                 self.buckets[self._next].params):
             b = self.buckets[self._next]
@@ -217,7 +217,7 @@ class DistributedDataParallel:
             self._inflight += b.nbytes
             trace.memory("gradient buckets", self._inflight)
         if self._next == len(self.buckets):  # every gradient is ready: wait, write back (like PyTorch)
-            self._ready_at = (t, c)
+            self._ready_at = ready_at
             for b in self.buckets:
                 b.unflatten(b.request.wait(), "grad")
                 b.request = None
@@ -229,12 +229,12 @@ class DistributedDataParallel:
     def backward(self, loss: Tensor, **fields: Any) -> None:
         """``loss.backward()`` with a "B" span (``fields`` go on it) that ends when the last gradient
         is ready; then checks that every bucket was all-reduced (outside ``no_sync``)."""
-        t0, c0 = trace.now(), trace.cpu()
+        rec = trace.current()
+        t0, c0 = (trace.now(), trace.cpu()) if rec is not None else (0.0, 0.0)
         self._ready_at = None
         loss.backward()
-        t1, c1 = self._ready_at if self._sync and self._ready_at is not None else (trace.now(), trace.cpu())
-        rec = trace.current()
         if rec is not None:
+            t1, c1 = self._ready_at if self._sync and self._ready_at is not None else (trace.now(), trace.cpu())
             rec.add("compute", "B", t0, t1, c0=c0, c1=c1, **fields)
         if self._sync and any(b.ready for b in self.buckets):
             missing = [n for b in self.buckets for i, n in enumerate(b.names) if i not in b.ready]

@@ -43,9 +43,11 @@ copy between tiers is a recorded transfer. The budget is checked before anything
 any communication. Not charged (kept out of the model as in ``ZeroDataParallel``): autograd's own
 gradient arrays and activations while backward runs, and the collectives' temporaries.
 
-Trace: spans "F", "B", "opt" and "cpu adam" (the CPU AdamW, ``args.delayed`` with DPU: timed on the
-background thread, so it lies beside the next "F" and "B"); the tiers' "transfer" events and "device"
-memory samples; a "cpu" memory sample (``state_bytes``' cpu entries) after every change of them.
+Trace: spans "F", "B", "opt" and "cpu adam" (the CPU AdamW, ``args.delayed`` with DPU: recorded by
+the background thread, with CPU times, so it lies beside the next "F" and "B", between the marks
+"async posted" / "start" / "end" / "wait" a non-blocking collective leaves, ``args.cid`` "cpu adam");
+the tiers' "transfer" events and "device" memory samples; a "cpu" memory sample (``state_bytes``'
+cpu entries) after every change of them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import numpy as np
 from minipar import trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
+from minipar.comm.asyncwork import job_mark
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
 from minipar.parallel.ddp import DEFAULT_BUCKET_CAP, bucket_assignment
@@ -140,7 +143,7 @@ class ZeroOffload:
         for p in module.parameters():
             p.register_hook(self._on_grad_ready)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam") if delayed_update else None
-        self._pending: Future | None = None
+        self._pending: tuple[Future, trace.Recorder | None, dict[str, Any]] | None = None  # DPU's job
         self._sample()
 
     @staticmethod
@@ -215,12 +218,14 @@ class ZeroOffload:
             grads = self._cpu_grads()
             if self._pool is None or self.steps < self.warmup_steps:
                 if grads is not None:
-                    self._record(*self._update(grads))
+                    self._update(grads)
                     self._upload()
             else:
                 self._finish_pending()
                 if grads is not None:
-                    self._pending = self._pool.submit(self._update, grads)
+                    rec, job = trace.current(), {"cid": "cpu adam", "job": self.steps}
+                    job_mark(rec, "async posted", job)
+                    self._pending = (self._pool.submit(self._update, grads, rec, job), rec, job)
             self.steps += 1
         self._sample()
         return grads is not None
@@ -246,15 +251,27 @@ class ZeroOffload:
             self.loss_scale *= 2
         return grads
 
-    def _update(self, grads: list[np.ndarray]) -> tuple[float, float]:
-        """AdamW on the CPU master partitions (the background thread's work with DPU): start, end."""
-        t0 = trace.now()
-        for b, g in zip(self.buckets, grads, strict=True):
-            b.master.grad = g
-        self.adam.step()
-        for b in self.buckets:
-            b.master.grad = None
-        return t0, trace.now()
+    def _update(self, grads: list[np.ndarray], rec: trace.Recorder | None = None,
+                job: dict[str, Any] | None = None) -> None:
+        """AdamW on the CPU master partitions, a "cpu adam" span on the thread that runs it. With DPU
+        (``job``) that is the background thread, recording into the rank's ``rec`` between the job's
+        "async start" and "async end" marks (``asyncwork.job_mark``), as a non-blocking collective's
+        worker does: a replay starts it where it was posted and runs it beside the next forward."""
+        if job is None:
+            self._adam(grads, delayed=False)
+            return
+        with trace.bound(rec):
+            job_mark(rec, "async start", job)
+            self._adam(grads, delayed=True)
+            job_mark(rec, "async end", job)
+
+    def _adam(self, grads: list[np.ndarray], delayed: bool) -> None:
+        with trace.span("cpu adam", args={"delayed": delayed}):
+            for b, g in zip(self.buckets, grads, strict=True):
+                b.master.grad = g
+            self.adam.step()
+            for b in self.buckets:
+                b.master.grad = None
 
     def _upload(self) -> None:
         """Each updated master partition cast to the working precision on the CPU, copied up into the
@@ -267,16 +284,11 @@ class ZeroOffload:
 
     def _finish_pending(self) -> None:
         if self._pending is not None:
-            self._record(*self._pending.result(), delayed=True)
+            pending, rec, job = self._pending
+            job_mark(rec, "async wait", job)
+            pending.result()
             self._pending = None
             self._upload()
-
-    @staticmethod
-    def _record(t0: float, t1: float, delayed: bool = False) -> None:
-        """The CPU AdamW as a "cpu adam" span (timed on whichever thread ran it, recorded on this one)."""
-        rec = trace.current()
-        if rec is not None:
-            rec.add("compute", "cpu adam", t0, t1, args={"delayed": delayed})
 
     def flush(self) -> None:
         """Wait for the pending delayed update and copy it up (every gradient so far then applied)."""

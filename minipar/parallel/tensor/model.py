@@ -175,15 +175,16 @@ class ParallelBlock(Module):
     def forward(self, x: Tensor) -> Tensor:
         if trace.current() is None:
             return self.math(x)
-        held, started = _Held(self.meter), [0.0]  # this forward's: released by its own backward
+        held, started = _Held(self.meter), [0.0, 0.0]  # this forward's: released by its own backward
 
         def backward_starts() -> None:
-            started[0] = trace.now()
+            started[:] = trace.now(), trace.cpu()
 
         def backward_done() -> None:
             rec = trace.current()
             if rec is not None:
-                rec.add("compute", "B", started[0], trace.now(), args={"layer": self.layer})
+                rec.add("compute", "B", started[0], trace.now(), c0=started[1], c1=trace.cpu(),
+                        args={"layer": self.layer})
             held.release()
 
         with trace.span("F", args={"layer": self.layer}):
