@@ -9,7 +9,7 @@
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
     minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE] [--zero 0 1]   fastest first
-    minipar run --elastic -n 3 [--max-restarts K] [--min-ranks M] script.py [args]   restart with the survivors
+    minipar run --elastic -n 3 [--max-restarts K] [--min-ranks M] [--attempt-timeout S] script.py [args]
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
 output path that cannot be written, a bad option) prints one line ``minipar: error: ...`` on
@@ -356,6 +356,9 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, metavar="K", help="restarts at most (default 3; --elastic)")
     p.add_argument("--min-ranks", type=int, default=1, metavar="M", help="give up below this many ranks (default 1)")
     p.add_argument("--restart-n", type=int, metavar="N", help="restart with N ranks instead of the survivors")
+    p.add_argument("--attempt-timeout", type=float, metavar="S",
+                   help="seconds the ranks of an attempt may outlive the first to end (done, or given up on a "
+                        "dead peer) before they are killed as stuck (lost) (default 2 x MINIPAR_TIMEOUT; --elastic)")
     p.add_argument("script", help="the Python script every rank runs (mpiexec -n N python script ...)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -365,10 +368,13 @@ def _run_run(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.script):
         raise UsageError(f"no script {args.script}; give the path of a Python file")
-    if not args.elastic and (args.restart_n is not None or args.max_restarts is not None):
-        raise UsageError("--max-restarts and --restart-n need --elastic")
+    if not args.elastic and (args.restart_n is not None or args.max_restarts is not None
+                             or args.attempt_timeout is not None):
+        raise UsageError("--max-restarts, --restart-n and --attempt-timeout need --elastic")
+    if args.attempt_timeout is not None and not args.attempt_timeout > 0:
+        raise UsageError(f"--attempt-timeout must be > 0 seconds, got {args.attempt_timeout}")
     restarts = (3 if args.max_restarts is None else args.max_restarts) if args.elastic else 0
-    launcher = mpiexec_launcher([sys.executable, args.script, *args.script_args])
+    launcher = mpiexec_launcher([sys.executable, args.script, *args.script_args], attempt_timeout=args.attempt_timeout)
     try:
         status, _ = elastic_loop(args.ranks, launcher, restarts, args.min_ranks, args.restart_n)
     except ValueError as exc:

@@ -53,6 +53,7 @@ ZeRO and FSDP have ``save_checkpoint`` / ``load_checkpoint``. ``examples/elastic
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,8 +67,11 @@ import numpy as np
 
 LOST_STATUS = 128  # a shell reports a process killed by signal s as 128 + s
 LOST_SIGNALS = (9, 15)  # SIGKILL, SIGTERM: the machine was taken away (not the program's own crash)
-STATUS_SHELL = ('trap "" USR1; "$0" "$@"; s=$?; '
-                'printf "%s\\n" "$s" > "$MINIPAR_ELASTIC_STATUS/rank${PMI_RANK:-${PMIX_RANK:-0}}"; exit "$s"')
+_RANK = "${PMI_RANK:-${PMIX_RANK:-0}}"
+STATUS_SHELL = ('trap "" USR1; '  # an inner sh writes its pid, then becomes the rank (exec): the rank's pid
+                f"sh -c 'echo $$ > \"$MINIPAR_ELASTIC_STATUS/pid{_RANK}\"; exec \"$0\" \"$@\"' \"$0\" \"$@\"; s=$?; "
+                f'printf "%s\\n" "$s" > "$MINIPAR_ELASTIC_STATUS/rank{_RANK}"; exit "$s"')
+POLL = 0.05  # seconds between two looks of the loop at a running attempt's folder
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,15 @@ class RunResult:
     statuses: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     aborted: frozenset[int] = frozenset()  # ranks that called MPI_Abort (their marker files)
+    stalled: dict[int, str] = field(default_factory=dict)  # ranks the loop killed, stuck: why
 
     @property
     def lost(self) -> list[int]:
         """The machines the next run must do without (module docstring): killed by SIGKILL or SIGTERM,
-        or gone with their shell when no rank aborted."""
+        stuck (killed by the loop), or gone with their shell when no rank aborted."""
         killed = {r for r, s in self.statuses.items() if s - LOST_STATUS in LOST_SIGNALS}
         gone = set() if self.aborted or not self.statuses else set(range(self.ranks)) - set(self.statuses)
-        return sorted(killed | gone)
+        return sorted(killed | gone | set(self.stalled))
 
     @property
     def ok(self) -> bool:
@@ -96,7 +101,8 @@ class RunResult:
     def describe(self) -> str:
         """One line: ranks, statuses, what was lost, time."""
         shown = ", ".join(f"{r}:{self.statuses[r]}" if r in self.statuses else f"{r}:-" for r in range(self.ranks))
-        lost = "; ".join(f"rank {r} lost (killed by signal {self.statuses[r] - LOST_STATUS})" if r in self.statuses
+        lost = "; ".join(f"rank {r} lost ({self.stalled[r]}; killed by minipar run)" if r in self.stalled else
+                         f"rank {r} lost (killed by signal {self.statuses[r] - LOST_STATUS})" if r in self.statuses
                          else f"rank {r} lost (gone with its shell)" for r in self.lost)
         torn = ("; '-': none recorded, torn down by mpiexec after an MPI_Abort"
                 if self.aborted and len(self.statuses) < self.ranks else "")
@@ -148,34 +154,102 @@ def elastic_loop(n: int, launch: Launcher, max_restarts: int = 3, min_ranks: int
             say(f"ranks {lost} lost: {nxt} ranks left, below --min-ranks {min_ranks}: giving up; exit status {status}")
             return status, runs
         why = f"--restart-n {restart_n}" if restart_n is not None else f"{n} - {len(lost)} lost"
-        say(f"restart {k + 1} of at most {max_restarts}: {nxt} ranks ({why}); the script resumes from its last "
-            "checkpoint")
+        say(f"ranks {lost} lost (a fault, not the program's error): restart {k + 1} of at most {max_restarts}: "
+            f"{nxt} ranks ({why}); the script resumes from its last checkpoint")
         n = nxt
 
 
 def mpiexec_launcher(argv: Sequence[str], mpiexec: str | os.PathLike[str] | None = None,
-                     extra_env: Mapping[str, str] | None = None) -> Launcher:
+                     extra_env: Mapping[str, str] | None = None, attempt_timeout: float | None = None) -> Launcher:
     """A ``Launcher`` running ``mpiexec -disable-auto-cleanup -n N sh -c STATUS_SHELL argv...`` with
-    this process's stdout and stderr; each rank's exit status is read back from a fresh folder."""
+    this process's stdout and stderr; each rank's exit status is read back from a fresh folder, and
+    stuck ranks are killed while it runs (``supervise``; ``attempt_timeout``: default twice the
+    watchdog's ``MINIPAR_TIMEOUT``)."""
+    from minipar.comm.watchdog import default_timeout
+
     exe = str(mpiexec or Path(sys.executable).parent / "mpiexec")
 
     def launch(n: int, env: Mapping[str, str]) -> RunResult:
         with tempfile.TemporaryDirectory(prefix="minipar-elastic-") as status_dir:
             full = {**os.environ, **(extra_env or {}), **env, "MINIPAR_ELASTIC_STATUS": status_dir}
+            limit = attempt_timeout or 2 * default_timeout(None if "MINIPAR_TIMEOUT" not in full else
+                                                           float(full["MINIPAR_TIMEOUT"]))
             cmd = [exe, "-disable-auto-cleanup", "-n", str(n), "sh", "-c", STATUS_SHELL, *argv]
             start = time.monotonic()
-            rc = subprocess.run(cmd, env=full).returncode
+            proc = subprocess.Popen(cmd, env=full)
+            stalled = supervise(proc, Path(status_dir), n, limit)
             seconds = time.monotonic() - start
-            statuses = {}
-            for f in Path(status_dir).glob("rank*"):
-                try:
-                    statuses[int(f.name[4:])] = int(f.read_text().strip())
-                except ValueError:  # a status half-written when the shell itself was killed: none
-                    continue
+            statuses = _statuses(Path(status_dir))
             aborted = frozenset(int(f.name[7:]) for f in Path(status_dir).glob("aborted*"))
-        return RunResult(n, rc, statuses, seconds, aborted)
+        return RunResult(n, proc.returncode, statuses, seconds, aborted, stalled)
 
     return launch
+
+
+def _statuses(folder: Path) -> dict[int, int]:
+    """Each rank's exit status its shell recorded (none yet, or half-written when the shell itself was
+    killed: absent)."""
+    from minipar.comm.startup import read_int
+
+    found = {int(f.name[4:]): read_int(f) for f in folder.glob("rank*") if f.name[4:].isdigit()}
+    return {r: s for r, s in found.items() if s is not None}
+
+
+def _kill_stuck(folder: Path, rank: int) -> str | None:
+    """SIGKILL ``rank``'s process if it is still there; returns its state before ("stopped (SIGSTOP)" or
+    "running"), None when it was already gone."""
+    from minipar.comm.startup import process_state, read_int
+
+    pid = read_int(folder / f"pid{rank}")
+    state = None if pid is None else process_state(pid)
+    if pid is None or state in (None, "Z"):
+        return None
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return "stopped (SIGSTOP)" if state == "T" else "running"
+
+
+def supervise(proc: subprocess.Popen, folder: Path, n: int, limit: float) -> dict[int, str]:
+    """Wait for ``proc`` (an attempt's mpiexec), killing the ranks that cannot end by themselves:
+
+    - a rank some peer declared dead (``declared<r>``, written by its failure detector or start-up
+      watch) whose process is still there: frozen, or too slow to be told from a dead one (TorchElastic
+      treats a worker that stops making progress like a lost one);
+    - a rank still running ``limit`` seconds after another ended other than by a loss (done: ranks
+      leave together, each waiting for the others' goodbyes; or given up on a dead peer), e.g. one
+      frozen after its goodbye, inside ``MPI_Finalize``.
+    Returns the ranks killed, with why. If mpiexec outlives all that by ``limit``, it is killed."""
+    stalled: dict[int, str] = {}
+    ended: tuple[float, int] | None = None
+    killed_all = None
+    while proc.poll() is None:
+        statuses, now = _statuses(folder), time.monotonic()
+        declared: dict[int, list[int]] = {}
+        for f in folder.glob("declared*"):
+            for dead in f.read_text().split():
+                declared.setdefault(int(dead), []).append(int(f.name[8:]))
+        for rank, by in sorted(declared.items()):
+            if rank not in statuses and rank not in stalled:
+                state = _kill_stuck(folder, rank)
+                if state:
+                    stalled[rank] = f"declared dead by rank {min(by)} while its process was {state}"
+        first = [r for r, s in statuses.items() if s - LOST_STATUS not in LOST_SIGNALS and r not in stalled]
+        if ended is None and first:
+            ended = (now, min(first))
+        if ended is not None and now - ended[0] > limit and killed_all is None:
+            for rank in range(n):
+                if rank not in statuses and rank not in stalled:
+                    state = _kill_stuck(folder, rank)
+                    if state:
+                        stalled[rank] = (f"still {state} {limit:.0f} s after rank {ended[1]} ended "
+                                         "(--attempt-timeout)")
+            killed_all = now
+        if killed_all is not None and now - killed_all > limit:
+            proc.kill()
+        time.sleep(POLL)
+    return stalled
 
 
 # ---- inside the script ------------------------------------------------------------------------

@@ -176,7 +176,8 @@ class Detector:
 class MpiHeartbeat:
     """The MPI transport of a ``Detector``: a daemon thread beating on its own duplicate communicator."""
 
-    def __init__(self, mpicomm: Any, detector: Detector, wait: Callable[[Callable[[], bool]], None]) -> None:
+    def __init__(self, mpicomm: Any, detector: Detector, wait: Callable[[Callable[[], bool]], None],
+                 note: Callable[[list[int]], None] = lambda dead: None) -> None:
         import numpy as np
         from mpi4py import MPI
 
@@ -184,7 +185,7 @@ class MpiHeartbeat:
         self.comm, req = mpicomm.Idup()  # collective: every rank builds its heartbeat at world() time;
         wait(req.Test)  # waited under the watchdog (a rank dead before it joins: CommTimeout, not a hang)
         detector.restart()  # the clocks start once every peer is here (a late peer is not silent)
-        self.detector = detector
+        self.detector, self.note = detector, note  # note: tell the launcher whom this rank declared dead
         self.peers = [r for r in range(self.comm.Get_size()) if r != self.comm.Get_rank()]
         self.beat, self.bye = np.array([BEAT], dtype=np.int64), np.array([BYE], dtype=np.int64)
         self.sends: dict[int, Any] = {}
@@ -227,7 +228,9 @@ class MpiHeartbeat:
                 leaving = self.stopping.is_set()
                 self._send(BYE if leaving else BEAT)
                 self._drain()
-                self.detector.check()
+                dead = self.detector.check()
+                if dead:
+                    self.note(dead)
                 if leaving and self._settled():
                     return
                 if leaving:

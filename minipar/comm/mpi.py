@@ -7,7 +7,8 @@ busy-polls inside blocking calls) and a stuck wait ends in ``CommTimeout``. Unde
 uncaught exception on any rank (any thread) prints its traceback and calls ``MPI_Abort``: the whole
 job exits non-zero instead of hanging; once a peer is dead (``detector.py``) the rank exits by
 itself instead (``os._exit``: no ``MPI_Abort`` cutting the other survivors' reports short, no
-``MPI_Finalize`` waiting for the dead rank).
+``MPI_Finalize`` waiting for the dead rank). ``MPI_Init`` and ``MPI_Finalize`` run under deadlines too
+(``startup.py``): a rank lost before MPI starts or after its goodbye ends no survivor's job in a hang.
 
 Wire format: with a header, a message is a 16 x int64 header (dtype code, ndim, shape) on tag
 ``3t``, then the payload bytes on tag ``3t+1``. Header receives are matched in posting order, and
@@ -31,6 +32,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from minipar.comm import startup
 from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
 from minipar.comm.detector import Detector, MpiHeartbeat, default_deadline
@@ -259,13 +261,14 @@ def _exit(status: object = None) -> NoReturn:
     raise SystemExit(status)
 
 
-def _at_exit(beat: MpiHeartbeat | None, finalize: bool) -> None:
+def _at_exit(beat: MpiHeartbeat | None, finalize: bool, limit: float) -> None:
     """At exit, after the atexit handlers registered later: say goodbye to the peers, then
-    ``MPI_Finalize`` unless a peer died (it would wait for the dead one for ever). When this module
-    imported mpi4py it turned mpi4py's own finalization off (``finalize``), so with a dead peer the
-    process simply exits: its status (``sys.exit(n)``, ``raise SystemExit(n)``, an error) and its
-    buffered files are kept. When the script imported mpi4py first, mpi4py finalizes after this
-    handler, and a dead peer leaves only ``os._exit``, with the status ``sys.exit`` was asked for."""
+    ``MPI_Finalize`` (under ``limit`` seconds, ``startup.finalize``) unless a peer died (it would wait
+    for the dead one for ever). When this module imported mpi4py it turned mpi4py's own finalization
+    off (``finalize``), so with a dead peer the process simply exits: its status (``sys.exit(n)``,
+    ``raise SystemExit(n)``, an error) and its buffered files are kept. When the script imported mpi4py
+    first, mpi4py finalizes after this handler, and a dead peer leaves only ``os._exit``, with the
+    status ``sys.exit`` was asked for."""
     if beat is not None:
         beat.stop()
     dead = beat is not None and bool(beat.detector.dead)
@@ -273,7 +276,9 @@ def _at_exit(beat: MpiHeartbeat | None, finalize: bool) -> None:
         from mpi4py import MPI
 
         if not dead and not MPI.Is_finalized():
-            MPI.Finalize()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            startup.finalize(limit, _exit_status[0], MPI.COMM_WORLD.Get_rank())
         return
     if dead:
         sys.stdout.flush()
@@ -287,30 +292,30 @@ def mpi_world(timeout: float | None = None, deadline: float | None = None) -> Mp
     global _world
     with _lock:
         if _world is None:
-            import mpi4py
-
             finalize = "mpi4py.MPI" not in sys.modules  # then _at_exit finalizes, not mpi4py
-            if finalize:
-                mpi4py.rc.finalize = False
+            timeout_ = default_timeout(timeout)
+            dl = default_deadline(timeout_, deadline)
+            watch = startup.init_mpi(dl, timeout_) if finalize else None  # mpi4py's finalize off too
             from mpi4py import MPI
 
-            state = RankState(MPI.COMM_WORLD.Get_rank(), default_timeout(timeout))
+            state = RankState(MPI.COMM_WORLD.Get_rank(), timeout_)
             _world = MpiCommunicator(MPI.COMM_WORLD, state)
             sys.excepthook = _abort_hook
             threading.excepthook = _thread_hook
-            dl = default_deadline(state.timeout, deadline)
             beat = None
             if _world.size > 1 and dl is not None:
                 # hydra signals the survivors of a dead rank with SIGUSR1, whose default action kills
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
                 peers = [r for r in range(_world.size) if r != _world.rank]
                 state.detector = Detector(_world.rank, peers, dl)
+                where, rank = startup.folder(), _world.rank
                 beat = MpiHeartbeat(MPI.COMM_WORLD, state.detector,
-                                    lambda test: poll(state, test, "the failure detector's start-up (dup)", peers))
-                if not finalize:
-                    sys.exit = _exit  # the os._exit fallback would lose the status otherwise
-            if finalize or beat is not None:
-                atexit.register(_at_exit, beat, finalize)
+                                    lambda test: poll(state, test, "the failure detector's start-up (dup)", peers),
+                                    lambda dead: startup.note_declared(where, rank, dead))
+            if watch is not None:
+                watch.done()  # from here on the detector watches the peers
+            sys.exit = _exit  # the status, for the os._exit of a finalize past its limit or a dead peer
+            atexit.register(_at_exit, beat, finalize, 2 * dl if dl is not None else state.timeout)
         else:
             if timeout is not None:
                 _world.state.timeout = default_timeout(timeout)
