@@ -1,6 +1,7 @@
 """What every lesson does at the start and the end: ranks (mpiexec or in-process threads, with the
-same checks), a console that keeps colour under mpiexec, a note when ranks time-share cores, and
-the closing terminal timeline plus HTML report."""
+same checks), a console that keeps colour under mpiexec, the clock its times are on (``Clock``:
+replayed by default, ``--clock wall`` for the times as recorded, with the time-sharing note), and the
+closing terminal timeline plus HTML report (the replay, with a button for the wall clock)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +19,9 @@ from rich.console import Console
 
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
-from minipar.trace import Trace
+from minipar.cost.cluster import Cluster
+from minipar.replay import ReplayError, check_replayable, cluster_named, replay
+from minipar.trace import Trace, load
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -47,12 +52,96 @@ def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str |
 
 
 def lesson_parser(doc: str | None, steps: int, ranks: int) -> argparse.ArgumentParser:
-    """The arguments every lesson takes: ``--steps`` and ``--ranks`` (threads, when not under mpiexec);
-    a lesson adds its own to the parser."""
+    """The arguments every lesson takes: ``--steps``, ``--ranks`` (threads, when not under mpiexec),
+    ``--clock`` and ``--cluster`` (``Clock.of_args``); a lesson adds its own to the parser."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--ranks", type=int, default=ranks, help="ranks when not under mpiexec (threads)")
+    parser.add_argument("--clock", choices=("replay", "wall"), default="replay",
+                        help="times compared and drawn: replay (each rank's CPU time on --cluster, one core per "
+                             "rank: the default) or wall (as recorded, time-sharing included)")
+    parser.add_argument("--cluster", type=_cluster_spec, default="local", metavar="PRESET|FILE",
+                        help="network of the replay: local (this machine, measured; the default), nvlink, "
+                             "infiniband, a100-selene, or a cluster file from 'minipar calibrate'")
     return parser
+
+
+def _cluster_spec(spec: str) -> str:
+    try:
+        cluster_named(spec)
+    except ReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The times a lesson compares and draws. ``replay`` (the default): every recorded trace re-timed
+    by ``minipar.replay`` on ``cluster`` (a preset or a ``minipar calibrate`` file): each span lasts its
+    CPU time, each rank has a core of its own, messages take the cluster's links, so the numbers mean
+    the same however many ranks share this machine. ``wall``: the times as recorded, which include
+    waiting for a core when ranks outnumber cores (``caveat``)."""
+
+    kind: str = "replay"
+    cluster_spec: str = "local"
+
+    @classmethod
+    def of_args(cls, args: argparse.Namespace) -> Clock:
+        return cls(args.clock, args.cluster)
+
+    @property
+    def cluster(self) -> Cluster:
+        return cluster_named(self.cluster_spec)
+
+    @property
+    def label(self) -> str:
+        """What the times are, for every table and figure that shows one."""
+        if self.kind == "wall":
+            return "wall clock, as recorded"
+        return f"replayed: one core per rank, network {self.cluster.name}"
+
+    @property
+    def short(self) -> str:
+        """One word for a column: "replayed" or "wall clock"."""
+        return "wall clock" if self.kind == "wall" else "replayed"
+
+    def caveat(self, ranks: int) -> str | None:
+        """The time-sharing note (``time_sharing``): with wall-clock times only."""
+        return time_sharing(ranks) if self.kind == "wall" else None
+
+    def of(self, trace: str | os.PathLike[str] | Trace) -> Trace:
+        """``trace`` (a recorded run, or its path) on this clock: replayed, or as recorded with ``wall``
+        and for a trace a replay cannot re-time (a simulated schedule, a run that lost ranks)."""
+        if not isinstance(trace, Trace):
+            path = os.fspath(trace)
+            return _replayed(path, os.stat(path).st_mtime_ns, self) if self.kind == "replay" else load(path)
+        return replay(trace, self.cluster) if self.kind == "replay" and replayable(trace) else trace
+
+    def other(self, trace: str | os.PathLike[str] | Trace) -> Trace | None:
+        """The recorded run on the other clock (wall for a replay, replay for wall); None when a replay
+        cannot re-time it (a simulated schedule, a run that lost ranks)."""
+        recorded = trace if isinstance(trace, Trace) else load(trace)
+        if not replayable(recorded):
+            return None
+        return recorded if self.kind == "replay" else Clock("replay", self.cluster_spec).of(trace)
+
+
+REPLAY = Clock()  # the lessons' default: replayed on "local", this machine with one core per rank
+
+
+@cache
+def _replayed(path: str, mtime_ns: int, clock: Clock) -> Trace:
+    """A trace file's replay, once per version of the file (lessons read a trace several times)."""
+    return clock.of(load(path))
+
+
+def replayable(trace: Trace) -> bool:
+    """Whether ``minipar.replay`` can re-time ``trace`` (recorded with CPU times, no rank lost)."""
+    try:
+        check_replayable(trace)
+    except ReplayError:
+        return False
+    return True
 
 
 def one_process(model: Any, optimizer: Any, batches: Iterable[tuple[Any, Any]]) -> list[float]:
@@ -89,14 +178,18 @@ def console(width: int | None = None) -> Console:
 
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],
            out: Console, timeline: str | os.PathLike[str] | Trace | None = None,
-           titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> Path:
+           titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = (),
+           clock: Clock = REPLAY) -> Path:
     """Print the terminal timeline of ``timeline`` (default: the first trace) and write one HTML
     report of all ``traces``, with ``extra_figures`` (title, figure) as sections after its summary;
-    returns the report's path."""
+    returns the report's path. Recorded traces are shown on ``clock`` (replayed by default), each
+    timeline of the report with a button for the other clock."""
     from viz.report import write_report
     from viz.terminal import print_timeline
 
-    print_timeline(timeline if timeline is not None else traces[0], console=out)
-    path = Path(write_report(list(traces), out_html, titles=titles, extra_figures=extra_figures))
+    print_timeline(clock.of(timeline if timeline is not None else traces[0]), console=out)
+    shown = [clock.of(t) for t in traces]
+    others = [clock.other(t) for t in traces]
+    path = Path(write_report(shown, out_html, titles=titles, extra_figures=extra_figures, others=others))
     out.print(f"[bold]report:[/bold] {path}  (open it in a browser; it works offline)")
     return path

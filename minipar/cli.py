@@ -17,7 +17,8 @@ stderr and exits with status 2, without a traceback, before anything is printed 
 Subcommands are registered in ``COMMANDS``; add one with a ``(configure_parser, run)`` pair.
 ``viz`` is imported only inside ``view`` so the library itself never depends on the viewer.
 ``view`` shows a recorded trace replayed (``minipar.replay``: CPU time per span, the ``--cluster``
-network, default ``local``) when it has CPU times, its wall-clock times with ``--clock wall``.
+network, default ``local``) when it has CPU times, its wall-clock times with ``--clock wall``; the
+report of a replay has a button on its timelines for the times as recorded.
 """
 
 from __future__ import annotations
@@ -155,13 +156,14 @@ def _run_view(args: argparse.Namespace) -> int:
         traces = [load(path) for path in args.traces]
     except TraceError as exc:
         raise UsageError(str(exc)) from None
-    traces = _replayed(traces, args.clock, args.cluster)
+    recorded, traces = traces, _replayed(traces, args.clock, args.cluster)
     terminal = args.terminal or not (args.output or args.chrome)
     try:
-        if args.output:
+        if args.output:  # a replay's timelines with a button for the recorded times
             from viz.report import write_report
 
-            write_report(traces, args.output, titles=args.title or list(args.traces))
+            others = [r if t is not r else None for r, t in zip(recorded, traces, strict=True)]
+            write_report(traces, args.output, titles=args.title or list(args.traces), others=others)
             print(f"wrote {args.output}", file=sys.stderr)
         if args.chrome:
             to_chrome(traces[0], args.chrome)

@@ -12,6 +12,8 @@
   ``group="axis"``: per mesh axis instead (a hybrid run's trace: ``viz.mesh.axis_rows``).
 - ``memory``: bytes held per rank over time, stacked by the labels of the memory samples (stashed
   micro-batches, not bytes, for the simulator's counts: ``analysis.memory_counts``).
+- ``clock_toggle``: two drawings of one run on two clocks (replayed and wall clock) in one figure, with
+  a button for each: the first shown, the second hidden until its button is pressed.
 
 The drawn numbers come from ``viz.analysis`` (see its docstring for the bubble definition).
 Cost: O(E) Plotly points for E events.
@@ -30,7 +32,8 @@ from viz.pipeline_grid import schedule_grid
 from viz.style import FORMULA_COLOR, MEMORY_COLORS, rank_color
 from viz.timeline import add_timeline, compare, timeline
 
-__all__ = ["add_timeline", "compare", "memory", "schedule_grid", "timeline", "traffic"]
+__all__ = ["add_timeline", "clock_toggle", "compare", "memory", "schedule_grid", "timeline", "traffic"]
+BUTTONS_HEIGHT = 34  # pixels added above the plot for the clock buttons
 
 
 def traffic(trace: Trace, title: str | None = None, group: str = "op") -> go.Figure:
@@ -108,4 +111,35 @@ def memory(trace: Trace, title: str | None = None) -> go.Figure:
         fig.update_yaxes(tick0=0, dtick=max(1, max(s.peak for s in series) // 4))
     fig.update_xaxes(title_text=f"time ({unit})", row=p, col=1)
     fig.update_layout(title=title or style.title(trace, "memory"), height=140 + 150 * p, margin={"t": 80})
+    return fig
+
+
+def clock_toggle(first: go.Figure, second: go.Figure, labels: tuple[str, str]) -> go.Figure:
+    """``first`` with ``second``'s traces beside it, hidden, and two buttons (``labels``) above the plot
+    that show one or the other: traces (a legend-only trace stays legend-only), title, annotations
+    (idle totals, subplot titles), shapes and every time axis's range swap with them. Both figures
+    must draw the same subplots (one run on two clocks)."""
+    fig = go.Figure(first)
+    fig.add_traces(list(second.data))
+    n = len(fig.data)
+
+    def view(f: go.Figure, offset: int) -> list[dict]:
+        visible: list[bool | str] = [False] * n
+        for i, t in enumerate(f.data):
+            visible[offset + i] = True if t.visible is None else t.visible
+        axes = {f"{k}.range": list(f.layout[k].range) for k in f.layout if k.startswith("xaxis")
+                and f.layout[k].range is not None}
+        return [{"visible": visible}, {"title.text": f.layout.title.text, **axes,
+                                       "annotations": [a.to_plotly_json() for a in f.layout.annotations],
+                                       "shapes": [sh.to_plotly_json() for sh in f.layout.shapes]}]
+
+    on_first = view(first, 0)
+    for i, v in enumerate(on_first[0]["visible"]):
+        fig.data[i].visible = v
+    top = (fig.layout.margin.t or 80) + BUTTONS_HEIGHT
+    fig.update_layout(height=(fig.layout.height or 450) + BUTTONS_HEIGHT, margin={"t": top}, updatemenus=[{
+        "type": "buttons", "direction": "right", "active": 0, "showactive": True, "x": 1.0, "xanchor": "right",
+        "y": 1.0, "yanchor": "bottom", "pad": {"b": 6}, "font": {"size": 12},
+        "buttons": [{"label": labels[0], "method": "update", "args": on_first},
+                    {"label": labels[1], "method": "update", "args": view(second, len(first.data))}]}])
     return fig

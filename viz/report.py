@@ -1,19 +1,22 @@
 """One self-contained HTML report for one or more traces.
 
-The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size, paradigm, step
-time, idle share (the bubble, for a pipeline), bytes moved, peak memory per rank), then the first trace of a
-run on a device mesh: the grid and the bytes each rank sent stacked by mesh axis (``viz.mesh``), then the
-caller's ``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step
-by step (``viz.ring``; the others' in their sections), then the first trace with moves between memory tiers:
-bytes per tier over time and the moves as links (``viz.tiers``; the others' in their sections), then the model
-states per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's
-timeline over its gathered units (``viz.memory_stack``), then, when there are several traces, their timelines
-on one shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
+The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size, paradigm, the
+clock its times are on (``style.clock``: replayed on a cluster, simulated, wall clock), step time, idle share
+(the bubble, for a pipeline), bytes moved, peak memory per rank), then the first trace of a run on a device
+mesh: the grid and the bytes each rank sent stacked by mesh axis (``viz.mesh``), then the caller's
+``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step by step
+(``viz.ring``; the others' in their sections), then the first trace with moves between memory tiers: bytes per
+tier over time and the moves as links (``viz.tiers``; the others' in their sections), then the model states
+per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline
+over its gathered units (``viz.memory_stack``), then, when there are several traces, their timelines on one
+shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
 timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its traffic (left
 out when no message carries a byte; per mesh axis when the trace has a mesh), its memory (with moves between
 memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over time. The page
 records JavaScript errors into the ``data-js-errors`` attribute of ``<html>`` (a JSON list) so a headless
-browser can check that it rendered cleanly.
+browser can check that it rendered cleanly. Every figure on a time axis names its clock in its title; a trace
+given with its run on another clock (``others``: the recorded run beside its replay) gets a button for each
+clock on its timelines (``figures.clock_toggle``).
 Cost: about 4.5 MB of plotly.js plus O(E) per trace.
 """
 
@@ -83,6 +86,7 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
             "schedule": str(s["schedule"] or ""),
             "backend": str(s["backend"]),
             "world size": str(s["world_size"]),
+            "times": style.clock(t, short=True) or "-",
             "step time": A.fmt_time(s["step_time"], unit),
             "idle (bubble of a pipeline)": "-" if s["bubble_fraction"] is None
             else f"{100 * s['bubble_fraction']:.1f}%",
@@ -142,22 +146,25 @@ def _fig_html(fig: go.Figure, div_id: str) -> str:
                        config={"displaylogo": False, "responsive": True})
 
 
-def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True
+def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True, other: Trace | None = None
                 ) -> list[tuple[str, go.Figure | None, str]]:
     """(kind, figure or None, note) for the per-trace figures; None with a note when there is
-    nothing to draw. A simulated pipeline schedule is drawn as the papers' unit grid
-    (``viz.pipeline_grid``) with its stash counts under it, and has no traffic panel when its
-    messages carry no bytes. A Ring Attention trace gets ``viz.ring``'s figure (unless ``ring`` is
-    False: the page already shows it at the top); one with moves between memory tiers gets
-    ``viz.tiers``' two figures in place of the memory panel (none when ``tiers`` is False: shown at the top)."""
+    nothing to draw. Every figure drawn on a time axis names the trace's clock (``style.clock``); with
+    ``other`` (the same run on the other clock) the timeline gets a button for each clock. A simulated
+    pipeline schedule is drawn as the papers' unit grid (``viz.pipeline_grid``) with its stash counts
+    under it, and has no traffic panel when its messages carry no bytes. A Ring Attention trace gets
+    ``viz.ring``'s figure (unless ``ring`` is False: the page already shows it at the top); one with
+    moves between memory tiers gets ``viz.tiers``' two figures in place of the memory panel (none
+    when ``tiers`` is False: shown at the top)."""
     out: list[tuple[str, go.Figure | None, str]] = []
     grid = is_grid(trace)
+    timed = style.with_clock(title, trace)
     if grid:
         out.append(("schedule", figures.schedule_grid(trace, f"schedule as the papers draw it: {title}"), ""))
     else:
-        out.append(("timeline", figures.timeline(trace, f"timeline: {title}"), ""))
+        out.append(("timeline", timeline_figure(trace, title, other), ""))
     if ring and is_ring(trace):  # Ring Attention: the K/V blocks step by step
-        out.append(("ring", ring_figure(trace, title), ""))
+        out.append(("ring", ring_figure(trace, timed), ""))
     moved = sum(e.nbytes or 0 for e in A.sends(trace))
     if moved:
         group = "axis" if mesh_of(trace) else "op"
@@ -176,22 +183,52 @@ def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True
         return [*out, *tier_figures(trace, title)] if tiers else out
     if any(e.kind == "memory" for e in trace.events):
         what = "stashed micro-batches" if A.memory_counts(trace) else "memory"
-        out.append(("memory", figures.memory(trace, f"{what}: {title}"), ""))
+        out.append(("memory", figures.memory(trace, f"{what}: {timed}"), ""))
     else:
         out.append(("memory", None, "No memory samples in this trace."))
     if has_gathered(trace):  # FSDP: units gathered per layer
-        out.append(("gathered", gathered_figure(trace, title), ""))
+        out.append(("gathered", gathered_figure(trace, timed), ""))
     return out
 
 
+def timeline_figure(trace: Trace, title: str, other: Trace | None = None) -> go.Figure:
+    """The timeline titled with its clock; with ``other``, both clocks and a button for each."""
+    fig = figures.timeline(trace, style.with_clock(f"timeline: {title}", trace))
+    if other is None:
+        return fig
+    back = figures.timeline(other, style.with_clock(f"timeline: {title}", other))
+    return figures.clock_toggle(fig, back, (style.clock(trace, short=True), style.clock(other, short=True)))
+
+
+def compare_figure(traces: Sequence[Trace], titles: Sequence[str], others: Sequence[Trace | None]) -> go.Figure:
+    """The traces on one time axis, the title naming their clocks; a button for each clock when some
+    trace has another (the others' traces keep theirs)."""
+    def drawn(ts: Sequence[Trace]) -> go.Figure:
+        fig = figures.compare(ts, titles)
+        clocks = ", ".join(dict.fromkeys(c for c in map(style.clock, ts) if c))
+        fig.update_layout(title_text=f"{fig.layout.title.text}; times {clocks}" if clocks else fig.layout.title.text)
+        return fig
+
+    fig = drawn(traces)
+    if all(o is None for o in others):
+        return fig
+    alt = [t if o is None else o for t, o in zip(traces, others, strict=True)]
+    first = next(i for i, o in enumerate(others) if o is not None)
+    return figures.clock_toggle(fig, drawn(alt), (style.clock(traces[first], short=True),
+                                                  style.clock(alt[first], short=True)))
+
+
 def tier_figures(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
-    return [("tiers", residency_figure(trace, title), ""), ("transfers", transfers_figure(trace, title), "")]
+    timed = style.with_clock(title, trace)
+    return [("tiers", residency_figure(trace, timed), ""), ("transfers", transfers_figure(trace, title), "")]
 
 
-def render(traces: Sequence[Trace], titles: Sequence[str],
-           extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
+def render(traces: Sequence[Trace], titles: Sequence[str], extra_figures: Sequence[tuple[str, go.Figure]] = (),
+           others: Sequence[Trace | None] | None = None) -> str:
     """The whole HTML page as a string; ``extra_figures`` (title, figure) follow the summary table (and
-    the mesh, for a hybrid run), each as its own section."""
+    the mesh, for a hybrid run), each as its own section; ``others[i]``: trace ``i``'s run on the
+    other clock (or None), which its timelines can switch to."""
+    others = list(others) if others is not None else [None] * len(traces)
     parts = ["<!DOCTYPE html>", "<html data-js-errors=\"[]\"><head><meta charset=\"utf-8\">",
              "<title>minipar report</title>", _ERROR_HOOK, _STYLE,
              f'<script type="text/javascript">{get_plotlyjs()}</script>', "</head><body>",
@@ -223,14 +260,16 @@ def render(traces: Sequence[Trace], titles: Sequence[str],
     first_fsdp = next((i for i, t in enumerate(traces) if has_gathered(t)), None)
     if first_fsdp is not None:  # the overlap FSDP is built for: the next unit's all-gather under this one's compute
         parts.append(f"<h2>FSDP step: {html.escape(titles[first_fsdp])}</h2>")
-        parts.append(_fig_html(fsdp_step_figure(traces[first_fsdp], titles[first_fsdp]), "fig-fsdp-step"))
+        parts.append(_fig_html(fsdp_step_figure(traces[first_fsdp], style.with_clock(titles[first_fsdp],
+                                                                                     traces[first_fsdp])),
+                               "fig-fsdp-step"))
     if len(traces) > 1:
         parts.append("<h2>side by side</h2>")
-        parts.append(_fig_html(figures.compare(traces, titles), "fig-compare"))
+        parts.append(_fig_html(compare_figure(traces, titles, others), "fig-compare"))
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(metadata(t))
-        for kind, fig, note in figures_for(t, title, ring=i != first_ring, tiers=i != first_tiers):
+        for kind, fig, note in figures_for(t, title, ring=i != first_ring, tiers=i != first_tiers, other=others[i]):
             if fig is None:
                 parts.append(f'<p class="note" id="note-{i}-{kind}">{html.escape(note)}</p>')
             else:
@@ -240,10 +279,13 @@ def render(traces: Sequence[Trace], titles: Sequence[str],
 
 
 def write_report(paths_or_traces: TraceLike | Sequence[TraceLike], out_html: str | os.PathLike[str],
-                 titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
+                 titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = (),
+                 others: Sequence[TraceLike | None] | None = None) -> str:
     """Write one self-contained HTML report of the given traces, with ``extra_figures`` (title,
-    figure) as sections after the summary; returns the path written. The page is written whole
-    (a temporary file renamed over ``out_html``) or not at all.
+    figure) as sections after the summary; returns the path written. ``others`` (one per trace, or
+    None): the same run on another clock (the recorded run beside its replay), which the trace's
+    timelines switch to with a button. The page is written whole (a temporary file renamed over
+    ``out_html``) or not at all.
 
     Raises ``minipar.trace.TraceError`` for an unreadable trace and ``ValueError`` for a titles
     list of the wrong length, before anything is written.
@@ -258,7 +300,10 @@ def write_report(paths_or_traces: TraceLike | Sequence[TraceLike], out_html: str
         titles = [_default_title(item, t) for item, t in zip(items, traces, strict=True)]
     elif len(titles) != len(traces):
         raise ValueError(f"got {len(titles)} titles for {len(traces)} traces; pass one title per trace")
-    page = render(traces, list(titles), extra_figures)
+    if others is not None and len(others) != len(traces):
+        raise ValueError(f"got {len(others)} others for {len(traces)} traces; pass one (or None) per trace")
+    alt = [None if o is None else _load_all([o])[0] for o in others] if others is not None else None
+    page = render(traces, list(titles), extra_figures, alt)
     out = os.fspath(out_html)
     tmp = f"{out}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:

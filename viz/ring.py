@@ -17,9 +17,9 @@ layer runs Ring Attention once, forward pass i is layer i's forward (the backwar
 - ``ring_figure(trace, title)``: two panels. Top, the ring as a step x rank grid: each cell names the
   K/V block the rank computes on at that step (one colour per block; pale when the causal mask hides
   the whole block and no score is computed) and an arrow to the rank that holds it at the next step.
-  Bottom, the same pass measured: per rank one lane of score-block compute and one of the incoming
-  next block, in the same colours, so a receive bar spanning a compute bar is transfer overlapped
-  with compute.
+  Bottom, the same pass on the trace's clock (``style.clock``: replayed or wall clock): per rank one
+  lane of score-block compute and one of the incoming next block, in the same colours, so a receive
+  bar spanning a compute bar is transfer overlapped with compute.
 
 Cost: O(E log E) for E events.
 """
@@ -34,6 +34,7 @@ from rich.table import Table
 
 from minipar.trace import Event, Trace
 from viz import analysis as A
+from viz import style
 from viz.style import rank_color, shade
 
 KV = "ring_kv"
@@ -201,7 +202,7 @@ def ring_figure(trace: Trace, title: str = "Ring Attention", index: int = 0) -> 
     scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
     fig = make_subplots(rows=2, cols=1, row_heights=[0.42, 0.58], vertical_spacing=0.14, subplot_titles=(
         f"who holds which K/V block at each ring step (forward pass {index}); arrows: where it goes next",
-        "measured: each rank computes on one block (upper lane) while the next one arrives "
+        f"{style.clock(trace) or 'measured'}: each rank computes on one block (upper lane) while the next one arrives "
         "(lower lane)"))
     _grid(fig, steps, ranks)
     _measured(fig, steps, ranks, scale, shown)

@@ -9,11 +9,14 @@
 - Ranks in bar charts: a qualitative palette (Tableau 10 without its red), one distinct hue per rank.
 - Collectives in timelines: one hue per op and algorithm (all-reduce ring, all-gather ring, ...)
   or, for point-to-point and parameter-server messages, per op (send, recv, pull, push).
+- Clocks: ``clock(trace)`` names what a trace's times are (replayed on a cluster, simulated, wall
+  clock), for every title that shows a time.
 """
 
 from __future__ import annotations
 
 from minipar.trace import Trace
+from viz.analysis import is_simulated
 
 COLORS = {"forward": "#4C78A8", "backward": "#F58518", "input gradient": "#E45756", "weight gradient": "#72B7B2",
           "optimizer": "#54A24B", "other": "#9D9D9D"}
@@ -58,6 +61,26 @@ def title(trace: Trace, what: str) -> str:
     if meta.get("backend"):
         parts.append(str(meta["backend"]))
     return f"{what}: {', '.join(parts)}" if what else ", ".join(parts)
+
+
+def clock(trace: Trace, short: bool = False) -> str:
+    """What the trace's times are: "replayed: one core per rank, network <cluster>" (``minipar.replay``'s
+    output; ``short``: "replayed on <cluster>"), "simulated" (the pipeline simulator), "wall clock" (a
+    recorded run, as recorded: with more ranks than cores, the operating system's time-sharing is in
+    it), or "" when the trace does not say (made by hand)."""
+    meta = trace.meta
+    if meta.get("clock") == "replay":
+        label = (meta.get("replay") or {}).get("label")
+        return f"replayed on {meta.get('cluster')}" if short or not label else str(label)
+    if is_simulated(trace):
+        return "simulated"
+    return "wall clock" if meta.get("clock") == "wall" else ""
+
+
+def with_clock(text: str, trace: Trace) -> str:
+    """``text (clock)`` for a figure's title, ``text`` when the trace does not name its clock."""
+    name = clock(trace)
+    return f"{text} ({name})" if name else text
 
 
 def ranks(n: int) -> str:

@@ -40,7 +40,7 @@ from minipar.trace import Event, Trace, load
 from viz import analysis as A
 from viz import faults
 from viz import messages as M
-from viz.style import ranks
+from viz.style import clock, ranks
 
 STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
           "input gradient": "bold white on red3", "weight gradient": "bold black on dark_cyan",
@@ -364,7 +364,8 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
 
 def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Console | None = None,
                    width: int | None = None, title: str | None = None, max_bands: int = MAX_BANDS) -> None:
-    """Print the timeline, legend, bubble fractions and traffic table of one trace.
+    """Print the timeline, legend, bubble fractions and traffic table of one trace, the step line
+    naming the clock of its times (``style.clock``: replayed on a cluster, simulated, wall clock).
 
     ``width`` is the whole line's width (default: the console's). Pass a ``Console`` to choose
     colour handling (e.g. ``Console(force_terminal=True)`` under ``mpiexec``).
@@ -382,9 +383,9 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     bubble = "" if s["bubble_fraction"] is None else f", {idle} {100 * s['bubble_fraction']:.1f}%"
     # Lines are laid out to ``width`` here; soft_wrap stops rich from cropping them to a narrower
     # console (e.g. 80 columns when stdout is not a terminal, as under mpiexec).
-    for line in Text(head, "bold").wrap(Console(width=width), width):
+    step = f"step {A.fmt_time(s['step_time'], unit)}{bubble}" + (f"; {clock(trace)}" if clock(trace) else "")
+    for line in [*Text(head, "bold").wrap(Console(width=width), width), *Text(step).wrap(Console(width=width), width)]:
         console.print(line, soft_wrap=True)
-    console.print(f"step {A.fmt_time(s['step_time'], unit)}{bubble}", soft_wrap=True, highlight=False)
     for line in timeline_text(trace, width, max_bands):
         console.print(line, soft_wrap=True)
     dt, _ = layout(trace, _columns(trace, width)[1], max_bands)
