@@ -15,22 +15,23 @@ loss); only the order of the forwards (F) and backwards (B) differs:
 - 1F1B / PipeDream-Flush (Narayanan et al. 2021, section 2.2.1): same bubble, at most p - rank stashed;
 - interleaved 1F1B (section 2.2.2): v chunks per rank, bubble (p - 1)/(v m + p - 1).
 
-For each schedule the lesson prints the per-rank action order, the bubble fraction measured from
-the trace's F/B spans next to the formula and to the simulator fed with the per-stage durations
-measured in the run, and the peak number of stashed micro-batches next to the simulator's. It writes
+For each schedule the lesson prints the per-rank action order, the bubble fraction of the trace's
+F/B spans next to the formula and to the simulator fed with the run's per-stage durations, and the
+peak number of stashed micro-batches next to the simulator's. Times are replayed (``--clock``,
+``--cluster``: lessons/common.py's ``Clock``): each span lasts the CPU time its rank spent in it and
+every rank has a core of its own, so the bubbles mean the same run after run even when 4 ranks
+share 2 cores; ``--clock wall`` shows the times as recorded, time-sharing included. It writes
 runs/02_pipeline/<schedule>.json (the last step of the real run, with the formula's bytes sent per
 rank in its meta: m activations forward and m gradients back across every stage boundary) and
 runs/02_pipeline/simulated/<schedule>.json (the simulator's prediction, apart so that
 runs/02_pipeline/*.json means the measured runs), prints the 1F1B timeline and traffic, and writes
-runs/02_pipeline/report.html.
-On a 2-core machine 4 ranks share 2 cores, so measured durations stretch when more than 2 ranks
-compute at once: the measured bubble differs from the formula, and the simulator fed with measured
-durations explains part of that difference.
+runs/02_pipeline/report.html (the replayed timelines, a button on each for the wall clock).
+The formula assumes uniform stages; the first and last stages also carry the embedding and the
+head, which the simulator fed with the run's durations accounts for.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import pipeline as pipeline_cost
@@ -96,7 +97,7 @@ def schedule_bubble(trace: mtrace.Trace) -> float:
 
 
 def stage_durations(trace: mtrace.Trace, n_stages: int) -> tuple[list[float], list[float]]:
-    """Median measured F and B time of every (virtual) stage, in seconds."""
+    """Median F and B time of every (virtual) stage, in seconds (on the trace's clock)."""
     med = {}
     for op in ("F", "B"):
         med[op] = [float(np.median([e.duration for e in trace.select("compute", name=op, stage=s)]))
@@ -105,9 +106,10 @@ def stage_durations(trace: mtrace.Trace, n_stages: int) -> tuple[list[float], li
 
 
 def analyse(trace_path: str | os.PathLike[str], sim_path: str | os.PathLike[str] | None = None,
-            ) -> dict[str, Any]:
-    """Measured vs predicted for one recorded run; writes the simulator's trace to ``sim_path``."""
-    trace = mtrace.load(trace_path)
+            clock: Clock = REPLAY) -> dict[str, Any]:
+    """One recorded run on ``clock`` (replayed by default) vs predicted; writes the simulator's trace,
+    fed with the run's per-stage durations on that clock, to ``sim_path``."""
+    trace = clock.of(trace_path)
     kind, p, m, v = (trace.meta[k] for k in ("schedule", "p", "m", "v"))
     fwd, bwd = stage_durations(trace, p * v)
     sim = simulate_schedule(make_schedule(kind, p, m, v), forward=fwd, backward=bwd)
@@ -116,7 +118,7 @@ def analyse(trace_path: str | os.PathLike[str], sim_path: str | os.PathLike[str]
         mtrace.save(sim.trace, sim_path)
     peaks = {r: max((e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)),
                     default=0) for r in range(p)}
-    return {"kind": kind, "p": p, "m": m, "v": v, "measured": schedule_bubble(trace),
+    return {"kind": kind, "p": p, "m": m, "v": v, "bubble": schedule_bubble(trace),
             "simulated": sim.bubble_fraction, "formula": pipeline_cost.bubble_fraction(kind, p, m, v),
             "peak": peaks, "sim_peak": dict(sim.peak_stash), "forward": fwd, "backward": bwd,
             "step_time": max(e.t1 for e in trace.events if e.kind == "compute" and e.name in "FB")
@@ -134,22 +136,25 @@ def print_actions(console: Console, kind: str, actions: dict[int, list[str]]) ->
     console.print(table)
 
 
-def summary_table(rows: list[dict[str, Any]], losses: dict[str, list[float]]) -> Table:
-    table = Table(title="measured vs predicted (last step; bubble = idle share of the F/B window)")
-    for col in ("schedule", "step", "bubble measured", "simulator (measured F/B)", "formula",
-                "peak stash measured", "simulator", "final loss"):
+def summary_table(rows: list[dict[str, Any]], losses: dict[str, list[float]], clock: Clock = REPLAY) -> Table:
+    table = Table(title=f"last step, {clock.label}; bubble = idle share of the F/B window",
+                  caption="simulator: the same order with this run's F/B time per stage; formula: uniform "
+                          "stages, no communication time; stash: micro-batches per rank")
+    for col in ("schedule", "step", f"bubble {clock.short}", "simulator", "formula",
+                f"peak stash {clock.short}", "simulator", "final loss"):
         table.add_column(col, justify="right")
     for row in rows:
         table.add_row(
             f"{row['kind']}" + (f" v={row['v']}" if row["v"] > 1 else ""), f"{1e3 * row['step_time']:.0f} ms",
-            f"{100 * row['measured']:.1f}%", f"{100 * row['simulated']:.1f}%", f"{100 * row['formula']:.1f}%",
+            f"{100 * row['bubble']:.1f}%", f"{100 * row['simulated']:.1f}%", f"{100 * row['formula']:.1f}%",
             " ".join(str(row["peak"][r]) for r in sorted(row["peak"])),
             " ".join(str(row["sim_peak"][r]) for r in sorted(row["sim_peak"])),
             f"{losses[row['kind']][-1]:.4f}")
     return table
 
 
-def print_schedule(console: Console, row: dict[str, Any], stages: dict[int, list[str]]) -> None:
+def print_schedule(console: Console, row: dict[str, Any], stages: dict[int, list[str]], clock: Clock = REPLAY
+                   ) -> None:
     """One schedule's section: what rank 0 holds, the action order, durations, bubble and stash."""
     kind, v = row["kind"], row["v"]
     console.rule(f"[bold]{kind}[/bold]" + (f" (v = {v} chunks per rank)" if v > 1 else ""))
@@ -160,9 +165,10 @@ def print_schedule(console: Console, row: dict[str, Any], stages: dict[int, list
     def ms(xs: list[float]) -> str:
         return " ".join(f"{1e3 * x:.1f}" for x in xs)
 
-    console.print(f"median F per stage {ms(row['forward'])} ms, B {ms(row['backward'])} ms", highlight=False)
-    console.print(f"bubble measured {100 * row['measured']:.1f}%, simulator {100 * row['simulated']:.1f}%, "
-                  f"formula {100 * row['formula']:.1f}%;  peak stash per rank measured "
+    console.print(f"median F per stage {ms(row['forward'])} ms, B {ms(row['backward'])} ms ({clock.short})",
+                  highlight=False)
+    console.print(f"bubble {clock.short} {100 * row['bubble']:.1f}%, simulator {100 * row['simulated']:.1f}%, "
+                  f"formula {100 * row['formula']:.1f}%;  peak stash per rank "
                   f"{list(row['peak'].values())}, simulator {list(row['sim_peak'].values())}",
                   highlight=False)
 
@@ -176,8 +182,8 @@ def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int, m: int) -> None:
-    """Every schedule in turn on ``comm``; rank 0 prints."""
+def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
+    """Every schedule in turn on ``comm``; rank 0 prints, times on ``clock``."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
     if lead:
@@ -185,11 +191,11 @@ def run(comm: Any, steps: int, m: int) -> None:
         console.print(f"[bold]tiny GPT[/bold] ({VOCAB} tokens, seq {SEQ}, d_model {D_MODEL}, {BLOCKS} blocks "
                       f"= {BLOCKS + 2} layers) on {p} pipeline ranks, batch {BATCH} = {m} micro-batches of "
                       f"{BATCH // m}, {steps} steps per schedule, last step traced")
-        console.print("Columns: [bold]measured[/bold] = idle share of each rank's F/B window in the trace; "
-                      "[bold]simulator[/bold] = the same schedule replayed with the F/B durations measured "
-                      "in this run (what the order alone costs); [bold]formula[/bold] = uniform stages, no "
+        console.print(f"Times {clock.label} (--clock wall: as recorded). [bold]bubble[/bold] = idle share "
+                      "of each rank's F/B window; [bold]simulator[/bold] = the same schedule with this run's F/B "
+                      "durations (what the order alone costs); [bold]formula[/bold] = uniform stages, no "
                       "communication time.", highlight=False)
-        note = time_sharing(p)
+        note = clock.caveat(p)
         if note:
             console.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
     rows, losses, paths, titles = [], {}, [], []
@@ -197,40 +203,37 @@ def run(comm: Any, steps: int, m: int) -> None:
         path, sim_path = OUT / f"{kind}.json", OUT / "simulated" / f"{kind}.json"
         result = train(comm, kind, v, steps, m, path)
         if lead:
-            row = analyse(path, sim_path)
+            row = analyse(path, sim_path, clock)
             rows.append(row)
             losses[kind] = result["losses"]
             paths += [path, sim_path]
-            titles += [f"{kind}: measured", f"{kind}: simulator with measured F/B durations"]
-            print_schedule(console, row, result["stages"])
+            titles += [kind, f"{kind}: simulator with the run's F/B durations ({clock.short})"]
+            print_schedule(console, row, result["stages"], clock)
     if not lead:
         return
     console.rule("[bold]summary")
-    console.print(summary_table(rows, losses))
-    note = time_sharing(p)
+    console.print(summary_table(rows, losses, clock))
+    note = clock.caveat(p)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}: compare the simulator column, not the measured one, "
-                      "with the formula.", highlight=False)
+                      "with the formula (or drop --clock wall).", highlight=False)
     spread = max(abs(a - b) for ls in losses.values() for a, b in zip(ls, losses["naive"], strict=True))
     console.print(f"Every schedule gives the same losses (largest difference {spread:.1e}): a schedule "
                   "changes the order of the work, never the result.", highlight=False)
-    console.rule("[bold]1F1B timeline (last step, measured)")
+    console.rule(f"[bold]1F1B timeline (last step, {clock.short})")
     console.print("(idle time here counts the whole step, loss broadcast and optimizer included)",
                   highlight=False)
-    finish(paths, OUT / "report.html", console, timeline=OUT / "1f1b.json", titles=titles)
+    finish(paths, OUT / "report.html", console, timeline=OUT / "1f1b.json", titles=titles, clock=clock)
     console.print(f"traces: {', '.join(str(p_) for p_ in paths[::2])}  "
                   f"(or: minipar view {OUT / '1f1b.json'})", highlight=False)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = lesson_parser(__doc__, steps=3, ranks=4)
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
     args = parser.parse_args()
     run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
-              m=args.microbatches)
+              m=args.microbatches, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":
