@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = Trainer(args.paradigm, comm, args.seed)
     start = 0
-    if checkpoint_exists(args.ckpt):
+    if checkpoint_exists(args.ckpt, comm):  # leftovers of crashed saves tidied up first
         start = trainer.load(args.ckpt)
         if comm.rank == 0:
             print(f"resumed at step {start} on {comm.size} ranks, {micro_per_rank} micro-batches of "

@@ -287,16 +287,33 @@ def accumulation(global_batch: int, world: int, micro_batch: int) -> int:
     return global_batch // per_step
 
 
-def checkpoint_exists(directory: str | os.PathLike[str]) -> bool:
+def checkpoint_exists(directory: str | os.PathLike[str], comm: Any = None) -> bool:
     """True when ``directory`` holds a complete checkpoint (or a crash between the commit's two renames
-    left one beside it, which ``checkpoint.load`` reads)."""
+    left one beside it, which ``checkpoint.load`` reads).
+
+    With ``comm`` (every rank calls it, at the start of a run) rank 0 first tidies up after the saves
+    that crashed: it finishes an interrupted commit and deletes their leftover ``ckpt.tmp-X`` and
+    ``ckpt.old-X`` siblings (``checkpoint._recover``: never the complete checkpoint), and every rank
+    gets rank 0's answer."""
     from minipar.parallel.zero import checkpoint
 
-    try:
-        where = checkpoint._resolve(Path(directory).absolute())
-    except ValueError:
-        return False
-    return (where / checkpoint.META).is_file()
+    path = Path(directory).absolute()
+
+    def complete() -> bool:
+        try:
+            return (checkpoint._resolve(path) / checkpoint.META).is_file()
+        except ValueError:
+            return False
+
+    if comm is None:
+        return complete()
+    found, errors = None, []
+    if comm.rank == 0:
+        _, errors = checkpoint._local_problem(checkpoint._recover, path)
+        found = complete()
+    found, errors = comm.broadcast_object((found, errors))
+    checkpoint._raise_if(f"tidy {path}", errors)
+    return bool(found)
 
 
 def _ddp_layout(ddp: Any, optimizer: Any, world: int) -> tuple[Any, list[int]]:

@@ -1,7 +1,8 @@
 """Faults at the edges (review of issue 18): a parameter server on a sub-communicator (the detector's
 world ranks against the communicator's ranks), a trace whose block raises after a rank was killed
 (no side file left behind) and a ZeRO checkpoint save whose first broadcast meets a dead peer (no
-temporary directory left behind). All on the threads backend, each well under a second."""
+temporary directory left behind); and (issue 29) the next start removing the leftovers of crashed
+saves, never the complete checkpoint. All on the threads backend, each well under a second."""
 
 from __future__ import annotations
 
@@ -143,3 +144,38 @@ def test_a_save_whose_broadcast_meets_a_dead_peer_leaves_no_temporary(tmp_path: 
     out = minipar.launch(_save_meeting_a_dead_peer, 3, deadline=0.2, timeout=5, directory=str(directory))
     assert out == ["PeerLost 1", None, "PeerLost 1"]
     assert sorted(os.listdir(tmp_path)) == []  # before the fix: ['ckpt.tmp-<12 hex>']
+
+
+# ---- issue 29: the next start tidies up after crashed saves, never deleting a complete checkpoint --------
+def _save_step(comm: minipar.Communicator, directory: str, step: int) -> None:
+    checkpoint.save(directory, comm, {"w": np.full(2, float(step))}, {"w": 2 * comm.size}, {"step": step})
+
+
+def _start(comm: minipar.Communicator, directory: str) -> bool:
+    from minipar.elastic import checkpoint_exists
+
+    return checkpoint_exists(directory, comm)
+
+
+@pytest.mark.parametrize("crash", ["before the commit", "between the renames", "after the renames", "first save"])
+def test_the_next_start_removes_leftovers_and_keeps_the_complete_checkpoint(tmp_path: Path, crash: str) -> None:
+    ckpt, hexes = tmp_path / "ckpt", "0123456789ab"
+    tmp, old = tmp_path / f"ckpt.tmp-{hexes}", tmp_path / f"ckpt.old-{hexes}"
+    minipar.launch(_save_step, 3, directory=str(ckpt), step=1)
+    want = 1
+    if crash == "first save":  # no checkpoint yet; the first save's directory, files written, no meta.json
+        ckpt.rename(tmp)
+        (tmp / "meta.json").unlink()
+        want = None
+    elif crash == "before the commit":  # every file and meta.json written, no rename yet: the old one stays
+        minipar.launch(_save_step, 3, directory=str(tmp_path / "new"), step=2)
+        (tmp_path / "new").rename(tmp)
+    else:  # step 2's commit: ckpt -> ckpt.old-X, then ckpt.tmp-X -> ckpt (interrupted after the first rename)
+        minipar.launch(_save_step, 3, directory=str(tmp_path / "new"), step=2)
+        ckpt.rename(old)
+        (tmp_path / "new").rename(tmp if crash == "between the renames" else ckpt)
+        want = 2
+    assert minipar.launch(_start, 3, directory=str(ckpt)) == [want is not None] * 3
+    assert sorted(os.listdir(tmp_path)) == (["ckpt"] if want else [])  # no ckpt.tmp-X, no ckpt.old-X
+    if want:
+        assert checkpoint.consolidate(ckpt)[1] == {"step": want}

@@ -110,7 +110,7 @@ def elastic_part(comm: Any, out: Path, ckpt: Path, info: elastic.Restart, kill: 
     acc = elastic.accumulation(BATCH, comm.size, MICRO)
     m = model()
     ddp, opt = DistributedDataParallel(m, comm), AdamW(m.parameters(), lr=LR, weight_decay=WD)
-    start = int(elastic.load_ddp(ckpt, ddp, opt)["step"]) if elastic.checkpoint_exists(ckpt) else 0
+    start = int(elastic.load_ddp(ckpt, ddp, opt)["step"]) if elastic.checkpoint_exists(ckpt, comm) else 0
     victim = kill and info.count == 0 and comm.rank == EL_VICTIM
     path = out / f"elastic_run{info.count}.json" if kill else None
     status, losses = 0, []
