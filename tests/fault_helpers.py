@@ -136,6 +136,16 @@ def ps_rank(comm: Any, outdir: str, mode: str, n_servers: int, steps: int, victi
     return result, {r: t for r, (t, _, _) in det.dead.items()}
 
 
+# ---- a pipeline (tests/chaos_train.py) --------------------------------------------------------------
+PIPE_SIZES, PIPE_ROWS, PIPE_LR = [4, 6, 6, 6, 6, 2], 8, 0.05  # 5 layers: any 1-5 stages
+
+
+def pipe_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step ``step``'s whole batch for the chaos pipeline (from the step alone: a restart sees the same)."""
+    rng = np.random.default_rng([7, step])
+    return rng.normal(size=(PIPE_ROWS, PIPE_SIZES[0])), rng.normal(size=(PIPE_ROWS, PIPE_SIZES[-1]))
+
+
 # ---- DDP ------------------------------------------------------------------------------------------
 def ddp_rank(comm: Any, outdir: str, steps: int, victim: int, at: int) -> list[float]:
     from minipar.parallel.ddp import DistributedDataParallel, train_step
