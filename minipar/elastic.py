@@ -243,7 +243,7 @@ def supervise(proc: subprocess.Popen, folder: Path, n: int, limit: float) -> dic
                 if rank not in statuses and rank not in stalled:
                     state = _kill_stuck(folder, rank)
                     if state:
-                        stalled[rank] = (f"still {state} {limit:.0f} s after rank {ended[1]} ended "
+                        stalled[rank] = (f"still {state} {limit:g} s after rank {ended[1]} ended "
                                          "(--attempt-timeout)")
             killed_all = now
         if killed_all is not None and now - killed_all > limit:

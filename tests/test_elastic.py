@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import operator
 import os
 import re
@@ -23,10 +24,19 @@ from hypothesis import strategies as st
 from strategies import budget
 from tolerances import assert_close_after_adamw
 
-from minipar import nn
+from minipar import elastic, nn
 from minipar.cli import main as cli_main
 from minipar.comm import launch
-from minipar.elastic import STATUS_SHELL, RunResult, accumulation, elastic_loop, load_ddp, restart_info, save_ddp
+from minipar.elastic import (
+    STATUS_SHELL,
+    RunResult,
+    accumulation,
+    elastic_loop,
+    load_ddp,
+    restart_info,
+    save_ddp,
+    supervise,
+)
 from minipar.optim import AdamW
 from minipar.parallel.zero import checkpoint
 from minipar.testing import ROOT
@@ -137,15 +147,59 @@ def test_a_machine_gone_is_lost_and_a_crash_is_not():
 
 def test_status_shell_records_how_each_rank_ended(tmp_path):
     # the shell mpiexec starts each rank under: a SIGKILLed rank is 137 (lost), an exit its status
+    # and the rank's own pid (the inner sh becomes the rank), which minipar run kills when it is stuck
     for rank, code, want in ((3, "os.kill(os.getpid(), signal.SIGKILL)", 137), (0, "sys.exit(7)", 7)):
         env = dict(os.environ, PMI_RANK=str(rank), MINIPAR_ELASTIC_STATUS=str(tmp_path))
-        proc = subprocess.run(["sh", "-c", STATUS_SHELL, sys.executable, "-c", f"import os, signal, sys; {code}"],
-                              env=env)
+        code = f"import os, signal, sys; open(sys.argv[1], 'w').write(str(os.getpid())); {code}"
+        proc = subprocess.run(["sh", "-c", STATUS_SHELL, sys.executable, "-c", code, str(tmp_path / "me")], env=env)
         assert proc.returncode == want and (tmp_path / f"rank{rank}").read_text() == f"{want}\n"
+        assert (tmp_path / f"pid{rank}").read_text().strip() == (tmp_path / "me").read_text()
     assert RunResult(4, 137, {0: 7, 1: 1, 2: 1, 3: 137}).lost == [3]
     assert RunResult(4, 137, {0: 7, 3: 137}, aborted=frozenset({0})).lost == [3]  # 1, 2 torn down by the abort
     assert RunResult(4, 137, {0: 7, 3: 137}).lost == [1, 2, 3]  # nobody aborted: 1, 2 went with their shells
     assert RunResult(4, 9, {}).lost == []  # the whole job torn down: which machine went is unknown
+
+
+FROZEN = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"
+ONCE_1_IS_FROZEN = """
+import os, pathlib, sys, time
+f = pathlib.Path(os.environ['MINIPAR_ELASTIC_STATUS'])
+def stopped():
+    try:
+        return ') T ' in pathlib.Path(f'/proc/{int((f / "pid1").read_text())}/stat').read_text()
+    except (OSError, ValueError):
+        return False
+while not stopped():
+    time.sleep(0.01)
+if sys.argv[1] == 'declare':  # what its failure detector does: then it gives up (PeerLost: status 1)
+    (f / 'declared0').write_text('1')
+    raise SystemExit(1)
+"""
+
+
+def two_ranks(folder: Path, rank0: tuple[str, ...], rank1: tuple[str, ...]) -> subprocess.Popen:
+    """Two ranks (``python -c code args...``) under the status shell, as mpiexec starts them (without MPI):
+    a process that waits for both."""
+    launcher = ("import json, os, subprocess, sys; shell, exe, ranks = sys.argv[1:3] + [json.loads(sys.argv[3])]; "
+                "ps = [subprocess.Popen(['sh', '-c', shell, exe, '-c', *argv], env=dict(os.environ, PMI_RANK=str(r))) "
+                "for r, argv in enumerate(ranks)]; [p.wait() for p in ps]")
+    return subprocess.Popen([sys.executable, "-c", launcher, STATUS_SHELL, sys.executable, json.dumps([rank0, rank1])],
+                            env=dict(os.environ, MINIPAR_ELASTIC_STATUS=str(folder)))
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_loop_kills_a_frozen_rank_and_calls_it_lost(tmp_path, declared):
+    # rank 1 freezes (SIGSTOP). Declared dead by rank 0 (its failure detector's note): killed at once;
+    # not declared (frozen after its goodbye, rank 0 ended normally): killed --attempt-timeout later
+    proc = two_ranks(tmp_path, (ONCE_1_IS_FROZEN, "declare" if declared else "leave"), (FROZEN,))
+    start = time.monotonic()
+    stalled = supervise(proc, tmp_path, 2, limit=0.5)
+    assert time.monotonic() - start < 30  # no hang (the frozen rank would keep the shells waiting for ever)
+    result = RunResult(2, proc.returncode, elastic._statuses(tmp_path), stalled=stalled)
+    assert result.lost == [1] and result.statuses[1] == 137
+    why = ("declared dead by rank 0 while its process was stopped (SIGSTOP)" if declared else
+           "still stopped (SIGSTOP) 0.5 s after rank 0 ended (--attempt-timeout)")
+    assert f"rank 1 lost ({why}; killed by minipar run)" in result.describe()
 
 
 def test_accumulation_keeps_the_global_batch_or_names_what_works():
