@@ -14,8 +14,9 @@ Here, for lesson 2b's table and figures (``minipar.parallel.pipeline.chimera`` d
   with F != B the slots no longer line up and the formula does not hold ("F=B only");
 - ``train``: ``Chimera`` on the lesson's tiny GPT, the last step traced (its spans say their direction:
   ``args["direction"]``, chunk 0 down, 1 up);
-- ``analyse``: that trace's idle per rank and peak stash (both directions' micro-batches on a rank),
-  against ``simulate_chimera`` fed with the measured F and B and against the formulas.
+- ``analyse``: that trace's idle per rank (replayed by default: ``lessons.common.Clock``) and peak stash
+  (both directions' micro-batches on a rank), against ``simulate_chimera`` fed with the run's F and B
+  and against the formulas.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from lessons.common import REPLAY, Clock
 from minipar import trace as mtrace
 from minipar.parallel.pipeline import Chimera, gpt, gpt_layer_counts, simulate_chimera
 from minipar.parallel.pipeline.chimera import DIRECTIONS, check_config
@@ -75,12 +77,12 @@ def unit_rows(p: int, m: int, forward: float, backward: float, out: Path) -> lis
     return [simulate_units(p, m, forward, backward, out / f"{KIND}.json"), simulate_units(p, m, 1.0, 1.0)]
 
 
-def print_measured(console: Any, path: Path) -> None:
-    """The measured last step's terminal timeline: the two directions' blocks told apart."""
+def print_measured(console: Any, trace: mtrace.Trace, clock: str) -> None:
+    """The last step's terminal timeline (on ``clock``): the two directions' blocks told apart."""
     from viz.terminal import print_timeline
 
-    console.rule("[bold]Chimera timeline (last step, measured): down F0\u2193, up F4\u2191 (reversed colours)")
-    print_timeline(path, console=console)
+    console.rule(f"[bold]Chimera timeline (last step, {clock}): down F0\u2193, up F4\u2191 (reversed colours)")
+    print_timeline(trace, console=console)
 
 
 def train(comm: Any, steps: int, m: int, model: dict[str, Any], lr: float, batches: list,
@@ -104,12 +106,12 @@ def train(comm: Any, steps: int, m: int, model: dict[str, Any], lr: float, batch
     return {"losses": losses, "peak_stash": chimera.peak_stash, "seen": {}}
 
 
-def analyse(trace_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Measured idle per rank (window: first to last F/B), the joint simulator with the measured median
+def analyse(trace_path: str | os.PathLike[str], clock: Clock = REPLAY) -> dict[str, Any]:
+    """Idle per rank on ``clock`` (window: first to last F/B), the joint simulator with the run's median
     F and B (over both directions), the formula where it holds, and the peak stash per rank."""
     from viz import analysis
 
-    trace = mtrace.load(trace_path)
+    trace = clock.of(trace_path)
     p, m = trace.meta["p"], trace.meta["m"]
     work = mtrace.Trace(trace.meta, [e for e in trace.events if e.kind == "compute" and e.name in ("F", "B")])
     lo, hi = analysis.window(work)

@@ -42,16 +42,16 @@ It prints, and draws in runs/02b_zero_bubble/report.html:
     step use stale weights, by design): the versions stage 0 used are printed, and
     tests/test_pipedream.py holds them equal to a reference with the same stale versions.
 
-Measured idle times are from the trace's F/B/I/W/U spans (window: first forward to last backward);
-the simulator column replays the schedule with the durations measured in the run. On a 2-core
-machine 4 ranks share 2 cores, so measured durations stretch when more than 2 ranks compute at
-once, and the split backward costs a little more than one B (two passes over the graph): compare the
-simulator column, not the measured one, with the formula.
+Idle times are from the trace's F/B/I/W/U spans (window: first forward to last backward), replayed
+(``--clock``, ``--cluster``: lessons/common.py's ``Clock``): each span lasts the CPU time its rank
+spent in it and every rank has a core of its own, so 4 ranks on 2 cores rank the schedules as the
+paper does, run after run; ``--clock wall`` shows the times as recorded, time-sharing included. The
+simulator column plays the schedule with the run's median durations; the split backward costs a
+little more than one B (two passes over the graph).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -60,8 +60,8 @@ import numpy as np
 from rich.console import Console
 
 from lessons import load
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, one_process, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import pipeline as pipeline_cost
@@ -186,7 +186,7 @@ def simulate_units(kind: str, p: int, m: int, path: str | os.PathLike[str] | Non
 
 
 def medians(trace: mtrace.Trace, n_stages: int) -> dict[str, list[float]]:
-    """Median measured duration of each op of the trace (F, B, I, W) per (virtual) stage, seconds."""
+    """Median duration of each op of the trace (F, B, I, W) per (virtual) stage, seconds."""
     out = {}
     for op in PIPELINE_OPS:
         per = [[e.duration for e in trace.select("compute", name=op, stage=s)] for s in range(n_stages)]
@@ -195,11 +195,11 @@ def medians(trace: mtrace.Trace, n_stages: int) -> dict[str, list[float]]:
     return out
 
 
-def analyse(trace_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Measured vs simulated vs formula for one recorded run."""
+def analyse(trace_path: str | os.PathLike[str], clock: Clock = REPLAY) -> dict[str, Any]:
+    """One recorded run on ``clock`` (replayed by default) vs simulated vs formula."""
     from viz import analysis
 
-    trace = mtrace.load(trace_path)
+    trace = clock.of(trace_path)
     kind, p, m = trace.meta["schedule"], trace.meta["p"], trace.meta["m"]
     work = mtrace.Trace(trace.meta, [e for e in trace.events if e.kind == "compute" and e.name in PIPELINE_OPS])
     lo, hi = analysis.window(work)
@@ -237,8 +237,8 @@ def print_unit_timelines(console: Console, units: list[dict[str, Any]]) -> None:
             print_timeline(row["trace"], console=console, title=f"{row['kind']}, F = I = W = 1 (simulated)")
 
 
-def run(comm: Any, steps: int, m: int) -> None:
-    """Every schedule simulated, then run on ``comm``; rank 0 prints and writes the report."""
+def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
+    """Every schedule simulated, then run on ``comm``; rank 0 prints (times on ``clock``) and writes the report."""
     console = make_console()
     p, lead, kinds = comm.size, comm.rank == 0, schedules()
     runs, units = kinds + [chimera.KIND] * chimera.fits(p, m), []
@@ -261,17 +261,17 @@ def run(comm: Any, steps: int, m: int) -> None:
         result = (chimera.train(comm, steps, m, MODEL, LR, batches(steps), path) if is_chimera
                   else train(comm, kind, steps, m, path))
         if lead:
-            rows.append(chimera.analyse(path) if is_chimera else analyse(path))
+            rows.append(chimera.analyse(path, clock) if is_chimera else analyse(path, clock))
             losses[kind], seen[kind] = result["losses"], result["seen"]
             paths.append(path)
     if not lead:
         return
-    console.rule("[bold](2) measured: the real runtime, last step")
-    note = time_sharing(p)
+    console.rule(f"[bold](2) the real runtime, last step, {clock.short}")
+    note = clock.caveat(p)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}: compare the simulator column with the formula.",
                       highlight=False)
-    console.print(tables.measured_table(rows))
+    console.print(tables.measured_table(rows, clock))
     print_claims(console, losses, seen, reference(steps), m)
     from viz import figures
 
@@ -281,15 +281,15 @@ def run(comm: Any, steps: int, m: int) -> None:
     extra = [("(1) simulated with unit costs F = I = W = 1 (1F1B: B = 2), one time axis: ZB-H1's W's "
               "(teal) fill 1F1B's cool-down; Chimera's up pipeline lighter and hatched (F4↑)", sim_fig),
              ("(3) idle per rank, stash and weight versions per schedule vs the formulas",
-              tables.table_figure(units, rows))]
+              tables.table_figure(units, rows, clock.short))]
     if any(k in ASYNC for k in kinds):
-        extra.append(("weight versions each stage holds over the last step (measured): PipeDream p - r, 2BW 2",
-                      tables.versions_figure(OUT, [k for k in kinds if k in ASYNC])))
+        extra.append((f"weight versions each stage holds over the last step ({clock.label}): PipeDream p - r, "
+                      "2BW 2", tables.versions_figure([clock.of(OUT / f"{k}.json") for k in kinds if k in ASYNC])))
     if chimera.KIND in runs:
-        chimera.print_measured(console, OUT / "chimera.json")
-    console.rule("[bold]ZB-H1 timeline (last step, measured)")
+        chimera.print_measured(console, clock.of(OUT / "chimera.json"), clock.short)
+    console.rule(f"[bold]ZB-H1 timeline (last step, {clock.short})")
     finish(paths, OUT / "report.html", console, timeline=OUT / "zb-h1.json",
-           titles=[f"{k}: measured (last step)" for k in runs], extra_figures=extra)
+           titles=[f"{k}: the runtime (last step)" for k in runs], extra_figures=extra, clock=clock)
 
 
 def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[str, dict], ref: list[float],
@@ -312,12 +312,11 @@ def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = lesson_parser(__doc__, steps=3, ranks=4)
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
     args = parser.parse_args()
-    run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps, m=args.microbatches)
+    run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps, m=args.microbatches,
+              clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":

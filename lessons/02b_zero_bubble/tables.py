@@ -4,13 +4,13 @@ measured step (asynchronous schedules). ``lesson.py`` loads this file (``lessons
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock
 from minipar import trace as mtrace
 from viz import style
 
@@ -41,10 +41,11 @@ def unit_table(rows: list[dict[str, Any]], p: int) -> Table:
     return table
 
 
-def measured_table(rows: list[dict[str, Any]]) -> Table:
-    """(2)/(3): the real runs, last step, against the simulator and the formula fed with their durations."""
-    table = Table(title="(2) measured, last step: idle per rank (mean over ranks) and stash; F, B = I + W and W "
-                  "are medians per action", title_justify="left")
+def measured_table(rows: list[dict[str, Any]], clock: Clock = REPLAY) -> Table:
+    """(2)/(3): the real runs, last step (times on ``clock``), against the simulator and the formula fed with
+    their durations."""
+    table = Table(title=f"(2) the runtime, last step, {clock.label}: idle per rank (mean over ranks) and stash; "
+                  "F, B = I + W and W are medians per action", title_justify="left")
     for col in ("schedule", "F / B / W (ms)", "step", "idle", "simulator", "formula", "peak stash", "formula",
                 "versions"):
         table.add_column(col, justify="right")
@@ -55,14 +56,15 @@ def measured_table(rows: list[dict[str, Any]]) -> Table:
         idle, sim_idle = (f"{1e3 * np.mean(row[k]):.0f} ms" for k in ("idle", "sim_idle"))
         table.add_row(row["kind"], durations, f"{1e3 * row['step']:.0f} ms", idle, sim_idle, formula,
                       _ints(row["peak"]), _ints(row["formula_peak"]), _ints(row["versions"]))
-    table.caption = ("idle: measured in the trace; simulator: the schedule replayed with the measured durations; "
+    table.caption = (f"idle: {clock.short} in the trace; simulator: the schedule played with these durations; "
                      "formula: cost.pipeline.bubble_time with their means; versions: the most each stage held "
                      "(recorded at its updates)")
     return table
 
 
-def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) -> go.Figure:
-    """The lesson's table for the report: per schedule, unit-cost and measured idle and stash vs the formulas."""
+def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]], clock: str = "replayed") -> go.Figure:
+    """The lesson's table for the report: per schedule, unit-cost and run idle (on ``clock``) and stash vs the
+    formulas."""
     by_kind = {row["kind"]: row for row in measured}
 
     def fmt(x: float | None, scale: float = 1.0, unit: str = "", kind: str = "") -> str:
@@ -72,8 +74,8 @@ def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) ->
 
     cols: dict[str, list[str]] = {k: [] for k in (
         "schedule", "idle per rank, F=I=W=1", "formula", "peak stash per rank", "stash formula", "weight versions per "
-        "stage: simulated | measured", "versions formula", "idle measured (mean)", "simulator, measured durations",
-        "formula, measured durations")}
+        "stage: simulated | measured", "versions formula", f"idle {clock} (mean)", f"simulator, {clock} durations",
+        f"formula, {clock} durations")}
     for row in units:
         meas = by_kind.get(row["kind"], {"versions": None, "idle": [], "sim_idle": [], "formula": None})
         values = (row["kind"], " ".join(f"{x:g}" for x in row["idle"]), fmt(row["formula"], kind=row["kind"]),
@@ -89,14 +91,14 @@ def table_figure(units: list[dict[str, Any]], measured: list[dict[str, Any]]) ->
     return fig
 
 
-def versions_figure(folder: Path, kinds: list[str]) -> go.Figure:
-    """Per asynchronous schedule, the weight versions each stage holds over the measured last step (the
+def versions_figure(traces: list[mtrace.Trace]) -> go.Figure:
+    """Per asynchronous schedule's last step, the weight versions each stage holds over the step (the
     runtime's ``weight_versions`` samples: at each update and each release), one line per stage."""
     from plotly.subplots import make_subplots
 
+    kinds = [str(t.meta["schedule"]) for t in traces]
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=kinds, shared_yaxes=True)
-    for col, kind in enumerate(kinds, 1):
-        trace = mtrace.load(folder / f"{kind}.json")
+    for col, trace in enumerate(traces, 1):
         t0 = min(e.t0 for e in trace.events if e.kind == "compute")
         for s in range(trace.meta["p"]):
             held = trace.select("memory", name="weight_versions", stage=s)
