@@ -26,6 +26,8 @@ detection takes the deadline, give or take a heartbeat period.
    micro-batches of 2 where 3 ranks ran 2: the same global batch of 12, so the final parameters equal
    an uninterrupted run's (max difference printed). Timelines: a dead lane ends in X, a survivor's
    "peer declared dead" is !; the HTML report draws them as a red cross and red ticks.
+With ``--mpi`` three lines ``Killed`` appear among the output, one per part: the shell each rank runs
+under (above) reports that its rank died by SIGKILL. The lesson says so before they appear.
 Writes runs/10_faults/*.json and report.html (``--out`` to choose the folder).
 """
 
@@ -50,6 +52,10 @@ from minipar.comm.mpi import under_mpiexec
 P = importlib.import_module("lessons.10_faults.parts")
 show = importlib.import_module("lessons.10_faults.show")
 RANKS = 4  # parts 1 and 2 (part 3 starts on P.EL_RANKS)
+KILLED_NOTE = ("Three lines 'Killed' will appear below, one per part: each is printed by the small shell that "
+               "mpiexec starts a rank under (faults.mpiexec_command, minipar run --elastic), when the rank it "
+               "runs dies by SIGKILL. They are the lesson's own kills, on purpose: the launcher's words, not a "
+               "crash of the lesson.")
 OUT = Path("runs/10_faults")
 HERE = Path(__file__).resolve()
 
@@ -89,6 +95,7 @@ def run_mpi(out: Path) -> dict[str, Any]:
     """Every part as real processes: ``faults.mpiexec_command`` for parts 1 and 2, ``minipar run
     --elastic`` for part 3 and a plain ``mpiexec`` for its uninterrupted reference."""
     clear(out)
+    print(KILLED_NOTE, flush=True)
     me, env = [sys.executable, str(HERE), "--out", str(out)], _env()
     for part in ("ps", "ddp"):
         subprocess.run(faults.mpiexec_command(RANKS, [*me, "--part", part]), env=env, timeout=180)
