@@ -27,7 +27,8 @@ off costs one thread-local lookup per call.
 CPU time (format version 2): a compute span also records ``c0``/``c1``, the CPU seconds of the
 thread that ran it (``time.thread_time``: a rank's own thread on ``threads``, the process's main
 thread under ``mpiexec``), which does not grow while the thread waits for a core, so it means the
-same however many ranks share the machine. A message records the CPU time at its post (``c0``) and
+same however many ranks share the machine (``compute_sleep``: a sleep charged as CPU time, for a
+modelled straggler). A message records the CPU time at its post (``c0``) and
 completion (``c1``), and ``tw``/``cw``, the wall and CPU time at which its rank began to wait for it
 (absent when it was never waited for, e.g. a send found complete by ``test()``); ``tag`` and ``cid``
 (the communicator, the same string on every rank) are MPI's matching key with ``src``/``dst``. An
@@ -150,8 +151,17 @@ def now() -> float:
 
 
 def cpu() -> float:
-    """CPU seconds of the calling thread (it does not grow while the thread waits for a core)."""
-    return time.thread_time()
+    """CPU seconds of the calling thread (it does not grow while the thread waits for a core), plus
+    the seconds ``compute_sleep`` charged to it."""
+    return time.thread_time() + getattr(_local, "charged", 0.0)
+
+
+def compute_sleep(seconds: float) -> None:
+    """Sleep ``seconds`` that stand for compute (a straggler's slower work): the core stays free for
+    the other ranks, and the thread's CPU clock (``cpu``) advances by ``seconds``, so the span around
+    it lasts that long in a replay too (a plain sleep uses no CPU time: a replay would drop it)."""
+    time.sleep(seconds)
+    _local.charged = getattr(_local, "charged", 0.0) + seconds
 
 
 def current() -> Recorder | None:

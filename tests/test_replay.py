@@ -298,6 +298,19 @@ def test_ddp_reads_no_cpu_clock_when_nothing_records(monkeypatch):
     launch(step, 2, "threads")
 
 
+def test_compute_sleep_is_charged_as_cpu_time_so_a_replay_keeps_a_straggler():
+    # a plain sleep uses no CPU time (a replay would drop a slept straggler); compute_sleep charges it
+    with mtrace.recording(0) as rec:
+        with mtrace.span("F"):
+            mtrace.compute_sleep(0.05)
+        with mtrace.span("B"):
+            pass
+    f, b = rec.events
+    assert f.c1 - f.c0 >= 0.05 and b.c0 >= f.c1  # the thread's CPU clock moved on by the charge, and stays so
+    out = replay(Trace({"world_size": 1, "clock": "wall"}, rec.events), cluster())
+    assert out.events[0].t1 - out.events[0].t0 >= 0.05
+
+
 # ---- refusals: version 1, no CPU times, the CLI --------------------------------------------------------
 def _version_1(tmp_path) -> str:
     doc = {"format": "minipar-trace", "version": 1, "meta": {"world_size": 1},

@@ -244,7 +244,7 @@ def _work(comm: Any, lay: Layout, model: Module, loss_fn: Callable[..., Any],
         x, y = batch_fn(c)
         with trace.span("F", step=c):
             if slow:
-                time.sleep(slow)
+                trace.compute_sleep(slow)  # slept, yet charged as compute: a replay keeps the straggler
             loss = loss_fn(model, shard(x, w, n_w), shard(y, w, n_w))
         model.zero_grad()
         with trace.span("B", step=c):
