@@ -16,6 +16,13 @@
    the ring's links each carry an even share. Then the terminal timelines and an HTML report.
 Writes runs/03_data_parallel/*.json and report.html (``--out`` to choose the folder).
 
+Times are replayed (``--clock``, ``--cluster``: lessons/common.py's ``Clock``): each span at the CPU
+time its rank spent in it, a core per rank, messages on the cluster's links. DDP's overlap is held
+against its formula (docs/formulas.md, section 11): bucket k's all-reduce, ``collective_time`` of its
+bytes on the cluster, starts when the last rank launched it and the worker finished bucket k - 1, so
+every bucket but the last hides under the backward and the step grows by what ends after it.
+``--clock wall`` shows the times as recorded, time-sharing included.
+
 A straggler that is ALWAYS slow still has to do every step, so SSP cannot make the run shorter; what
 it buys is that the fast workers' gradients are applied (and their pulls answered) without waiting
 for it, up to k steps ahead -- it hides transient delays, at the price of stale gradients.
@@ -23,17 +30,17 @@ for it, up to k steps ahead -- it hides transient delays, at the price of stale 
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.table import Table
 
-from lessons.common import console, finish, one_process, run_ranks, time_sharing
+from lessons.common import REPLAY, Clock, console, finish, lesson_parser, one_process, run_ranks
 from minipar import datasets, trace
 from minipar.cost import ALLREDUCE_ALGORITHMS
+from minipar.cost.cluster import Cluster
+from minipar.cost.collectives import collective_time
 from minipar.nn import GPT, Module
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
@@ -84,19 +91,44 @@ def ddp_run(comm: Any, algorithm: str, steps: int, out: Path) -> dict[str, Any]:
     opt = SGD(m.parameters(), lr=LR)
     path = out / f"ddp_{algorithm}.json"
     traced = min(TRACED_STEPS, steps)  # the last steps: a readable timeline
-    t0 = time.perf_counter()
     local = [train_step(ddp, opt, loss_fn, *batch(step)) for step in range(steps - traced)]
     with trace.record(path, comm, lesson="03_data_parallel", **ddp.trace_meta(traced)) as rec:
         local += [train_step(ddp, opt, loss_fn, *batch(step)) for step in range(steps - traced, steps)]
-    seconds = time.perf_counter() - t0
     sent = sum(e.nbytes for e in rec.events
                if e.kind == "comm" and e.src == comm.world_rank and e.op == "allreduce")
-    rows = comm.gather_object((local, sent, seconds))
+    rows = comm.gather_object((local, sent))
     if comm.rank != 0:
         return {}
     return {"losses": np.mean([r[0] for r in rows], axis=0).tolist(), "sent": [r[1] for r in rows],
             "formula": ddp.trace_meta(traced)["expected_bytes_by_rank"][f"allreduce/{algorithm}"],
-            "buckets": [b.nbytes for b in ddp.buckets], "seconds": max(r[2] for r in rows), "path": path}
+            "buckets": [b.nbytes for b in ddp.buckets], "path": path, "algorithm": algorithm}
+
+
+def overlap(t: trace.Trace, cluster: Cluster, algorithm: str) -> dict[str, float]:
+    """DDP's overlap in ``t`` (medians over its steps): the step (first F to last optimizer end over the
+    ranks), the all-reduce time exposed after rank 0's backward (its end to rank 0's optimizer), and that
+    exposure by the formula: bucket k's all-reduce lasts ``collective_time`` on ``cluster`` (native: the
+    ring) and starts at max(its last rank's launch, bucket k - 1's end)."""
+    p = t.world_size
+    link = cluster.intra if p <= cluster.gpus_per_node else cluster.inter
+    alg = "ring" if algorithm == "native" else algorithm
+    own = sorted((e for e in t.events if e.thread is None), key=lambda e: e.t0)  # not the all-reduce worker's
+    by = {(r, n): [e for e in own if e.rank == r and e.name == n] for r in range(p)
+          for n in ("F", "B", "opt", "async posted", "bucket")}
+    rows = []
+    for s, b0 in enumerate(by[(0, "B")]):
+        marks = {(r, n): [e for e in by[(r, n)] if by[(r, "B")][s].t0 <= e.t0 <= by[(r, "opt")][s].t0]
+                 for r in range(p) for n in ("async posted", "bucket")}  # step s's launches on each rank
+        launches = [max(ts) for ts in zip(*([e.t0 for e in marks[(r, "async posted")]] for r in range(p)),
+                                          strict=True)]
+        end = 0.0
+        for at, mark in zip(launches, marks[(0, "bucket")], strict=True):
+            end = max(at, end) + collective_time("allreduce", alg, mark.args["nbytes"], p, link.alpha, link.beta,
+                                                 cluster.gamma)
+        rows.append((max(by[(r, "opt")][s].t1 for r in range(p)) - min(by[(r, "F")][s].t0 for r in range(p)),
+                     by[(0, "opt")][s].t0 - b0.t1, max(0.0, end - b0.t1)))
+    return dict(zip(("step", "exposed", "formula"), (float(np.median(c)) for c in zip(*rows, strict=True)),
+                    strict=True))
 
 
 # ---- 2. the parameter server ------------------------------------------------------------------------
@@ -104,19 +136,22 @@ def ps_run(comm: Any, mode: str, k: int, steps: int, out: Path) -> dict[str, Any
     name = "ps_sync" if mode == "sync" else f"ps_async_k{k}"
     path = out / f"{name}.json"
     meta = ps.run_meta(model(), comm.size, 1, steps, mode, k)
-    t0 = time.perf_counter()
     with trace.record(path, comm, lesson="03_data_parallel", straggler=STRAGGLER, **meta) as rec:
         result = ps.train(comm, model(), loss_fn, batch, steps, n_servers=1, mode=mode, staleness=k,
                           optimizer=lambda params: SGD(params, lr=LR), slow={STRAGGLER: DELAY})
-    seconds = time.perf_counter() - t0
     marks = [e.args for e in rec.events if e.kind == "mark" and e.name == "apply"]
-    rows = comm.gather_object((result, marks, seconds))
+    rows = comm.gather_object((result, marks))
     if comm.rank != 0:
         return {}
     _, losses = ps.merge([r[0] for r in rows])
     staleness = [m["staleness"] for r in rows for m in r[1]]
-    return {"name": name, "losses": losses, "staleness": staleness, "seconds": max(r[2] for r in rows),
-            "path": path}
+    return {"name": name, "losses": losses, "staleness": staleness, "path": path}
+
+
+def run_seconds(t: trace.Trace) -> float:
+    """First to last compute or message event: a whole traced run."""
+    spans = [e for e in t.events if e.kind in ("compute", "comm")]
+    return max(e.t1 for e in spans) - min(e.t0 for e in spans)
 
 
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
@@ -130,7 +165,7 @@ def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
 
 
 # ---- tables ------------------------------------------------------------------------------------------
-def ddp_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
+def ddp_tables(res: dict[str, Any], ref: list[float], clock: Clock = REPLAY) -> tuple[Table, Table]:
     ddp = res["ddp"]
     losses = Table(title="DDP loss per step (mean of the ranks' shard losses) vs one process",
                    title_justify="left")
@@ -142,20 +177,23 @@ def ddp_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
         losses.add_row(str(s), f"{r:.10f}", *[f"{ddp[a]['losses'][s]:.10f}" for a in ALLREDUCE_ALGORITHMS])
     b = ddp[ALLREDUCE_ALGORITHMS[0]]["buckets"]
     traffic = Table(title=f"all-reduce bytes sent per rank over the {TRACED_STEPS} traced steps: {len(b)} buckets "
-                    f"of <= {CAP:,} B ({sum(b):,} B of gradients)", title_justify="left")
-    for col in ("algorithm", "trace, by rank", "formula, by rank", "match", "wall time"):
+                    f"of <= {CAP:,} B ({sum(b):,} B of gradients); step and all-reduce after the backward "
+                    f"(rank 0, per step): {clock.label}", title_justify="left",
+                    caption=f"formula: bucket k's collective_time on {clock.cluster.name} from max(launch, bucket "
+                            "k-1's end); native as the ring", caption_justify="left")
+    for col in ("algorithm", "trace, by rank", "formula, by rank", "match", "step", "after B", "formula"):
         traffic.add_column(col, justify="right")
     for alg in ALLREDUCE_ALGORITHMS:
-        d = ddp[alg]
-        hidden = alg == "native"
+        d, hidden = ddp[alg], alg == "native"
+        o = overlap(clock.of(d["path"]), clock.cluster, alg)
         traffic.add_row(alg, "(inside MPI)" if hidden else " ".join(f"{v:,}" for v in d["sent"]),
                         "" if hidden else " ".join(f"{v:,}" for v in d["formula"]),
                         "-" if hidden else ("yes" if d["sent"] == d["formula"] else "NO"),
-                        f"{d['seconds']:.2f} s")
+                        *(f"{o[k] * 1e3:.2f} ms" for k in ("step", "exposed", "formula")))
     return losses, traffic
 
 
-def ps_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
+def ps_tables(res: dict[str, Any], ref: list[float], clock: Clock = REPLAY) -> tuple[Table, Table]:
     runs = res["ps"]
     losses = Table(title=f"parameter server loss per step (worker {STRAGGLER} sleeps "
                          f"{DELAY * 1e3:.0f} ms a step)", title_justify="left")
@@ -166,7 +204,8 @@ def ps_tables(res: dict[str, Any], ref: list[float]) -> tuple[Table, Table]:
     for s, v in enumerate(ref):
         cells = [f"{r['losses'][s]:.6f}" if s < len(r["losses"]) else "" for r in runs]
         losses.add_row(str(s), f"{v:.6f}", *cells)
-    losses.add_row("time", "", *[f"{r['seconds']:.2f} s" for r in runs], style="bold")
+    losses.add_row(f"time, {clock.short}", "", *[f"{run_seconds(clock.of(r['path'])):.2f} s" for r in runs],
+                   style="bold")
     stale = Table(title="staleness of each applied gradient (from the trace marks): count by value",
                   title_justify="left")
     stale.add_column("run")
@@ -201,26 +240,23 @@ def check_ranks(p: int) -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
+    parser = lesson_parser(__doc__, steps=10, ranks=4)
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and report.html")
     args = parser.parse_args()
-    folder = Path(args.out)
+    folder, clock = Path(args.out), Clock.of_args(args)
     res = run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
     if res is None:  # not rank 0
         return
     out = console(width=130)
     p, ddp_ref, runs = res["p"], single_process(args.steps), res["ps"]
     out.rule(f"[bold]1. DDP: the tiny GPT on {p} ranks ({res['backend']}), every all-reduce algorithm")
-    for table in ddp_tables(res, ddp_ref):
+    for table in ddp_tables(res, ddp_ref, clock):
         out.print(table)
-    note = time_sharing(p)
+    note = clock.caveat(p)
     if note:
         out.print(f"[yellow]note:[/yellow] {note} (the wall times).", highlight=False)
     out.rule(f"[bold]2. the parameter server: rank 0 serves, ranks 1-{p - 1} work")
-    for table in ps_tables(res, ddp_ref):
+    for table in ps_tables(res, ddp_ref, clock):
         out.print(table)
     out.rule("[bold]3. who sends to whom")
     ring = trace.load(res["ddp"]["ring"]["path"])
@@ -236,9 +272,9 @@ def main() -> None:
     from viz.terminal import print_timeline
 
     out.rule("[bold]timeline: DDP with the ring (bucket all-reduces run while backward goes on)")
-    print_timeline(ring, console=out)
+    print_timeline(clock.of(ring), console=out)
     out.rule("[bold]timeline: parameter server, asynchronous, k = 2 (the straggler is rank 1)")
-    finish(paths, folder / "report.html", out, timeline=runs[2]["path"], titles=titles)
+    finish(paths, folder / "report.html", out, timeline=runs[2]["path"], titles=titles, clock=clock)
     out.print(f"traces: {', '.join(str(path) for path in paths)}", highlight=False)
 
 
