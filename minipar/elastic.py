@@ -25,7 +25,15 @@ the watchdog's ``CommTimeout``) exits with an ordinary non-zero status. So a ran
   in the folder (``minipar.comm.mpi``'s abort hook), and Hydra then kills every shell: those ranks
   have no status and are torn down, not lost. When no rank recorded anything (Hydra tore the whole
   job down, as it does when a rank's shell is killed on this machine), the loop cannot tell which
-  machine went and does not restart.
+  machine went and does not restart; or
+- it stopped making progress: a peer declared it dead (``declared<r>`` in the folder, written by the
+  peer's failure detector or start-up watch, ``minipar.comm.startup``) while its process was still
+  there (frozen by SIGSTOP, or too slow to be told from a dead one), or it was still running
+  ``--attempt-timeout`` seconds after another rank ended other than by a loss (ranks leave together,
+  each waiting for the others' goodbyes; e.g. one frozen inside ``MPI_Finalize``). The loop, which
+  launched it, kills it (SIGKILL, by the pid its shell wrote to ``pid<r>``: ``supervise``) and says
+  so. TorchElastic likewise treats a worker that stops making progress like a lost one. The limit
+  bounds only the attempt's end, not its length: a healthy run may last as long as it needs.
 
 Why not the others: mpiexec's own exit status is one number for the whole job (Hydra ORs the ranks'
 statuses: 1 and 2 give 3, 137 and 3 give 139); the ``PeerLost`` message names the dead rank only
@@ -39,7 +47,9 @@ Hydra's proxy, which SIGKILLs all its processes when one of them dies *by a sign
 without recording the status).
 
 A failure with no lost rank is not restarted: a program error or a refusal (a global batch that
-does not divide over the survivors) would only fail again (torchrun restarts on any failure).
+does not divide over the survivors) would only fail again (torchrun restarts on any failure). The
+loop says which it saw: "ranks [1] lost (a fault, not the program's error): restart ..." or "failed
+but lost no rank (a program error or a refusal ...): not restarting".
 
 **What the script sees** (environment, like torchrun's): ``MINIPAR_RESTART_COUNT`` (0 on the first
 run), ``MINIPAR_MAX_RESTARTS``, ``MINIPAR_WORLD_SIZE``, ``MINIPAR_LOST_RANKS`` (the previous run's
