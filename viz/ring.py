@@ -109,8 +109,8 @@ def step_table(trace: Trace, index: int = 0) -> Table:
     it and the wait for the next block left after that compute (times in ms, or the trace's unit)."""
     steps = ring_steps(trace, index)
     scale, unit = (1e3, "ms") if A.time_unit(trace) == "s" else (1.0, A.time_unit(trace))
-    table = Table(title=f"ring pass {index} (forward): K/V block, compute on it / wait for the next block after "
-                        f"that compute, {unit}", title_justify="left",
+    table = Table(title=style.with_clock(f"ring pass {index} (forward): K/V block, compute on it / wait for the next "
+                                         f"block after that compute, {unit}", trace), title_justify="left",
                   caption="a wait near 0: the next block arrived while the rank computed (the transfer was hidden)",
                   caption_justify="left")
     table.add_column("rank", justify="right")

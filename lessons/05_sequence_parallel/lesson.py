@@ -27,6 +27,8 @@ from the trace's spans, contiguous vs zigzag; 6. the zigzag ring's layer 0, step
 each K/V block and the wait for the next block left after it (near 0: the transfer was hidden), then
 the terminal timeline; the HTML report draws the ring on top (``viz.ring``: who holds which block at
 which step, and the compute beside the transfer). Writes runs/05_sequence_parallel/*.json, report.html.
+Times are replayed (lessons/common.py's ``Clock``: CPU time per span, a core per rank, ``--cluster``'s links;
+``--clock wall``: as recorded): the wait after each block's compute is held to max(0, alpha + n beta - compute).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, lesson_parser, one_process, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
@@ -51,7 +53,7 @@ from minipar.nn import GPT, Module
 from minipar.optim import AdamW
 from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.tensor import TensorParallelGPT
-from viz.ring import step_table
+from viz.ring import KV, compute_time, ring_steps, step_table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 256, 32, 4, 2, 64, 2
 ITEM = 8  # float64
@@ -349,8 +351,19 @@ def check_ranks(p: int) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int) -> None:
-    """Every method on ``comm``; rank 0 prints."""
+def ring_overlap(trace: mtrace.Trace, clock: Clock) -> str:
+    """Layer 0's ring on ``clock`` vs the formula's wait for a block: max(0, alpha + n beta - the compute beside it)."""
+    n = max(e.nbytes or 0 for e in trace.events if e.op == KV)
+    hop, steps = clock.cluster.intra.seconds(n), [st for r in ring_steps(trace).values() for st in r if st.incoming]
+    computed = np.array([compute_time(st) for st in steps]) * 1e3
+    blocked = max(st.incoming.t1 - (st.incoming.tw or st.incoming.t1) for st in steps) * 1e3
+    return (f"A K/V block ({n:,} B) crosses a {clock.cluster.name} link in alpha + n beta = {hop * 1e6:.0f} us, under "
+            f"a block's compute (median {np.median(computed):.2f} ms): the formula's wait for it is at most "
+            f"{max(0.0, hop * 1e3 - computed.min()):.2f} ms; {clock.short}, no rank waited more than {blocked:.2f} ms.")
+
+
+def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
+    """Every method on ``comm``; rank 0 prints (times on ``clock``)."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
     if lead:
@@ -386,19 +399,21 @@ def run(comm: Any, steps: int) -> None:
     console.rule("[bold]5. causal load balance")
     console.print(causal_table(traces, p))
     console.rule("[bold]6. the zigzag ring's last step: layer 0's ring, then the timeline (F/B per layer, opt)")
-    note = time_sharing(p)
+    note = clock.caveat(p)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes, "
                       "memory or blocks above.", highlight=False)
-    console.print(step_table(traces["ring_zigzag"]))
+    ring = clock.of(OUT / "ring_zigzag.json")
+    console.print(step_table(ring))
+    console.print(ring_overlap(ring, clock), highlight=False)
     order = ["megatron_sp", "ulysses", "ring_zigzag", "ring", "hybrid"]  # the report draws the first ring on top
-    finish([OUT / f"{name}.json" for name in order], OUT / "report.html", console, timeline=traces["ring_zigzag"],
-           titles=[RUNS[n][2] for n in order])
+    finish([OUT / f"{name}.json" for name in order], OUT / "report.html", console, timeline=ring,
+           titles=[RUNS[n][2] for n in order], clock=clock)
 
 
 def main() -> None:
     args = lesson_parser(__doc__, steps=2, ranks=4).parse_args()
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":
