@@ -21,7 +21,7 @@ from viz_traces import one_f_one_b, simulated
 
 from minipar import cli, launch
 from minipar import trace as mtrace
-from minipar.trace import Trace
+from minipar.trace import Event, Trace
 from viz import report, style
 from viz.terminal import print_timeline
 
@@ -76,6 +76,19 @@ def test_report_names_the_clock_and_toggles_only_traces_with_another(tmp_path):
     assert [r["times"] for r in rows] == ["replayed on local", "simulated", "wall clock", "-"]
     with pytest.raises(ValueError, match="got 1 others for 2 traces"):
         report.write_report([replayed, sim], out, others=[wall])
+
+
+def test_a_replay_shows_the_moves_between_tiers_as_recorded():
+    # a replay places a move between its thread's neighbours without timing it: the seconds come from the
+    # recorded run; the bytes per tier over time follow the replay's clock
+    move = Event(0, "transfer", "cpu->device", 1.0, 3.0, nbytes=800, args={"src": "cpu", "dst": "device",
+                                                                          "modelled_s": 0.5})
+    wall = Trace({"world_size": 1, "clock": "wall"}, [Event(0, "memory", "device", 0.0, 0.0, nbytes=8), move])
+    replayed = Trace({**wall.meta, **REPLAY}, [replace(e, t0=e.t0 / 4, t1=e.t1 / 4) for e in wall.events])
+    (_, tiers, _), (_, moves, _) = report.tier_figures(replayed, "offload", wall)
+    assert tiers.layout.title.text.startswith("bytes per tier over time, per rank: offload (replayed")
+    assert "offload (wall clock)" in moves.layout.title.text
+    assert list(next(t for t in moves.data if t.name == "measured").y) == [2000.0]  # ms: the recorded 2 s
 
 
 def test_the_terminal_timeline_names_its_clock():

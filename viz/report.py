@@ -180,7 +180,7 @@ def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True,
     if grid and A.memory_counts(trace):
         return out  # its stash counts are drawn under the grid, on the same cells
     if has_transfers(trace):  # memory tiers: bytes per tier over time and the moves between tiers (viz.tiers)
-        return [*out, *tier_figures(trace, title)] if tiers else out
+        return [*out, *tier_figures(trace, title, other)] if tiers else out
     if any(e.kind == "memory" for e in trace.events):
         what = "stashed micro-batches" if A.memory_counts(trace) else "memory"
         out.append(("memory", figures.memory(trace, f"{what}: {timed}"), ""))
@@ -218,9 +218,13 @@ def compare_figure(traces: Sequence[Trace], titles: Sequence[str], others: Seque
                                                   style.clock(alt[first], short=True)))
 
 
-def tier_figures(trace: Trace, title: str) -> list[tuple[str, go.Figure | None, str]]:
-    timed = style.with_clock(title, trace)
-    return [("tiers", residency_figure(trace, timed), ""), ("transfers", transfers_figure(trace, title), "")]
+def tier_figures(trace: Trace, title: str, other: Trace | None = None) -> list[tuple[str, go.Figure | None, str]]:
+    """Bytes per tier over time, on the trace's clock, and the moves between tiers with their seconds as
+    measured: from the recorded run (``other``) of a replay, which places a move between its thread's
+    neighbouring events but does not time it."""
+    moved = other if other is not None and trace.meta.get("clock") == "replay" else trace
+    return [("tiers", residency_figure(trace, style.with_clock(title, trace)), ""),
+            ("transfers", transfers_figure(moved, style.with_clock(title, moved)), "")]
 
 
 def render(traces: Sequence[Trace], titles: Sequence[str], extra_figures: Sequence[tuple[str, go.Figure]] = (),
@@ -250,8 +254,8 @@ def render(traces: Sequence[Trace], titles: Sequence[str], extra_figures: Sequen
     first_tiers = next((i for i, t in enumerate(traces) if has_transfers(t)), None)
     if first_tiers is not None:  # offload: where the bytes live, tier by tier, and what moved between tiers
         parts.append(f"<h2>memory tiers: {html.escape(titles[first_tiers])}</h2>")
-        parts.extend(_fig_html(fig, f"fig-top-{kind}") for kind, fig, _ in tier_figures(traces[first_tiers],
-                                                                                         titles[first_tiers]))
+        parts.extend(_fig_html(fig, f"fig-top-{kind}") for kind, fig, _ in tier_figures(
+            traces[first_tiers], titles[first_tiers], others[first_tiers]))
     states = [i for i, t in enumerate(traces) if has_model_states(t)]
     if states:  # ZeRO / DDP: the paper's picture of model states per rank
         parts.append("<h2>model states per rank</h2>")
