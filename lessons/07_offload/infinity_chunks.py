@@ -191,7 +191,8 @@ def step_time(trace: mtrace.Trace, rank: int = 0) -> dict[str, float]:
 
 def budget_table(lesson: ModuleType, results: dict[str, Any]) -> Table:
     """Each method's device budget beside its step time on rank 0, and the time of its moves per step."""
-    table = Table(title="device budget vs step time on rank 0 (ms; medians of steps 1..)", title_justify="left",
+    table = Table(title="device budget vs step time on rank 0 (ms; medians of steps 1..; wall clock)",
+                  title_justify="left",
                   caption="moves modelled: the Bandwidth model (PCIe 16 GB/s, NVMe 3 GB/s read, 2 GB/s write); "
                           "measured: memory copies and fsync'ed files on this machine (NVMe's many small fsync'ed "
                           "files cost far more than the model's bandwidth says). ZeRO-2's row: the model states it "

@@ -19,21 +19,24 @@ P = Psi / N (padded per bucket): in fp16 the paper's "2 Psi down, 2 Psi up" (div
 one-step delayed parameter update (DPU, Sec. 5.2) the CPU's AdamW of step i runs beside the device's
 forward and backward of step i + 1, on parameters one update older.
 
-Printed: 1. the tiers alone: one tensor device -> cpu -> nvme -> cpu -> device, each move measured
-and modelled. 2. ZeRO-Offload trains to exactly ZeRO-2's parameters (float64, bit for bit). 3. Bytes
-between tiers per step and rank, measured from the trace, vs ``zero_offload_bytes`` (float64 and mixed
+Printed: 1. the tiers alone: one tensor device -> cpu -> nvme -> cpu -> device, each move measured and
+modelled. 2. ZeRO-Offload trains to exactly ZeRO-2's parameters (float64, bit for bit). 3. Bytes between
+tiers per step and rank, measured from the trace, vs ``zero_offload_bytes`` (float64 and mixed
 precision). 4. The device: budget = ``offload_device_need``, the measured peak, the model states it
-leaves off the device, and the ``DeviceOutOfMemory`` a budget one byte short raises (every rank,
-before anything is placed). 5. Step time with and without DPU, measured and modelled (compute
-measured, moves at the model's PCIe bandwidth, the CPU step serial or hidden behind forward and
-backward). 6. ZeRO-Infinity (parameters and optimizer state on NVMe, one unit at a time on the device):
-the same parameters, bytes per step by tier vs ``zero_infinity_bytes``. 7. PatrickStar's chunks on one
-rank: bytes per step evicting by recency (LRU) or by the warm-up's order, on the GPT (alike) and on a
-model that reuses its first layer (the order wins), and the device budget each method needs
-(``infinity_chunks.py``). 8. Step time vs device budget per method, from its minimum to everything fits:
-measured, bytes per step vs formula, modelled at ``Bandwidth`` (``sweep.py``). The HTML report draws every
-tier's bytes over time per rank, the transfers as links between the tiers (``viz.tiers``) and, after its
-summary, step time vs budget per method. Writes runs/07_offload/*.json, sweep/*.json and report.html.
+leaves off the device, and the ``DeviceOutOfMemory`` a budget one byte short raises (every rank, before
+anything is placed). 5. Step time with and without DPU, replayed (``--clock``, ``--cluster``:
+lessons/common.py's ``Clock``: each span at its CPU time, each thread, the AdamW thread too, on a core
+of its own) and modelled: the CPU step after forward and backward, or beside the next ones, max(F+B,
+AdamW); the AdamW time hidden against its formula, min(AdamW, the next F+B). 6. ZeRO-Infinity
+(parameters and optimizer state on NVMe, one unit at a time on the device): the same parameters, bytes
+per step by tier vs ``zero_infinity_bytes``. 7. PatrickStar's chunks on one rank: bytes per step
+evicting by recency (LRU) or by the warm-up's order, on the GPT (alike) and on a model that reuses its
+first layer (the order wins), and the device budget each method needs (``infinity_chunks.py``). 8. Step
+time vs device budget per method, from its minimum to everything fits: measured on the wall clock (the
+NVMe files' and copies' own time, which a replay does not model), bytes per step vs formula, modelled at
+``Bandwidth`` (``sweep.py``). The HTML report draws every tier's bytes over time per rank, the transfers
+as links between the tiers (``viz.tiers``) and, after its summary, step time vs budget per method.
+Writes runs/07_offload/*.json, sweep/*.json and report.html.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +51,8 @@ import numpy as np
 from rich.table import Table
 
 from lessons import load
+from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks, time_sharing
 from lessons.common import console as make_console
-from lessons.common import finish, lesson_parser, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import zero as zero_formulas
@@ -134,7 +136,7 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
     everything in memory, ZeRO-Offload in float64, in mixed precision, or with DPU) on a device of
     ``budget`` bytes (default: exactly ``offload_device_need``); the whole run, from building the
     wrapper, is traced into ``trace_path`` with a "step" mark at each step's start. Returns rank-local
-    final parameters, the losses, the slowest rank's wall time per step, the buckets' sizes and the peak."""
+    final parameters, the losses, the buckets' sizes and the peak."""
     precision = "mixed" if run == "mixed" else "fp64"
     net, n = model(precision), comm.size
     budget = device_need(n, precision)["total"] if budget is None else budget
@@ -143,7 +145,7 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
             "config": {"N": n, "precision": precision, "device budget": budget, "bucket cap": CAP,
                        "delayed update": run == "dpu", "vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL,
                        "layers": LAYERS, "batch": BATCH}}
-    losses, times = [], []
+    losses = []
     with mtrace.record(trace_path, comm, **meta):
         if run == "zero2":
             wrapper = ZeroDataParallel(net, comm, stage=2, lr=LR, bucket_cap_bytes=CAP, precision=precision)
@@ -152,7 +154,6 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
                                   bucket_cap_bytes=CAP, loss_scale=MIXED_SCALE)
         for step, (x, y) in enumerate(batches(steps)):
             mtrace.mark("step", step=step)
-            t0 = time.perf_counter()
             xs, ys = local_batch(comm, x, y)
             if run == "zero2":
                 with mtrace.span("F"):
@@ -161,7 +162,6 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
                 loss = wrapper.loss(xs, ys)
             wrapper.backward(loss)
             wrapper.step()
-            times.append(time.perf_counter() - t0)
             losses.append(float(comm.allreduce(np.array([loss.item()]))[0]) / n)
         mtrace.mark("flush")  # the last step ends here; with DPU its update goes up after this mark
         if run != "zero2":
@@ -171,8 +171,7 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
     if run != "zero2":
         wrapper.close()
     tiers.close()
-    slowest = comm.allreduce(np.array(times), op="max")
-    return {"losses": losses, "params": params, "step_s": [float(t) for t in slowest], "numels": numels,
+    return {"losses": losses, "params": params, "numels": numels,
             "peak": tiers.peak_device_bytes, "budget": budget, "trace": trace_path}
 
 
@@ -239,55 +238,54 @@ def device_summary(results: dict[str, Any], n: int) -> str:
 
 # ---- 5. step time with and without DPU ----------------------------------------------------------------
 def step_parts(trace: mtrace.Trace, rank: int = 0) -> dict[str, float]:
-    """Medians over the steps after the first: forward + backward spans, the CPU AdamW span, the
-    transfers' measured and modelled seconds per step."""
+    """Medians over the steps after the first, on the trace's clock: the step (from its "step" mark to the
+    next, or to "flush"), its forward + backward spans, the CPU AdamW span."""
     marks = sorted(e.t0 for e in trace.select("mark", rank=rank) if e.name in ("step", "flush"))
     bounds = list(zip(marks[1:-1], marks[2:], strict=True))  # steps 1 .. S-1 (up to the flush mark)
-
-    def per_step(events: list[mtrace.Event], value: Any) -> float:
-        return statistics.median(sum(value(e) for e in events if a <= e.t0 < b) for a, b in bounds)
-
     spans = trace.select("compute", rank=rank)
-    return {"fb": per_step([e for e in spans if e.name in ("F", "B")], lambda e: e.duration),
-            "adam": statistics.median(e.duration for e in spans if e.name == "cpu adam"),
-            "moved": per_step(moves(trace, rank), lambda e: e.duration),
-            "modelled": per_step(moves(trace, rank), lambda e: e.args["modelled_s"])}
+    adam = [e.duration for e in spans if e.name == "cpu adam"]  # none in ZeRO-2's run
+    return {"step": statistics.median(b - a for a, b in bounds),
+            "fb": statistics.median(sum(e.duration for e in spans if e.name in ("F", "B") and a <= e.t0 < b)
+                                    for a, b in bounds),
+            "adam": statistics.median(adam) if adam else 0.0}
 
 
-def dpu_table(results: dict[str, Any]) -> Table:
-    """Measured step time (slowest rank, median after the first step) of every run, and the model from
-    the offload run's uncontended parts: rest = measured - F+B - AdamW - measured moves (collectives,
-    bookkeeping); no DPU: F+B + AdamW + rest + modelled moves; DPU with a core of its own for the CPU
-    step: max(F+B, AdamW) + rest + modelled moves."""
-    table = Table(title="step time in ms (parts: rank 0, median of steps 1..; step: the slowest rank)",
-                  title_justify="left",
-                  caption="modelled: the offload run's measured F+B and rest (collectives, bookkeeping) plus the "
-                          "moves at the Bandwidth model's PCIe rate; the CPU AdamW after them (no DPU) or beside "
-                          "them on a core of its own (DPU: max(F+B, AdamW)). The DPU row's parts are measured in "
-                          "its own run, where the AdamW thread competes for the cores.", caption_justify="left")
-    for col in ("run", "F+B", "CPU AdamW", "moves measured", "moves modelled", "step measured", "step modelled"):
+def dpu_table(results: dict[str, Any], clock: Clock = REPLAY) -> Table:
+    """Step time (rank 0, median after the first step) of every run on ``clock``, and the model from the
+    run's own F+B and AdamW and the offload run's rest = its step - F+B - AdamW (collectives, copies
+    between tiers, bookkeeping): no DPU F+B + AdamW + rest; DPU max(F+B, AdamW) + rest."""
+    table = Table(title=f"step time in ms, {clock.label} (rank 0, median of steps 1..)", title_justify="left",
+                  caption="modelled: the run's F+B and AdamW and the offload run's rest (its step less the two: "
+                          "collectives, copies between tiers, bookkeeping); the CPU AdamW after forward and backward "
+                          "(no DPU) or beside the next ones on a core of its own (DPU: max(F+B, AdamW)).",
+                  caption_justify="left")
+    for col in ("run", "F+B", "CPU AdamW", f"step {clock.short}", "step modelled"):
         table.add_column(col, justify="right")
-    base = results["offload"]
-    p0 = step_parts(mtrace.load(base["trace"]))
-    rest = max(0.0, statistics.median(base["step_s"][1:]) - p0["fb"] - p0["adam"] - p0["moved"])
-    modelled = {"offload": p0["fb"] + p0["adam"] + rest + p0["modelled"],
-                "dpu": max(p0["fb"], p0["adam"]) + rest + p0["modelled"]}
-    zero2 = statistics.median(results["zero2"]["step_s"][1:])
-    table.add_row(RUNS["zero2"], *["-"] * 4, f"{zero2 * 1e3:.2f}", "-")
+    p0 = step_parts(clock.of(results["offload"]["trace"]))
+    rest = max(0.0, p0["step"] - p0["fb"] - p0["adam"])
+    table.add_row(RUNS["zero2"], "-", "-", f"{step_parts(clock.of(results['zero2']['trace']))['step'] * 1e3:.2f}", "-")
     for run in ("offload", "dpu"):
-        p = p0 if run == "offload" else step_parts(mtrace.load(results[run]["trace"]))
-        table.add_row(RUNS[run], *(f"{p[k] * 1e3:.2f}" for k in ("fb", "adam", "moved", "modelled")),
-                      f"{statistics.median(results[run]['step_s'][1:]) * 1e3:.2f}", f"{modelled[run] * 1e3:.2f}")
+        p = p0 if run == "offload" else step_parts(clock.of(results[run]["trace"]))
+        modelled = (max(p["fb"], p["adam"]) if run == "dpu" else p["fb"] + p["adam"]) + rest
+        table.add_row(RUNS[run], *(f"{p[k] * 1e3:.2f}" for k in ("fb", "adam", "step")), f"{modelled * 1e3:.2f}")
     return table
 
 
-def hidden_ms(trace: mtrace.Trace, rank: int = 0) -> tuple[float, float]:
-    """(ms of the delayed CPU AdamW spans that lie inside an F or B span, their total ms) on ``rank``."""
+def hidden_ms(trace: mtrace.Trace, rank: int = 0) -> dict[str, float]:
+    """The delayed CPU AdamW on ``rank``, in ms: its total, the part inside F or B spans, how long the
+    steps waited for it, and that wait by the formula: per job, max(0, AdamW - the rank's work from its
+    post to its wait), the AdamW on a core of its own beside that work."""
     spans = trace.select("compute", rank=rank)
     fb = [(e.t0, e.t1) for e in spans if e.name in ("F", "B")]
     adam = [e for e in spans if e.name == "cpu adam" and e.args.get("delayed")]
-    inside = sum(max(0.0, min(e.t1, b) - max(e.t0, a)) for e in adam for a, b in fb)
-    return inside * 1e3, sum(e.duration for e in adam) * 1e3
+    job = {(e.name, e.args["job"]): e.t0 for e in trace.select("mark", rank=rank) if e.args.get("cid") == "cpu adam"}
+    ends = [(job[("async posted", k)], job[("async wait", k)], job[("async end", k)]) for _, k in
+            sorted(key for key in job if key[0] == "async end")]
+    return {"total": sum(e.duration for e in adam) * 1e3,
+            "inside": sum(max(0.0, min(e.t1, b) - max(e.t0, a)) for e in adam for a, b in fb) * 1e3,
+            "waited": sum(max(0.0, end - wait) for _, wait, end in ends) * 1e3,
+            "formula": sum(max(0.0, e.duration - (wait - post)) for e, (post, wait, _) in
+                           zip(sorted(adam, key=lambda e: e.t0), ends, strict=True)) * 1e3}
 
 
 # ---- the lesson -------------------------------------------------------------------------------------
@@ -297,7 +295,7 @@ def check_ranks(p: int) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int) -> None:
+def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
     console = make_console()
     n, lead = comm.size, comm.rank == 0
     if lead:
@@ -323,24 +321,27 @@ def run(comm: Any, steps: int) -> None:
     console.print(f"a budget one byte short, on every rank ({len(set(results['oom']))} distinct message):\n  "
                   + results["oom"][0], highlight=False)
     console.rule("[bold]5. the delayed parameter update (DPU)")
-    if time_sharing(2 * n):
+    if clock.caveat(2 * n):
         console.print(f"[yellow]note:[/yellow] with DPU each rank runs a second thread (the CPU AdamW): {2 * n} "
                       f"threads share {os.cpu_count()} cores (in-process ranks also share Python's GIL), so the "
                       "measured times include waiting for a core and the DPU step can be no faster, or slower; "
                       "the model gives the CPU step a core of its own.", highlight=False)
-    console.print(dpu_table(results))
-    inside, total = hidden_ms(mtrace.load(results["dpu"]["trace"]))
-    console.print(f"DPU on rank 0: {inside:.2f} of {total:.2f} ms of CPU AdamW ran inside forward/backward spans. "
-                  "losses with DPU " + " ".join(f"{v:.6f}" for v in results["dpu"]["losses"])
-                  + " (from step 1 on, one update behind).", highlight=False)
+    console.print(dpu_table(results, clock))
+    h = hidden_ms(clock.of(results["dpu"]["trace"]))
+    console.print(f"DPU on rank 0 ({clock.short}): {h['total']:.2f} ms of CPU AdamW, {h['inside']:.2f} of it inside "
+                  f"forward/backward spans; the steps waited {h['waited']:.2f} ms for it (formula, max(0, AdamW - "
+                  f"the work from its post to its wait): {h['formula']:.2f}). Losses with DPU "
+                  + " ".join(f"{v:.6f}" for v in results["dpu"]["losses"]) + " (from step 1 on, one update behind).",
+                  highlight=False)
     beyond(console, results, n)
     console.rule("[bold]the ZeRO-Offload run's timeline")
     order = ("offload", "dpu", "mixed", "infinity", "zero2", "tour")  # the report draws the first one's tiers on top
     loops = [results["chunks"][("loop", p)]["trace"] for p in ("lru", "warmup")]
     finish([*(results[r]["trace"] for r in order), *loops], OUT / "report.html", console,
-           timeline=results["offload"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
-                                                         "chunks, reused layer, LRU", "chunks, reused layer, warm-up"],
-           extra_figures=[("step time vs device budget, per method", part3.figure(results["sweep"]))])
+           timeline=results["dpu"]["trace"], titles=[*(RUNS.get(r, TITLES.get(r, r)) for r in order),
+                                                     "chunks, reused layer, LRU", "chunks, reused layer, warm-up"],
+           extra_figures=[("step time vs device budget, per method (wall clock)", part3.figure(results["sweep"]))],
+           clock=clock)
 
 
 def beyond(console: Any, results: dict[str, Any], n: int) -> None:
@@ -371,7 +372,7 @@ def beyond(console: Any, results: dict[str, Any], n: int) -> None:
 
 def main() -> None:
     args = lesson_parser(__doc__, steps=4, ranks=2).parse_args()
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":
