@@ -3,7 +3,8 @@ ZeRO-3 (``examples/elastic_train.py``'s trainer, a checkpoint after every step),
 an asynchronous parameter server, with one fault on the first attempt (``MINIPAR_RESTART_COUNT`` 0):
 rank ``--victim`` gets ``--signal`` (KILL or STOP) at ``--moment`` number ``--at``:
 
-    start       at import, before MPI (at even), or after world(), before the first collective (odd)
+    start       at import, before MPI (at % 3 == 0); inside MPI's start-up, the start-up watch running (1);
+                or after world(), before the first collective (2)
     step        inside a step's compute: the at-th F.linear (or, on a parameter server, SGD step)
     collective  inside the at-th wait of a communication: its messages posted, not complete
     file        between a checkpoint's files: its shard of checkpoint ``at`` written, the others not
@@ -52,7 +53,7 @@ def die(*_: object) -> None:
     os.kill(os.getpid(), SIGNALS[ARGS.signal])
 
 
-if VICTIM and ARGS.moment == "start" and ARGS.at % 2 == 0:
+if VICTIM and ARGS.moment == "start" and ARGS.at % 3 == 0:
     die()  # before minipar, numpy or MPI are even imported
 
 import importlib.util  # noqa: E402 -- after the fault at import
@@ -93,7 +94,7 @@ def arm() -> None:
     """Install the victim's fault (after ``world()``; ``start`` at import is done above)."""
     moment, at = ARGS.moment, ARGS.at
     if moment == "start":
-        die()
+        die()  # at % 3 == 2: after world()
     elif moment == "step":
         F.linear = after(at, F.linear)
         SGD.step = after(at, SGD.step)  # a parameter server's compute
@@ -164,9 +165,20 @@ def train_ps(comm: Any) -> dict[str, Any]:
     return {"applied": [(a[0], a[1]) for a in res.applied], "dropped": res.dropped, "workers": comm.size - 1}
 
 
+class DyingWatch(startup.StartupWatch):
+    """The start-up watch, then the fault: inside MPI's start-up (the ``alive`` file there, then stale)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        die()
+
+
 def main() -> int:
+    in_startup = VICTIM and ARGS.moment == "start" and ARGS.at % 3 == 1
+    if in_startup:
+        startup.StartupWatch = DyingWatch
     comm = world()
-    if VICTIM:
+    if VICTIM and not in_startup:
         arm()
     run = {"ddp": train_checkpointed, "zero3": train_checkpointed, "pipeline": train_pipeline, "ps": train_ps}
     result = run[ARGS.paradigm](comm)

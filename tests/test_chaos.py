@@ -2,9 +2,10 @@
 
 Property: for DDP and ZeRO-3 (a checkpoint after every step), a 1F1B pipeline and an asynchronous
 parameter server on 3 ranks under ``minipar run --elastic``, a drawn victim rank gets SIGKILL or
-SIGSTOP at a drawn moment (``tests/chaos_train.py``: at import before MPI, after ``world()`` before
-the first collective, inside a step's compute, inside a communication's wait, between a checkpoint's
-files, right after a commit's rename, before the goodbye at exit or inside ``MPI_Finalize``). Then
+SIGSTOP at a drawn moment (``tests/chaos_train.py``: at import before MPI, inside MPI's start-up,
+after ``world()`` before the first collective, inside a step's compute, inside a communication's
+wait, between a checkpoint's files, right after a commit's rename, before the goodbye at exit or
+inside ``MPI_Finalize``). Then
 
 - the job ends (status 0, after a restart) within a bound, and the first line naming the victim (a
   survivor's, or the loop's) comes within a bound of the fault;
@@ -49,7 +50,7 @@ from minipar.testing import ROOT
 SCRIPT = Path(__file__).parent / "chaos_train.py"
 RANKS, STEPS, DEADLINE, ATTEMPT_TIMEOUT = 3, 3, 1.0, 4.0
 # Upper ends of ``--at`` that always fire (fewer events than that happen on the victim in 3 steps):
-AT = {"finalize": 1, "start": 1, "step": 5, "collective": 5, "file": STEPS - 1, "rename": 2 * STEPS - 2}
+AT = {"finalize": 1, "start": 2, "step": 5, "collective": 5, "file": STEPS - 1, "rename": 2 * STEPS - 2}
 MOMENTS = {"pipeline": ("finalize", "start", "step", "collective"), "zero3": tuple(AT), "ddp": tuple(AT),
            "ps": ("finalize", "start", "step", "collective")}  # the first of each: the default profile's draw
 # Time from the fault to the first line naming the victim. The slowest path: frozen inside MPI_Finalize
