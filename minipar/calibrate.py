@@ -46,6 +46,10 @@ each is a warm-up and dropped; medians over repetitions and ranks):
    efficiency) is the per-rank rate under sharing, what a local run achieves. (Should the shared
    rate beat the solo one, as it can when ranks <= cores, the peak is raised to it: efficiency 1.)
 
+``compute_rates(gpt)`` times 3. and the GPT of 2. on one rank in its own CPU time instead: the rates of
+one core per rank, as a replay (``minipar.replay``) charges compute, for ``perf.predict`` to be held
+against a replay (lesson 8).
+
 ``memory_bytes`` is ``MemTotal`` of ``/proc/meminfo`` over the ranks. One machine is one node:
 ``gpus_per_node`` = ranks, and ``inter`` = ``intra`` (there is no second node to measure).
 The values describe this machine at this rank count and backend only: the name says which, e.g.
@@ -192,14 +196,14 @@ def memtotal_bytes(path: str = "/proc/meminfo") -> float:
     raise ValueError(f"{path} has no MemTotal line")
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> list[float]:
-    """``repeats`` timings of ``fn`` after one untimed warm-up call."""
+def _median_time(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """``repeats`` timings of ``fn`` on ``clock`` after one untimed warm-up call."""
     fn()
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     return out
 
 
@@ -223,7 +227,8 @@ def _allreduce(comm: Any, nbytes: int, repeats: int) -> float:
     return _pooled_median(comm, _median_time(lambda: comm.allreduce(x, algorithm="ring"), repeats))
 
 
-def _matmul_rate(shapes: Sequence[tuple[int, int, int]], repeats: int, seed: int) -> list[float]:
+def _matmul_rate(shapes: Sequence[tuple[int, int, int]], repeats: int, seed: int,
+                 clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Seconds per pass over ``shapes`` (float64, operands made once)."""
     rng = np.random.default_rng(seed)
     pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for m, k, n in shapes]
@@ -232,7 +237,7 @@ def _matmul_rate(shapes: Sequence[tuple[int, int, int]], repeats: int, seed: int
         for a, b in pairs:
             a @ b
 
-    return _median_time(once, repeats)
+    return _median_time(once, repeats, clock)
 
 
 def gpt_spec(gpt: dict[str, int]) -> tuple[ModelSpec, Layout]:
@@ -251,7 +256,8 @@ def gamma_from_gpt(seconds: float, flops: float, gpt: dict[str, int], floor: flo
     return max(3 * left / (model.layers * memory_traffic_bytes(model, layout)), floor)
 
 
-def _gpt_times(gpt: dict[str, int], repeats: int, seed: int) -> list[float]:
+def _gpt_times(gpt: dict[str, int], repeats: int, seed: int, clock: Callable[[], float] = time.perf_counter
+               ) -> list[float]:
     """Seconds of one forward and backward of ``nn.GPT`` on a ``(batch, seq)`` batch of tokens."""
     from minipar.nn import GPT as Model
 
@@ -267,7 +273,7 @@ def _gpt_times(gpt: dict[str, int], repeats: int, seed: int) -> list[float]:
         model.zero_grad()
         model.loss(idx, targets).backward()
 
-    return _median_time(once, repeats)
+    return _median_time(once, repeats, clock)
 
 
 def busy_cpu_seconds(path: str = "/proc/stat") -> float:
@@ -335,6 +341,17 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
             raise ValueError(f"calibrate: a non-finite measurement ({v}); rerun on a quieter machine")
     return Measurements(p, comm.backend, exchange, allreduce, add_gamma, reduce_gamma, gpt_seconds, solo_rate,
                         shared, cluster, others)
+
+
+def compute_rates(gpt: dict[str, int] | None = None, repeats: int = 10) -> tuple[float, float]:
+    """(FLOP/s, gamma) of this core, as ``measure`` derives them from the GPT ``gpt``'s matmul shapes
+    and its forward and backward, but timed in the calling thread's CPU time (``time.thread_time``):
+    one core's rates, whatever else shares the cores, the terms in which ``minipar.replay`` charges a
+    span. Give ``gpt`` the shapes one rank computes (a tensor-parallel slice) to describe that rank."""
+    gpt = gpt or GPT
+    shapes = gpt_matmul_shapes(gpt["batch"] * gpt["seq"], gpt["d_model"], gpt["vocab"])
+    flops = matmul_flops(shapes) / float(np.median(_matmul_rate(shapes, repeats, 0, time.thread_time)))
+    return flops, gamma_from_gpt(float(np.median(_gpt_times(gpt, repeats, 0, time.thread_time))), flops, gpt)
 
 
 def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwargs: Any) -> Cluster | None:

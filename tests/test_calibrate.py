@@ -17,6 +17,7 @@ from minipar.calibrate import (
     Measurements,
     busy_cpu_seconds,
     calibrate,
+    compute_rates,
     fit_alpha_beta,
     fit_gamma,
     gamma_from_gpt,
@@ -90,6 +91,12 @@ def test_gamma_from_gpt_charges_the_step_what_it_took():
     seconds = step_flops / rate + layers * traffic * gamma / 3
     assert gamma_from_gpt(seconds, rate, gpt) == pytest.approx(gamma, rel=1e-12)
     assert gamma_from_gpt(step_flops / rate, rate, gpt, floor=1e-11) == 1e-11  # nothing left: the floor
+
+
+def test_compute_rates_are_one_cores_rates_on_the_given_shapes():
+    gpt = {"batch": 1, "seq": 4, "d_model": 8, "heads": 2, "layers": 1, "vocab": 8}
+    flops, gamma = compute_rates(gpt, repeats=2)
+    assert math.isfinite(flops) and flops > 0 and math.isfinite(gamma) and gamma >= 0
 
 
 def test_gpt_matmul_shapes_and_flops_by_hand():
