@@ -2,7 +2,7 @@
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3, PTD-P):
 a pipeline of tensor-parallel stages, replicated by data parallelism.
 
-    mpiexec -n 8 python lessons/08_hybrid/lesson.py [--steps 5] [--cluster FILE]
+    mpiexec -n 8 python lessons/08_hybrid/lesson.py [--steps 5] [--cluster local|FILE] [--clock wall]
     python lessons/08_hybrid/lesson.py [--ranks 8]      # same, ranks as threads in one process
     mpiexec -n 8 python lessons/08_hybrid/lesson.py --pp 2 --dp 2 --sp 2 --tp 1   # another mesh
 
@@ -22,18 +22,19 @@ them: the mesh computes the same model. 3. bytes each rank sent in one step per 
 from the trace by the axis its two ranks differ in (``MeshShape.axis_of``), next to
 ``cost.hybrid.traffic_by_axis``. 4. each rank's model states when its optimizer step begins and its
 activation peak (1F1B keeps more micro-batches on the first stage), measured vs ``cost.hybrid``. 5.
-the measured step time next to ``perf.predict`` with a calibrated cluster file (this machine;
-``minipar calibrate``), both including the time-sharing of the cores. 6. the planner on GPT-3 175B
+``perf.predict`` against the traced step replayed (``minipar.replay``), both on one cluster: the links
+of ``--cluster`` (default ``local``: this machine's network, measured; or a ``minipar calibrate`` file)
+and this core's FLOP/s and gamma measured in CPU time on the shapes one rank computes, the terms in
+which the replay charges a span (``--clock wall``: the measured step instead). 6. the planner on GPT-3 175B
 with 3072 A100s (Selene): the fastest predicted layouts and why each beats the next, and the 6 x 8 x
 64 (d x t x p) grid for comparison. Then the terminal timeline; the HTML report draws the grid (one
 colour per sub-communicator), the bytes per rank stacked by mesh axis with the formula, and where
 each layout's predicted step goes.
-Writes runs/08_hybrid/hybrid.json, report.html (and a cluster file when it calibrates).
+Writes runs/08_hybrid/hybrid.json and report.html.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import time
@@ -43,8 +44,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, one_process, run_ranks, time_sharing
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import hybrid as formulas
@@ -53,6 +54,7 @@ from minipar.mesh import DeviceMesh, MeshShape
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.hybrid import HybridGPT
+from minipar.replay import replay
 from viz.memory_stack import before_step
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, MICRO, LR, WD = 32, 16, 32, 4, 4, 64, 8, 2, 3e-3, 0.01
@@ -281,14 +283,27 @@ def check_ranks(p: int, mesh: dict[str, int] | None = None) -> str | None:
     return f"the mesh {shape}: " + "; ".join(problems) if problems else None
 
 
-def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -> None:
+def shard_gpt(mesh: dict[str, int]) -> dict[str, int]:
+    """The GPT shapes one rank computes: a micro-batch of its replica's rows, its sequence shard, its
+    tensor-parallel slice of the width, heads and vocabulary (``calibrate.compute_rates``' ``gpt``)."""
+    t = mesh["tp"]
+    return {"batch": BATCH // (mesh["dp"] * MICRO), "seq": SEQ // mesh["sp"], "d_model": D_MODEL // t,
+            "heads": HEADS // t, "layers": LAYERS, "vocab": VOCAB // t}
+
+
+def step_seconds(trace: mtrace.Trace) -> float:
+    """First to last compute or message event."""
+    spans = [e for e in trace.events if e.kind in ("compute", "comm")]
+    return max(e.t1 for e in spans) - min(e.t0 for e in spans)
+
+
+def run(comm: Any, steps: int, mesh: dict[str, int], clock: Clock = REPLAY) -> None:
     console = make_console()
     lead = comm.rank == 0
     if lead:
         OUT.mkdir(parents=True, exist_ok=True)
     comm.barrier()
     res = train(comm, mesh, steps, OUT / "hybrid.json")
-    cluster, origin = scale.this_cluster(comm, cluster_path, OUT)
     if not lead:
         return
     shape = MeshShape(**mesh)
@@ -323,20 +338,20 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
                       "[red]measured and formula differ[/red] (see the table)", highlight=False)
     else:
         console.print("(cost.hybrid.activation_peak_bytes models tensor-parallel stages; sp > 1 here.)")
-    console.rule("[bold]5. predicted vs measured step time")
-    note = time_sharing(comm.size)
-    if note:
-        console.print(f"[yellow]note:[/yellow] {note}. The calibrated cluster measured this sharing too "
-                      "(its FLOP/s is per rank with all ranks busy), so both columns include it.", highlight=False)
+    console.rule(f"[bold]5. predicted vs {clock.short} step time")
+    if note := clock.caveat(comm.size):
+        console.print(f"[yellow]note:[/yellow] {note}; the prediction has one core per rank.", highlight=False)
+    cluster = scale.lesson_cluster(clock.cluster, shard_gpt(mesh))
     pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
-    timed = res["seconds"][1:-1] or res["seconds"]
-    console.print(scale.prediction_table(pred, timed, cluster, origin))
-    console.print(scale.small_messages(trace, shape), highlight=False)
-    if comm.backend == "threads":
-        console.print("[yellow]threads:[/yellow] the ranks share one Python interpreter, so its per-operation "
-                      "overhead (autograd, the schedule, the collectives' loops) runs one rank at a time and is in no "
-                      "term of the model; under mpiexec each rank is a process and the comparison means more.",
-                      highlight=False)
+    if clock.kind == "replay":
+        replayed = replay(trace, cluster)
+        got = step_seconds(replayed)
+        console.print(scale.prediction_table(pred, got, cluster, clock.short))
+        console.print(scale.replayed_parts(replayed, pred), highlight=False)
+    else:  # the timed steps, on the wall clock
+        got = float(np.median(res["seconds"][1:-1] or res["seconds"]))
+        console.print(scale.prediction_table(pred, got, cluster, clock.short))
+        console.print(scale.small_messages(trace, shape), highlight=False)
     console.rule(f"[bold]6. the planner on GPT-3 175B, {scale.GPUS} A100s")
     ranked = planner.plan(presets.MODELS[scale.GPT3], scale.GPUS, presets.CLUSTERS[scale.CLUSTER], scale.GPT3_BATCH)
     grid = scale.grid_prediction()
@@ -347,30 +362,26 @@ def run(comm: Any, steps: int, mesh: dict[str, int], cluster_path: str | None) -
                   f"Layout.check refuses the uneven split, predicted with uneven_stages=True and full recomputation, "
                   f"as Narayanan et al.'s Table 1 runs): {grid.explain()}", highlight=False)
     console.rule("[bold]the traced step's timeline (F / B per stage and micro-batch, sync, opt)")
-    figures = [("predicted vs measured: the tiny GPT's step on this machine",
-                scale.parts_figure({"predicted (perf.predict)": scale.parts(pred),
-                                    "measured (median step, slowest rank)": {"measured": float(np.median(timed))}},
-                                   f"one step of the tiny GPT on {shape}: predicted on {cluster.name} vs measured")),
+    figures = [(f"predicted vs {clock.short}: the tiny GPT's step on this machine",
+                scale.parts_figure({"predicted (perf.predict)": scale.parts(pred), clock.short: {clock.short: got}},
+                                   f"one step of the tiny GPT on {shape}: predicted vs {clock.short}, "
+                                   f"on {cluster.name}")),
                ("the planner on GPT-3 175B: where each layout's predicted step goes",
                 scale.parts_figure({**{c.label(): scale.parts(c.prediction) for c in ranked[:3]},
                                     "6 x 8 x 64 grid (dp6 tp8 pp64, full recompute)": scale.parts(grid)},
                                    f"GPT-3 175B on {scale.GPUS} A100s: predicted seconds per step"))]
     finish([trace], OUT / "report.html", console, titles=[f"hybrid {shape}, {SCHEDULE}, m = {MICRO}"],
-           extra_figures=figures)
+           extra_figures=figures, clock=clock)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=STEPS)
+    parser = lesson_parser(__doc__, steps=STEPS, ranks=0)  # --ranks 0: the mesh's size
     for axis, degree in MESH.items():
         parser.add_argument(f"--{axis}", type=int, default=degree, help=f"{axis} degree (default {degree})")
-    parser.add_argument("--cluster", help="a cluster file for the prediction (default: calibrate this machine once)")
-    parser.add_argument("--ranks", type=int, default=None, help="ranks when not under mpiexec (threads; default: "
-                                                                 "the mesh's size)")
     args = parser.parse_args()
     mesh = {a: getattr(args, a) for a in MESH}
     ranks = args.ranks or MeshShape(**mesh).size
-    run_ranks(run, ranks, lambda p: check_ranks(p, mesh), steps=args.steps, mesh=mesh, cluster_path=args.cluster)
+    run_ranks(run, ranks, lambda p: check_ranks(p, mesh), steps=args.steps, mesh=mesh, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":
