@@ -57,6 +57,12 @@ def lesson_parser(doc: str | None, steps: int, ranks: int) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--ranks", type=int, default=ranks, help="ranks when not under mpiexec (threads)")
+    return clock_arguments(parser)
+
+
+def clock_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--clock`` and ``--cluster`` (``Clock.of_args``) on ``parser``: ``lesson_parser``'s, and a lesson's
+    own parser's when it takes no ``--steps``."""
     parser.add_argument("--clock", choices=("replay", "wall"), default="replay",
                         help="times compared and drawn: replay (each rank's CPU time on --cluster, one core per "
                              "rank: the default) or wall (as recorded, time-sharing included)")

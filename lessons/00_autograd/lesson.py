@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from lessons.common import Clock, clock_arguments, finish
 from lessons.common import console as make_console
-from lessons.common import finish
 from minipar import datasets, trace
 from minipar.nn import GPT
 from minipar.optim import AdamW
@@ -111,12 +111,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="runs/00_autograd", help="folder for trace.json and report.html")
-    args = parser.parse_args()
+    args = clock_arguments(parser).parse_args()
     out = make_console()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "trace.json"
     train(args.steps, console=out, trace_path=path)
-    finish([path], Path(args.out) / "report.html", out, titles=["tiny GPT, one process"])
+    finish([path], Path(args.out) / "report.html", out, titles=["tiny GPT, one process"], clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":

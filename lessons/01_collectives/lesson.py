@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from lessons.common import console, finish, run_ranks, time_sharing
+from lessons.common import REPLAY, Clock, clock_arguments, console, finish, run_ranks
 from minipar import trace
 from minipar.comm import Communicator
 from minipar.cost import ALLREDUCE_ALGORITHMS, allreduce_bytes
+from minipar.cost.collectives import collective_time
 
 OUT = Path("runs/01_collectives")
 MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p-1) n, others n",
@@ -127,10 +128,27 @@ def per_rank(values: list[int]) -> str:
     return " · ".join(f"r{a}{'' if a == b else f'-{b}'} {v:,}" for a, b, v in groups)
 
 
-def render(rows: list[dict[str, Any]], p: int, n: int, backend: str) -> Table:
-    table = Table(title=f"all-reduce of {n:,} float64 ({n * 8 / 1e6:.1f} MB) on {p} ranks ({backend})")
+def replayed_seconds(t: trace.Trace) -> dict[str, float]:
+    """Each algorithm's traced all-reduce (one call each, between barriers) from its first message to its last."""
+    calls = [e for e in t.events if e.kind == "comm" and e.op == "allreduce"]
+    return {alg: max(e.t1 for e in mine) - min(e.t0 for e in mine)
+            for alg in ALLREDUCE_ALGORITHMS if (mine := [e for e in calls if e.algorithm == alg])}
+
+
+def render(rows: list[dict[str, Any]], p: int, n: int, backend: str, clock: Clock = REPLAY,
+           replayed: dict[str, float] | None = None) -> Table:
+    """The rows; the time column on ``clock``: the traced call ``replayed`` (seconds by algorithm) beside
+    ``collective_time`` on the cluster (native: the ring), or the median of the untraced runs on the wall clock."""
+    link, gamma = clock.cluster.intra, clock.cluster.gamma
+
+    def formula(alg: str) -> float:
+        return collective_time("allreduce", "ring" if alg == "native" else alg, 8 * n, p, link.alpha, link.beta, gamma)
+
+    table = Table(title=f"all-reduce of {n:,} float64 ({n * 8 / 1e6:.1f} MB) on {p} ranks ({backend}); time "
+                        f"{clock.label}")
     hidden = "(inside MPI)" if backend == "mpi" else "(shared memory)"
-    for col in ("algorithm", "steps (formula)", "bytes sent per rank (trace)", "formula", "match", "time"):
+    for col in ("algorithm", "steps (formula)", "bytes sent per rank (trace)", "formula", "match",
+                "ms" if replayed is None else "ms / formula"):
         table.add_column(col, justify="left" if col == "algorithm" else "right", no_wrap=True)
     for row in rows:
         native = row["formula"][0] is None
@@ -139,7 +157,8 @@ def render(rows: list[dict[str, Any]], p: int, n: int, backend: str) -> Table:
         table.add_row(row["algorithm"], f"{steps} ({row['formula_steps']})",
                       hidden if native else per_rank(row["sent"]),
                       hidden if native else per_rank(row["formula"]),
-                      match, f"{row['seconds'] * 1e3:.1f} ms")
+                      match, f"{row['seconds'] * 1e3:.1f}" if replayed is None else
+                      f"{replayed[row['algorithm']] * 1e3:.2f} / {formula(row['algorithm']) * 1e3:.2f}")
     table.caption = "formulas: " + "; ".join(f"{k} {v}" for k, v in MODEL.items() if v)
     return table
 
@@ -155,7 +174,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="untraced timing runs per algorithm")
     parser.add_argument("--out", default=str(OUT), help="folder for trace.json and trace.chrome.json")
     parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
-    args = parser.parse_args()
+    args = clock_arguments(parser).parse_args()
+    clock = Clock.of_args(args)
 
     def body(comm: Communicator) -> tuple[list[dict[str, Any]], int, str]:
         return measure(comm, args.n, args.reps, args.out), comm.size, comm.backend
@@ -165,15 +185,16 @@ def main() -> None:
         return
     rows, p, backend = result
     out = console(width=130)
-    out.print(render(rows, p, args.n, backend))
-    note = time_sharing(p)
+    path = Path(args.out) / "trace.json"
+    out.print(render(rows, p, args.n, backend, clock, replayed_seconds(clock.of(path)) if clock.kind == "replay"
+                     else None))
+    note = clock.caveat(p)
     if note:
         out.print(f"[yellow]note:[/yellow] {note} (the time column).", highlight=False)
     if not all(r["agrees"] for r in rows):
         raise SystemExit("the algorithms disagree with each other")
-    path = Path(args.out) / "trace.json"
     trace.to_chrome(trace.load(path), Path(args.out) / "trace.chrome.json")
-    finish([path], Path(args.out) / "report.html", out, titles=[f"all-reduce algorithms on {p} ranks"])
+    finish([path], Path(args.out) / "report.html", out, titles=[f"all-reduce algorithms on {p} ranks"], clock=clock)
     out.print(f"trace: {path} (or open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
 
 

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, lesson_parser, one_process, run_ranks
 from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import ring_bytes
@@ -211,7 +211,7 @@ def check_ranks(t: int) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int) -> None:
+def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
     """The three parts on ``comm``; rank 0 prints."""
     console = make_console()
     t, lead = comm.size, comm.rank == 0
@@ -245,13 +245,13 @@ def run(comm: Any, steps: int) -> None:
     console.print(memory_table({k: v["peak"] for k, v in results.items()}, t))
     console.rule("[bold]timeline of the last step with sequence parallelism (F/B per block, opt)")
     finish([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html", console, timeline=traces["tp_sp"],
-           titles=["tensor parallel", "tensor + sequence parallel"])
+           titles=["tensor parallel", "tensor + sequence parallel"], clock=clock)
     console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}", highlight=False)
 
 
 def main() -> None:
     args = lesson_parser(__doc__, steps=4, ranks=4).parse_args()
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, lesson_parser, one_process, run_ranks, time_sharing
 from minipar import datasets, nn
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
@@ -275,7 +275,8 @@ def fsdp_table(trace: mtrace.Trace, numels: list[int], n: int) -> Table:
                           "formula: padded sizes L_i + L_i+1 in bytes. After: this unit resharded, only the next one "
                           "left. The next unit's all-gather runs on the communicator's background thread; overlap: "
                           "ms of it inside this unit's span, hidden behind its compute (the rest runs into the "
-                          "next unit's span, which waits for it; ranks time-sharing cores and the GIL delay it).",
+                          "next unit's span, which waits for it; on the wall clock, ranks time-sharing cores and "
+                          "the GIL delay it).",
                   caption_justify="left")
     for col in ("unit", "compute span", "gathered while computing", "formula", "after reshard",
                 "next unit's all-gather", "overlap"):
@@ -299,7 +300,7 @@ def check_ranks(p: int) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int) -> None:
+def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
     """Every stage at every N, then mixed precision; rank 0 prints."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
@@ -332,9 +333,9 @@ def run(comm: Any, steps: int) -> None:
     console.print("A reduce-scatter plus an all-gather move what one all-reduce moves (Sec. 7.2.1): stages 1 and 2 "
                   "cost DDP's bytes. FSDP gathers every unit twice (forward, and again for backward after "
                   "resharding) and reduce-scatters once: 1.5x.", highlight=False)
-    fsdp = mtrace.load(results[(3, p)]["trace"])
-    console.rule("[bold]4. FSDP unit by unit")
-    note = time_sharing(p)
+    fsdp = clock.of(results[(3, p)]["trace"])
+    console.rule(f"[bold]4. FSDP unit by unit ({clock.label})")
+    note = clock.caveat(p)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes.",
                       highlight=False)
@@ -343,7 +344,8 @@ def run(comm: Any, steps: int) -> None:
     console.print(mixed_summary(mixed, results[(3, p)]["losses"], p), highlight=False)
     console.rule("[bold]the FSDP step's timeline (F per unit, B, opt; all-gathers and reduce-scatters)")
     order = [results[(k, p)]["trace"] for k in TITLES] + [mixed["trace"]]
-    finish(order, OUT / "report.html", console, timeline=fsdp, titles=[*TITLES.values(), "FSDP, mixed precision"])
+    finish(order, OUT / "report.html", console, timeline=fsdp, titles=[*TITLES.values(), "FSDP, mixed precision"],
+           clock=clock)
 
 
 def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
@@ -363,7 +365,7 @@ def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
 
 def main() -> None:
     args = lesson_parser(__doc__, steps=3, ranks=4).parse_args()
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps)
+    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ import numpy as np
 import plotly.graph_objects as go
 from rich.table import Table
 
+from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks
 from lessons.common import console as make_console
-from lessons.common import finish, lesson_parser, run_ranks, time_sharing
 from minipar import nn, trace
 from minipar.autograd import Tensor
 from minipar.cost import tensor as cost1d
@@ -210,7 +210,7 @@ def compare_figure(res: dict[str, Any], rank: int) -> go.Figure:
 
 
 # ---- the lesson ---------------------------------------------------------------------------------------------
-def run(comm: Any) -> None:
+def run(comm: Any, clock: Clock = REPLAY) -> None:
     out = make_console()
     OUT.mkdir(parents=True, exist_ok=True)
     mesh = DeviceMesh(comm, dp=comm.size // 2, tp=2)
@@ -239,13 +239,13 @@ def run(comm: Any) -> None:
               "blocks as well as activation blocks (SUMMA's broadcasts, the cube's gathers), so their bytes grow "
               "with the weights too; 2.5-D also all-reduces every gradient over its d = 2 grids, and 3-D keeps "
               "its gathered inputs and weights for backward.", highlight=False)
-    note = time_sharing(comm.size)
+    note = clock.caveat(comm.size)
     if note:
         out.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
     figures = [("the seed's matmul: bytes per pair of placements", table.figure(rows)),
                ("one block, three layouts: measured vs formula", compare_figure(res3, 0))]
     finish([OUT / "3d.json", OUT / "2p5d.json", OUT / "1d.json"], OUT / "report.html", out,
-           titles=[NAMES["3d"], NAMES["2p5d"], NAMES["1d"]], extra_figures=figures)
+           titles=[NAMES["3d"], NAMES["2p5d"], NAMES["1d"]], extra_figures=figures, clock=clock)
 
 
 def check_ranks(p: int) -> str | None:
@@ -254,7 +254,7 @@ def check_ranks(p: int) -> str | None:
 
 def main() -> None:
     args = lesson_parser(__doc__, 1, RANKS).parse_args()
-    run_ranks(run, args.ranks, check_ranks)
+    run_ranks(run, args.ranks, check_ranks, clock=Clock.of_args(args))
 
 
 if __name__ == "__main__":
