@@ -67,6 +67,31 @@ def test_in_process_run_says_so_in_one_line(tmp_path) -> None:
     assert "on 3 ranks" in proc.stdout and (tmp_path / "report.html").exists()
 
 
+def test_times_are_replayed_by_default_and_the_wall_clock_one_flag_away(tmp_path) -> None:
+    base = ("--n", "64", "--reps", "1", "--out", str(tmp_path), "--ranks", "2")
+    replayed, wall = lesson("01_collectives", *base), lesson("01_collectives", *base, "--clock", "wall")
+    assert replayed.returncode == wall.returncode == 0, replayed.stderr + wall.stderr
+    assert "time replayed: one core per rank, network local" in " ".join(replayed.stdout.split())
+    assert "ms / formula" in replayed.stdout and "; replayed: one core per rank" in replayed.stdout
+    assert "time wall clock, as recorded" in " ".join(wall.stdout.split()) and "ms / formula" not in wall.stdout
+    page = (tmp_path / "report.html").read_text()  # the last run's (wall clock): the replay a button away
+    assert '"method":"update"' in page and "replayed on local" in page
+
+
+@pytest.mark.parametrize("name", ["02_pipeline", "03_data_parallel", "08_hybrid"])
+def test_an_unknown_cluster_is_one_line_before_any_work(name: str) -> None:
+    proc = lesson(name, "--cluster", "warp-drive")
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert "no cluster preset 'warp-drive'" in proc.stderr.splitlines()[-1]
+
+
+# what each lesson's replayed comparison prints (its formula beside it), under mpiexec
+REPLAYED = {"03_data_parallel": ("after B", "replayed: one core per rank, network local"),
+            "05_sequence_parallel": ("the formula's wait for it", "replayed, no rank waited more than"),
+            "07_offload": ("step replayed", "the steps waited"),
+            "08_hybrid": ("predicted / replayed", "Goal: predicted / replayed within 15 %")}
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.mpi8] if MPI_RUNS[n][0] == 8 else [])
                                   for n in MPI_RUNS])
@@ -75,6 +100,8 @@ def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
     proc = lesson(name, *(a.format(out=tmp_path) for a in args), ranks=ranks, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert (tmp_path / written).exists()
+    text = " ".join(proc.stdout.split())
+    assert all(words in text for words in REPLAYED.get(name, ())), proc.stdout[-3000:]
     if name == "08_hybrid":
         assert "Every rank's bytes on every axis equal the formula." in proc.stdout
     if name == "09_sharding":  # the seed table, Megatron as annotations, 1-D / 2.5-D / 3-D: all as the formulas
