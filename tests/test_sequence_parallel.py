@@ -120,8 +120,11 @@ def gpt_reference(c: dict) -> dict:
                      causal=c["causal"]), c)
 
 
-# Gradients, at both steps: sums over tokens taken per rank, then a ring all-reduce and / P: another
-# order than the single process's, a few ulps of the largest term (seen: 4e-12 on O(1) entries).
+# Gradients at step 0 (both sides on the same parameters): sums over tokens taken per rank, then a ring
+# all-reduce and / P: another order than the single process's, a few ulps of the largest term (seen:
+# 4e-12 on O(1) entries). Step 1's also inherit step 0's parameter differences times the loss's
+# curvature, which nothing here bounds: a d_model = 2 model's layer norms make it large (the thorough
+# profile found 3 x GRAD_TOL: ring, P = 3, d 2, seed 2), so they are not compared.
 GRAD_TOL = {"rtol": 1e-10, "atol": 1e-12}
 # Parameters after two AdamW steps: the update's own rounding (PARAM_TOL), plus the drift AdamW makes of
 # gradients GRAD_TOL apart (tests/tolerances.py): ~ lr GRAD_TOL / |g| where |g| >> eps, up to
@@ -153,19 +156,24 @@ def check_gpt(c: dict, results: list[dict]) -> None:
         for name, want in ref["init"].items():
             np.testing.assert_array_equal(got["init"][name], want, err_msg=f"rank {r} init {name}")
         for name, steps in ref["grads"].items():
-            for step, want in enumerate(steps):
-                np.testing.assert_allclose(got["grads"][name][step], want, err_msg=f"rank {r} step {step} grads {name}",
-                                           **GRAD_TOL)
-                if name.endswith(KEY_BIAS):
-                    assert np.abs(want).max() <= ZERO_GRAD, name
+            np.testing.assert_allclose(got["grads"][name][0], steps[0], err_msg=f"rank {r} grads {name}", **GRAD_TOL)
+            if name.endswith(KEY_BIAS):
+                assert max(np.abs(g).max() for g in steps) <= ZERO_GRAD, name
         for name, want in ref["final"].items():
             assert_close_after_adamw(got["final"][name], want, ref["grads"][name], LR, GRAD_TOL, PARAM_TOL,
                                      err_msg=f"rank {r} final {name}")
 
 
+# found by the thorough profile: a 2-wide model, whose step-1 gradients inherit step 0's parameter
+# differences at 3 x GRAD_TOL (GRAD_TOL's comment); its parameters stay well inside AdamW's drift bound
+D2_RING = {"p": 3, "method": "ring", "pu": 1, "pr": 3, "given": "ulysses", "zigzag": False, "causal": False, "seq": 6,
+           "heads": 1, "d": 2, "ff": 2, "vocab": 2, "batch": 1, "layers": 2, "seed": 2}
+
+
 @budget(25)
 @given(c=sp_configs())
 @always
+@example(c=D2_RING)
 def test_gpt_equals_single_process_threads(c: dict) -> None:
     check_gpt(c, launch(gpt_run, c["p"], c=c))
 
