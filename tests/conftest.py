@@ -123,9 +123,13 @@ EQUALITY = {"test_autograd", "test_nn", "test_optim", "test_init", "test_trainin
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the equality tests, and puts the long ones first (``mpiexec`` jobs, then the notebooks):
+    pytest-xdist hands tests out in this order, so the run does not end on one worker's long test while
+    the other idles (longest first, as for scheduling jobs on machines)."""
     for item in items:
         if item.path.stem in EQUALITY:
             item.add_marker(pytest.mark.equality)
+    items.sort(key=lambda item: 0 if item.get_closest_marker("mpi") else 1 if item.path.suffix == ".ipynb" else 2)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -184,7 +184,10 @@ def test_first_bucket_starts_before_backward_ends_only_with_overlap(overlap):
             b = [e for e in events if e.name == "B"][step]
             first = min(e.t0 for e in events if e.kind == "comm" and e.op == "allreduce"
                         and e.t0 > [e for e in events if e.name == "F"][step].t0)
-            assert (first < b.t1) == overlap, (first, b.t1)
+            if not overlap:  # nothing is sent before the last gradient is ready (with overlap, whether the
+                # worker thread gets a core before backward ends is the scheduler's choice on a loaded
+                # machine: test_ddp_overlap checks it on the replayed clock)
+                assert first >= b.t1, (first, b.t1)
             # with overlap every bucket but the first layer's is launched while backward still runs
             # (an order, not a duration: it holds however loaded the machine is); without, none
             launches = [e.t0 for e in events if e.kind == "mark" and e.name == "bucket"]
