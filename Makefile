@@ -27,22 +27,22 @@ demo: install
 browser:
 	@bash scripts/install-chromium.sh || { test -z "$$CI" && echo "warning: chromium not installed; the browser test will be skipped"; }
 
-# Two pytest-xdist workers: tests on threads and notebooks (one core each) run two at a time; an mpiexec
-# test (it fills both cores) or one that measures time (marker `alone`) runs by itself (tests/conftest.py).
+# Three pytest-xdist workers on 2 cores: an mpiexec job spends about half its wall time starting up and
+# waiting, so a third worker fills the cores; the longest tests go first (tests/conftest.py).
 test: install browser
-	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider -n 2
+	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider -n 3
 
 # The equality tests (marker `equality`, tests/conftest.py) again with SSE-only kernels: numpy's dispatch
 # targets above the baseline turned off (every one the installed numpy names) and OpenBLAS's Prescott
 # kernels, so a tolerance is proven on other rounding than this CPU's. CI runs it after `make test`.
 test-sse: install
 	OPENBLAS_CORETYPE=Prescott NPY_DISABLE_CPU_FEATURES="$$($(PY) -c 'from numpy._core._multiarray_umath import __cpu_dispatch__ as d; print(" ".join(d))')" \
-		$(PY) -m pytest tests -m equality -p no:cacheprovider -n 2
+		$(PY) -m pytest tests -m equality -p no:cacheprovider -n 3
 
 # Exploration: random draws, ten times as many examples per property, the run's seed printed (run it
 # before resolving an issue; what it finds becomes an @example).
 thorough: install browser
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider -n 2
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider -n 3
 
 # JupyterLab on the lessons' walkthrough notebooks (they run on the in-process threads backend).
 notebook: install

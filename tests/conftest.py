@@ -3,7 +3,7 @@
 - ``default`` (``make test``, CI): ``derandomize=True`` and no example database, so every run on every
   machine draws the same examples: a newcomer's ``make test`` gives the result CI gave.
 - ``thorough`` (``make thorough``, run before an issue is resolved): random draws, ten times the
-  examples (``strategies.budget``). The run's seed is printed in the header (``--hypothesis-seed=N``
+  examples (``strategies.budget``). The run's seed is printed at the end (``--hypothesis-seed=N``
   replays the whole run) and a failure prints its ``@reproduce_failure`` blob; what it finds becomes an
   ``@example`` on the test and a fix.
 
@@ -13,26 +13,21 @@ An ``mpiexec`` property draws here, in the pytest process: each example is one j
 list of configurations (``strategies.mpi_jobs``) that ``minipar.testing.run_each`` runs in one
 ``mpiexec``; the ranks never draw.
 
-Under pytest-xdist (``make test`` runs ``-n 2``) a test marked ``alone`` runs with no other test beside
-it: it bounds a time of a fraction of a second (the watchdog, the failure detector on threads). Every
-other test, ``mpiexec`` jobs included, runs beside another: an ``mpiexec`` job spends much of its time
-starting up and waiting (CPU time about half its wall time on 2 cores), and every test must pass on a
-loaded machine anyway (the time bounds of the fault tests state their margins).
+``make test`` runs three pytest-xdist workers on the 2 cores, every test beside others, ``mpiexec`` jobs
+included: such a job spends much of its wall time starting up and waiting (its CPU time is about half
+of it), so a third worker fills the cores. The longest tests are handed out first. Every test passes on
+a loaded machine: no test asserts a duration, and the time bounds of the watchdog and fault tests
+state their margins for one.
 
-The header also names the CPU features numpy dispatches to and those turned off
+The end of the run also names the CPU features numpy dispatches to and those turned off
 (``NPY_DISABLE_CPU_FEATURES``), and the OpenBLAS core type: CI runs the equality tests a second time
 with SSE-only kernels (docs/architecture.md, "Testing").
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -72,43 +67,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_line(line)
 
 
-def _lock_files() -> tuple[Path, Path]:
-    base = Path(tempfile.gettempdir()) / f"minipar-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}"
-    return Path(f"{base}.gate"), Path(f"{base}.cores")
-
-
-@contextmanager
-def _cores(alone: bool) -> Iterator[None]:
-    """A readers-writer lock over the xdist workers of this run: shared for a test that may run beside
-    another, exclusive for an ``alone`` one. The gate, held by a waiting exclusive test, stops new shared
-    holders from starving it."""
-    gate_path, cores_path = _lock_files()
-    with open(gate_path, "a") as gate, open(cores_path, "a") as cores:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(cores, fcntl.LOCK_UN)
-
-
-class _SharedCores:
-    """Runs every test's call (notebooks too: a global plugin, not this folder's fixture) under ``_cores``."""
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
-        with _cores(item.get_closest_marker("alone") is not None):
-            return (yield)
-
-    def pytest_unconfigure(self) -> None:
-        """A worker with no test left removes the lock files (the other then has the cores to itself)."""
-        for path in _lock_files():
-            path.unlink(missing_ok=True)
-
-
 # The modules whose tests compare floating-point results with one process or with numpy (marker
 # ``equality``): CI runs them a second time with SSE-only kernels (``make test-sse``), where numpy's
 # exp, tanh and reductions round differently in the last bit. Bytes, memory, schedules, formulas, the
@@ -139,5 +97,3 @@ def pytest_configure(config: pytest.Config) -> None:
         from hypothesis import core
         seed = int(os.environ.setdefault("MINIPAR_HYPOTHESIS_SEED", str(int.from_bytes(os.urandom(4), "little"))))
         config.option.hypothesis_seed = core.global_force_seed = seed
-    if "PYTEST_XDIST_WORKER" in os.environ and not config.pluginmanager.has_plugin("minipar-shared-cores"):
-        config.pluginmanager.register(_SharedCores(), "minipar-shared-cores")

@@ -91,7 +91,6 @@ def test_split_grid_rows_and_columns():
     check_grid(launch(grid, 4))
 
 
-@pytest.mark.alone
 def test_rank_failure_names_the_rank_and_wakes_the_others():
     def fn(comm):
         if comm.rank == 2:
@@ -100,12 +99,11 @@ def test_rank_failure_names_the_rank_and_wakes_the_others():
     t0 = time.monotonic()
     with pytest.raises(RankError, match="rank 2 failed: KeyError") as info:
         launch(fn, 4, timeout=30)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # woken by the failure, not by the 30 s watchdog (10 s: a loaded machine)
     assert isinstance(info.value, KeyError) and info.value.rank == 2
     assert "rank 0: Aborted" in str(info.value)
 
 
-@pytest.mark.alone
 def test_skipped_collective_times_out_naming_the_missing_rank():
     def fn(comm):
         if comm.rank != 1:
@@ -115,7 +113,7 @@ def test_skipped_collective_times_out_naming_the_missing_rank():
     # waits for rank 1, and which of them times out first depends on the machine's load)
     with pytest.raises(CommTimeout, match=r"allreduce\(ring\).*waiting for rank\(s\) \[1\]") as info:
         launch(fn, 2, timeout=1.5)
-    assert 1.5 <= time.monotonic() - t0 < 6
+    assert 1.5 <= time.monotonic() - t0 < 10  # the 1.5 s timeout, then the report (10 s: a loaded machine)
     assert "rank 1: returned" in str(info.value)
     assert not isinstance(info.value.error, Aborted)
 

@@ -47,10 +47,11 @@ PERIOD = Detector(0, [], DEADLINE).period  # the heartbeat period: deadline / 5 
 
 def detected_in_time(seconds: float) -> bool:
     """A death is declared within one heartbeat period of the deadline after the kill (the last beat
-    heard was up to a period before the kill; the check runs every period), plus 0.3 s for a survivor
-    to hear of it in its wait and note it (measured 0.94-1.13 s at a 1 s deadline). The never-heard
-    2x limit (2 s) fails this."""
-    return DEADLINE - PERIOD <= seconds <= DEADLINE + PERIOD + 0.3
+    heard was up to a period before the kill; the check runs every period), plus 0.5 s for a survivor
+    to hear of it in its wait and note it on a loaded machine (measured 0.94-1.13 s at a 1 s deadline
+    on an idle one; 0.5 s covers threads waiting for a core and the GIL beside two busy processes).
+    The never-heard 2x limit (2 s) fails this."""
+    return DEADLINE - PERIOD <= seconds <= DEADLINE + PERIOD + 0.5
 FEW = budget(1)  # one drawn job beside the @example jobs (ten under the thorough profile)
 
 
@@ -76,7 +77,6 @@ def _busy_then_reduce(comm: minipar.Communicator) -> float:
     return float(comm.allreduce(np.ones(2) * (comm.rank + 1))[0])
 
 
-@pytest.mark.alone
 def test_busy_rank_is_not_declared_dead() -> None:
     """On threads only the shared table's beats are at stake (it cannot fail: see the mpiexec test)."""
     assert minipar.launch(_busy_then_reduce, 3, deadline=0.2, timeout=5) == [6.0, 6.0, 6.0]
@@ -107,13 +107,14 @@ def _killed_on_threads(comm: minipar.Communicator) -> tuple[int, str, float]:
         return exc.rank, exc.operation, time.monotonic() - start
 
 
-@pytest.mark.alone
 def test_thread_that_stops_heartbeating_is_lost() -> None:
     out = minipar.launch(_killed_on_threads, 3, deadline=0.3, timeout=5)
     assert out[2] is None
     for dead, op, waited in out[:2]:
         assert dead == 2 and op.startswith("allreduce(")
-        assert 0.3 <= waited <= 0.1 + 0.3 + 0.3
+        # killed 0.1 s in; declared a deadline (0.3 s) after its last beat, checked every period (0.06 s);
+        # 0.5 s for the survivor's thread to get a core and the GIL on a loaded machine
+        assert 0.3 <= waited <= 0.1 + 0.3 + 0.06 + 0.5
 
 
 def test_fail_fast_names_dead_rank_on_threads() -> None:

@@ -44,7 +44,9 @@ def test_a_killed_rank_leaves_its_events_and_the_survivors_write_the_trace(tmp_p
     declared = {e.rank: e for e in t.select("mark", name="peer declared dead")}
     assert sorted(declared) == [0, 1] and all(e.args["dead"] == 2 and e.args["deadline"] == 0.3
                                               for e in declared.values())
-    assert all(0 < e.t0 - killed <= 2 * 0.3 + 0.3 for e in declared.values())  # never met: 2x deadline + a period
+    # never met: 2x the deadline, checked every period (0.06 s), plus 0.5 s for a thread to get a core and the
+    # GIL on a loaded machine
+    assert all(0 < e.t0 - killed <= 2 * 0.3 + 0.06 + 0.5 for e in declared.values())
     assert sorted(os.listdir(tmp_path)) == ["t.json"]  # the side file merged and removed
 
 
