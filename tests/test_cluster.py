@@ -22,6 +22,20 @@ def test_round_trip(tmp_path) -> None:
     assert Cluster.load(path) == c and json.load(open(path))["gpus_per_node"] == 8
 
 
+def test_cpu_overheads_round_trip_and_default_to_zero(tmp_path) -> None:
+    """A file written before the overheads existed (GOOD has none) loads with them 0; written with
+    them, it loads them back."""
+    old = Cluster.from_dict(GOOD)
+    names = ("op_seconds", "call_seconds", "message_seconds", "tensor_seconds", "optimizer_gamma")
+    assert [getattr(old, k) for k in names] == [0.0] * 5
+    overheads = {"op_seconds": 6e-5, "call_seconds": 1.5e-4, "message_seconds": 5e-5, "tensor_seconds": 6e-6,
+                 "optimizer_gamma": 2e-10}
+    c = Cluster.from_dict({**GOOD, **overheads})
+    path = str(tmp_path / "c.json")
+    c.save(path)
+    assert Cluster.load(path) == c and {k: json.load(open(path))[k] for k in overheads} == overheads
+
+
 @pytest.mark.parametrize(("key", "value", "needle"), [
     ("gpus_per_node", 0.5, "gpus_per_node must be a whole number >= 1, got 0.5"),
     ("gpus_per_node", True, "gpus_per_node must be a whole number"),
@@ -34,6 +48,8 @@ def test_round_trip(tmp_path) -> None:
     ("inter", {"alpha": "1e-6", "beta": 1e-9}, "inter.alpha must be a finite number >= 0, got '1e-6'"),
     ("inter", {"alpha": 1e-6}, "inter must be"),
     ("name", 3, "name must be a string"),
+    ("op_seconds", -1e-6, "op_seconds must be a finite number >= 0, got -1e-06"),
+    ("optimizer_gamma", float("nan"), "optimizer_gamma must be a finite number >= 0, got nan"),
 ])
 def test_bad_values_refused(key: str, value: object, needle: str) -> None:
     with pytest.raises(ValueError, match="cluster: .*" + re.escape(needle)):

@@ -277,3 +277,54 @@ def test_uneven_stages_memory_and_compute_follow_the_partition() -> None:
 
 def test_selene_a100_holds_80_gib() -> None:
     assert SELENE.memory_bytes == 81920 * 2**20 == 85_899_345_920  # nvidia-smi: 81920MiB
+
+
+def test_cpu_overheads_by_hand() -> None:
+    """pp = 2, tp = 2, m = 2 on a cluster whose FLOPs, bytes and links cost nothing: only the CPU
+    overheads remain. Per micro-batch stage 0 runs 2 blocks of 15 autograd ops and the embedding's 6,
+    9 all-reduces (4 per block, the embedding's g) of 2 ring steps each; stage 1 2 x 15 ops and the
+    head's and loss's 4, 12 all-reduces (4 per block, the head's f, the loss's 3). Stage 1 is slower;
+    1F1B stretches it by (p-1)/m; 2 (m + p - 1) transfers pay a call and a step; then AdamW."""
+    c, k, o, ts, og = 1e-4, 2e-4, 5e-5, 1e-5, 1e-10
+    cluster = replace(TOY, peak_flops=1e30, gamma=0.0, intra=Link(0.0, 0.0), inter=Link(0.0, 0.0), op_seconds=c,
+                      call_seconds=k, message_seconds=o, tensor_seconds=ts, optimizer_gamma=og)
+    h, f, s, V = 32, 64, 16, 32
+    model = ModelSpec(layers=4, hidden=h, heads=4, seq=s, vocab=V, ffn=f, bytes_per_number=8)
+    p = predict(model, Layout(pp=2, tp=2, micro_batch=2, global_batch=4), cluster)
+    stage0, stage1 = 36 * c + 9 * k + 18 * o, 34 * c + 12 * k + 24 * o
+    assert stage1 > stage0
+    assert p.compute_seconds == pytest.approx(2 * stage1) and p.overhead_seconds == pytest.approx(2 * stage1)
+    assert p.bubble_seconds == pytest.approx(2 * stage1 * (2 - 1) / 2)
+    assert p.comm_seconds["tp"] == 0.0 and p.comm_seconds["pp"] == pytest.approx(2 * (2 + 2 - 1) * (k + o))
+    block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # attention, MLP, two layer norms
+    first, last = 2 * block + V * h + s * h, 2 * block + 2 * h + h * V
+    # 16 tensors a block; token and position tables; ln_f's 2 and the head; 8 + 8 + 16 bytes a parameter over t
+    optimizer = max(34 * ts + 32 * first / 2 * og, 35 * ts + 32 * last / 2 * og)
+    assert p.optimizer_seconds == pytest.approx(optimizer)
+    assert p.step_seconds == pytest.approx(3 * stage1 + 6 * (k + o) + optimizer)
+    assert "CPU overhead" in p.explain() and "optimizer" in p.explain()
+
+
+def test_cpu_overheads_of_ulysses_and_recomputation_by_hand() -> None:
+    """One stage, u = 2: a block is 16 ops and 8 all-to-alls of 1 step, the embedding 3 ops and the head
+    4; full recomputation adds half of each block's ops and its 4 forward all-to-alls again."""
+    c, k, o = 1e-4, 2e-4, 5e-5
+    cluster = replace(TOY, peak_flops=1e30, gamma=0.0, intra=Link(0.0, 0.0), inter=Link(0.0, 0.0), op_seconds=c,
+                      call_seconds=k, message_seconds=o)
+    model = ModelSpec(layers=4, hidden=32, heads=4, seq=16, vocab=32, bytes_per_number=8)
+    p = predict(model, Layout(sp=2, global_batch=1), cluster)
+    assert p.compute_seconds == pytest.approx((4 * 16 + 3 + 4) * c + 4 * 8 * (k + o))
+    p = predict(model, Layout(sp=2, global_batch=1, recompute="full"), cluster)
+    assert p.compute_seconds == pytest.approx((4 * 24 + 3 + 4) * c + 4 * 12 * (k + o))
+    assert p.optimizer_seconds == 0.0  # no optimizer costs on this cluster
+
+
+def test_published_clusters_have_no_cpu_overheads() -> None:
+    """At GPU scale kernels dominate: every preset's overheads are 0, so its predictions are the
+    papers' formulas alone (the Table 1 test above holds them to the paper)."""
+    for cluster in CLUSTERS.values():
+        assert (cluster.op_seconds, cluster.call_seconds, cluster.message_seconds, cluster.tensor_seconds,
+                cluster.optimizer_gamma) == (0.0,) * 5
+    model, layout, _ = narayanan_row("145B")
+    p = predict(model, layout, SELENE)
+    assert p.overhead_seconds == 0.0 and p.optimizer_seconds == 0.0

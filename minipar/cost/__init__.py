@@ -11,9 +11,12 @@
 - ``zero.py``: ZeRO stages 0-3 and FSDP: model states per rank (the paper's Table 1, and exactly for
   the flat padded shards), bytes sent per step, gathered units alive at once.
 - ``offload.py``: the modelled time of a move between memory tiers; ZeRO-Offload's bytes per step.
-- ``cluster.py``: a cluster (FLOP/s, memory, alpha-beta links inside and across nodes, gamma) and its file.
+- ``cluster.py``: a cluster (FLOP/s, memory, alpha-beta links inside and across nodes, gamma, CPU overheads)
+  and its file.
 - ``layout.py``: a GPT (``ModelSpec``) and a layout (``Layout``, with ``check``), what perf and the planner take.
 - ``perf.py``: a GPT's step time, TFLOP/s per GPU and memory per GPU under a dp x tp x pp x sp layout.
+- ``overhead.py``: what a step costs a CPU beyond FLOPs and bytes (per autograd op, per collective call
+  and message step, the optimizer's tensors and bytes), counted on minipar's hybrid GPT; 0 on GPU presets.
 - ``presets.py``: published models (GPT-3 175B, Narayanan et al. 2021 Table 1) and clusters (a100-selene);
   the networks a replay runs on (local, nvlink, infiniband).
 - ``planner.py``: every layout of a GPU count ranked by predicted step time; pipeline stage slicing.

@@ -7,8 +7,17 @@ A message of ``n`` bytes over a link costs ``alpha + n beta`` seconds; reducing 
 ``minipar calibrate`` times matmuls on this machine; for published clusters it is a number a paper
 reports, named in ``source``).
 
-A cluster file is JSON with every field of ``Cluster`` (``source`` may be empty); a missing or
-unknown field is refused with the list of what to add or remove.
+Five more fields describe what a step costs a CPU beyond its FLOPs and bytes: ``op_seconds`` per
+autograd op (Python, the autograd's bookkeeping, numpy's per-call cost), ``call_seconds`` per
+collective call or transfer and ``message_seconds`` per message step of a rank's CPU on top of the
+link's ``alpha``, and the optimizer's ``tensor_seconds`` per parameter tensor and
+``optimizer_gamma`` per byte of state it streams (``minipar.cost.overhead``, docs/formulas.md
+section 8). They are 0 for the published GPU clusters: there kernels run on the device and such
+costs hide behind them.
+
+A cluster file is JSON with every field of ``Cluster``; ``source`` and the five overheads may be
+left out (a file written before the overheads existed loads with them 0); a missing or unknown
+field is refused with the list of what to add or remove.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+OVERHEADS = ("op_seconds", "call_seconds", "message_seconds", "tensor_seconds", "optimizer_gamma")  # default 0
 
 @dataclass(frozen=True)
 class Link:
@@ -35,7 +45,9 @@ class Link:
 class Cluster:
     """GPUs (or ranks) grouped in nodes. ``intra``: the link between two GPUs of a node; ``inter``:
     between nodes (per GPU: the node's network bandwidth shared by its GPUs). ``gamma``: seconds per
-    byte reduced. ``memory_bytes``: what one GPU can hold."""
+    byte reduced. ``memory_bytes``: what one GPU can hold. The overheads (module docstring): seconds
+    per autograd op, per collective call or transfer and per message step beyond ``alpha``, per
+    parameter tensor the optimizer updates, and per byte of optimizer state it streams."""
 
     name: str
     gpus_per_node: int
@@ -46,6 +58,11 @@ class Cluster:
     inter: Link
     gamma: float
     source: str = ""
+    op_seconds: float = 0.0
+    call_seconds: float = 0.0
+    message_seconds: float = 0.0
+    tensor_seconds: float = 0.0
+    optimizer_gamma: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -68,7 +85,7 @@ class Cluster:
         or unknown field, a value of the wrong type, not finite, or out of range)."""
         problems = []
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - {"source"} - data.keys())
+        missing = sorted(names - {"source", *OVERHEADS} - data.keys())
         unknown = sorted(data.keys() - names)
         if missing:
             problems.append(f"missing fields {missing}")
@@ -97,8 +114,9 @@ class Cluster:
         for key in ("peak_flops", "efficiency", "memory_bytes"):
             if key in data and number(key, data[key], 0, True) and key == "efficiency" and data[key] > 1:
                 problems.append(f"efficiency is a fraction of the peak (0 < efficiency <= 1), got {data[key]}")
-        if "gamma" in data:
-            number("gamma", data["gamma"], 0, False)
+        for key in ("gamma", *OVERHEADS):
+            if key in data:
+                number(key, data[key], 0, False)
         if "name" in data and not isinstance(data["name"], str):
             problems.append(f"name must be a string, got {data['name']!r}")
         if problems:
@@ -106,7 +124,7 @@ class Cluster:
         return cls(name=data["name"], gpus_per_node=gpus, peak_flops=float(data["peak_flops"]),
                    efficiency=float(data["efficiency"]), memory_bytes=float(data["memory_bytes"]),
                    intra=links["intra"], inter=links["inter"], gamma=float(data["gamma"]),
-                   source=str(data.get("source", "")))
+                   source=str(data.get("source", "")), **{k: float(data.get(k, 0.0)) for k in OVERHEADS})
 
     @classmethod
     def load(cls, path: str) -> Cluster:

@@ -50,6 +50,14 @@ rank, ``m = B / (d b)`` micro-batches per step.
   all; interleaved ``1 + (p-1)/(p v)`` times that, Sec. 4.2.3), over ``u`` (Ulysses splits the
   sequence). Counts are for ``w = 2`` and scale by ``w / 2``.
 
+- Overheads (``overhead.py``; 0 on the published GPU clusters): each autograd op of a stage costs
+  ``op_seconds`` (tensor parallelism does not divide it), each of its collective calls
+  ``call_seconds`` and each of their message steps ``message_seconds`` of CPU, all part of the
+  stage's work (the bubble stretches them); the transfers between stages and the gradient sync pay
+  ``call_seconds`` and ``message_seconds`` per step beside ``alpha``;
+  after the flush and the sync the slowest rank's optimizer step costs its tensors'
+  ``tensor_seconds`` and its bytes' ``optimizer_gamma``.
+
 The mesh is ``(pp, dp, sp, tp)`` with tp innermost (``minipar.mesh``; Megatron-LM's order): a tp
 group spans ``t`` consecutive ranks, sp ``t u``, dp ``t u d``; neighbouring pipeline stages sit
 ``t u d`` ranks apart, and as the stages move in lockstep the slowest boundary (across nodes once
@@ -64,6 +72,7 @@ from dataclasses import dataclass, field
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
 from minipar.cost.layout import UNEVEN, Layout, ModelSpec
+from minipar.cost.overhead import optimizer_seconds, parameter_tensors, stage_collectives, stage_ops
 from minipar.cost.pipeline import bubble_fraction, peak_stash
 from minipar.cost.tensor import collectives_per_block
 from minipar.cost.zero import zero_model_states
@@ -85,6 +94,8 @@ class Prediction:
     fits: bool
     model_tflops_per_gpu: float = 0.0
     memory_bound_seconds: float = 0.0  # the part of compute_seconds outside the matmuls
+    overhead_seconds: float = 0.0  # the part of compute_seconds that is CPU overhead (per op, per message)
+    optimizer_seconds: float = 0.0  # the slowest rank's optimizer step, after the gradient sync
     memory_limit: float = 0.0
     layout: Layout | None = field(default=None, repr=False)
     model: ModelSpec | None = field(default=None, repr=False)
@@ -92,10 +103,13 @@ class Prediction:
     def explain(self) -> str:
         """One paragraph: where the step's time goes and what fills the memory."""
         parts = {"compute": self.compute_seconds, "bubble": self.bubble_seconds,
-                 **{f"{k} communication": v for k, v in self.comm_seconds.items()}}
+                 **{f"{k} communication": v for k, v in self.comm_seconds.items()},
+                 "optimizer": self.optimizer_seconds}
         shown = ", ".join(f"{k} {v:.3g} s ({v / self.step_seconds:.0%})" for k, v in parts.items() if v > 0)
         if self.memory_bound_seconds > 0:
             shown += f"; of the compute, {self.memory_bound_seconds:.3g} s is memory-bound (softmax, masks, GeLU)"
+        if self.overhead_seconds > 0:
+            shown += f"; of the compute, {self.overhead_seconds:.3g} s is CPU overhead (per op, per message)"
         top = max(parts, key=parts.get)
         mem = {k: v for k, v in self.memory.items() if k != "total"}
         big = max(mem, key=mem.get)
@@ -208,11 +222,15 @@ def group_link(cluster: Cluster, span: int, world: int) -> Link:
 
 
 def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str, float]:
-    """Exposed communication seconds per step on each mesh axis (module docstring)."""
+    """Exposed communication seconds per step on each mesh axis (module docstring); each transfer
+    between stages and each gradient-sync collective also costs ``call_seconds`` and each of their
+    steps ``message_seconds`` of CPU (the stages' own collectives' is their work's:
+    ``overhead.stage_collectives``)."""
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
     w, b, h, world = model.bytes_per_number, layout.micro_batch, model.hidden, layout.world
     layers_here = max(stage_blocks(model, layout))  # on the pipeline rank with the most blocks (all its chunks)
     act = model.seq // u * b * h * w  # one residual-stream activation on this rank's sequence shard
+    o, call = cluster.message_seconds, cluster.call_seconds  # CPU of the transfers and the sync (overhead.py)
     out = {"tp": 0.0, "sp": 0.0, "pp": 0.0, "dp": 0.0}
     if t > 1:
         link, calls = group_link(cluster, t, world), collectives_per_block(layout.sequence_parallel)
@@ -231,15 +249,30 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
         out["sp"] = m * layers_here * passes * 4 * _all_to_all_time(shard, u, group_link(cluster, t * u, world))
     if p > 1:
         link = group_link(cluster, world, world)  # stages move in lockstep: the slowest boundary sets the pace
-        out["pp"] = 2 * (v * m + p - 1) * (link.alpha + act / t * link.beta)
+        out["pp"] = 2 * (v * m + p - 1) * (link.alpha + call + o + act / t * link.beta)
     if d * u > 1:
         grads = w * max(_stage_parameters(model, layout)) / t
         n, link = d * u, group_link(cluster, t * u * d, world)
-        ar = collective_time("allreduce", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
-        rs = collective_time("reduce_scatter", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
-        ag = collective_time("allgather", "ring", grads, n, link.alpha, link.beta, cluster.gamma)
+        ar, rs, ag = (collective_time(op, "ring", grads, n, link.alpha + o, link.beta, cluster.gamma) + call
+                      for op in ("allreduce", "reduce_scatter", "allgather"))
         out["dp"] = {0: ar, 1: ar, 2: m * rs + ag, 3: m * (2 * ag + rs)}[layout.zero]
     return out
+
+
+def optimizer_step_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
+    """The slowest rank's optimizer step (``overhead.optimizer_seconds``): its stage's parameter tensors
+    and ``w + w + K`` bytes per parameter of its shard (over ``t``, and ``d u`` with ZeRO, which
+    updates one flat shard)."""
+    blocks, p, h, w = stage_blocks(model, layout), layout.pp, model.hidden, model.bytes_per_number
+    first, last = model.vocab * h + model.seq * h, 2 * h + h * model.vocab
+    shard = layout.tp * (layout.dp * layout.sp if layout.zero else 1)
+    slowest = 0.0
+    for i, n in enumerate(blocks):
+        params = n * model.block_parameters + (first if i == 0 else 0) + (last if i == p - 1 else 0)
+        tensors = 1 if layout.zero else parameter_tensors(n, i == 0, i == p - 1)
+        nbytes = (2 * w + _optimizer_bytes(w)) * params / shard
+        slowest = max(slowest, optimizer_seconds(tensors, nbytes, cluster))
+    return slowest
 
 
 def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: bool = False) -> Prediction:
@@ -266,18 +299,20 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
     flops = cluster.peak_flops * cluster.efficiency
     layer = block / (t * u) / flops + bound
     head = 3 * model.head_flops(tokens) / (t * u) / flops
-    if model.layers % p:  # uneven stages: the slowest, the head on the last
-        blocks = stage_blocks(model, layout)
-        times = [n * layer + (head if i == p - 1 else 0.0) for i, n in enumerate(blocks)]
-        slowest = blocks[times.index(max(times))]
-        compute = m * max(times)
-    else:
-        slowest = model.layers // p
-        compute = m * (slowest * layer + head)  # Megatron's even split: the logits on the last stage
+    # Megatron's even split (or uneven_stages' cut), the logits on the last stage: the slowest stage
+    # paces the pipeline; its autograd ops and message steps cost CPU on top (overhead.py)
+    blocks = stage_blocks(model, layout)
+    ops = stage_ops(blocks, u > 1, layout.recompute)
+    cpu = [k * cluster.op_seconds + calls * cluster.call_seconds + steps * cluster.message_seconds
+           for k, (calls, steps) in zip(ops, stage_collectives(blocks, layout))]
+    times = [n * layer + c + (head if i == p - 1 else 0.0) for i, (n, c) in enumerate(zip(blocks, cpu))]
+    slow = times.index(max(times))
+    compute = m * times[slow]
     phi = bubble_fraction(layout.kind, p, m, v)
     bubble = compute * phi / (1 - phi)
     comm = comm_seconds(model, layout, cluster)
-    step = compute + bubble + sum(comm.values())
+    optimizer = optimizer_step_seconds(model, layout, cluster)
+    step = compute + bubble + sum(comm.values()) + optimizer
     world = layout.world
     executed = model.step_flops(layout.global_batch, layout.recompute)
     useful = model.step_flops(layout.global_batch, "none")
@@ -286,5 +321,6 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
                       tflops_per_gpu=executed / step / world / 1e12, memory=memory,
                       fits=memory["total"] <= cluster.memory_bytes,
                       model_tflops_per_gpu=useful / step / world / 1e12, memory_limit=cluster.memory_bytes,
-                      memory_bound_seconds=m * slowest * bound,
+                      memory_bound_seconds=m * blocks[slow] * bound,
+                      overhead_seconds=m * cpu[slow], optimizer_seconds=optimizer,
                       layout=layout, model=model)
