@@ -22,32 +22,26 @@ each is a warm-up and dropped; medians over repetitions and ranks):
    sleeping and took the core from its peer; the cluster's ``source`` records the spin). The two
    regimes are two lines; a training step's messages (activations, gradient chunks) are on the
    second. The smaller sizes are timed and shown beside the fit, not fitted.
-2. gamma: the cost of memory-bound work, which ``minipar.cost.perf`` charges as ``gamma / 3`` per
-   byte moved (reducing a byte reads two and writes one) both for reductions and for the
-   non-matmul work of a layer (softmax, masks, GeLU, layer norms: ``perf.memory_traffic_bytes``).
-   It is measured on a small GPT (``nn.GPT``, the ``GPT`` shape below) trained forward and backward
-   on ALL ranks at once, as ``perf.predict`` would charge it: ``gamma = 3 (step time - step FLOPs /
-   FLOP/s) / (layers x memory_traffic_bytes)``, i.e. the time the FLOP term leaves over (layer
-   norms, softmax, GeLU, the loss, the autograd's bookkeeping) per byte the model counts. A whole
-   model, not one block: with 4 ranks on 2 cores the element-wise work slows ~4x against one rank
-   alone (caches shared and flushed by the switches; matmuls slow 2x), more with a model's working
-   set than with one block's (one block gave gamma ~2x too small for the GPT's own step). The
-   optimizer step is not in it (``perf`` has no optimizer term; AdamW streams its arrays and costs
-   far less per byte). Two other estimates are timed and shown, not used: the bare ``np.add``
-   (``add_gamma``, a floor for gamma; 40 GB/s here, 10-50x below what numpy's unfused element-wise
-   ops cost per counted byte), and the ring all-reduce's time minus its alpha-beta part
-   (``reduce_gamma``; on 4 ranks on 2 cores that residual is ~10% of a time dominated by 6 alpha,
-   and swung from 0.2 to 47 GB/s between runs).
-3. FLOP/s: the matmuls of a small GPT's forward and backward (``gpt_matmul_shapes``: q, k, v,
-   output projections, the MLP and the vocabulary head, and their gradients) timed on ALL ranks at
-   once, so the time-sharing of the cores is in the number (4 ranks on 2 cores get about half a
-   core each). ``peak_flops`` is one rank alone on large square matmuls (the others wait), and
-   ``efficiency`` = the shared per-rank GPT-shape rate / that peak, so ``Cluster.flops`` (peak x
-   efficiency) is the per-rank rate under sharing, what a local run achieves. (Should the shared
-   rate beat the solo one, as it can when ranks <= cores, the peak is raised to it: efficiency 1.)
+2. The compute side, every rank at once (``rates.measure_rates`` in wall-clock time, so the
+   time-sharing of the cores is in the numbers; medians over repetitions and ranks): FLOP/s on the
+   matmuls of a small GPT (``GPT``: ``gpt_matmul_shapes``, its q, k, v, output projections, MLP
+   and head, forward and backward); the per-op overhead and gamma from minipar's hybrid GPT traced
+   forward and backward at two sizes, ``GPT`` and ``rates.TINY`` (each size's F and B spans less
+   its matmuls are ``N op_seconds + B gamma / 3``, ``N`` its autograd ops, ``B`` the bytes
+   ``perf.memory_traffic_bytes`` counts: the tiny size is nearly all overhead, which separates the
+   two); the optimizer's ``tensor_seconds`` and ``optimizer_gamma`` from ``AdamW.step`` over many
+   tiny tensors and a few large ones. gamma is at least ``np.add``'s (``add_gamma``, 1 MiB arrays).
+   ``message_seconds`` is 0: alpha, fitted to wall-clock exchanges through minipar's message path,
+   already holds the CPU a message costs. Also timed and shown, not used: the ring all-reduce's time
+   minus its alpha-beta part (``reduce_gamma``; on 4 ranks on 2 cores that residual is ~10% of a time
+   dominated by 6 alpha, and swung from 0.2 to 47 GB/s between runs).
+3. Peak: one rank alone on large square matmuls (the others wait); ``efficiency`` = the shared
+   per-rank GPT-shape rate of 2. / that peak, so ``Cluster.flops`` (peak x efficiency) is the
+   per-rank rate under sharing, what a local run achieves. (Should the shared rate beat the solo
+   one, as it can when ranks <= cores, the peak is raised to it: efficiency 1.)
 
-``compute_rates(gpt)`` times 3. and the GPT of 2. on one rank in its own CPU time instead: the rates of
-one core per rank, as a replay (``minipar.replay``) charges compute, for ``perf.predict`` to be held
+``rates.compute_rates(comm, gpt)`` measures 2. in each thread's CPU time instead: the rates of one
+core per rank, as a replay (``minipar.replay``) charges compute, for ``perf.predict`` to be held
 against a replay (lesson 8).
 
 ``memory_bytes`` is ``MemTotal`` of ``/proc/meminfo`` over the ranks. One machine is one node:
@@ -66,7 +60,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +68,22 @@ import numpy as np
 
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
-from minipar.cost.perf import Layout, ModelSpec, memory_traffic_bytes
+from minipar.rates import (
+    GPT,
+    Rates,
+    add_gamma,
+    fit_line,
+    matmul_flops,
+    matmul_times,
+    measure_rates,
+    median_times,
+    pooled_median,
+)
 
 SIZES = tuple(8 * 4**k for k in range(11))  # 8 B .. 8 MiB, x4
 QUICK_SIZES = tuple(8 * 16**k for k in range(6))  # 8 B .. 8 MiB, x16
 ALLREDUCE_SIZES = (2**16, 2**18, 2**20, 2**22)  # bytes of float64
 QUICK_ALLREDUCE_SIZES = (2**16, 2**20)
-GPT = {"batch": 4, "seq": 64, "d_model": 128, "heads": 4, "layers": 4, "vocab": 256}  # a small GPT (per rank)
 SQUARE = 384  # the large square matmul of the solo peak
 FIT_FROM = 8192  # bytes: alpha and beta are fitted on the exchanges of at least this size
 QUIET_CORES = 0.1  # other programs using more cores than this during a calibration: a warning
@@ -96,21 +99,24 @@ class Measurements:
     allreduce: tuple[tuple[int, float], ...]  # (bytes, median seconds of a ring all-reduce)
     add_gamma: float  # seconds per byte of np.add alone
     reduce_gamma: float  # seconds per byte reduced: the ring all-reduce's time minus its alpha-beta part
-    gpt_seconds: float  # the GPT's forward + backward, every rank at once
+    rates: Rates  # the compute side, every rank at once (FLOP/s per rank on GPT shapes, overheads)
     matmul_solo: float  # FLOP/s of one rank alone, square matmuls
-    matmul_shared: float  # FLOP/s per rank, GPT shapes, every rank at once
     cluster: Cluster
     others_cores: float = 0.0  # cores other programs kept busy meanwhile (``busy_cpu_seconds``), nan if unknown
 
     def table(self) -> str:
         """The numbers as a small text table (what ``minipar calibrate`` prints)."""
-        c = self.cluster
+        c, r = self.cluster, self.rates
         rows = [("alpha", f"{c.intra.alpha * 1e6:.1f} us", "per message"),
                 ("beta", f"{1 / c.intra.beta / 1e9:.2f} GB/s" if c.intra.beta else "inf", "1 / beta"),
-                ("gamma", f"{1 / c.gamma / 1e9:.2f} GB/s", f"1 / gamma, a GPT step (np.add alone: "
+                ("gamma", _rate(c.gamma), f"1 / gamma, a GPT step's memory-bound work (np.add alone: "
                  f"{1 / self.add_gamma / 1e9:.1f} GB/s, all-reduce residual: {_rate(self.reduce_gamma)})"),
                 ("GFLOP/s per rank", f"{c.flops / 1e9:.2f}",
                  f"all {self.ranks} ranks at once; one alone: {self.matmul_solo / 1e9:.2f}"),
+                ("per op", f"{c.op_seconds * 1e6:.1f} us", f"an autograd op's overhead, forward and backward (the "
+                 f"hybrid GPT's spans: {r.step_seconds[0] * 1e3:.2f} ms tiny, {r.step_seconds[1] * 1e3:.2f} ms)"),
+                ("optimizer", f"{c.tensor_seconds * 1e6:.1f} us", f"per parameter tensor, and "
+                 f"{_rate(c.optimizer_gamma)} of parameters, gradients and moments (AdamW)"),
                 ("memory per rank", f"{c.memory_bytes / 2**30:.1f} GiB", "MemTotal / ranks")]
         lines = [f"{c.name}", *(f"  {a:<17}{b:>12}   {note}" for a, b, note in rows)]
         lines.append(f"  exchange step (bytes: measured us / alpha + n beta us; fitted from {FIT_FROM} B)")
@@ -136,26 +142,11 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     is refitted with ``alpha = 0``, a negative slope with ``beta = 0``. Needs at least 2 different
     sizes and positive times.
     """
-    n = np.asarray(sizes, dtype=float)
-    t = np.asarray(seconds, dtype=float)
-    if n.shape != t.shape or n.ndim != 1:
-        raise ValueError(f"fit_alpha_beta: sizes and seconds must be two lists of equal length, got "
-                         f"{n.shape} and {t.shape}")
-    if len(np.unique(n)) < 2:
+    if len(set(sizes)) < 2:
         raise ValueError(f"fit_alpha_beta needs at least 2 different message sizes to fit alpha and beta, "
-                         f"got {sorted(set(n.tolist()))}")
-    if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(n >= 0)):
-        raise ValueError("fit_alpha_beta: times must be finite and > 0, sizes >= 0")
-    w = 1 / t**2
-    sw, sn, snn, st, snt = w.sum(), (w * n).sum(), (w * n * n).sum(), (w * t).sum(), (w * n * t).sum()
-    det = sw * snn - sn * sn
-    alpha = (snn * st - sn * snt) / det
-    beta = (sw * snt - sn * st) / det
-    if alpha < 0:
-        alpha, beta = 0.0, snt / snn
-    if beta < 0:
-        alpha, beta = st / sw, 0.0
-    return Link(float(alpha), float(beta))
+                         f"got {sorted(set(sizes))}")
+    alpha, beta = fit_line(sizes, seconds)
+    return Link(alpha, beta)
 
 
 def fit_gamma(sizes: Sequence[float], seconds: Sequence[float], p: int, link: Link, floor: float = 0.0) -> float:
@@ -171,22 +162,6 @@ def fit_gamma(sizes: Sequence[float], seconds: Sequence[float], p: int, link: Li
     return max(gamma, floor)
 
 
-def gpt_matmul_shapes(tokens: int, d_model: int, vocab: int) -> list[tuple[int, int, int]]:
-    """``(m, k, n)`` of every matmul of one transformer block and the vocabulary head, forward
-    (``x (m,k) @ w (k,n)``) and backward (``dy @ w.T`` and ``x.T @ dy``), for ``tokens`` rows."""
-    h, f = d_model, 4 * d_model
-    forward = [(tokens, h, h)] * 4 + [(tokens, h, f), (tokens, f, h), (tokens, h, vocab)]
-    out = []
-    for m, k, n in forward:
-        out += [(m, k, n), (m, n, k), (k, m, n)]
-    return out
-
-
-def matmul_flops(shapes: Sequence[tuple[int, int, int]]) -> int:
-    """Floating-point operations of the matmuls ``(m, k, n)``: ``2 m k n`` each."""
-    return sum(2 * m * k * n for m, k, n in shapes)
-
-
 def memtotal_bytes(path: str = "/proc/meminfo") -> float:
     """``MemTotal`` of ``/proc/meminfo`` in bytes (it is given in kB)."""
     with open(path) as fh:
@@ -196,84 +171,19 @@ def memtotal_bytes(path: str = "/proc/meminfo") -> float:
     raise ValueError(f"{path} has no MemTotal line")
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """``repeats`` timings of ``fn`` on ``clock`` after one untimed warm-up call."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        out.append(clock() - t0)
-    return out
-
-
-def _pooled_median(comm: Any, samples: list[float]) -> float:
-    """Median of every rank's samples together (on every rank)."""
-    return float(np.median(np.concatenate([np.asarray(s) for s in comm.allgather_object(samples)])))
-
-
 def _exchange(comm: Any, nbytes: int, repeats: int) -> float:
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     comm.barrier()
-    return _pooled_median(comm, _median_time(lambda: comm._step([(right, send)], [(left, recv)], "calibrate",
+    return pooled_median(comm, median_times(lambda: comm._step([(right, send)], [(left, recv)], "calibrate",
                                                                  None, None), repeats))
 
 
 def _allreduce(comm: Any, nbytes: int, repeats: int) -> float:
     x = np.ones(nbytes // 8)
     comm.barrier()
-    return _pooled_median(comm, _median_time(lambda: comm.allreduce(x, algorithm="ring"), repeats))
-
-
-def _matmul_rate(shapes: Sequence[tuple[int, int, int]], repeats: int, seed: int,
-                 clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Seconds per pass over ``shapes`` (float64, operands made once)."""
-    rng = np.random.default_rng(seed)
-    pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for m, k, n in shapes]
-
-    def once() -> None:
-        for a, b in pairs:
-            a @ b
-
-    return _median_time(once, repeats, clock)
-
-
-def gpt_spec(gpt: dict[str, int]) -> tuple[ModelSpec, Layout]:
-    """The ``ModelSpec`` and ``Layout`` (float64, one micro-batch, one rank) of the ``GPT`` shape."""
-    model = ModelSpec(layers=gpt["layers"], hidden=gpt["d_model"], heads=gpt["heads"], seq=gpt["seq"],
-                      vocab=gpt["vocab"], bytes_per_number=8)
-    return model, Layout(micro_batch=gpt["batch"], global_batch=gpt["batch"])
-
-
-def gamma_from_gpt(seconds: float, flops: float, gpt: dict[str, int], floor: float = 0.0) -> float:
-    """``3 (seconds - step FLOPs / flops) / (layers x memory_traffic_bytes)`` of the GPT ``gpt``
-    trained forward and backward in ``seconds``: the gamma with which ``perf.predict`` charges that
-    step its measured time; at least ``floor``."""
-    model, layout = gpt_spec(gpt)
-    left = seconds - model.step_flops(gpt["batch"]) / flops
-    return max(3 * left / (model.layers * memory_traffic_bytes(model, layout)), floor)
-
-
-def _gpt_times(gpt: dict[str, int], repeats: int, seed: int, clock: Callable[[], float] = time.perf_counter
-               ) -> list[float]:
-    """Seconds of one forward and backward of ``nn.GPT`` on a ``(batch, seq)`` batch of tokens."""
-    from minipar.nn import GPT as Model
-
-    model = Model(gpt["vocab"], gpt["seq"], gpt["d_model"], gpt["heads"], gpt["layers"], seed=seed)
-    params = model.parameters()
-    rng = np.random.default_rng(seed)
-    for q in params:
-        q.data[...] = rng.standard_normal(q.data.shape) * 0.05
-    idx = rng.integers(0, gpt["vocab"], (gpt["batch"], gpt["seq"]))
-    targets = np.roll(idx, -1, axis=1)
-
-    def once() -> None:
-        model.zero_grad()
-        model.loss(idx, targets).backward()
-
-    return _median_time(once, repeats, clock)
+    return pooled_median(comm, median_times(lambda: comm.allreduce(x, algorithm="ring"), repeats))
 
 
 def busy_cpu_seconds(path: str = "/proc/stat") -> float:
@@ -285,11 +195,6 @@ def busy_cpu_seconds(path: str = "/proc/stat") -> float:
     except OSError:
         return math.nan
     return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _add_gamma(repeats: int) -> float:
-    x, y = np.ones(2**17), np.ones(2**17)  # 1 MiB each
-    return float(np.median(_median_time(lambda: np.add(x, y, out=x), repeats))) / x.nbytes
 
 
 def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
@@ -308,50 +213,35 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
                          f"alpha and beta on")
     link = fit_alpha_beta([n for n, _ in fitted], [t for _, t in fitted])
     allreduce = tuple((int(n), _allreduce(comm, int(n), max(3, repeats // 2))) for n in allreduce_sizes)
-    add_gamma = _add_gamma(repeats)
-    reduce_gamma = fit_gamma([n for n, _ in allreduce], [t for _, t in allreduce], p, link, floor=add_gamma)
+    floor = add_gamma(repeats)
+    reduce_gamma = fit_gamma([n for n, _ in allreduce], [t for _, t in allreduce], p, link, floor=floor)
     gpt = gpt or GPT
-    shapes = gpt_matmul_shapes(gpt["batch"] * gpt["seq"], gpt["d_model"], gpt["vocab"])
+    rates = measure_rates(comm, gpt, repeats, "wall")
+    gamma = max(rates.gamma, floor)
     comm.barrier()
-    shared_t = _matmul_rate(shapes, repeats, seed=comm.rank)
-    shared = matmul_flops(shapes) / _pooled_median(comm, shared_t)
-    comm.barrier()
-    gpt_seconds = _pooled_median(comm, _gpt_times(gpt, repeats, seed=comm.rank))
-    gamma = gamma_from_gpt(gpt_seconds, shared, gpt, floor=add_gamma)
-    comm.barrier()
-    solo = _matmul_rate([(square, square, square)], max(3, repeats // 2), seed=0) if comm.rank == 0 else []
+    square_shape = [(square, square, square)]
+    solo = matmul_times(square_shape, max(3, repeats // 2), seed=0) if comm.rank == 0 else []
     comm.barrier()
     busy, wall = busy_cpu_seconds() - busy0, time.perf_counter() - wall0
     own = comm.gather_object(time.process_time() - own0)  # threads: each is the whole process's
     if comm.rank != 0:
         return None
     others = max(0.0, busy - (own[0] if comm.backend == "threads" else sum(own))) / wall
-    solo_rate = matmul_flops([(square, square, square)]) / float(np.median(solo))
-    peak = max(solo_rate, shared)
+    solo_rate = matmul_flops(square_shape) / float(np.median(solo))
+    peak = max(solo_rate, rates.flops)
     cluster = Cluster(name=f"this machine ({socket.gethostname()}), {p} ranks, {comm.backend}", gpus_per_node=p,
-                      peak_flops=peak, efficiency=shared / peak, memory_bytes=memtotal_bytes() / p, intra=link,
-                      inter=link, gamma=gamma,
+                      peak_flops=peak, efficiency=rates.flops / peak, memory_bytes=memtotal_bytes() / p, intra=link,
+                      inter=link, gamma=gamma, op_seconds=rates.op_seconds, tensor_seconds=rates.tensor_seconds,
+                      optimizer_gamma=rates.optimizer_gamma,
                       source=f"minipar calibrate {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
-                             f"neighbour exchanges of {min(sizes)}-{max(sizes)} B; GPT-shaped matmuls and "
-                             f"the GPT {gpt} on all {p} ranks at once (see minipar/calibrate.py)"
+                             f"neighbour exchanges of {min(sizes)}-{max(sizes)} B; GPT-shaped matmuls, "
+                             f"the hybrid GPT {gpt} and AdamW on all {p} ranks at once (see minipar/calibrate.py)"
                              + (f"; a waiting rank spun {comm.spin * 1e3:g} ms before sleeping (comm.spin)"
                                 if isinstance(getattr(comm, "spin", None), float) else ""))
-    for v in (link.alpha, link.beta, gamma, peak, gpt_seconds):
+    for v in (link.alpha, link.beta, gamma, peak, rates.op_seconds, rates.tensor_seconds, rates.optimizer_gamma):
         if not math.isfinite(v):
             raise ValueError(f"calibrate: a non-finite measurement ({v}); rerun on a quieter machine")
-    return Measurements(p, comm.backend, exchange, allreduce, add_gamma, reduce_gamma, gpt_seconds, solo_rate,
-                        shared, cluster, others)
-
-
-def compute_rates(gpt: dict[str, int] | None = None, repeats: int = 10) -> tuple[float, float]:
-    """(FLOP/s, gamma) of this core, as ``measure`` derives them from the GPT ``gpt``'s matmul shapes
-    and its forward and backward, but timed in the calling thread's CPU time (``time.thread_time``):
-    one core's rates, whatever else shares the cores, the terms in which ``minipar.replay`` charges a
-    span. Give ``gpt`` the shapes one rank computes (a tensor-parallel slice) to describe that rank."""
-    gpt = gpt or GPT
-    shapes = gpt_matmul_shapes(gpt["batch"] * gpt["seq"], gpt["d_model"], gpt["vocab"])
-    flops = matmul_flops(shapes) / float(np.median(_matmul_rate(shapes, repeats, 0, time.thread_time)))
-    return flops, gamma_from_gpt(float(np.median(_gpt_times(gpt, repeats, 0, time.thread_time))), flops, gpt)
+    return Measurements(p, comm.backend, exchange, allreduce, floor, reduce_gamma, rates, solo_rate, cluster, others)
 
 
 def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwargs: Any) -> Cluster | None:

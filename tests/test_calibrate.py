@@ -1,6 +1,7 @@
-"""`minipar calibrate`: the fits on exact synthetic data, a 2-rank calibration (the relations between its
-fields, which hold whatever the machine's speed or load: no rate is asserted), the cluster file round
-trip and refusal, the CLI, and one run under mpiexec."""
+"""`minipar calibrate` and `minipar.rates`: the fits on exact synthetic data (alpha-beta, gamma, the
+per-op overhead, the optimizer's), a 2-rank calibration (the relations between its fields, which hold
+whatever the machine's speed or load: no rate or time is asserted), the cluster file round trip and
+refusal, the CLI, and one run under mpiexec."""
 
 from __future__ import annotations
 
@@ -13,22 +14,18 @@ import sys
 import pytest
 
 from minipar.calibrate import (
-    GPT,
     Measurements,
     busy_cpu_seconds,
     calibrate,
-    compute_rates,
     fit_alpha_beta,
     fit_gamma,
-    gamma_from_gpt,
-    gpt_matmul_shapes,
-    matmul_flops,
     measure,
     memtotal_bytes,
     quick_options,
 )
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
+from minipar.rates import Rates, compute_rates, fit_optimizer, fit_overheads, gpt_matmul_shapes, matmul_flops
 from minipar.testing import ROOT, run
 
 QUICK = quick_options(True)
@@ -79,24 +76,37 @@ def test_fit_gamma_recovers_the_ring_allreduce_residual():
     assert fit_gamma(sizes, seconds, p, Link(alpha, beta), floor=3e-9) == 3e-9
 
 
-def test_gamma_from_gpt_charges_the_step_what_it_took():
-    gpt = {"batch": 2, "seq": 8, "d_model": 16, "heads": 2, "layers": 3, "vocab": 32}
-    b, s, h, a, f, layers, v = 2, 8, 16, 2, 64, 3, 32
-    tokens = b * s
-    # forward: q k v proj, fc and proj, q k^T and att v per layer, the head; backward twice that
-    step_flops = 3 * (layers * tokens * (8 * h * h + 4 * h * f + 4 * s * h) + 2 * tokens * h * v)
-    # Korthikanti et al.'s bytes kept per layer (2-byte counts scaled to 8 bytes: x 4), moved 4 times
-    traffic = 4 * (10 * s * b * h + 8 * s * b * h + 4 * s * b * f + 5 * a * s * s * b) * 4
-    rate, gamma = 1e9, 2e-9
-    seconds = step_flops / rate + layers * traffic * gamma / 3
-    assert gamma_from_gpt(seconds, rate, gpt) == pytest.approx(gamma, rel=1e-12)
-    assert gamma_from_gpt(step_flops / rate, rate, gpt, floor=1e-11) == 1e-11  # nothing left: the floor
+def test_fit_overheads_separates_the_per_op_cost_from_gamma():
+    """Two sizes of one GPT run the same 70 ops: a tiny one (1,000 bytes counted) and a larger one
+    (2 MB); their times less the matmuls' are 70 c + B gamma / 3."""
+    ops, c, gamma = 70, 6e-5, 1.2e-9
+    traffic = [1_000.0, 2_000_000.0]
+    seconds = [ops * c + b * gamma / 3 for b in traffic]
+    got_c, got_gamma = fit_overheads(ops, traffic, seconds)
+    assert got_c == pytest.approx(c, rel=1e-9) and got_gamma == pytest.approx(gamma, rel=1e-9)
+    # nothing size-dependent (the larger size no slower than its ops): gamma 0, the ops' weighted mean
+    flat_c, flat_gamma = fit_overheads(ops, traffic, [ops * c, ops * c * 0.9])
+    assert flat_gamma == 0.0 and ops * c * 0.9 < ops * flat_c < ops * c
 
 
-def test_compute_rates_are_one_cores_rates_on_the_given_shapes():
-    gpt = {"batch": 1, "seq": 4, "d_model": 8, "heads": 2, "layers": 1, "vocab": 8}
-    flops, gamma = compute_rates(gpt, repeats=2)
-    assert math.isfinite(flops) and flops > 0 and math.isfinite(gamma) and gamma >= 0
+def test_fit_optimizer_separates_per_tensor_from_per_byte():
+    """AdamW over 64 tensors of 8 float64 numbers and over 4 of 32768: each tensor costs ts plus 32
+    bytes (parameter, gradient, two moments) a number at og seconds a byte."""
+    ts, og = 6e-6, 2e-10
+    tensors, numbers = [64, 4], [8, 32768]
+    seconds = [k * (ts + 32 * n * og) for k, n in zip(tensors, numbers)]
+    got_ts, got_og = fit_optimizer(tensors, numbers, seconds)
+    assert got_ts == pytest.approx(ts, rel=1e-9) and got_og == pytest.approx(og, rel=1e-9)
+
+
+def test_compute_rates_on_two_thread_ranks():
+    gpt = {"batch": 1, "seq": 4, "d_model": 8, "heads": 2, "layers": 1, "vocab": 8, "d_ff": 16}
+    r0, r1 = run(compute_rates, 2, backend="threads", comm_timeout=60, gpt=gpt, repeats=2)
+    assert r0 == r1  # medians over both ranks, on both
+    for v in (r0.flops, r0.gamma, r0.op_seconds, r0.tensor_seconds, r0.optimizer_gamma, *r0.step_seconds,
+              *r0.optimizer_seconds):
+        assert math.isfinite(v) and v >= 0
+    assert r0.flops > 0 and r0.gamma > 0  # gamma: at least np.add's
 
 
 def test_gpt_matmul_shapes_and_flops_by_hand():
@@ -106,6 +116,7 @@ def test_gpt_matmul_shapes_and_flops_by_hand():
     assert shapes[:3] == [(2, 1, 1), (2, 1, 1), (1, 2, 1)]
     assert shapes[12:15] == [(2, 1, 4), (2, 4, 1), (1, 2, 4)]
     assert matmul_flops(shapes) == 3 * 2 * (4 * 2 + 2 * 4 + 2 * 4 + 2 * 3)
+    assert gpt_matmul_shapes(tokens=2, d_model=1, vocab=3, d_ff=6)[12:14] == [(2, 1, 6), (2, 6, 1)]
 
 
 def test_memtotal_reads_kilobytes(tmp_path):
@@ -127,14 +138,16 @@ def test_busy_cpu_seconds_leaves_out_idle_and_iowait(tmp_path):
 
 def test_table_warns_when_other_programs_ran():
     link = Link(2e-3, 2.5e-10)
-    c = Cluster("x", 4, 5e10, 0.4, 6e9, link, link, 2e-9)
-    m = Measurements(4, "mpi", ((8, 3e-5), (8192, 2e-3)), ((65536, 0.013),), 2.5e-11, 3e-10, 0.13, 5e10, 2e10, c)
+    c = Cluster("x", 4, 5e10, 0.4, 6e9, link, link, 2e-9, op_seconds=6.5e-5, tensor_seconds=6e-6, optimizer_gamma=2e-10)
+    rates = Rates(2e10, 2e-9, 6.5e-5, 6e-6, 2e-10, (0.004, 0.02), (4e-4, 7e-4))
+    m = Measurements(4, "mpi", ((8, 3e-5), (8192, 2e-3)), ((65536, 0.013),), 2.5e-11, 3e-10, rates, 5e10, c)
     assert "warning" not in m.table()
     assert " 20.00 " in m.table()  # GFLOP/s per rank: 5e10 x 0.4
     assert "alpha" in m.table() and "2000.0 us" in m.table() and "4.00 GB/s" in m.table()  # 1 / 2.5e-10
+    assert "65.0 us" in m.table() and "6.0 us" in m.table() and "5.00 GB/s" in m.table()  # per op; AdamW
     busy = Measurements(*[getattr(m, f) for f in ("ranks", "backend", "exchange", "allreduce", "add_gamma",
-                                                  "reduce_gamma", "gpt_seconds", "matmul_solo", "matmul_shared",
-                                                  "cluster")], others_cores=0.8)
+                                                  "reduce_gamma", "rates", "matmul_solo", "cluster")],
+                        others_cores=0.8)
     assert "warning: other programs kept 0.80 cores busy" in busy.table()
 
 
@@ -153,10 +166,13 @@ def test_calibrate_two_thread_ranks(tmp_path):
     c = m0.cluster
     _check_cluster(c, 2, "threads")
     assert c.flops == pytest.approx(c.peak_flops * c.efficiency, rel=1e-12)
-    assert c.flops == pytest.approx(m0.matmul_shared, rel=1e-12)  # the shared rate is the achievable one
-    assert c.peak_flops == max(m0.matmul_solo, m0.matmul_shared)
+    assert c.flops == pytest.approx(m0.rates.flops, rel=1e-12)  # the shared rate is the achievable one
+    assert c.peak_flops == max(m0.matmul_solo, m0.rates.flops)
     assert [n for n, _ in m0.exchange] == list(QUICK["sizes"])
-    assert c.gamma == gamma_from_gpt(m0.gpt_seconds, m0.matmul_shared, GPT, floor=m0.add_gamma)
+    assert c.gamma == max(m0.rates.gamma, m0.add_gamma)
+    assert (c.op_seconds, c.tensor_seconds, c.optimizer_gamma) == (m0.rates.op_seconds, m0.rates.tensor_seconds,
+                                                                   m0.rates.optimizer_gamma)
+    assert c.call_seconds == c.message_seconds == 0.0  # alpha, fitted to wall-clock exchanges, holds them
     assert m0.reduce_gamma >= m0.add_gamma > 0
     assert m0.others_cores >= 0
     path = tmp_path / "cluster.json"
