@@ -24,8 +24,10 @@ from the trace by the axis its two ranks differ in (``MeshShape.axis_of``), next
 activation peak (1F1B keeps more micro-batches on the first stage), measured vs ``cost.hybrid``. 5.
 ``perf.predict`` against the traced step replayed (``minipar.replay``), both on one cluster: the links
 of ``--cluster`` (default ``local``: this machine's network, measured; or a ``minipar calibrate`` file)
-and this core's FLOP/s and gamma measured in CPU time on the shapes one rank computes, the terms in
-which the replay charges a span (``--clock wall``: the measured step instead). 6. the planner on GPT-3 175B
+and this machine's compute measured in CPU time, every rank at once, on the shapes one rank computes,
+the terms in which the replay charges a span: FLOP/s, gamma, the per-op overhead (which tensor
+parallelism does not divide), the optimizer's, and the CPU a message costs (``--clock wall``: the
+measured step instead). 6. the planner on GPT-3 175B
 with 3072 A100s (Selene): the fastest predicted layouts and why each beats the next, and the 6 x 8 x
 64 (d x t x p) grid for comparison. Then the terminal timeline; the HTML report draws the grid (one
 colour per sub-communicator), the bytes per rank stacked by mesh axis with the formula, and where
@@ -285,10 +287,10 @@ def check_ranks(p: int, mesh: dict[str, int] | None = None) -> str | None:
 
 def shard_gpt(mesh: dict[str, int]) -> dict[str, int]:
     """The GPT shapes one rank computes: a micro-batch of its replica's rows, its sequence shard, its
-    tensor-parallel slice of the width, heads and vocabulary (``calibrate.compute_rates``' ``gpt``)."""
+    tensor-parallel slice of the width, heads, MLP and vocabulary (``rates.compute_rates``' ``gpt``)."""
     t = mesh["tp"]
     return {"batch": BATCH // (mesh["dp"] * MICRO), "seq": SEQ // mesh["sp"], "d_model": D_MODEL // t,
-            "heads": HEADS // t, "layers": LAYERS, "vocab": VOCAB // t}
+            "heads": HEADS // t, "layers": LAYERS, "vocab": VOCAB // t, "d_ff": D_FF // t}
 
 
 def step_seconds(trace: mtrace.Trace) -> float:
@@ -304,6 +306,7 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: Clock = REPLAY) -> N
         OUT.mkdir(parents=True, exist_ok=True)
     comm.barrier()
     res = train(comm, mesh, steps, OUT / "hybrid.json")
+    cluster = scale.lesson_cluster(comm, clock.cluster, shard_gpt(mesh), OUT / "messages.json")  # every rank
     if not lead:
         return
     shape = MeshShape(**mesh)
@@ -341,7 +344,6 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: Clock = REPLAY) -> N
     console.rule(f"[bold]5. predicted vs {clock.short} step time")
     if note := clock.caveat(comm.size):
         console.print(f"[yellow]note:[/yellow] {note}; the prediction has one core per rank.", highlight=False)
-    cluster = scale.lesson_cluster(clock.cluster, shard_gpt(mesh))
     pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
     if clock.kind == "replay":
         replayed = replay(trace, cluster)
