@@ -28,7 +28,8 @@ from viz.mesh import AXIS_COLORS
 
 GPT3, GPUS, GPT3_BATCH, CLUSTER = "gpt3-175b", 3072, 1536, "a100-selene"
 GRID = {"dp": 6, "tp": 8, "pp": 64}  # the d x t x p grid attributed to GPT-3 (Narayanan et al.'s 1T layout)
-REPEATS = 8  # traced steps of each model message_overhead replays
+REPEATS = 12  # traced steps of each model message_overhead replays
+RATE_REPEATS = 20  # timings of each of compute_rates' measurements per rank
 
 
 def message_overhead(comm: Any, shard: dict[str, int], path: Path) -> tuple[float, float]:
@@ -85,7 +86,7 @@ def lesson_cluster(comm: Any, network: Cluster, shard: dict[str, int], path: Pat
     """``network``'s links with this machine's compute in CPU time (collective, every rank at once, as
     the traced step ran): ``rates.compute_rates`` on ``shard``, the GPT shapes one rank computes, and
     ``message_overhead``. One cluster for the prediction and the replay."""
-    rates = compute_rates(comm, shard)
+    rates = compute_rates(comm, shard, repeats=RATE_REPEATS)
     call, step = message_overhead(comm, shard, path)
     return replace(network, name=f"{network.name} + this core", peak_flops=rates.flops, efficiency=1.0,
                    gamma=rates.gamma, op_seconds=rates.op_seconds, call_seconds=call, message_seconds=step,
