@@ -1,6 +1,6 @@
 """What a training step costs a CPU beyond its FLOPs and bytes (``perf.predict`` adds it; every term
 is 0 on the published GPU clusters, where kernels run on the device and these costs hide behind
-them). Derivation in ``docs/formulas.md`` section 8, "Overheads".
+them). Derivation in ``docs/formulas.md`` section 8, "Overheads on a CPU".
 
 - **Per operation.** Each autograd op (a node of the graph: its forward, and its backward) costs
   ``Cluster.op_seconds`` whatever its size: Python, the autograd's bookkeeping, numpy's per-call
