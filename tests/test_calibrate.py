@@ -155,7 +155,11 @@ def _check_cluster(c: Cluster, ranks: int, backend: str) -> None:
     assert c.name.endswith(f"{ranks} ranks, {backend}")
     assert c.gpus_per_node == ranks and c.intra == c.inter
     assert c.memory_bytes == _memtotal_by_hand() / ranks
-    for v in (c.intra.alpha, c.intra.beta, c.gamma, c.peak_flops):
+    # alpha and beta come from a fit that fit_alpha_beta clamps at 0 (a loaded machine can tilt the line:
+    # seen alpha 0.0 with two other test runs beside), gamma has the np.add floor, FLOP/s a timed matmul
+    for v in (c.intra.alpha, c.intra.beta):
+        assert math.isfinite(v) and v >= 0
+    for v in (c.gamma, c.peak_flops):
         assert math.isfinite(v) and v > 0
     assert 0 < c.efficiency <= 1
 
