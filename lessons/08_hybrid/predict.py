@@ -22,13 +22,13 @@ from minipar.calibrate import FIT_FROM
 from minipar.cost import perf, planner, presets
 from minipar.cost.cluster import Cluster, Link
 from minipar.mesh import MeshShape
-from minipar.rates import compute_rates, fit_line
+from minipar.rates import compute_rates, fit_line, step_span_times
 from minipar.replay import replay
 from viz.mesh import AXIS_COLORS
 
 GPT3, GPUS, GPT3_BATCH, CLUSTER = "gpt3-175b", 3072, 1536, "a100-selene"
 GRID = {"dp": 6, "tp": 8, "pp": 64}  # the d x t x p grid attributed to GPT-3 (Narayanan et al.'s 1T layout)
-REPEATS = 12  # traced steps of each model message_overhead replays
+REPEATS = 4  # traced steps of each model message_overhead replays
 RATE_REPEATS = 20  # timings of each of compute_rates' measurements per rank
 
 
@@ -38,17 +38,18 @@ def message_overhead(comm: Any, shard: dict[str, int], path: Path) -> tuple[floa
     wait with caches others refilled; posting, completing and recording each message). Measured as
     the replay sees it, on the program lesson 8 runs, every rank at once: groups of ``t`` = 2 and 4
     ranks (2 alone below 4 ranks: then all of it per step) train the GPT whose tensor-parallel slices
-    are ``shard``, and every rank ``shard`` alone (its one-rank collectives return at once), each
-    traced and replayed on a network that costs nothing. Per rank the difference of the replayed
-    steps over its calls is ``call + 2 (t - 1) step`` (medians over ranks; ``rates.fit_line``).
+    are ``shard``, traced and replayed on a network that costs nothing, and each rank ``shard`` alone
+    (its one-rank collectives return at once; ``rates.step_span_times``); per rank the difference of
+    the two steps over its calls is ``call + 2 (t - 1) step`` (medians over ranks; ``rates.fit_line``).
     Collective; the values on every rank."""
     from minipar.mesh import DeviceMesh
     from minipar.parallel.hybrid import HybridGPT
 
     free = Cluster("free", comm.size, 1.0, 1.0, 1.0, Link(0.0, 0.0), Link(0.0, 0.0), 0.0)
-    sizes = [1, 2, 4] if comm.size >= 4 else [1, 2]
+    sizes = [2, 4] if comm.size >= 4 else [2]
     idx = np.random.default_rng(0).integers(0, shard["vocab"], (shard["batch"], shard["seq"]))
-    replayed = {}
+    alone = comm.allgather_object(float(np.median(step_span_times(comm.split(comm.rank), shard, REPEATS, "cpu"))))
+    per_call = []
     for t in sizes:
         sub = comm.split(comm.rank // t)
         g = {**shard, **{k: t * shard[k] for k in ("d_model", "heads", "vocab", "d_ff")}}  # t slices of shard
@@ -60,20 +61,18 @@ def message_overhead(comm: Any, shard: dict[str, int], path: Path) -> tuple[floa
             for _ in range(REPEATS):
                 model.forward_backward(idx, np.roll(idx, -1, axis=1))
         if comm.rank == 0:
-            replayed[t] = replay(mtrace.load(path), free)
+            out = replay(mtrace.load(path), free)
+            per_call.append(float(np.median([
+                (_rank_seconds(out, r) - REPEATS * alone[r]) / sum(e.rank == r and e.src == r and e.step == 0
+                                                                    for e in out.events)
+                for r in range(comm.size - comm.size % t)])))  # whole groups only
     if comm.rank:
         return comm.broadcast_object(None)
-    per_call = []
-    for t in sizes[1:]:
-        ranks = range(comm.size - comm.size % t)  # whole groups only
-        calls = [sum(e.rank == r and e.src == r and e.step == 0 for e in replayed[t].events) for r in ranks]
-        per_call.append(float(np.median([(_rank_seconds(replayed[t], r) - _rank_seconds(replayed[1], r)) / k
-                                         for r, k in zip(ranks, calls)])))
     if min(per_call) <= 0:  # the replay charged the tensor-parallel step no more than the one-rank step
         return comm.broadcast_object((0.0, 0.0))
     if len(per_call) == 1:
         return comm.broadcast_object((0.0, per_call[0] / 2))
-    return comm.broadcast_object(fit_line([2 * (t - 1) for t in sizes[1:]], per_call))
+    return comm.broadcast_object(fit_line([2 * (t - 1) for t in sizes], per_call))
 
 
 def _rank_seconds(trace: mtrace.Trace, rank: int) -> float:
