@@ -32,7 +32,8 @@ with 3072 A100s (Selene): the fastest predicted layouts and why each beats the n
 64 (d x t x p) grid for comparison. Then the terminal timeline; the HTML report draws the grid (one
 colour per sub-communicator), the bytes per rank stacked by mesh axis with the formula, and where
 each layout's predicted step goes.
-Writes runs/08_hybrid/hybrid.json (the last step; hybrid-step<k>.json the ones between) and report.html.
+Writes runs/08_hybrid/hybrid.json (the last step; hybrid-step<k>.json the ones between; messages.json the
+message-overhead runs of section 5) and report.html.
 """
 
 from __future__ import annotations
