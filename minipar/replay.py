@@ -151,7 +151,8 @@ def _program(events: list[Event], pts: list[_Point], stats: dict[str, int]) -> l
         if prev is not None and open_spans and not waiting:
             pe = events[prev.i]
             gap = prev.what == "done" and p.what == "post" and _is_message(e) and _is_message(pe) \
-                and _coll_key(e) is not None and _coll_key(e) == _coll_key(pe)  # between a collective's steps
+                and _coll_key(e) is not None and _coll_key(e) == _coll_key(pe) \
+                and (e.step or 0) > (pe.step or 0)  # between one call's steps (a new call starts again at 0)
             cpu_ok = all(open_spans.values()) and p.cpu is not None and prev.cpu is not None
             d = (p.cpu - prev.cpu) if cpu_ok else (p.wall - prev.wall)  # type: ignore[operator]
             if not gap and d > 0:

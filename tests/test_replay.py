@@ -399,3 +399,27 @@ def test_unit_cost_1f1b_under_mpiexec_replays_to_the_simulator():
     events = [e for rank in testing.run(_mpi_1f1b, 2, "mpi") for e in rank]
     out = replay(unit_costs(events, COST), cluster())
     assert _timeline(out.events) == _timeline(simulate(make_schedule("1f1b", 2, 4)).trace.events)
+
+
+def _two_calls_with_work_between(comm) -> tuple[list[mtrace.Event], float]:
+    """One span: an all-reduce, ~30 ms of matmuls, the same all-reduce again (one communicator, op and
+    algorithm: two calls, whose steps both count from 0); the work's CPU time measured here."""
+    a = np.random.default_rng(comm.rank).standard_normal((96, 96))
+    with mtrace.record(None, comm) as rec, mtrace.span("F"):
+        comm.allreduce(np.ones(8))
+        c0 = mtrace.cpu()
+        for _ in range(200):
+            a = np.tanh(a @ a / 96)
+        work = mtrace.cpu() - c0
+        comm.allreduce(np.ones(8))
+    return rec.events, work
+
+
+def test_compute_between_two_calls_of_one_collective_is_charged():
+    """Only the gap between one call's steps is the collective's own: the work between two calls of the
+    same all-reduce stays in the replayed span (it was dropped when both calls counted as one)."""
+    out = launch(_two_calls_with_work_between, 2, "threads")
+    replayed = replay(Trace({"world_size": 2}, [e for events, _ in out for e in events]), cluster(0.0, 0.0))
+    for rank, (_, work) in enumerate(out):
+        (span,) = [e for e in replayed.events if e.rank == rank and e.name == "F"]
+        assert span.t1 - span.t0 >= work > 0, (rank, span.t1 - span.t0, work)
