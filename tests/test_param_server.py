@@ -192,23 +192,24 @@ def test_assign_parameters_balances_by_size():
 
 def test_async_drops_a_silent_worker_and_finishes_with_the_others():
     t0 = time.monotonic()
+    # silence_timeout 1 s: a live worker thread may wait that long for a core and the GIL on a loaded machine
     out = minipar.launch(ps_rank, 4, steps=6, n_servers=1, mode="async", staleness=1, stop_at={2: 2},
-                         silence_timeout=0.4)
-    assert time.monotonic() - t0 < 10
+                         silence_timeout=1.0)
+    assert time.monotonic() - t0 < 15
     results = [r for r, _ in out]
     assert results[0].dropped == [2]
     assert [len(r.losses) for r in results[1:]] == [6, 2, 6]
     drops = [e for _, ev in out for e in ev if e.kind == "mark" and e.name == "worker dropped"]
     assert len(drops) == 1 and drops[0].args["worker"] == 2 and drops[0].args["step"] == 2
-    assert drops[0].args["silence"] >= 0.4
+    assert drops[0].args["silence"] >= 1.0
     assert {m["worker"] for m in applied_marks([e for _, e in out]) if m["step"] >= 2} == {1, 3}
 
 
 def test_sync_fails_naming_the_lost_worker_not_hanging():
     t0 = time.monotonic()
     with pytest.raises(RankError, match="worker rank 3 sent no gradient for step 1") as info:
-        minipar.launch(ps_rank, 4, steps=4, n_servers=1, mode="sync", stop_at={3: 1}, silence_timeout=0.4)
-    assert isinstance(info.value, ps.WorkerLost) and time.monotonic() - t0 < 10
+        minipar.launch(ps_rank, 4, steps=4, n_servers=1, mode="sync", stop_at={3: 1}, silence_timeout=1.0)
+    assert isinstance(info.value, ps.WorkerLost) and time.monotonic() - t0 < 15  # the 1 s silence, not a hang
 
 
 def bad_config(comm, **kw):
@@ -257,7 +258,9 @@ def test_under_mpiexec_sync_equals_single_process(job):
 def test_under_mpiexec_async_k0_staleness_bound_and_a_lost_worker():
     runs = [dict(steps=4, n_servers=2, mode="async", staleness=0, seed=5),
             dict(steps=8, n_servers=1, mode="async", staleness=2, slow={1: 0.01}),
-            dict(steps=6, n_servers=1, mode="async", staleness=1, stop_at={3: 2}, silence_timeout=0.5)]
+            # silence_timeout 2 s: processes started on a loaded machine can send their first gradient
+            # 0.5 s apart (seen: a live worker declared silent at 0.5 s with two other test runs beside)
+            dict(steps=6, n_servers=1, mode="async", staleness=1, stop_at={3: 2}, silence_timeout=2.0)]
     asyn, stale, lost = run_each(ps_rank, 4, runs, timeout=90)
     assert_close_state(ps.merge([r for r, _ in asyn])[0], single_process(4, 5, "sgd")[1])  # k = 0: sync
     assert set(lead_over_slowest([e for _, e in asyn], 2)) == {0}
@@ -268,7 +271,7 @@ def test_under_mpiexec_async_k0_staleness_bound_and_a_lost_worker():
 @pytest.mark.mpi
 def test_under_mpiexec_sync_fails_naming_the_lost_worker():
     with pytest.raises(HarnessError, match="worker rank 2 sent no gradient for step 1"):
-        run_each(ps_rank, 3, [dict(steps=3, n_servers=1, mode="sync", stop_at={2: 1}, silence_timeout=0.5)],
+        run_each(ps_rank, 3, [dict(steps=3, n_servers=1, mode="sync", stop_at={2: 1}, silence_timeout=2.0)],
                  timeout=60)
 
 
