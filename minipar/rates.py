@@ -195,7 +195,10 @@ def measure_rates(comm: Any, gpt: dict[str, int] | None = None, repeats: int = 1
         matmuls.append(model.step_flops(g["batch"]) / rate)
         traffic.append(model.layers * memory_traffic_bytes(model, layout))
     ops = stage_ops([gpt["layers"]], False)[0]
-    op_seconds, gamma = fit_overheads(ops, traffic, [t - mm for t, mm in zip(steps, matmuls, strict=True)])
+    # the matmuls' share comes from a rate timed apart, so on a loaded machine a step can come out shorter
+    # than it: such a size is floored at a microsecond, read as "no overhead measurable here"
+    rest = [max(t - mm, 1e-6) for t, mm in zip(steps, matmuls, strict=True)]
+    op_seconds, gamma = fit_overheads(ops, traffic, rest)
     opts = [pooled_median(comm, optimizer_times(k, n, repeats, tick)) for k, n in (OPT_SMALL, OPT_LARGE)]
     tensor_seconds, optimizer_gamma = fit_optimizer([OPT_SMALL[0], OPT_LARGE[0]], [OPT_SMALL[1], OPT_LARGE[1]], opts)
     return Rates(rate, gamma, op_seconds, tensor_seconds, optimizer_gamma, (steps[0], steps[1]), (opts[0], opts[1]))
