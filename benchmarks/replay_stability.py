@@ -28,6 +28,21 @@ schedule     wall-clock bubble, 5 runs       replayed (local), 5 runs        rep
 interleaved  43.7-51.9 % (spread 8.2 pts)    20.1-21.9 % (spread 1.8 pts)    at most 2.8 pts
 ===========  ==============================  ==============================  ==================
 
+On the quiet machine (load 2.5, 2026-11-27 18:28, after the replay's fix for compute between two
+calls of one collective):
+
+===========  ==============================  ==============================  ==================
+schedule     wall-clock bubble, 5 runs       replayed (local), 5 runs        replay - simulator
+===========  ==============================  ==============================  ==================
+1F1B         34.7-44.3 % (spread 9.6 pts)    29.0-31.6 % (spread 2.6 pts)    at most 3.7 pts
+interleaved  37.8-44.3 % (spread 6.5 pts)    18.5-22.3 % (spread 3.8 pts)    at most 2.3 pts
+===========  ==============================  ==============================  ==================
+
+and 2 ranks on 2 cores, replayed / wall-clock step over 5 runs: pipeline 0.88-0.91 (within the 15 %
+goal), DDP 0.38-0.55 (not: a rank's main thread and its all-reduce worker share one GIL, which the
+replay, giving the worker a core of its own, does not model). The goals (spread <= 2 points, within 3
+of the simulator) are not met yet: single spans' CPU time still varies run to run.
+
 (Formula, uniform stages: 27.3 % and 15.8 %; lesson 02's first and last stages also carry the
 embedding and the head, which the simulator fed with the CPU costs per stage accounts for.) The
 replay ranks interleaved below 1F1B in every run, the wall clock in none: the wall-clock bubble is
