@@ -40,18 +40,18 @@ from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.testing import ROOT
 
-DEADLINE = 1.0
+DEADLINE = 2.0  # 2 s, not 1 s: the bound below needs room for a loaded machine under the never-heard 2x limit
 MARGIN = 1.0  # for a whole job's end: the detection's period, the wait's poll and the report's 0.3 s grace
-PERIOD = Detector(0, [], DEADLINE).period  # the heartbeat period: deadline / 5 = 0.2 s
+PERIOD = Detector(0, [], DEADLINE).period  # the heartbeat period: deadline / 5 = 0.4 s
 
 
 def detected_in_time(seconds: float) -> bool:
     """A death is declared within one heartbeat period of the deadline after the kill (the last beat
-    heard was up to a period before the kill; the check runs every period), plus 0.5 s for a survivor
+    heard was up to a period before the kill; the check runs every period), plus 1 s for a survivor
     to hear of it in its wait and note it on a loaded machine (measured 0.94-1.13 s at a 1 s deadline
-    on an idle one; 0.5 s covers threads waiting for a core and the GIL beside two busy processes).
-    The never-heard 2x limit (2 s) fails this."""
-    return DEADLINE - PERIOD <= seconds <= DEADLINE + PERIOD + 0.5
+    on an idle one; 0.5 s was exceeded once with two busy processes and two other tests beside). The
+    never-heard 2x limit (4 s) fails this (at most 3.4 s)."""
+    return DEADLINE - PERIOD <= seconds <= DEADLINE + PERIOD + 1.0
 FEW = budget(1)  # one drawn job beside the @example jobs (ten under the thorough profile)
 
 
