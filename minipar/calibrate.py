@@ -108,15 +108,15 @@ class Measurements:
         """The numbers as a small text table (what ``minipar calibrate`` prints)."""
         c, r = self.cluster, self.rates
         rows = [("alpha", f"{c.intra.alpha * 1e6:.1f} us", "per message"),
-                ("beta", f"{1 / c.intra.beta / 1e9:.2f} GB/s" if c.intra.beta else "inf", "1 / beta"),
-                ("gamma", _rate(c.gamma), f"1 / gamma, a GPT step's memory-bound work (np.add alone: "
-                 f"{1 / self.add_gamma / 1e9:.1f} GB/s, all-reduce residual: {_rate(self.reduce_gamma)})"),
+                ("beta", bandwidth(c.intra.beta), "1 / beta"),
+                ("gamma", bandwidth(c.gamma), f"1 / gamma, a GPT step's memory-bound work (np.add alone: "
+                 f"{1 / self.add_gamma / 1e9:.1f} GB/s, all-reduce residual: {bandwidth(self.reduce_gamma)})"),
                 ("GFLOP/s per rank", f"{c.flops / 1e9:.2f}",
                  f"all {self.ranks} ranks at once; one alone: {self.matmul_solo / 1e9:.2f}"),
                 ("per op", f"{c.op_seconds * 1e6:.1f} us", f"an autograd op's overhead, forward and backward (the "
                  f"hybrid GPT's spans: {r.step_seconds[0] * 1e3:.2f} ms tiny, {r.step_seconds[1] * 1e3:.2f} ms)"),
                 ("optimizer", f"{c.tensor_seconds * 1e6:.1f} us", f"per parameter tensor, and "
-                 f"{_rate(c.optimizer_gamma)} of parameters, gradients and moments (AdamW)"),
+                 f"{bandwidth(c.optimizer_gamma)} of parameters, gradients and moments (AdamW)"),
                 ("memory per rank", f"{c.memory_bytes / 2**30:.1f} GiB", "MemTotal / ranks")]
         lines = [f"{c.name}", *(f"  {a:<17}{b:>12}   {note}" for a, b, note in rows)]
         lines.append(f"  exchange step (bytes: measured us / alpha + n beta us; fitted from {FIT_FROM} B)")
@@ -131,7 +131,8 @@ class Measurements:
         return "\n".join(lines)
 
 
-def _rate(seconds_per_byte: float) -> str:
+def bandwidth(seconds_per_byte: float) -> str:
+    """``1 / seconds_per_byte`` in GB/s, "inf" for a fitted 0 (a rate too fast to measure)."""
     return f"{1 / seconds_per_byte / 1e9:.2f} GB/s" if seconds_per_byte > 0 else "inf"
 
 

@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from rich.table import Table
 
 from minipar import trace as mtrace
-from minipar.calibrate import FIT_FROM
+from minipar.calibrate import FIT_FROM, bandwidth
 from minipar.cost import perf, planner, presets
 from minipar.cost.cluster import Cluster, Link
 from minipar.mesh import MeshShape
@@ -110,11 +110,11 @@ def prediction_table(pred: perf.Prediction, got: float, cluster: Cluster, clock:
                   caption=f"{cluster.source}: alpha {cluster.intra.alpha * 1e6:.1f} us (+ CPU "
                           f"{cluster.call_seconds * 1e6:.1f} us per call, {cluster.message_seconds * 1e6:.1f} us per "
                           f"message), 1/beta "
-                          f"{1 / cluster.intra.beta / 1e9:.2f} GB/s, {cluster.flops / 1e9:.2f} GFLOP/s, 1/gamma "
-                          f"{1 / cluster.gamma / 1e9:.2f} GB/s, {cluster.op_seconds * 1e6:.1f} us per autograd op, "
+                          f"{bandwidth(cluster.intra.beta)}, {cluster.flops / 1e9:.2f} GFLOP/s, 1/gamma "
+                          f"{bandwidth(cluster.gamma)}, {cluster.op_seconds * 1e6:.1f} us per autograd op, "
                           f"AdamW {cluster.tensor_seconds * 1e6:.1f} us per tensor and "
-                          f"{1 / cluster.optimizer_gamma / 1e9 if cluster.optimizer_gamma else float('inf'):.2f} "
-                          f"GB/s. Goal: predicted / {clock} within 15 %.", caption_justify="left")
+                          f"{bandwidth(cluster.optimizer_gamma)}. Goal: predicted / {clock} within 15 %.",
+                  caption_justify="left")
     for col in ("", *parts(pred), "step", clock, f"predicted / {clock}"):
         table.add_column(col, justify="right")
     table.add_row("ms", *(f"{v * 1e3:.1f}" for v in parts(pred).values()), f"{pred.step_seconds * 1e3:.1f}",
