@@ -18,9 +18,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job: a lesson under mpiexec with its terminal timeline and HTML report.
+# The main job: a lesson under mpiexec with its terminal timeline and HTML report. Under mpiexec stdout
+# is a pipe and the shell does not export COLUMNS: the terminal's width (viz.width, 80 without one) is
+# passed on.
 demo: install
-	FORCE_COLOR=1 $(MPIEXEC) -n 4 $(PY) lessons/02_pipeline/lesson.py
+	COLUMNS=$$($(PY) -c 'from viz.width import terminal_width; print(terminal_width())') FORCE_COLOR=1 \
+		$(MPIEXEC) -n 4 $(PY) lessons/02_pipeline/lesson.py
 
 # Debian's chromium for the real-browser test of the HTML report (needs root or sudo). Outside CI a
 # failed install only skips that test; in CI (CI set) it fails the run.

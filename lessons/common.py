@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -22,6 +22,7 @@ from minipar.comm.mpi import under_mpiexec
 from minipar.cost.cluster import Cluster
 from minipar.replay import ReplayError, check_replayable, cluster_named, replay
 from minipar.trace import Trace, load
+from viz.width import terminal_width
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -46,8 +47,8 @@ def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str |
     if comm is not None:
         result = body(comm, **kwargs)
         return result if comm.rank == 0 else None
-    print(f"(no mpiexec: {ranks} ranks run as threads of this process; --ranks N to change, "
-          f"or mpiexec -n N for real processes)")
+    print(textwrap.fill(f"(no mpiexec: {ranks} ranks run as threads of this process; --ranks N to change, "
+                        f"or mpiexec -n N for real processes)", terminal_width()))
     return launch(body, ranks, "threads", **kwargs)[0]
 
 
@@ -177,8 +178,10 @@ def time_sharing(ranks: int) -> str | None:
 
 def console(width: int | None = None) -> Console:
     """A rich console: colour under mpiexec when FORCE_COLOR is set (stdout is no terminal there),
-    and the terminal's width (110 columns when there is none) unless ``width`` is given."""
-    width = width or shutil.get_terminal_size(fallback=(110, 24)).columns
+    and the width of the terminal the person looks at, also under mpiexec (``viz.width.terminal_width``:
+    ``COLUMNS``, a standard stream or the controlling terminal; 80 columns when there is none) unless
+    ``width`` is given."""
+    width = width or terminal_width()
     return Console(force_terminal=os.environ.get("FORCE_COLOR", "0") not in ("", "0") or None, width=width)
 
 

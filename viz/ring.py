@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
-from rich.table import Table
 
 from minipar.trace import Event, Trace
 from viz import analysis as A
 from viz import style
 from viz.style import rank_color, shade
+from viz.width import Table
 
 KV = "ring_kv"
 

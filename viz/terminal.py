@@ -23,7 +23,8 @@ length + 1): three in four get their label. When that needs more cells than the 
 columns, the lanes fold into up to ``MAX_BANDS`` bands, each under a ruler of the time since the
 step's start; beyond, cells grow.
 
-Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console``.
+Under ``mpiexec`` stdout is not a terminal: set ``FORCE_COLOR=1`` or pass your own ``Console`` for
+colour; the width is still the terminal's (``viz.width.terminal_width``).
 Cost: O(E log E + E * C) for E events and C cells.
 """
 
@@ -41,6 +42,7 @@ from viz import analysis as A
 from viz import faults
 from viz import messages as M
 from viz.style import clock, ranks
+from viz.width import terminal_width
 
 STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
           "input gradient": "bold white on red3", "weight gradient": "bold black on dark_cyan",
@@ -367,12 +369,13 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     """Print the timeline, legend, bubble fractions and traffic table of one trace, the step line
     naming the clock of its times (``style.clock``: replayed on a cluster, simulated, wall clock).
 
-    ``width`` is the whole line's width (default: the console's). Pass a ``Console`` to choose
-    colour handling (e.g. ``Console(force_terminal=True)`` under ``mpiexec``).
+    ``width`` is the whole line's width (default: the console's; without a console, the terminal's,
+    ``viz.width.terminal_width``); no line is longer. Pass a ``Console`` to choose colour handling
+    (e.g. ``Console(force_terminal=True)`` under ``mpiexec``).
     """
     trace = trace_or_path if isinstance(trace_or_path, Trace) else load(trace_or_path)
-    if console is None:
-        console = Console(width=width) if width else Console()
+    if console is None:  # the terminal's width, also under mpiexec (viz.width.terminal_width)
+        console = Console(width=width or terminal_width())
     width = width or console.width
     meta = trace.meta
     s = A.summary(trace)

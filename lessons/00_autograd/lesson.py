@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from lessons.common import Clock, clock_arguments, finish
 from lessons.common import console as make_console
 from minipar import datasets, trace
 from minipar.nn import GPT
 from minipar.optim import AdamW
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS = 16, 16, 32, 4, 2
 

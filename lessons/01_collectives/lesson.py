@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, clock_arguments, console, finish, run_ranks
 from minipar import trace
 from minipar.comm import Communicator
 from minipar.cost import ALLREDUCE_ALGORITHMS, allreduce_bytes
 from minipar.cost.collectives import collective_time
+from viz.width import Table
 
 OUT = Path("runs/01_collectives")
 MODEL = {"ring": "2(p-1)/p n", "recursive_doubling": "n lg p", "naive": "root (p-1) n, others n",
@@ -184,7 +184,7 @@ def main() -> None:
     if result is None:  # not rank 0
         return
     rows, p, backend = result
-    out = console(width=130)
+    out = console()
     path = Path(args.out) / "trace.json"
     out.print(render(rows, p, args.n, backend, clock, replayed_seconds(clock.of(path)) if clock.kind == "replay"
                      else None))

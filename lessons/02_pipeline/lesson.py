@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks
 from lessons.common import console as make_console
@@ -48,6 +47,7 @@ from minipar.cost import pipeline as pipeline_cost
 from minipar.optim import AdamW
 from minipar.parallel.pipeline import Pipeline, format_schedule, gpt, gpt_layer_counts, make_schedule
 from minipar.parallel.pipeline import simulate as simulate_schedule
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8
 BATCH, MICROBATCHES, CHUNKS = 32, 8, 2

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock
 from minipar import trace as mtrace
 from viz import style
+from viz.width import Table
 
 RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only", "chimera": "F=B only"}  # where the idle formula holds
 

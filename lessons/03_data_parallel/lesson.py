@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, console, finish, lesson_parser, one_process, run_ranks
 from minipar import datasets, trace
@@ -45,6 +44,7 @@ from minipar.nn import GPT, Module
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
 from minipar.parallel.ddp import DistributedDataParallel, train_step
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, BATCH, LR = 16, 16, 32, 4, 2, 12, 1.0
 CAP = 16 * 1024  # bucket cap (bytes): the tiny GPT's 250 KB of gradients make several buckets
@@ -247,7 +247,7 @@ def main() -> None:
     res = run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
     if res is None:  # not rank 0
         return
-    out = console(width=130)
+    out = console()
     p, ddp_ref, runs = res["p"], single_process(args.steps), res["ps"]
     out.rule(f"[bold]1. DDP: the tiny GPT on {p} ranks ({res['backend']}), every all-reduce algorithm")
     for table in ddp_tables(res, ddp_ref, clock):

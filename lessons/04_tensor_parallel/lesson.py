@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
@@ -38,6 +37,7 @@ from minipar.cost import tensor as formulas
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.tensor import TensorParallelGPT
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 64, 32, 64, 8, 2, 256, 8
 OUT = Path("runs/04_tensor_parallel")

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
@@ -54,6 +53,7 @@ from minipar.optim import AdamW
 from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.tensor import TensorParallelGPT
 from viz.ring import KV, compute_time, ring_steps, step_table
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 256, 32, 4, 2, 64, 2
 ITEM = 8  # float64

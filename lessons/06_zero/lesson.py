@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
@@ -52,6 +51,7 @@ from minipar.optim import AdamW
 from minipar.parallel.ddp import DistributedDataParallel, local_batch
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from viz.memory_stack import at_peak, before_step
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, LR = 32, 16, 32, 4, 2, 64, 8, 3e-3
 CAP = 32 * 1024  # bytes per ZeRO bucket: the GPT's 158 KB of gradients make several (stage 2 drops each early)

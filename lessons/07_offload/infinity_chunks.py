@@ -25,7 +25,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from minipar import functional as F
 from minipar import memory, nn
@@ -36,6 +35,7 @@ from minipar.parallel.ddp import local_batch
 from minipar.parallel.offload import ChunkManager, ZeroInfinity
 from minipar.tiers import Tiers
 from viz.tiers import moves, per_step_moves
+from viz.width import Table
 
 CHUNK = 4096  # elements per chunk (32 KiB in float64): the largest tensor (a block's qkv, 3,072) fits
 FIT = 3  # chunks that fit beside the activations at the start of backward

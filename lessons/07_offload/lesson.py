@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons import load
 from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks, time_sharing
@@ -63,6 +62,7 @@ from minipar.parallel.offload import ZeroOffload, offload_device_need
 from minipar.parallel.zero import ZeroDataParallel
 from minipar.tiers import Bandwidth, DeviceOutOfMemory, Tiers
 from viz.tiers import moves, per_step_moves
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, LR = 32, 16, 32, 4, 2, 64, 8, 3e-3
 CAP = 32 * 1024  # bytes per bucket: the GPT's 158 KB of float64 gradients make several, streamed down one by one

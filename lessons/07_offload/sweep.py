@@ -24,7 +24,6 @@ from types import ModuleType
 from typing import Any
 
 import plotly.graph_objects as go
-from rich.table import Table
 
 from minipar import trace as mtrace
 from minipar.cost.offload import (
@@ -37,6 +36,7 @@ from minipar.cost.offload import (
 from minipar.parallel.offload import ChunkManager
 from minipar.tiers import Tiers
 from viz.tiers import budget_figure, per_step_moves
+from viz.width import Table
 
 STEPS = 4  # per budget: medians over steps 1..3 (step 0 places, warms up)
 POINTS = 3  # budgets per method for ZeRO-Offload and ZeRO-Infinity: min, halfway, everything fits

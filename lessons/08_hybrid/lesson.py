@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
 from lessons.common import console as make_console
@@ -59,6 +58,7 @@ from minipar.optim import AdamW
 from minipar.parallel.hybrid import HybridGPT
 from minipar.replay import replay
 from viz.memory_stack import before_step
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, MICRO, LR, WD = 32, 16, 32, 4, 4, 64, 8, 2, 3e-3, 0.01
 MESH = {"pp": 2, "dp": 2, "sp": 1, "tp": 2}  # change with --pp/--dp/--sp/--tp (product = ranks; tp or sp, not both)

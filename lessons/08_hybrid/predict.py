@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-from rich.table import Table
 
 from minipar import trace as mtrace
 from minipar.calibrate import FIT_FROM, bandwidth
@@ -25,6 +24,7 @@ from minipar.mesh import MeshShape
 from minipar.rates import compute_rates, fit_line, step_span_times
 from minipar.replay import replay
 from viz.mesh import AXIS_COLORS
+from viz.width import Table
 
 GPT3, GPUS, GPT3_BATCH, CLUSTER = "gpt3-175b", 3072, 1536, "a100-selene"
 GRID = {"dp": 6, "tp": 8, "pp": 64}  # the d x t x p grid attributed to GPT-3 (Narayanan et al.'s 1T layout)

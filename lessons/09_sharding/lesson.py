@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-from rich.table import Table
 
 from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks
 from lessons.common import console as make_console
@@ -47,6 +46,7 @@ from minipar.parallel.tensor3d import Block3D, cube_3d, input_piece
 from minipar.sharding import GlobalTensor, Replicate, ops
 from minipar.sharding import nn as snn
 from viz.analysis import sent_by_op
+from viz.width import Table
 
 table = importlib.import_module("lessons.09_sharding.table")  # section 1
 BATCH, SEQ, D, HEADS, D_FF, SEED, RANKS = 8, 4, 16, 8, 32, 3, 8

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-from rich.table import Table
 
 from minipar import trace
 from minipar.mesh import DeviceMesh
@@ -22,6 +21,7 @@ from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, ops, plan
 from minipar.sharding.placement import describe
 from minipar.sharding.propagate import matmul_strategies
 from viz.analysis import sent_by_op
+from viz.width import Table
 
 M, K, N = 4, 5, 8
 ONE = [Shard(0), Shard(1), Replicate(), Partial()]

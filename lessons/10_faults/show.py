@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from minipar import trace as mtrace
 from minipar.parallel.zero import checkpoint
 from viz.terminal import print_timeline
+from viz.width import Table
 
 P = importlib.import_module("lessons.10_faults.parts")
 
