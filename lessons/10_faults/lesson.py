@@ -40,6 +40,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from lessons.common import finish, time_sharing
 from minipar import elastic, launch
 from minipar.comm import faults
 from minipar.comm.mpi import under_mpiexec
+from viz.width import terminal_width
 
 P = importlib.import_module("lessons.10_faults.parts")
 show = importlib.import_module("lessons.10_faults.show")
@@ -95,7 +97,7 @@ def run_mpi(out: Path) -> dict[str, Any]:
     """Every part as real processes: ``faults.mpiexec_command`` for parts 1 and 2, ``minipar run
     --elastic`` for part 3 and a plain ``mpiexec`` for its uninterrupted reference."""
     clear(out)
-    print(KILLED_NOTE, flush=True)
+    print(textwrap.fill(KILLED_NOTE, terminal_width()), flush=True)
     me, env = [sys.executable, str(HERE), "--out", str(out)], _env()
     for part in ("ps", "ddp"):
         subprocess.run(faults.mpiexec_command(RANKS, [*me, "--part", part]), env=env, timeout=180)
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     if not args.mpi:
-        print(f"(no mpiexec: {RANKS} ranks run as threads of this process; --mpi for real processes)")
+        print(textwrap.fill(f"(no mpiexec: {RANKS} ranks run as threads of this process; --mpi for real processes)",
+                            terminal_width()))
     return 1 if lesson(run_mpi(out) if args.mpi else run_threads(out), out) else 0
 
 
