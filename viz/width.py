@@ -6,23 +6,28 @@ the first of stdout, stderr and stdin that is a terminal, else of the controllin
 a terminal), else ``FALLBACK`` (80) columns.
 
 ``Table``: a ``rich.table.Table`` that, when its columns do not fit, keeps every number whole: each
-numeric column (every cell a number, optionally with a unit, or several: ``1,024 / 1,024``, ``4 3 2 1``) is fixed at
-its widest number (its header wraps under it) so rich narrows the text columns, whose cells wrap.
-Only if the numbers alone are wider than the line does rich cut them (with ``…``); the lessons'
-width test (``tests/test_lesson_widths.py``) fails on that.
+numeric column (every cell a number, optionally with a unit, or several: ``1,024 / 1,024``, ``4 3 2 1``)
+is fixed at its widest number (its header wraps under it) so rich narrows the text columns, whose
+cells wrap. When even that is too wide, the table is printed as several tables, left to right: each
+repeats the first ``key`` columns (what names a row) and takes as many of the next columns as fit,
+the later ones titled "(continued)", the caption under the last. Only a single column wider than
+the line is still cut (with ``…``); the lessons' width test (``tests/test_lesson_widths.py``) fails
+on that.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any
 
 from rich import table as rich_table
-from rich.console import Console, ConsoleOptions
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
 FALLBACK = 80  # columns when there is no terminal at all
+TEXT_MIN = 16  # a text column is not narrowed below its longest word, up to this many characters
 
 _NUM = r"[-+−]?(?:\d[\d,_]*(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?"
 _UNIT = r"(?:%|x|×|[kKMGT]?i?B(?:/s)?|[mµun]?s|pts?)"
@@ -83,8 +88,68 @@ def numeric_width(console: Console, column: rich_table.Column) -> int | None:
     return max(Text(n).cell_len for n in [*numbers, *header.split()])
 
 
+def _text_width(console: Console, column: rich_table.Column) -> int:
+    """A text column's narrowest width that breaks no word (at most ``TEXT_MIN``)."""
+    cells = [_plain(console, c) or "" for c in [column.header, *column._cells]]
+    return min(TEXT_MIN, max((Text(w).cell_len for c in cells for w in c.split()), default=1))
+
+
 class Table(rich_table.Table):
-    """A ``rich.table.Table`` that keeps numbers whole when it is too wide (see the module docstring)."""
+    """A ``rich.table.Table`` that keeps numbers whole when it is too wide (see the module docstring);
+    ``key``: the leading columns repeated in each part of a table split to fit."""
+
+    def __init__(self, *headers: Any, key: int = 1, **kwargs: Any) -> None:
+        super().__init__(*headers, **kwargs)
+        self.key = key
+        self._part = False  # a part of a split table: never split again
+
+    def _needs(self, console: Console) -> list[int]:
+        """Per column, the narrowest width (padding included) that cuts no number and breaks no word."""
+        out = []
+        for column in self.columns:
+            number = numeric_width(console, column) if column.width is None else column.width
+            need = number if number is not None else _text_width(console, column)
+            out.append(need + self._get_padding_width(column._index))
+        return out
+
+    def _parts(self, console: Console, max_width: int) -> list[list[int]]:
+        """Column indices of each part: the key columns and as many of the next ones as fit."""
+        needs = self._needs(console)
+
+        def width(cols: list[int]) -> int:
+            edges = (2 if self.show_edge else 0) + len(cols) - 1 if self.box else 0
+            return sum(needs[c] for c in cols) + edges
+
+        key = list(range(min(self.key, len(self.columns) - 1)))
+        parts: list[list[int]] = [[]]
+        for c in range(len(key), len(self.columns)):
+            if parts[-1] and width(key + parts[-1] + [c]) > max_width:
+                parts.append([])
+            parts[-1].append(c)
+        return [key + part for part in parts]
+
+    def _part_of(self, cols: list[int], first: bool, last: bool) -> Table:
+        part = copy.copy(self)
+        part._part = True
+        part.columns = []
+        for i, c in enumerate(cols):
+            column = copy.copy(self.columns[c])
+            column._index = i
+            part.columns.append(column)
+        if not first and isinstance(self.title, str):
+            part.title = f"{self.title} (continued)"
+        if not last:
+            part.caption = None
+        return part
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        max_width = self.width if self.width is not None else options.max_width
+        parts = [] if self._part or not self.columns else self._parts(console, max_width)
+        if len(parts) <= 1:
+            yield from super().__rich_console__(console, options)
+            return
+        for i, cols in enumerate(parts):
+            yield self._part_of(cols, i == 0, i == len(parts) - 1)
 
     def _calculate_column_widths(self, console: Console, options: ConsoleOptions) -> list[int]:
         natural = sum(self._measure_column(console, options, c).maximum for c in self.columns)
