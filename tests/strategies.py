@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -25,6 +26,12 @@ def budget(n: int) -> settings:
     For an ``mpiexec`` property, ``n`` counts jobs; each job runs a list of drawn configurations.
     """
     return settings(max_examples=n * SCALE)
+
+
+def thorough_only(why: str) -> pytest.MarkDecorator:
+    """Mark a long demonstration that repeats what default-profile tests prove: ``make thorough`` runs it,
+    ``make test`` reports it skipped with ``why`` (the tests that cover it there)."""
+    return pytest.mark.skipif(not THOROUGH, reason=f"long demonstration, run by make thorough: {why}")
 
 
 def shapes(min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 5) -> st.SearchStrategy:

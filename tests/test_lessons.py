@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from strategies import thorough_only
 
 from minipar.testing import ROOT, mpiexec_path
 
@@ -40,8 +41,14 @@ def lesson(name: str, *args: str, ranks: int | None = None, cwd: Path = ROOT,
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
+# every lesson checks its world size through lessons.common.parse_lesson_args / run_ranks: by default three
+# lessons prove it under mpiexec (one rank, two, and lesson 10's own launcher), all of them in-process below
+UNDER_MPIEXEC = ("02b_zero_bubble", "03_data_parallel", "10_faults")
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("name,bad", LESSONS.items())
+@pytest.mark.parametrize("name,bad", [pytest.param(n, b, marks=[] if n in UNDER_MPIEXEC else [thorough_only(
+    "the same lessons.common check as the three lessons run by default")]) for n, b in LESSONS.items()])
 def test_a_wrong_world_size_is_reported_once_under_mpiexec(name: str, bad: int) -> None:
     proc = lesson(name, ranks=bad)
     assert proc.returncode != 0
@@ -92,8 +99,14 @@ REPLAYED = {"03_data_parallel": ("after B", "replayed: one core per rank, networ
             "08_hybrid": ("predicted / replayed", "Goal: predicted / replayed within 15 %")}
 
 
+# lessons whose mpiexec run is a long demonstration of what other tests prove under mpiexec
+LONG = {"10_faults": "real SIGKILLs of a parameter-server worker, a DDP rank and an elastic job's rank are "
+                     "tests/test_faults.py, test_elastic.py and test_chaos.py (19 CPU-seconds, 4 mpiexec jobs)"}
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.mpi8] if MPI_RUNS[n][0] == 8 else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=([pytest.mark.mpi8] if MPI_RUNS[n][0] == 8 else [])
+                                               + ([thorough_only(LONG[n])] if n in LONG else []))
                                   for n in MPI_RUNS])
 def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
     ranks, args, written = MPI_RUNS[name]
