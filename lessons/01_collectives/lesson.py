@@ -149,7 +149,7 @@ def render(rows: list[dict[str, Any]], p: int, n: int, backend: str, clock: Cloc
     hidden = "(inside MPI)" if backend == "mpi" else "(shared memory)"
     for col in ("algorithm", "steps (formula)", "bytes sent per rank (trace)", "formula", "match",
                 "ms" if replayed is None else "ms / formula"):
-        table.add_column(col, justify="left" if col == "algorithm" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "algorithm" else "right", no_wrap=col == "algorithm")
     for row in rows:
         native = row["formula"][0] is None
         match = "-" if native else ("yes" if row["sent"] == row["formula"] else "NO")
