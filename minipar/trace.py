@@ -117,7 +117,9 @@ class Trace:
 
     @property
     def world_size(self) -> int:
-        return int(self.meta.get("world_size", 1 + max((e.rank for e in self.events), default=0)))
+        if "world_size" in self.meta:  # not a scan of every event on each call (viz asks per rank)
+            return int(self.meta["world_size"])
+        return 1 + max((e.rank for e in self.events), default=0)
 
 
 class Recorder:

@@ -41,7 +41,7 @@ from minipar.trace import Event, Trace, save
 
 from .asynchronous import has_updates, peak_versions
 from .schedule import Action, Schedule
-from .validate import as_schedule, execute, validate
+from .validate import as_schedule, counterpart_key, validate_and_order
 
 
 @dataclass
@@ -88,7 +88,7 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     each comm event. ``update``: time of a ``U`` (a stage's optimizer update), default 0. Writes the
     trace to ``trace_path`` when given."""
     sched = as_schedule(schedule)
-    program = validate(sched)
+    program, order = validate_and_order(sched)  # the order validation found: every receive after its send
     n_stages = program.virtual_stages
     fwd = _per_stage("forward", forward, n_stages)
     bwd = _per_stage("backward", backward, n_stages)
@@ -103,22 +103,22 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     for acts in program.values():
         held = sorted({a.stage for a in acts if a.is_compute})
         chunk_of.update({s: c for c, s in enumerate(held)})
-    order, _ = execute(program)
     clock = dict.fromkeys(program, 0.0)
     busy = dict.fromkeys(program, 0.0)
     stash = dict.fromkeys(program, 0)
     peak = dict.fromkeys(program, 0)
-    arrival: dict[tuple[int, Action], float] = {}
+    arrival: dict[tuple[int, str, int, int, int | None], float] = {}  # (rank, op, stage, mb, peer) of a send
     events = [Event(r, "memory", "activations", 0.0, 0.0, nbytes=0, args={"stashed": 0}) for r in program]
+    names = {r: [str(a) for a in acts] for r, acts in program.items()}  # once per action: events and meta
     for r, i in order:
-        a = program[r][i]
+        a, text = program[r][i], names[r][i]
         where = {"stage": a.stage, "microbatch": a.microbatch, "chunk": chunk_of.get(a.stage, 0)}
         if a.is_compute:
             t0 = clock[r]
             t1 = t0 + duration[a.op][a.stage]
             clock[r] = t1
             busy[r] += t1 - t0
-            events.append(Event(r, "compute", a.op, t0, t1, args={"action": str(a)}, **where))
+            events.append(Event(r, "compute", a.op, t0, t1, args={"action": text}, **where))
             stash[r] += {"F": 1, "B": -1, "I": 0, "W": -1, "U": 0}[a.op]  # kept until the weights' gradient
             peak[r] = max(peak[r], stash[r])
             events.append(Event(r, "memory", "activations", t1, t1, nbytes=stash[r] * activation_bytes,
@@ -127,15 +127,15 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
         carries = "activation" if a.op.endswith("F") else "gradient"
         if a.is_send:
             t0 = clock[r]
-            arrival[(r, a)] = t1 = t0 + latency
+            arrival[(r, a.op, a.stage, a.microbatch, a.peer)] = t1 = t0 + latency
             src, dst, name = r, a.peer, "send"
         else:
             t0 = clock[r]
-            t1 = max(t0, arrival[(a.peer, a.counterpart(r))])
+            t1 = max(t0, arrival[counterpart_key(a, r)])
             clock[r] = t1
             src, dst, name = a.peer, r, "recv"
         events.append(Event(r, "comm", name, t0, t1, src=src, dst=dst, nbytes=message_bytes, op=name,
-                            args={"carries": carries, "action": str(a)}, **where))
+                            args={"carries": carries, "action": text}, **where))
     makespan = max(clock.values(), default=0.0)
     idle = {r: makespan - busy[r] for r in program}
     total_busy = sum(busy.values())
@@ -146,7 +146,7 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
         "v": sched.chunks, "backend": "simulator", "world_size": len(program), "forward": fwd,
         "backward": bwd, "weight": wgt, "latency": latency, "activation_unit": "microbatches" if activation_bytes == 1
         else f"{activation_bytes} bytes per micro-batch", "makespan": makespan, "bubble_fraction": fraction,
-        "actions": {str(r): [str(a) for a in acts] for r, acts in program.items()},
+        "actions": {str(r): names[r] for r in program},
     }
     trace = Trace(meta, events)
     if trace_path is not None:

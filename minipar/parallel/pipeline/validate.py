@@ -31,7 +31,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .lowering import lower_with_index
-from .schedule import BACKWARD_OPS, Action, Schedule, ScheduleError, format_table, parse_schedule, stage_ranks
+from .schedule import (
+    BACKWARD_OPS,
+    COMPUTE_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    Action,
+    Schedule,
+    ScheduleError,
+    format_table,
+    parse_schedule,
+    stage_ranks,
+)
 
 SENDS = ("eager", "rendezvous")
 _MAX_LISTED = 8
@@ -218,6 +229,36 @@ def _local_needs(a: Action, rank: int, owner: dict[int, int], n_stages: int,
     return []
 
 
+def _need_keys(a: Action, rank: int, owner: dict[int, int], n_stages: int,
+               grad_op: Mapping[tuple[int, int], str]) -> tuple[tuple[str, int, int], ...]:
+    """The keys of ``_local_needs(a, ...)``, built without ``Action`` objects (``execute``'s inner loop)."""
+    s, i, op = a.stage, a.microbatch, a.op
+    if op == "F":
+        if s == 0:
+            return ()
+        return (("F", s - 1, i),) if owner.get(s - 1) == rank else (("RECV_F", s, i),)
+    if op in BACKWARD_OPS:
+        if s < n_stages - 1:
+            return ("F", s, i), ((grad_op.get((s + 1, i), "B"), s + 1, i) if owner.get(s + 1) == rank else
+                                 ("RECV_B", s, i))
+        return (("F", s, i),)
+    if op == "W":
+        return (("I", s, i),)
+    if op == "U":
+        return (("W" if grad_op.get((s, i)) == "I" else "B", s, i),)
+    if op in SEND_OPS:
+        return (("F" if op == "SEND_F" else grad_op.get((s, i), "B"), s, i),)
+    return ()
+
+
+def counterpart_key(a: Action, own_rank: int) -> tuple[int, str, int, int, int]:
+    """``(a.peer, *a.counterpart(own_rank) as op, stage, micro-batch, peer)``, without building it."""
+    d = a.op[-1]
+    if a.op in SEND_OPS:
+        return a.peer, "RECV_" + d, a.stage + 1 if d == "F" else a.stage - 1, a.microbatch, own_rank
+    return a.peer, "SEND_" + d, a.stage - 1 if d == "F" else a.stage + 1, a.microbatch, own_rank
+
+
 def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, int]], list[Stuck]]:
     """Run the lowered program symbolically. Returns the (rank, step) pairs in an order in which they
     can all complete (every receive after its send), and the ranks stuck for ever (empty if none)."""
@@ -227,20 +268,21 @@ def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, in
     ranks = sorted(lowered)
     pos = dict.fromkeys(ranks, 0)
     done: dict[int, set[tuple[str, int, int]]] = {r: set() for r in ranks}
-    posted: set[tuple[int, Action]] = set()
+    posted: set[tuple[int, str, int, int, int | None]] = set()  # (rank, op, stage, micro-batch, peer) of sends
     order: list[tuple[int, int]] = []
 
     def head(r: int) -> Action | None:
         return lowered[r][pos[r]] if r in pos and pos[r] < len(lowered[r]) else None
 
     def inputs_ready(r: int, a: Action) -> bool:
-        return all(n.key in done[r] for n in _local_needs(a, r, owner, n_stages, grad_op))
+        got = done[r]
+        return all(k in got for k in _need_keys(a, r, owner, n_stages, grad_op))
 
     def advance(r: int) -> None:
         a = lowered[r][pos[r]]
-        done[r].add(a.key)
-        if a.is_send:
-            posted.add((r, a))
+        done[r].add((a.op, a.stage, a.microbatch))
+        if a.op in SEND_OPS:
+            posted.add((r, a.op, a.stage, a.microbatch, a.peer))
         order.append((r, pos[r]))
         pos[r] += 1
 
@@ -249,10 +291,10 @@ def execute(lowered: Schedule, sends: str = "eager") -> tuple[list[tuple[int, in
         progress = False
         for r in ranks:
             while (a := head(r)) is not None and inputs_ready(r, a):
-                if a.is_recv and sends == "eager":
-                    if (a.peer, a.counterpart(r)) not in posted:
+                if a.op in RECV_OPS and sends == "eager":
+                    if counterpart_key(a, r) not in posted:
                         break
-                elif not a.is_compute and sends == "rendezvous":
+                elif a.op not in COMPUTE_OPS and sends == "rendezvous":
                     c = a.counterpart(r)
                     if head(a.peer) != c or not inputs_ready(a.peer, c):
                         break
@@ -299,6 +341,15 @@ def validate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
              sends: str = "eager") -> Schedule:
     """Check ``schedule`` (compute-only or already lowered) and return the lowered program.
 
+    Raises ``ScheduleError`` as ``validate_and_order`` does."""
+    return validate_and_order(schedule, sends)[0]
+
+
+def validate_and_order(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[str] | str],
+                       sends: str = "eager") -> tuple[Schedule, list[tuple[int, int]]]:
+    """``validate``, and the (rank, step) order ``execute`` found for the lowered program (every receive
+    after its send): the simulator plays it without executing the program a second time.
+
     Raises ``ScheduleError`` listing every problem, with a step-by-rank table of the lowered program
     in which ``XX`` marks the first action of each rank that can never proceed and ``!!`` marks
     actions named in the problems."""
@@ -316,9 +367,9 @@ def validate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
         raise ScheduleError("\n".join([header + ":", *(f"  - {p}" for p in problems), "", table]),
                             problems, table) from None
     problems, marks = check_structure(sched, index)
-    _, stuck = execute(lowered, sends)
+    order, stuck = execute(lowered, sends)
     if not problems and not stuck:
-        return lowered
+        return lowered, order
     problems += [str(s) for s in stuck]
     cell_marks = dict.fromkeys(marks, "!!") | {(s.rank, s.step): "XX" for s in stuck}
     table = format_table(lowered, cell_marks, max_rows=40)
