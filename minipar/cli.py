@@ -7,6 +7,7 @@
     minipar replay TRACE --cluster local|nvlink|infiniband|a100-selene|FILE -o OUT.json   re-timed on a cluster
     minipar simulate 1f1b --stages 4 --microbatches 8 [-o sim.json]   a pipeline schedule, simulated
     minipar simulate interleaved --chunks 2                           (v model chunks per rank)
+    minipar simulate KIND ...                                         any kind the runtime has, any case (--help)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
     minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE] [--zero 0 1]   fastest first
     minipar run --elastic -n 3 [--max-restarts K] [--min-ranks M] [--attempt-timeout S] script.py [args]
@@ -29,16 +30,18 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from minipar import cli_simulate
+from minipar.cli_args import UsageError
+
 if TYPE_CHECKING:
     from minipar.trace import Trace
 
 EXIT_USAGE = 2
 EXAMPLE_TRACE = "runs/02_pipeline/1f1b.json"
 MIN_WIDTH = 40  # room for a lane ("rank r ", cells, "  idle 100%") and a traffic table column
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
+MAX_WIDTH = 1000  # wider is no terminal (and the lines are built in memory)
+MAX_RANKS = 1024  # processes or threads started on this machine (calibrate, run)
+MAX_GPUS = 65536  # plan: the planner tries every divisor of --gpus (O(gpus) each)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +97,8 @@ def _check_writable(path: str, option: str) -> None:
 def _check_width(width: int | None) -> None:
     if width is not None and width < MIN_WIDTH:
         raise UsageError(f"--width {width} is too narrow; use at least {MIN_WIDTH}")
+    if width is not None and width > MAX_WIDTH:
+        raise UsageError(f"--width {width} is too wide; use at most {MAX_WIDTH}")
 
 
 def _configure_view(p: argparse.ArgumentParser) -> None:
@@ -212,61 +217,6 @@ def _run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_simulate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", help="schedule: naive, gpipe, 1f1b or interleaved")
-    p.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks (default 4)")
-    p.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
-    p.add_argument("--chunks", "-v", type=int, metavar="V",
-                   help="model chunks per rank, interleaved only (default 2 there; >= 2)")
-    p.add_argument("--forward", type=float, default=1.0, help="duration of one forward (default 1)")
-    p.add_argument("--backward", type=float, default=2.0, help="duration of one backward (default 2)")
-    p.add_argument("-o", "--output", metavar="TRACE", help="also write the simulated trace here")
-    p.add_argument("--width", type=int, metavar="N", help="terminal line width (default: the terminal's)")
-
-
-def _run_simulate(args: argparse.Namespace) -> int:
-    from minipar.cost import pipeline as pipeline_cost
-    from minipar.parallel.pipeline import make_schedule, simulate
-    from minipar.trace import save
-
-    interleaved = args.kind.lower() == "interleaved"
-    if interleaved and args.chunks is not None and args.chunks < 2:
-        raise UsageError(f"interleaved needs --chunks >= 2 model chunks per rank, got {args.chunks} "
-                         "(with one chunk it is 1F1B: 'minipar simulate 1f1b')")
-    if not interleaved and args.chunks not in (None, 1):
-        raise UsageError(f"--chunks {args.chunks} applies to the interleaved schedule only; drop it, or "
-                         f"run 'minipar simulate interleaved --chunks {args.chunks}'")
-    chunks = args.chunks or (2 if interleaved else 1)
-    _check_width(args.width)
-    if args.output:
-        _check_writable(args.output, "-o")
-    try:
-        schedule = make_schedule(args.kind, args.stages, args.microbatches, chunks)
-        result = simulate(schedule, forward=args.forward, backward=args.backward)
-    except ValueError as exc:
-        raise UsageError(str(exc).splitlines()[0]) from None
-    if args.output:
-        try:
-            save(result.trace, args.output)
-        except OSError as exc:
-            raise UsageError(f"cannot write output {args.output} (-o): {exc.strerror or exc}") from None
-    if interleaved and args.chunks is None:
-        print(f"interleaved with {chunks} model chunks per rank (the default; --chunks V to change)")
-    for rank, actions in sorted(schedule.items()):
-        print(f"rank {rank}: {' '.join(str(a) for a in actions)}")
-    p, m, v = args.stages, args.microbatches, chunks
-    formula = pipeline_cost.bubble_fraction(args.kind, p, m, v)
-    print(f"makespan {result.makespan:g}   bubble fraction {result.bubble_fraction:.1%} "
-          f"(formula {pipeline_cost.bubble_formula(args.kind)} = {formula:.1%})   "
-          f"peak stashed micro-batches per rank {[result.peak_stash[r] for r in range(p)]}")
-    if args.output:
-        print(f"wrote {args.output}", file=sys.stderr)
-    from viz.terminal import print_timeline
-
-    print_timeline(result.trace, width=args.width)
-    return 0
-
-
 def _configure_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--ranks", type=int, default=4, help="ranks to launch and calibrate (default 4)")
     p.add_argument("--backend", choices=("mpi", "threads"), default="mpi",
@@ -281,6 +231,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     if args.ranks < 2:
         raise UsageError(f"-n {args.ranks}: calibrate needs at least 2 ranks (messages go between ranks)")
+    if args.ranks > MAX_RANKS:
+        raise UsageError(f"-n {args.ranks}: calibrate runs at most {MAX_RANKS} ranks on this machine")
     _check_writable(args.output, "-o")
     try:
         measured = run_calibration(args.ranks, args.backend, quick=args.quick)
@@ -317,8 +269,10 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     if args.model not in MODELS:
         raise UsageError(f"no model preset {args.model!r}; choose one of {', '.join(MODELS)}")
-    if args.gpus < 1 or args.top < 1 or args.global_batch < 1:
-        raise UsageError("--gpus, --top and --global-batch must be positive")
+    for option, value, most in (("--gpus", args.gpus, MAX_GPUS), ("--top", args.top, 1000),
+                                ("--global-batch", args.global_batch, 10**8)):
+        if not 1 <= value <= most:
+            raise UsageError(f"{option} must be between 1 and {most:,}, got {value}")
     if args.cluster:
         try:
             cluster = Cluster.load(args.cluster)
@@ -373,6 +327,10 @@ def _run_run(args: argparse.Namespace) -> int:
     if not args.elastic and (args.restart_n is not None or args.max_restarts is not None
                              or args.attempt_timeout is not None):
         raise UsageError("--max-restarts, --restart-n and --attempt-timeout need --elastic")
+    for option, value in (("-n", args.ranks), ("--min-ranks", args.min_ranks), ("--restart-n", args.restart_n),
+                          ("--max-restarts", args.max_restarts)):
+        if value is not None and value > MAX_RANKS:
+            raise UsageError(f"{option} {value}: at most {MAX_RANKS} on one machine")
     if args.attempt_timeout is not None and not args.attempt_timeout > 0:
         raise UsageError(f"--attempt-timeout must be > 0 seconds, got {args.attempt_timeout}")
     restarts = (3 if args.max_restarts is None else args.max_restarts) if args.elastic else 0
@@ -389,8 +347,8 @@ COMMANDS: dict[str, Command] = {
     "view": ("show traces: HTML report, terminal timeline or Chrome trace", _configure_view, _run_view),
     "replay": ("re-time a recorded trace on a modelled cluster (CPU time per span, alpha-beta links)",
                _configure_replay, _run_replay),
-    "simulate": ("simulate a pipeline schedule: action order, bubble, stash, timeline", _configure_simulate,
-                 _run_simulate),
+    "simulate": ("simulate a pipeline schedule of any kind: action order, bubble, stash, timeline",
+                 cli_simulate.configure, cli_simulate.run),
     "calibrate": ("measure this machine's alpha, beta, gamma and FLOP/s; write a cluster file",
                   _configure_calibrate, _run_calibrate),
     "plan": ("rank hybrid layouts (dp tp pp sp, ZeRO, recomputation) of a model on a cluster by predicted step time",

@@ -59,3 +59,22 @@ def test_unwritable_output_fails_before_printing_or_writing(tmp_path, capsys):
 def test_too_narrow_width_is_one_line(capsys):
     assert main(["simulate", "1f1b", "--width", "10"]) == 2
     assert "--width 10 is too narrow; use at least 40" in _error(capsys)
+
+
+def test_a_grid_too_big_to_draw_is_downsampled_and_fits_the_width(capsys):
+    assert main(["simulate", "1f1b", "-p", "20", "-m", "20", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "overview (20 ranks are more than 16 lanes)" in out and "16 of 20 ranks" in out
+    lanes = [line for line in out.splitlines() if line.startswith("rank ") and line.endswith("%")]
+    assert [line.split()[1] for line in lanes][::15] == ["0", "19"] and len(lanes) == 16
+    assert "(4 more ranks not listed" in out and "peak stashed micro-batches per rank [20, 19," in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_kinds_in_any_case_and_every_kind_of_the_runtime(capsys):
+    for kind in ("1F1B", "GPipe", "Interleaved", "ZB-V", "Chimera", "PipeDream", "2BW"):
+        assert main(["simulate", kind, "-p", "2", "-m", "4", "--width", "60"]) == 0, capsys.readouterr().err
+    assert main(["simulate", "chimera", "-p", "4", "-m", "8", "--forward", "1", "--backward", "1",
+                 "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: d0F0 d0F1 u3F4" in out and "bubble fraction 11.1% (formula (p-2)/(2m+p-2) = 11.1%)" in out
