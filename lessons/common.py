@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from minipar.cli_args import int_in
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
 from minipar.cost.cluster import Cluster
@@ -52,13 +53,32 @@ def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str |
     return launch(body, ranks, "threads", **kwargs)[0]
 
 
+MAX_RANKS = 64  # --ranks: threads of this process
+MAX_STEPS = 10_000
+
+
 def lesson_parser(doc: str | None, steps: int, ranks: int) -> argparse.ArgumentParser:
-    """The arguments every lesson takes: ``--steps``, ``--ranks`` (threads, when not under mpiexec),
-    ``--clock`` and ``--cluster`` (``Clock.of_args``); a lesson adds its own to the parser."""
+    """The arguments every lesson takes: ``--steps``, ``--ranks`` (threads, when not under mpiexec; 0
+    allowed only where it is the default, meaning the lesson's own count), ``--clock`` and ``--cluster``
+    (``Clock.of_args``); a lesson adds its own to the parser. Parse with ``parse_lesson_args``."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--ranks", type=int, default=ranks, help="ranks when not under mpiexec (threads)")
+    parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=steps, help=f"training steps (default {steps})")
+    parser.add_argument("--ranks", type=int_in(0 if ranks == 0 else 1, MAX_RANKS), default=ranks,
+                        help="ranks when not under mpiexec (threads)")
     return clock_arguments(parser)
+
+
+def parse_lesson_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+                      ranks_check: Callable[[argparse.Namespace], str | None] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, then ``ranks_check(args)``: what is wrong with the world size of the
+    threads ``--ranks`` (and the other values) ask for, or None; not under mpiexec, where ``run_ranks``
+    checks the world's size. A problem is reported as argparse reports a bad value (usage, ``error:
+    argument --ranks: ...``, exit status 2), before any work."""
+    args = parser.parse_args(argv)
+    problem = ranks_check(args) if ranks_check is not None and not under_mpiexec() else None
+    if problem:
+        parser.error(f"argument --ranks: {problem}")
+    return args
 
 
 def clock_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

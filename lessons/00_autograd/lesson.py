@@ -19,9 +19,10 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lessons.common import Clock, clock_arguments, finish
+from lessons.common import MAX_STEPS, Clock, clock_arguments, finish, parse_lesson_args
 from lessons.common import console as make_console
 from minipar import datasets, trace
+from minipar.cli_args import int_in
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from viz.width import Table
@@ -107,11 +108,16 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
     return losses
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=300, help="training steps (default 300)")
     parser.add_argument("--out", default="runs/00_autograd", help="folder for trace.json and report.html")
-    args = clock_arguments(parser).parse_args()
+    return parse_lesson_args(clock_arguments(parser), argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     out = make_console()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "trace.json"

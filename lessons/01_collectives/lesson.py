@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, clock_arguments, console, finish, run_ranks
+from lessons.common import MAX_RANKS, REPLAY, Clock, clock_arguments, console, finish, parse_lesson_args, run_ranks
 from minipar import trace
+from minipar.cli_args import int_in
 from minipar.comm import Communicator
 from minipar.cost import ALLREDUCE_ALGORITHMS, allreduce_bytes
 from minipar.cost.collectives import collective_time
@@ -167,14 +168,19 @@ def check_ranks(p: int) -> str | None:
     return None if p >= 2 else f"lesson 1 compares collectives between ranks: run it on 2 or more (got {p})"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=1 << 20, help="elements per rank (float64)")
-    parser.add_argument("--reps", type=int, default=5, help="untraced timing runs per algorithm")
+    parser.add_argument("--n", type=int_in(1, 1 << 26), default=1 << 20, help="elements per rank (float64)")
+    parser.add_argument("--reps", type=int_in(1, 1000), default=5, help="untraced timing runs per algorithm")
     parser.add_argument("--out", default=str(OUT), help="folder for trace.json and trace.chrome.json")
-    parser.add_argument("--ranks", type=int, default=4, help="ranks when not under mpiexec (threads)")
-    args = clock_arguments(parser).parse_args()
+    parser.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=4, help="ranks when not under mpiexec (threads)")
+    return parse_lesson_args(clock_arguments(parser), argv, lambda a: check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     clock = Clock.of_args(args)
 
     def body(comm: Communicator) -> tuple[list[dict[str, Any]], int, str]:

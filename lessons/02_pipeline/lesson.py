@@ -32,6 +32,7 @@ head, which the simulator fed with the run's durations accounts for.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,11 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, run_ranks
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
+from minipar.cli_args import int_in
 from minipar.cost import pipeline as pipeline_cost
 from minipar.optim import AdamW
 from minipar.parallel.pipeline import Pipeline, format_schedule, gpt, gpt_layer_counts, make_schedule
@@ -228,10 +230,15 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
                   f"(or: minipar view {OUT / '1f1b.json'})", highlight=False)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = lesson_parser(__doc__, steps=3, ranks=4)
-    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    args = parser.parse_args()
+    parser.add_argument("--microbatches", type=int_in(1, 1024), default=MICROBATCHES)
+    return parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks, a.microbatches))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
               m=args.microbatches, clock=Clock.of_args(args))
 

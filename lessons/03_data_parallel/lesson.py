@@ -30,12 +30,13 @@ for it, up to k steps ahead -- it hides transient delays, at the price of stale 
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, console, finish, lesson_parser, one_process, run_ranks
+from lessons.common import REPLAY, Clock, console, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
 from minipar import datasets, trace
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.cost.cluster import Cluster
@@ -239,10 +240,15 @@ def check_ranks(p: int) -> str | None:
     return None if p == 4 else f"lesson 3 runs on 4 ranks (1 server and 3 workers, a straggler): got {p}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = lesson_parser(__doc__, steps=10, ranks=4)
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and report.html")
-    args = parser.parse_args()
+    return parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     folder, clock = Path(args.out), Clock.of_args(args)
     res = run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
     if res is None:  # not rank 0

@@ -22,13 +22,14 @@ Writes runs/04_tensor_parallel/{tp,tp_sp}.json and report.html; prints the timel
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
@@ -249,8 +250,13 @@ def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
     console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}", highlight=False)
 
 
-def main() -> None:
-    args = lesson_parser(__doc__, steps=4, ranks=4).parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
+    return parse_lesson_args(lesson_parser(__doc__, steps=4, ranks=4), argv, lambda a: check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 

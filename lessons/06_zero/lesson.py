@@ -31,6 +31,7 @@ runs/06_zero/*.json and report.html.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from contextlib import nullcontext
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
 from lessons.common import console as make_console
 from minipar import datasets, nn
 from minipar import trace as mtrace
@@ -363,8 +364,13 @@ def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
             f"steps skipped on overflow: {mixed['skipped']}.")
 
 
-def main() -> None:
-    args = lesson_parser(__doc__, steps=3, ranks=4).parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
+    return parse_lesson_args(lesson_parser(__doc__, steps=3, ranks=4), argv, lambda a: check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 

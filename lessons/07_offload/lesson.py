@@ -41,6 +41,7 @@ Writes runs/07_offload/*.json, sweep/*.json and report.html.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -50,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from lessons import load
-from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks, time_sharing
+from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, run_ranks, time_sharing
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
@@ -370,8 +371,13 @@ def beyond(console: Any, results: dict[str, Any], n: int) -> None:
     console.print(part3.sweep_table(results["sweep"], n))
 
 
-def main() -> None:
-    args = lesson_parser(__doc__, steps=4, ranks=2).parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
+    return parse_lesson_args(lesson_parser(__doc__, steps=4, ranks=2), argv, lambda a: check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
 
 

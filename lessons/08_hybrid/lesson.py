@@ -38,6 +38,7 @@ message-overhead runs of section 5) and report.html.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import time
@@ -46,10 +47,11 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, run_ranks
+from lessons.common import MAX_RANKS, REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
+from minipar.cli_args import int_in
 from minipar.cost import hybrid as formulas
 from minipar.cost import perf, planner, presets
 from minipar.mesh import DeviceMesh, MeshShape
@@ -385,11 +387,25 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: Clock = REPLAY) -> N
            extra_figures=figures, clock=clock)
 
 
-def main() -> None:
+def _mesh_problem(args: argparse.Namespace) -> str | None:
+    mesh = {a: getattr(args, a) for a in MESH}
+    size = MeshShape(**mesh).size
+    if (args.ranks or size) > MAX_RANKS:
+        return f"the mesh {MeshShape(**mesh)} needs {size} ranks; at most {MAX_RANKS} run as threads here"
+    return check_ranks(args.ranks or size, mesh)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = lesson_parser(__doc__, steps=STEPS, ranks=0)  # --ranks 0: the mesh's size
     for axis, degree in MESH.items():
-        parser.add_argument(f"--{axis}", type=int, default=degree, help=f"{axis} degree (default {degree})")
-    args = parser.parse_args()
+        parser.add_argument(f"--{axis}", type=int_in(1, MAX_RANKS), default=degree,
+                            help=f"{axis} degree (default {degree})")
+    return parse_lesson_args(parser, argv, _mesh_problem)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     mesh = {a: getattr(args, a) for a in MESH}
     ranks = args.ranks or MeshShape(**mesh).size
     run_ranks(run, ranks, lambda p: check_ranks(p, mesh), steps=args.steps, mesh=mesh, clock=Clock.of_args(args))

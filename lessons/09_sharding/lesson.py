@@ -23,6 +23,7 @@ Writes runs/09_sharding/{1d,2p5d,3d}.json and report.html.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, run_ranks
 from lessons.common import console as make_console
 from minipar import nn, trace
 from minipar.autograd import Tensor
@@ -252,8 +253,13 @@ def check_ranks(p: int) -> str | None:
     return None if p == RANKS else f"this lesson runs on {RANKS} ranks (a 2 x 2 x 2 cube); got {p}: mpiexec -n 8"
 
 
-def main() -> None:
-    args = lesson_parser(__doc__, 1, RANKS).parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
+    return parse_lesson_args(lesson_parser(__doc__, 1, RANKS), argv, lambda a: check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     run_ranks(run, args.ranks, check_ranks, clock=Clock.of_args(args))
 
 

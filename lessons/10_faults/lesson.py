@@ -44,9 +44,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from lessons.common import MAX_RANKS, finish, parse_lesson_args, time_sharing
 from lessons.common import console as make_console
-from lessons.common import finish, time_sharing
 from minipar import elastic, launch
+from minipar.cli_args import int_in
 from minipar.comm import faults
 from minipar.comm.mpi import under_mpiexec
 from viz.width import terminal_width
@@ -162,24 +163,26 @@ def relaunch_under_mpiexec(argv: list[str]) -> int:
     return subprocess.run([sys.executable, str(HERE), *argv, "--mpi"], env=_env()).returncode
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=RANKS, help=f"ranks when not under mpiexec (threads; {RANKS})")
+    parser.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=RANKS,
+                        help=f"ranks when not under mpiexec (threads; {RANKS})")
     parser.add_argument("--mpi", action="store_true", help="run the parts as real processes (mpiexec)")
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and the report")
     parser.add_argument("--part", choices=("ps", "ddp", "elastic"), help=argparse.SUPPRESS)  # a child rank
     parser.add_argument("--no-kill", action="store_true", help=argparse.SUPPRESS)
+    return parse_lesson_args(parser, argv, lambda a: None if a.part else check_ranks(a.ranks))
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     out = Path(args.out)
     if args.part:
         return child(args.part, out, not args.no_kill)
     if under_mpiexec():
         return relaunch_under_mpiexec(argv)
-    problem = check_ranks(args.ranks)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     out.mkdir(parents=True, exist_ok=True)
     if not args.mpi:
         print(textwrap.fill(f"(no mpiexec: {RANKS} ranks run as threads of this process; --mpi for real processes)",
