@@ -3,8 +3,10 @@
 Every wait polls non-blocking requests (``watchdog.poll``): it spins for ``spin`` seconds (1 ms;
 MPI progresses only inside MPI calls, so an operation done within it costs what the blocking call
 costs), then sleeps between tests, so a rank blocked in communication gives its core back (MPICH
-busy-polls inside blocking calls) and a stuck wait ends in ``CommTimeout``. Under ``mpiexec`` an
-uncaught exception on any rank (any thread) prints its traceback and calls ``MPI_Abort``: the whole
+busy-polls inside blocking calls) and a stuck wait ends in ``CommTimeout``. ``MINIPAR_WAIT=bell``
+makes the sleeps end early when a peer posts the awaited message or has copied a large one
+(``doorbell.py``); ``yield`` pauses with ``os.sched_yield`` (``watchdog.wait_mode``; default ``sleep``).
+Under ``mpiexec`` an uncaught exception on any rank (any thread) prints its traceback and calls ``MPI_Abort``: the whole
 job exits non-zero instead of hanging; once a peer is dead (``detector.py``) the rank exits by
 itself instead (``os._exit``: no ``MPI_Abort`` cutting the other survivors' reports short, no
 ``MPI_Finalize`` waiting for the dead rank). ``MPI_Init`` and ``MPI_Finalize`` run under deadlines too
@@ -36,15 +38,20 @@ from minipar.comm import startup
 from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
 from minipar.comm.detector import Detector, MpiHeartbeat, default_deadline
+from minipar.comm.doorbell import RENDEZVOUS, Doorbell, process_bell
 from minipar.comm.errors import CommTimeout, PeerLost
 from minipar.comm.ring import chunk_bounds
-from minipar.comm.watchdog import PACE, RankState, default_timeout, poll, spin_for
+from minipar.comm.watchdog import PACE, RankState, default_timeout, poll, spin_for, wait_mode
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
                                 "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
 HEADER = 16  # int64 words: dtype code, ndim, up to 14 dims
 FORWARD_GRACE = 0.3  # seconds for mpiexec to forward a failing rank's traceback
 ABORT_GRACE = 1.0  # seconds a timed-out rank waits before MPI_Abort
+
+
+def _yield(seconds: float) -> None:
+    os.sched_yield()
 
 
 def under_mpiexec() -> bool:
@@ -68,13 +75,25 @@ def encode_header(arr: np.ndarray) -> np.ndarray:
 
 
 class _Reqs:
-    def __init__(self, reqs: list[Any], value: Any = None, keep: Any = None) -> None:
-        self.reqs, self.value, self.keep = reqs, value, keep
+    """Requests done together; a receive with a doorbell rings its sender once it is done (``bell``,
+    ``peer``: the sender's world rank), so a sender asleep on its rendezvous send wakes."""
+
+    def __init__(self, reqs: list[Any], value: Any = None, keep: Any = None, bell: Doorbell | None = None,
+                 peer: int = -1) -> None:
+        self.reqs, self.value, self.keep, self.bell, self.peer = reqs, value, keep, bell, peer
+        self.finished = False
 
     def done(self) -> bool:
         from mpi4py import MPI
 
-        return bool(MPI.Request.Testall(self.reqs))
+        if self.finished:
+            return True
+        if not MPI.Request.Testall(self.reqs):
+            return False
+        self.finished = True
+        if self.bell is not None:
+            self.bell.ring(self.peer)
+        return True
 
 
 class _HeaderRecv:
@@ -102,6 +121,9 @@ class _HeaderRecv:
             self.fifo.popleft()._post_payload()
         if self.preq is not None and self.preq.Test():
             self.value = self.buf
+            bell = self.comm.bell
+            if bell is not None and self.buf is not None and self.buf.nbytes >= RENDEZVOUS:
+                bell.ring(self.comm.group_ranks[self.src])
         return self.value is not None
 
 
@@ -124,17 +146,26 @@ class MpiCommunicator(Communicator):
         ranks = MPI.Group.Translate_ranks(group, list(range(mpicomm.Get_size())), world_group)
         super().__init__(mpicomm.Get_rank(), mpicomm.Get_size(), [int(r) for r in ranks], state)
         self._fifo: dict[tuple[int, int], deque[_HeaderRecv]] = {}
-        self.spin, self.pace = spin_for(int(os.environ.get("MPI_LOCALNRANKS", "1"))), PACE  # Hydra sets it
+        local = int(os.environ.get("MPI_LOCALNRANKS", "1"))  # Hydra sets it
+        self.spin, self.pace = spin_for(local), PACE
+        mode = wait_mode(local)
+        self.bell = process_bell(self.world_rank) if mode == "bell" else None
+        self.rest: Callable[[float], None] = self.bell.wait if self.bell is not None else \
+            (_yield if mode == "yield" else time.sleep)
 
     def _post_send(self, ctx: int, array: np.ndarray, dst: int, tag: int, header: bool) -> Pending:
         MPI, c = self.MPI, self.mpicomm
         arr = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         if not header:
-            return _Reqs([c.Isend([_bytes(arr), MPI.BYTE], dst, wire_tag(ctx, tag, 2))], keep=arr)
-        hdr = encode_header(arr)
-        t = wire_tag(ctx, tag, 0)
-        return _Reqs([c.Isend([hdr.view(np.uint8), MPI.BYTE], dst, t),
-                      c.Isend([_bytes(arr), MPI.BYTE], dst, t + 1)], keep=(hdr, arr))
+            out = _Reqs([c.Isend([_bytes(arr), MPI.BYTE], dst, wire_tag(ctx, tag, 2))], keep=arr)
+        else:
+            hdr = encode_header(arr)
+            t = wire_tag(ctx, tag, 0)
+            out = _Reqs([c.Isend([hdr.view(np.uint8), MPI.BYTE], dst, t),
+                         c.Isend([_bytes(arr), MPI.BYTE], dst, t + 1)], keep=(hdr, arr))
+        if self.bell is not None:  # wake the receiver: its data is there
+            self.bell.ring(self.group_ranks[dst])
+        return out
 
     def _post_recv(self, ctx: int, src: int, tag: int, like: Any, out: np.ndarray | None = None) -> Pending:
         if like is None and out is None:
@@ -144,11 +175,12 @@ class MpiCommunicator(Communicator):
         else:
             buf = out
         req = self.mpicomm.Irecv([_bytes(buf), self.MPI.BYTE], src, wire_tag(ctx, tag, 2))
-        return _Reqs([req], value=buf)
+        big = self.bell is not None and buf.nbytes >= RENDEZVOUS  # the sender waits for our copy
+        return _Reqs([req], value=buf, bell=self.bell if big else None, peer=self.group_ranks[src])
 
     def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
               timeout: float | None = None) -> None:
-        poll(self.state, test, what, peers, timeout, self.spin, self.pace)
+        poll(self.state, test, what, peers, timeout, self.spin, self.pace, self.rest)
 
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
         return MpiCommunicator(self.mpicomm.Split(color, index), self.state)

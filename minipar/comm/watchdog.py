@@ -34,6 +34,22 @@ def spin_for(local_ranks: int, cores: int | None = None) -> float:
     return 0.0 if local_ranks > (cores or os.cpu_count() or 1) else SPIN
 
 
+WAIT_MODES = ("sleep", "bell", "yield")
+
+
+def wait_mode(local_ranks: int, cores: int | None = None) -> str:
+    """How a wait spends its pauses: ``MINIPAR_WAIT`` (``sleep``: ``time.sleep``; ``bell``: sleep on
+    the process's doorbell, ``doorbell.py``, woken when its data is posted; ``yield``:
+    ``os.sched_yield``), else ``sleep`` (``local_ranks`` and ``cores`` are for a default that
+    depends on oversubscription; ``benchmarks/oversubscribed.py`` measures the modes)."""
+    raw = os.environ.get("MINIPAR_WAIT", "").strip().lower()
+    if raw:
+        if raw not in WAIT_MODES:
+            raise ValueError(f"MINIPAR_WAIT={raw!r}: choose one of {', '.join(WAIT_MODES)}")
+        return raw
+    return "sleep"
+
+
 def default_timeout(timeout: float | None = None) -> float:
     """Resolve the watchdog timeout: argument, then ``MINIPAR_TIMEOUT``, then 60 s."""
     if timeout is not None:
@@ -83,7 +99,8 @@ class RankState:
 
 
 def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[int],
-         timeout: float | None = None, spin: float = SPIN, pace: float = PACE) -> None:
+         timeout: float | None = None, spin: float = SPIN, pace: float = PACE,
+         rest: Callable[[float], None] = time.sleep) -> None:
     """Call ``test`` until it returns True; ``CommTimeout`` after the deadline.
 
     MPI moves data only inside MPI calls (MPICH has no progress thread), so a rank asleep between
@@ -93,7 +110,9 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
     ends at most ~3% later than spinning would (an 8 MB native all-reduce: 1.1x MPICH's blocking
     call, 1.3x with 1/8), and a rank idle for more than 32 ms wakes 1000 times a second. A thread that
     overlaps communication with the rank's compute waits with ``spin=0, pace=1/2``: every wake-up
-    preempts the compute.
+    preempts the compute. ``rest(seconds)`` pauses (``time.sleep``; a doorbell's ``wait`` ends
+    early when a peer rings, ``doorbell.py``): the deadline and the detector are checked after
+    every pause, so no pause makes a wait outlive them by more than its length (at most 1 ms).
     """
     if test():
         return
@@ -111,4 +130,4 @@ def poll(state: RankState, test: Callable[[], bool], what: str, peers: Iterable[
             raise state.timeout_error(what, peers, now - start)
         waited = now - start
         if waited >= spin:
-            time.sleep(min(1e-3, max(2e-5, waited * pace)))
+            rest(min(1e-3, max(2e-5, waited * pace)))
