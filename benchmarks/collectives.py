@@ -69,17 +69,27 @@ def blocking_allreduce(comm: Communicator, x: np.ndarray) -> np.ndarray:
     return out
 
 
-def compare(comm: Communicator, n: int, reps: int) -> dict[str, float]:
+def tree_allreduce(comm: Communicator, x: np.ndarray) -> np.ndarray:
+    """Binomial-tree reduce to rank 0, then binomial-tree broadcast (``minipar.comm.tree``)."""
+    return comm.broadcast(comm.reduce(x, root=0), root=0)
+
+
+def compare(comm: Communicator, n: int, reps: int, names: tuple[str, ...] = ("blocking", "native", "ring")
+            ) -> dict[str, float]:
     """Median time of each variant on ``n`` float64, the variants alternating within every repeat."""
     x = np.random.default_rng(comm.rank).standard_normal(n)
-    variants: dict[str, Callable[[], np.ndarray]] = {
+    every: dict[str, Callable[[], np.ndarray]] = {
         "blocking": lambda: blocking_allreduce(comm, x),
         "native": lambda: comm.allreduce(x, algorithm="native"),
         "ring": lambda: comm.allreduce(x, algorithm="ring"),
+        "rd": lambda: comm.allreduce(x, algorithm="recursive_doubling"),
+        "tree": lambda: tree_allreduce(comm, x),
     }
+    variants = {k: fn for k, fn in every.items() if k in names}
     ref = variants["blocking"]()
-    for name in ("native", "ring"):
-        assert np.allclose(variants[name](), ref), name
+    for name in variants:
+        if name != "blocking":
+            assert np.allclose(variants[name](), ref), name
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
@@ -106,14 +116,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 << 14, 1 << 20, 1 << 24])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--variants", nargs="+", default=["native", "ring", "rd", "tree"],
+                    choices=["native", "ring", "rd", "tree"],
+                    help="beside the blocking call: native, ring, rd (recursive doubling), tree (reduce + broadcast)")
+    ap.add_argument("--no-tracing", action="store_true", help="skip the tracing-overhead lines")
     args = ap.parse_args()
     comm = world()
     if comm.backend != "mpi":
         raise SystemExit("run under mpiexec: .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/collectives.py")
     # small messages are cheap and noisy: more repeats (the largest size gets ``--reps``)
-    rows = [(n, compare(comm, n, max(args.reps, min(51, max(args.sizes) // n)))) for n in args.sizes]
-    big_off, big_on = tracing_overhead(comm, 1 << 20, 1, args.reps)
-    small_off, small_on = tracing_overhead(comm, 16, 200, args.reps)
+    names = ("blocking", *args.variants)
+    rows = [(n, compare(comm, n, max(args.reps, min(51, max(args.sizes) // n)), names)) for n in args.sizes]
+    if not args.no_tracing:
+        big_off, big_on = tracing_overhead(comm, 1 << 20, 1, args.reps)
+        small_off, small_on = tracing_overhead(comm, 16, 200, args.reps)
     if comm.rank != 0:
         return
     from rich.console import Console
@@ -121,17 +137,20 @@ def main() -> None:
 
     cores = os.cpu_count() or 1
     shared = f"; {comm.size} ranks on {cores} cores time-share" if comm.size > cores else ""
-    table = Table(title=f"all-reduce, float64, {comm.size} ranks ({comm.backend}{shared}), "
-                        f"median of >= {args.reps}")
-    for col in ("elements", "MB", "blocking (ms)", "native (ms)", "ring (ms)", "native / blocking",
-                "ring / blocking", "ring / native"):
+    how = "doorbell" if getattr(comm, "bell", None) is not None else \
+        getattr(getattr(comm, "rest", None), "__name__", "sleep").strip("_")
+    table = Table(title=f"all-reduce, float64, {comm.size} ranks ({comm.backend}{shared}; waits pause: {how}), "
+                        f"median of >= {args.reps}, wall clock of the slowest rank")
+    for col in ("elements", "MB", "blocking (ms)", *(f"{k} (ms)" for k in args.variants),
+                *(f"{k} / blocking" for k in args.variants)):
         table.add_column(col, justify="right")
     for n, m in rows:
-        table.add_row(f"{n:,}", f"{n * 8 / 1e6:.1f}", *(f"{m[k] * 1e3:.2f}" for k in ("blocking", "native", "ring")),
-                      f"{m['native'] / m['blocking']:.2f}x", f"{m['ring'] / m['blocking']:.2f}x",
-                      f"{m['ring'] / m['native']:.2f}x")
-    console = Console(width=120)
+        table.add_row(f"{n:,}", f"{n * 8 / 1e6:.1f}", *(f"{m[k] * 1e3:.2f}" for k in names),
+                      *(f"{m[k] / m['blocking']:.2f}x" for k in args.variants))
+    console = Console(width=160)
     console.print(table)
+    if args.no_tracing:
+        return
     console.print(f"tracing overhead, ring all-reduce of 1M float64: off {big_off * 1e3:.1f} ms, "
                   f"on {big_on * 1e3:.1f} ms ({big_on / big_off:.2f}x)")
     console.print(f"tracing overhead, 200 ring all-reduces of 16 float64: off {small_off * 1e3:.1f} ms, "
