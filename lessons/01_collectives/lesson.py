@@ -173,7 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int_in(1, 1 << 26), default=1 << 20, help="elements per rank (float64)")
-    parser.add_argument("--reps", type=int_in(1, 1000), default=5, help="untraced timing runs per algorithm")
+    parser.add_argument("--reps", type=int_in(0, 1000), default=5,
+                        help="untraced timing runs per algorithm (0: none)")
     parser.add_argument("--out", default=str(OUT), help="folder for trace.json and trace.chrome.json")
     parser.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=4, help="ranks when not under mpiexec (threads)")
     return parse_lesson_args(clock_arguments(parser), argv, lambda a: check_ranks(a.ranks))
