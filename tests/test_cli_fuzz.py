@@ -172,3 +172,14 @@ def test_lesson_parsers_never_raise(case):
         assert re.search(r"error: (argument |unrecognized arguments: )", line), (name, argv, line)
         # an option given (or the value argparse could not place), or --ranks: the world size they ask for
         assert any(w in line for w in argv if w) or "argument --ranks: " in line, (name, argv, line)
+
+
+DOCUMENTED = [("01_collectives", ["--reps", "0", "--n", "64"]), ("08_hybrid", ["--ranks", "0"]),
+              ("08_hybrid", ["--pp", "2", "--dp", "2", "--sp", "2", "--tp", "1"]),
+              ("02_pipeline", ["--steps", "3", "--microbatches", "8"]), ("00_autograd", ["--steps", "300"]),
+              ("10_faults", ["--ranks", "4"])]  # command lines the docs, notebooks and tests use
+
+
+@pytest.mark.parametrize(("name", "argv"), DOCUMENTED)
+def test_the_documented_command_lines_still_parse(name, argv):
+    assert load(name).parse_args(argv) is not None
