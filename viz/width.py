@@ -9,8 +9,9 @@ a terminal), else ``FALLBACK`` (80) columns.
 numeric column (every cell a number, optionally with a unit, or several: ``1,024 / 1,024``, ``4 3 2 1``)
 is fixed at its widest number (its header wraps under it) so rich narrows the text columns, whose
 cells wrap. When even that is too wide, the table is printed as several tables, left to right: each
-repeats the first ``key`` columns (what names a row) and takes as many of the next columns as fit,
-the later ones titled "(continued)", the caption under the last. Only a single column wider than
+repeats the first ``key`` columns (what names a row) and takes its share of the next columns (as few
+tables as fit, of even widths; a "formula" column stays beside the column it is the formula of), the
+later ones titled "(continued)", the caption under the last. Only a single column wider than
 the line is still cut (with ``…``); the lessons' width test (``tests/test_lesson_widths.py``) fails
 on that.
 """
@@ -28,6 +29,7 @@ from rich.text import Text
 
 FALLBACK = 80  # columns when there is no terminal at all
 TEXT_MIN = 16  # a text column is not narrowed below its longest word, up to this many characters
+GLUED = ("formula", "sim.")  # headers of columns kept next to the column before them when a table is split
 
 _NUM = r"[-+−]?(?:\d[\d,_]*(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?"
 _UNIT = r"(?:%|x|×|[kKMGT]?i?B(?:/s)?|[mµun]?s|pts?)"
@@ -89,9 +91,12 @@ def numeric_width(console: Console, column: rich_table.Column) -> int | None:
 
 
 def _text_width(console: Console, column: rich_table.Column) -> int:
-    """A text column's narrowest width that breaks no word (at most ``TEXT_MIN``)."""
+    """A text column's narrowest width that breaks no word (at most ``TEXT_MIN``); a ``no_wrap`` one's
+    widest line."""
     cells = [_plain(console, c) or "" for c in [column.header, *column._cells]]
-    return min(TEXT_MIN, max((Text(w).cell_len for c in cells for w in c.split()), default=1))
+    pieces = [piece for c in cells for piece in (c.splitlines() if column.no_wrap else c.split())]
+    widest = max((Text(w).cell_len for w in pieces), default=1)
+    return widest if column.no_wrap else min(TEXT_MIN, widest)
 
 
 class Table(rich_table.Table):
@@ -113,7 +118,9 @@ class Table(rich_table.Table):
         return out
 
     def _parts(self, console: Console, max_width: int) -> list[list[int]]:
-        """Column indices of each part: the key columns and as many of the next ones as fit."""
+        """Column indices of each part: the key columns and the next ones, as few parts as fit
+        ``max_width``, their widths as even as can be; a column headed "formula" or "sim." stays with
+        the one before it (what it is the formula or simulation of)."""
         needs = self._needs(console)
 
         def width(cols: list[int]) -> int:
@@ -121,12 +128,27 @@ class Table(rich_table.Table):
             return sum(needs[c] for c in cols) + edges
 
         key = list(range(min(self.key, len(self.columns) - 1)))
-        parts: list[list[int]] = [[]]
+        units: list[list[int]] = []
         for c in range(len(key), len(self.columns)):
-            if parts[-1] and width(key + parts[-1] + [c]) > max_width:
-                parts.append([])
-            parts[-1].append(c)
-        return [key + part for part in parts]
+            header = (_plain(console, self.columns[c].header) or "").strip()
+            if units and header in GLUED and width(key + units[-1] + [c]) <= max_width:
+                units[-1].append(c)
+            else:
+                units.append([c])
+
+        def pack(limit: int) -> list[list[int]]:
+            parts: list[list[int]] = [[]]
+            for unit in units:
+                if parts[-1] and width(key + parts[-1] + unit) > limit:
+                    parts.append([])
+                parts[-1].extend(unit)
+            return parts
+
+        fewest = len(pack(max_width))
+        limit = max_width  # the narrowest limit that needs no more parts: parts of even width
+        while limit > 1 and len(pack(limit - 1)) <= fewest:
+            limit -= 1
+        return [key + part for part in pack(limit)]
 
     def _part_of(self, cols: list[int], first: bool, last: bool) -> Table:
         part = copy.copy(self)

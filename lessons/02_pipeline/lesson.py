@@ -139,15 +139,16 @@ def print_actions(console: Console, kind: str, actions: dict[int, list[str]]) ->
 
 
 def summary_table(rows: list[dict[str, Any]], losses: dict[str, list[float]], clock: Clock = REPLAY) -> Table:
-    table = Table(title=f"last step, {clock.label}; bubble = idle share of the F/B window",
-                  caption="simulator: the same order with this run's F/B time per stage; formula: uniform "
-                          "stages, no communication time; stash: micro-batches per rank")
-    for col in ("schedule", "step", f"bubble {clock.short}", "simulator", "formula",
-                f"peak stash {clock.short}", "simulator", "final loss"):
+    """One row per schedule. Short headers so that it fits 80 columns: the clock in the title, "sim."."""
+    table = Table(title=f"last step, {clock.label}; bubble: idle share of the F/B window; stash: peak "
+                        "micro-batches per rank",
+                  caption="sim.: the simulator, the same order with this run's F/B time per stage; formula: "
+                          "uniform stages, no communication time; loss: the last step's")
+    for col in ("schedule", "step ms", "bubble", "sim.", "formula", "stash", "sim.", "loss"):
         table.add_column(col, justify="right")
     for row in rows:
         table.add_row(
-            f"{row['kind']}" + (f" v={row['v']}" if row["v"] > 1 else ""), f"{1e3 * row['step_time']:.0f} ms",
+            f"{row['kind']}" + (f" v={row['v']}" if row["v"] > 1 else ""), f"{1e3 * row['step_time']:.0f}",
             f"{100 * row['bubble']:.1f}%", f"{100 * row['simulated']:.1f}%", f"{100 * row['formula']:.1f}%",
             " ".join(str(row["peak"][r]) for r in sorted(row["peak"])),
             " ".join(str(row["sim_peak"][r]) for r in sorted(row["sim_peak"])),

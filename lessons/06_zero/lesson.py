@@ -188,7 +188,7 @@ def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Ta
                           "most at any sample of the step (stage 2: gradients of a bucket not yet reduced; FSDP: "
                           "a unit's full gradients before their reduce-scatter, and the gathered units: the one "
                           "computing plus the prefetched one, next to fsdp_gathered_peak).",
-                  caption_justify="left")
+                  caption_justify="left", key=2)  # split to fit: each part keeps the stage and N
     for col in ("stage", "N", "params", "grads", "opt state", "total", "exact", "paper", "peak",
                 "FSDP gathered peak (formula)"):
         table.add_column(col, justify="right")

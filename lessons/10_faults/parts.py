@@ -12,6 +12,7 @@ rank 0 a plain dict the lesson prints; and the elastic loop's launcher on the th
 from __future__ import annotations
 
 import os
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from minipar.nn import GPT
 from minipar.optim import SGD, AdamW
 from minipar.parallel import param_server as ps
 from minipar.parallel.ddp import DistributedDataParallel, train_step
+from viz.width import terminal_width
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, BATCH = 16, 8, 16, 2, 1, 12
 DEADLINE = 0.5  # MINIPAR_PEER_DEADLINE on threads (seconds): one heartbeat thread beats for all, no false alarm
@@ -156,7 +158,8 @@ def elastic_threads(out: Path, log: Any = print) -> tuple[list[dict[str, Any]], 
     for name in ("elastic_ckpt", "reference_ckpt"):
         _clear(out / name)
     elastic.elastic_loop(EL_RANKS, threads_launcher(out, out / "elastic_ckpt", True, runs), max_restarts=1,
-                         log=lambda line: log(f"minipar run (threads): {line}"))
+                         log=lambda line: log(textwrap.fill(f"minipar run (threads): {line}", terminal_width(),
+                                                            subsequent_indent="  ")))
     reference = launch(elastic_part, EL_RANKS, "threads", deadline=DEADLINE, out=out, ckpt=out / "reference_ckpt",
                        info=elastic.restart_info({}), kill=False)[0]
     return runs, reference
