@@ -1,6 +1,7 @@
 """Every lesson starts alike: its natural number of ranks in-process (said in one line), ``--ranks``,
 and a wrong world size reported once, by rank 0, before any work, under mpiexec and in-process. And
-every lesson whose walkthrough notebook (threads) shows its ``mpiexec`` command runs under it here."""
+every lesson whose walkthrough notebook (threads) shows its ``mpiexec`` command runs under it here, its
+output within 80 columns and no number cut (``widths``; the other lessons: ``test_lesson_widths``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 from strategies import thorough_only
+from widths import width_problems
 
 from minipar.testing import ROOT, mpiexec_path
+
+WIDTH = 80  # COLUMNS of every run: an 80-column terminal (test_the_notebooks_mpiexec_command_runs checks the fit)
 
 LESSONS = {"01_collectives": 1, "02_pipeline": 3, "02b_zero_bubble": 1, "03_data_parallel": 2, "04_tensor_parallel": 3,
            "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3, "09_sharding": 4, "10_faults": 3}
@@ -37,7 +41,8 @@ def lesson(name: str, *args: str, ranks: int | None = None, cwd: Path = ROOT,
     cmd = [sys.executable, str(ROOT / "lessons" / name / "lesson.py"), *args]
     if ranks is not None:
         cmd = [str(mpiexec_path()), "-n", str(ranks), *cmd]
-    env = {**{k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}, "OPENBLAS_NUM_THREADS": "1", "NO_COLOR": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}, "OPENBLAS_NUM_THREADS": "1", "NO_COLOR": "1",
+           "COLUMNS": str(WIDTH)}  # under mpiexec too: the ranks get the environment
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
@@ -113,6 +118,7 @@ def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
     proc = lesson(name, *(a.format(out=tmp_path) for a in args), ranks=ranks, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert (tmp_path / written).exists()
+    assert not width_problems(proc.stdout, WIDTH), "\n".join(width_problems(proc.stdout, WIDTH))  # fits 80 columns
     text = " ".join(proc.stdout.split())
     assert all(words in text for words in REPLAYED.get(name, ())), proc.stdout[-3000:]
     if name == "08_hybrid":

@@ -1,0 +1,29 @@
+"""What "fits the terminal" means for a lesson's output, checked on its text (``width_problems``): no
+line longer than the width, no table cut at the right (a row that opens with a border and does not
+close with one), no number cut (a cell ending in ``…`` right after a digit-led word: ``157,…``)."""
+
+from __future__ import annotations
+
+import re
+
+from rich.cells import cell_len
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+OPEN, CLOSE = "┏┃┡│└┌╭", "┓┃┩│┘┐╮┤"  # the first and last character of a rich table's lines
+CUT_NUMBER = re.compile(r"(?:^|\s)[-+−~≈]?\d[\d,._]*…$")
+
+
+def width_problems(text: str, width: int) -> list[str]:
+    """Each line of ``text`` (ANSI codes stripped) longer than ``width``, each table line cut at the
+    right and each numeric cell cut with an ellipsis, as one message per problem (none: it fits)."""
+    problems = []
+    for n, line in enumerate(ANSI.sub("", text).splitlines(), 1):
+        if cell_len(line) > width:
+            problems.append(f"line {n} is {cell_len(line)} > {width} columns: {line!r}")
+        body = line.strip()
+        if body and body[0] in OPEN and body[-1] not in CLOSE:
+            problems.append(f"line {n}: a table cut at the right: {line!r}")
+        for cell in re.split(r"[│┃]", line):
+            if CUT_NUMBER.search(cell.strip()):
+                problems.append(f"line {n}: a number cut: {cell.strip()!r} in {line!r}")
+    return problems
