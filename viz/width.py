@@ -1,9 +1,11 @@
 """Fitting the terminal: its width, also under ``mpiexec``, and tables that never cut a number.
 
-``terminal_width()``: ``COLUMNS`` when set (``make demo`` passes it to ``mpiexec``), else the size of
-the first of stdout, stderr and stdin that is a terminal, else of the controlling terminal
-(``/dev/tty``: under ``mpiexec`` every standard stream may be a pipe while the person still looks at
-a terminal), else ``FALLBACK`` (80) columns.
+``terminal_width()``: ``COLUMNS`` when set, else the size of the first of stdout, stderr and stdin
+that is a terminal, else of the controlling terminal (``/dev/tty``: every standard stream redirected
+while the person still looks at a terminal), else ``FALLBACK`` (80) columns. MPICH's ``mpiexec``
+starts its ranks with pipes for streams and without a controlling terminal, so the width has to come
+from ``COLUMNS``, which the shell does not export: ``make demo`` passes it on,
+``COLUMNS=$(tput cols) mpiexec ...`` does the same by hand.
 
 ``Table``: a ``rich.table.Table`` that, when its columns do not fit, keeps every number whole: each
 numeric column (every cell a number, optionally with a unit, or several: ``1,024 / 1,024``, ``4 3 2 1``)
