@@ -28,6 +28,22 @@ these are not scaling numbers): native/blocking, ring/blocking, ring/native 2.1x
 16K; 1.5x, 1.9x, 1.3x at 1M; 0.93x, 0.71x, 0.77x at 16M. At load 3 the same ratios moved by
 20-50%.
 
+Issue 26 (ranks outnumbering cores), 2026-11-27, load average 8-11 from other jobs, so +-50% from
+run to run; ring / rd / tree over blocking at 1M and 16M float64 (``--variants ring rd tree``):
+
+    p  MINIPAR_WAIT  1M: ring   rd     tree     16M: ring   rd     tree
+    2  sleep             1.09x  0.93x  0.97x         0.78x  0.88x  1.14x
+    3  sleep             0.55x  0.79x  0.70x         0.43x  1.80x  0.92x
+    3  bell              0.62x  0.85x  0.81x         0.45x  0.85x  0.93x
+    4  sleep             1.17x  1.29x  1.40x         0.73x  2.25x  1.47x
+    4  bell              0.98x  1.10x  1.29x         0.72x  2.99x  1.32x
+    8  sleep             1.02x  1.32x  1.04x         0.72x  2.66x  2.43x
+    8  bell              1.23x  1.41x  1.07x         0.82x  2.42x  1.76x
+
+Under that load MPICH's blocking call, which busy-polls, loses its edge; the quiet-machine numbers of
+the issue (4 ranks: 1.29x at 1M, 2.90x at 16M) were not re-measured. ``benchmarks/oversubscribed.py``
+compares the ways a ring step waits side by side in one run.
+
 Re-measured with nothing else running (2 ranks): native/blocking 1.45x, 1.40x, 1.03x; ring/blocking
 1.83x, 1.01x, 0.69x; ring/native 1.26x, 0.72x, 0.67x at 16K, 1M, 16M elements; tracing on vs off
 1.01x (1M) and 1.25x (200 x 16).
