@@ -37,12 +37,12 @@ MPI_RUNS = {"01_collectives": (4, ("--n", "65536", "--reps", "2", "--out", "{out
 
 
 def lesson(name: str, *args: str, ranks: int | None = None, cwd: Path = ROOT,
-           timeout: float = 120) -> subprocess.CompletedProcess:
+           timeout: float = 120, width: int = WIDTH) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "lessons" / name / "lesson.py"), *args]
     if ranks is not None:
         cmd = [str(mpiexec_path()), "-n", str(ranks), *cmd]
     env = {**{k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}, "OPENBLAS_NUM_THREADS": "1", "NO_COLOR": "1",
-           "COLUMNS": str(WIDTH)}  # under mpiexec too: the ranks get the environment
+           "COLUMNS": str(width)}  # under mpiexec too: the ranks get the environment
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
@@ -81,7 +81,9 @@ def test_in_process_run_says_so_in_one_line(tmp_path) -> None:
 
 def test_times_are_replayed_by_default_and_the_wall_clock_one_flag_away(tmp_path) -> None:
     base = ("--n", "64", "--reps", "1", "--out", str(tmp_path), "--ranks", "2")
-    replayed, wall = lesson("01_collectives", *base), lesson("01_collectives", *base, "--clock", "wall")
+    # wide enough that the table's "ms / formula" header is one line (at 80 columns it wraps)
+    replayed, wall = (lesson("01_collectives", *base, width=160),
+                      lesson("01_collectives", *base, "--clock", "wall", width=160))
     assert replayed.returncode == wall.returncode == 0, replayed.stderr + wall.stderr
     assert "time replayed: one core per rank, network local" in " ".join(replayed.stdout.split())
     assert "ms / formula" in replayed.stdout and "; replayed: one core per rank" in replayed.stdout
