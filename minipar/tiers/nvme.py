@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from minipar.npy import HEADER
+
 # (name, src, dst, nbytes, t0, t1) -> None: how a move is recorded; (bytes on disk, t) -> None: a sample
 OnMove = Callable[[str, str, str, int, float, float], None]
 OnDisk = Callable[[int, float], None]
@@ -48,12 +50,9 @@ def _write_file(path: str, array: np.ndarray) -> None:
         os.fsync(fh.fileno())
 
 
-_HEADER = threading.Lock()  # np.load parses a .npy header with ``ast``, not thread-safe in CPython 3.11 (gh-106905)
-
-
 def _header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
     """(shape, fortran order, dtype) of the ``.npy`` file open in ``fh``, left at its data."""
-    with _HEADER:
+    with HEADER:  # minipar.npy: ``ast`` is not thread-safe in CPython 3.11
         version = np.lib.format.read_magic(fh)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
             np.lib.format.read_array_header_2_0

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from minipar.comm.errors import PeerLost
+from minipar.npy import HEADER
 
 FORMAT, VERSION = "minipar.zero.checkpoint", 1
 META = "meta.json"
@@ -334,7 +335,7 @@ def _read_shard(where: Path, fname: str, sha256: str, arrays: list[dict[str, Any
     if got != sha256:
         raise ValueError(f"{fname}: corrupted (sha256 {got[:16]}..., {META} says {sha256[:16]}...)")
     try:  # a file whose checksum matches is well-formed unless meta.json lies; np.load's errors, named
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        with HEADER, np.load(io.BytesIO(data), allow_pickle=False) as npz:  # rank threads load at once
             count, out = len(npz.files), {i: npz[f"arr_{i}"] for i in sorted(keep)}
     except (KeyError, OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{fname}: unreadable ({exc})") from None
