@@ -37,21 +37,24 @@ bytecode: install
 	@$(PY) -m compileall -q minipar lessons viz tests benchmarks > /dev/null
 
 # Three pytest-xdist workers on 2 cores: an mpiexec job spends about half its wall time starting up and
-# waiting, so a third worker fills the cores; the longest tests go first (tests/conftest.py).
+# waiting, so a third worker fills the cores; the longest tests go first (tests/conftest.py), handed out
+# one at a time (--maxschedchunk 1: xdist's default gives each worker a first batch of a quarter of its
+# share in list order, so one worker got every mpiexec job and ran 224 s while the others idled from 110 s).
+XDIST := -n 3 --maxschedchunk 1
 test: install browser bytecode
-	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider -n 3
+	$(PY) -m pytest tests lessons --nbmake -p no:cacheprovider $(XDIST)
 
 # The equality tests (marker `equality`, tests/conftest.py) again with SSE-only kernels: numpy's dispatch
 # targets above the baseline turned off (every one the installed numpy names) and OpenBLAS's Prescott
 # kernels, so a tolerance is proven on other rounding than this CPU's. CI runs it after `make test`.
 test-sse: install bytecode
 	OPENBLAS_CORETYPE=Prescott NPY_DISABLE_CPU_FEATURES="$$($(PY) -c 'from numpy._core._multiarray_umath import __cpu_dispatch__ as d; print(" ".join(d))')" \
-		$(PY) -m pytest tests -m equality -p no:cacheprovider -n 3
+		$(PY) -m pytest tests -m equality -p no:cacheprovider $(XDIST)
 
 # Exploration: random draws, ten times as many examples per property, the run's seed printed (run it
 # before resolving an issue; what it finds becomes an @example).
 thorough: install browser bytecode
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider -n 3
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -p no:cacheprovider $(XDIST)
 
 # JupyterLab on the lessons' walkthrough notebooks (they run on the in-process threads backend).
 notebook: install

@@ -15,7 +15,8 @@ list of configurations (``strategies.mpi_jobs``) that ``minipar.testing.run_each
 
 ``make test`` runs three pytest-xdist workers on the 2 cores, every test beside others, ``mpiexec`` jobs
 included: such a job spends much of its wall time starting up and waiting (its CPU time is about half
-of it), so a third worker fills the cores. The longest tests are handed out first. Every test passes on
+of it), so a third worker fills the cores. The longest tests are handed out first, one at a time
+(``--maxschedchunk 1`` in the Makefile). Every test passes on
 a loaded machine: no test asserts a duration, and the time bounds of the watchdog and fault tests
 state their margins for one.
 
@@ -82,8 +83,8 @@ EQUALITY = {"test_autograd", "test_nn", "test_optim", "test_init", "test_trainin
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the equality tests, and puts the long ones first (``mpiexec`` jobs, then the notebooks):
-    pytest-xdist hands tests out in this order, so the run does not end on one worker's long test while
-    the other idles (longest first, as for scheduling jobs on machines)."""
+    pytest-xdist hands tests out in this order, one at a time (``--maxschedchunk 1``), so the run does
+    not end on one worker's long test while the others idle (longest first, as for scheduling jobs)."""
     for item in items:
         if item.path.stem in EQUALITY:
             item.add_marker(pytest.mark.equality)
