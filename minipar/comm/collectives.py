@@ -153,8 +153,9 @@ class Communicator(PointToPoint):
         def go() -> np.ndarray:
             if self.size == 1:
                 return reduce_list([arr], op).reshape(shape)
-            flat = arr.reshape(-1).copy()
-            return ring.ring_reduce_scatter(self, flat, op).copy().reshape(shape)
+            src = np.ascontiguousarray(arr).reshape(-1)
+            mine = ring.ring_reduce_scatter(self, np.empty_like(src), op, src=src)
+            return mine.copy().reshape(shape)
 
         return self._run("reduce_scatter", algorithm, go)
 

@@ -30,12 +30,14 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def combine(acc: np.ndarray, other: np.ndarray, op: str) -> None:
-    """``acc <- acc (op) other`` in place; "sum" and "mean" add (mean divides once, at the end)."""
+def combine(acc: np.ndarray, other: np.ndarray, op: str, mine: np.ndarray | None = None) -> None:
+    """``acc <- mine (op) other`` (``mine`` defaults to ``acc``: in place); "sum" and "mean" add
+    (mean divides once, at the end)."""
+    first = acc if mine is None else mine
     if op == "max":
-        np.maximum(acc, other, out=acc)
+        np.maximum(first, other, out=acc)
     else:
-        np.add(acc, other, out=acc)
+        np.add(first, other, out=acc)
 
 
 def finish_mean(acc: np.ndarray, op: str, p: int) -> None:
@@ -44,23 +46,29 @@ def finish_mean(acc: np.ndarray, op: str, p: int) -> None:
 
 
 def ring_reduce_scatter(comm: Communicator, flat: np.ndarray, op: str, name: str = "reduce_scatter",
-                        algorithm: str = "ring", step0: int = 0) -> np.ndarray:
-    """Ring reduce-scatter on the flat work buffer ``flat`` (modified in place); returns this rank's
-    fully reduced chunk (a view into ``flat``).
+                        algorithm: str = "ring", step0: int = 0, src: np.ndarray | None = None) -> np.ndarray:
+    """Ring reduce-scatter into the flat work buffer ``flat``; returns this rank's fully reduced
+    chunk (a view into ``flat``). ``src``: this rank's input, flat, when it is not ``flat`` itself;
+    ``flat`` may then start uninitialised, and every chunk but ``(r-1) % p`` is written (the one
+    chunk never received is sent straight from ``src``), so no copy of the input is made.
 
     Step ``s`` = 0..p-2: send chunk ``(r-s-1) % p`` to the right neighbour, receive chunk
-    ``(r-s-2) % p`` from the left and add it in. After p-1 steps chunk ``r`` holds the reduction.
-    Cost: (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma; bytes sent = every chunk except chunk r.
+    ``(r-s-2) % p`` from the left and add it to this rank's own, ``flat[c] = src[c] + received``.
+    After p-1 steps chunk ``r`` holds the reduction. Receives land in one chunk-sized scratch
+    buffer. Cost: (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma; bytes sent = every chunk except
+    chunk r.
     """
     p, r = comm.size, comm.rank
+    src = flat if src is None else src
     bounds = chunk_bounds(flat.size, p)
     right, left = (r + 1) % p, (r - 1) % p
+    scratch = np.empty(bounds[0][1], dtype=flat.dtype)  # chunk 0 is a largest one
     for s in range(p - 1):
         a, b = bounds[(r - s - 1) % p]
         c, d = bounds[(r - s - 2) % p]
-        (got,) = comm._step([(right, flat[a:b])], [(left, ((d - c,), flat.dtype))], name, algorithm,
-                            step0 + s)
-        combine(flat[c:d], got, op)
+        sent = (src if s == 0 else flat)[a:b]  # step s > 0 sends what step s-1 reduced
+        (got,) = comm._step([(right, sent)], [(left, scratch[:d - c])], name, algorithm, step0 + s)
+        combine(flat[c:d], got, op, src[c:d])
     a, b = bounds[r]
     finish_mean(flat[a:b], op, p)
     return flat[a:b]
@@ -108,8 +116,9 @@ def allreduce_ring(comm: Communicator, arr: np.ndarray, op: str) -> np.ndarray:
     all-gather, 2(p-1) steps. Every rank sends and receives 2(p-1)/p n bytes when p divides the
     element count (exactly: all chunks but its own, then all chunks but its right neighbour's).
     Cost: 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma -- bandwidth-optimal."""
-    flat = arr.reshape(-1).copy()
-    ring_reduce_scatter(comm, flat, op, "allreduce", "ring", 0)
+    src = np.ascontiguousarray(arr).reshape(-1)
+    flat = np.empty_like(src)
+    ring_reduce_scatter(comm, flat, op, "allreduce", "ring", 0, src=src)
     ring_allgather_chunks(comm, flat, "allreduce", "ring", comm.size - 1)
     return flat.reshape(arr.shape)
 
