@@ -65,6 +65,8 @@ def lesson_parser(doc: str | None, steps: int, ranks: int) -> argparse.ArgumentP
     parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=steps, help=f"training steps (default {steps})")
     parser.add_argument("--ranks", type=int_in(0 if ranks == 0 else 1, MAX_RANKS), default=ranks,
                         help="ranks when not under mpiexec (threads)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every table and section (default: the key table, the figure and the conclusion)")
     return clock_arguments(parser)
 
 
@@ -203,6 +205,21 @@ def console(width: int | None = None) -> Console:
     ``width`` is given."""
     width = width or terminal_width()
     return Console(force_terminal=os.environ.get("FORCE_COLOR", "0") not in ("", "0") or None, width=width)
+
+
+READING_ORDER = ("02_pipeline", "03_data_parallel", "04_tensor_parallel", "06_zero", "00_autograd",
+                 "01_collectives", "02b_zero_bubble", "05_sequence_parallel", "07_offload", "08_hybrid",
+                 "09_sharding", "10_faults")
+"""The order the README's reading path gives: the demo (02), then data, tensor and ZeRO parallelism,
+then the rest in number order."""
+
+
+def reading_path(lesson: str) -> str:
+    """One line naming the lessons before and after ``lesson`` (its folder name) on the reading path."""
+    i = READING_ORDER.index(lesson)
+    before = f"previous: lessons/{READING_ORDER[i - 1]}" if i > 0 else "this is the first lesson"
+    after = f"next: lessons/{READING_ORDER[i + 1]}" if i + 1 < len(READING_ORDER) else "this is the last lesson"
+    return f"{before} | {after}"
 
 
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],
