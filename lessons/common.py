@@ -222,18 +222,23 @@ def reading_path(lesson: str) -> str:
     return f"{before} | {after}"
 
 
+BRIEF_BANDS = 2  # bands of a lesson's default timeline (finish(brief=True)): it fits its ~60 lines
+
+
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],
            out: Console, timeline: str | os.PathLike[str] | Trace | None = None,
            titles: Sequence[str] | None = None, extra_figures: Sequence[tuple[str, go.Figure]] = (),
-           clock: Clock = REPLAY) -> Path:
+           clock: Clock = REPLAY, brief: bool = False) -> Path:
     """Print the terminal timeline of ``timeline`` (default: the first trace) and write one HTML
     report of all ``traces``, with ``extra_figures`` (title, figure) as sections after its summary;
     returns the report's path. Recorded traces are shown on ``clock`` (replayed by default), each
-    timeline of the report with a button for the other clock."""
+    timeline of the report with a button for the other clock. ``brief`` (a lesson's default output):
+    the timeline in at most ``BRIEF_BANDS`` bands and without its traffic table."""
     from viz.report import write_report
-    from viz.terminal import print_timeline
+    from viz.terminal import MAX_BANDS, print_timeline
 
-    print_timeline(clock.of(timeline if timeline is not None else traces[0]), console=out)
+    print_timeline(clock.of(timeline if timeline is not None else traces[0]), console=out,
+                   max_bands=BRIEF_BANDS if brief else MAX_BANDS, traffic=not brief)
     shown = [clock.of(t) for t in traces]
     others = [clock.other(t) for t in traces]
     path = Path(write_report(shown, out_html, titles=titles, extra_figures=extra_figures, others=others))

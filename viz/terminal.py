@@ -365,9 +365,11 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
 
 
 def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Console | None = None,
-                   width: int | None = None, title: str | None = None, max_bands: int = MAX_BANDS) -> None:
-    """Print the timeline, legend, bubble fractions and traffic table of one trace, the step line
-    naming the clock of its times (``style.clock``: replayed on a cluster, simulated, wall clock).
+                   width: int | None = None, title: str | None = None, max_bands: int = MAX_BANDS,
+                   traffic: bool = True) -> None:
+    """Print the timeline, legend, bubble fractions and traffic table of one trace (``traffic=False``:
+    without the table), the step line naming the clock of its times (``style.clock``: replayed on a
+    cluster, simulated, wall clock).
 
     ``width`` is the whole line's width (default: the console's; without a console, the terminal's,
     ``viz.width.terminal_width``); no line is longer. Pass a ``Console`` to choose colour handling
@@ -400,5 +402,5 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     lost = bool(faults.lost_ranks(trace) or faults.detections(trace))
     for line in legend(dt or None, unit, width, kinds, call, directions, lost):
         console.print(line, soft_wrap=True)
-    for table in traffic_tables(trace, min(width, console.width)):
+    for table in traffic_tables(trace, min(width, console.width)) if traffic else []:
         console.print(table)
