@@ -19,6 +19,7 @@ from strategies import budget, pipeline_configs
 from test_pipeline_runtime import _batches, _model, _optimizer, assert_equal_to_reference, config, reference
 
 from minipar import testing
+from minipar.cost import pipeline as pipeline_cost
 from minipar.parallel.pipeline import make_schedule, mlp, simulate, validate
 from minipar.parallel.pipeline.chimera import (
     Chimera,
@@ -109,6 +110,11 @@ def test_equal_slots_bubble_and_peak_are_the_papers_table(p, k):
     assert sim.bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2), abs=1e-12)
     assert all(idle == p - 2 for idle in sim.idle.values())
     assert [sim.peak_stash[r] for r in range(p)] == [p // 2 + 1 + min(r, p - 1 - r) for r in range(p)]
+    assert [pipeline_cost.chimera_peak_stash(p, r) for r in range(p)] == [sim.peak_stash[r] for r in range(p)]
+    assert pipeline_cost.chimera_bubble_time(p, 1.0, 1.0) == sim.idle[0] == p - 2
+    assert pipeline_cost.chimera_bubble_fraction(p, m) == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    with pytest.raises(ValueError, match="F = B only"):
+        pipeline_cost.chimera_bubble_time(p, 1.0, 2.0)
     one_f_one_b = simulate(make_schedule("1f1b", p, m), 1.0, 1.0)
     assert one_f_one_b.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     assert all(idle == 2 * (p - 1) for idle in one_f_one_b.idle.values())  # the paper's 2(D - 1) bubbles

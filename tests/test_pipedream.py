@@ -26,6 +26,7 @@ import pytest
 
 from minipar import testing
 from minipar import trace as mtrace
+from minipar.cost.pipeline import weight_versions
 from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.parallel.pipeline import Pipeline, ScheduleError, make_schedule, mlp, simulate, validate
@@ -204,6 +205,10 @@ def test_formulas_pipedream_versions_p_minus_r_and_2bw_two():
         assert [expected_peak_versions(cfg("pipedream", p, m), r) for r in range(p)] == [p - r for r in range(p)]
         assert [expected_peak_versions(cfg("pipedream", p, 3 * p, "vertical"), r) for r in range(p)] == [p] * p
         assert [expected_peak_versions(cfg("2bw", p, 3 * p), r) for r in range(p)] == [2] * p
+        for kind in ("pipedream", "2bw", "1f1b"):  # cost.pipeline's formula, the counts above
+            want = [expected_peak_versions(cfg(kind, p, m if kind == "pipedream" else 3 * p), r) if kind != "1f1b"
+                    else 1 for r in range(p)]
+            assert [weight_versions(kind, p, r) for r in range(p)] == want
         for r in range(p):
             fwd, _, applied = versions(cfg("pipedream", p, m), r, m - 1)
             assert applied - fwd == p - 1 - r

@@ -20,6 +20,13 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
   4295be1a6c, which this schedule follows).
 - ``send_bytes``: each boundary between stages on different ranks carries ``m`` activations forward
   and ``m`` gradients of the same size backward.
+- Chimera (Li & Hoefler 2021, Sec. 3.1; p even, m a multiple of p): two 1F1B pipelines in opposite
+  directions over the same ranks. With the paper's equal slots (F = B) each rank idles ``(p - 2) F``
+  (``chimera_bubble_time``), a share ``(p - 2)/(2m + p - 2)`` (``chimera_bubble_fraction``), and rank r
+  holds ``p/2 + 1 + min(r, p-1-r)`` micro-batches of both directions (``chimera_peak_stash``).
+- ``weight_versions``: the weight versions stage r holds at once: PipeDream ``p - r`` (one per
+  micro-batch in flight, Narayanan et al. 2019, Sec. 3.3, reached for m >= 2 (p - 1)), PipeDream-2BW
+  2 (Narayanan et al. 2021, Sec. 3.1), a synchronous schedule 1.
 """
 
 from __future__ import annotations
@@ -87,6 +94,33 @@ def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
     if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
         return v * m if m == p else min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
     return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m), "zb-h1": min(p, m)}[kind]
+
+
+def chimera_peak_stash(p: int, rank: int) -> int:
+    """Chimera's micro-batches held at once on ``rank`` (both directions): down's p/2 plus up's, mirrored,
+    ``p/2 + 1 + min(r, p-1-r)``: from p/2 + 1 on the end ranks to p in the middle (the paper's
+    [(D/2 + 1) M_a, D M_a])."""
+    return p // 2 + 1 + min(rank, p - 1 - rank)
+
+
+def chimera_bubble_time(p: int, forward: float, backward: float) -> float:
+    """Chimera's idle time per rank in one step, ``(p - 2) F``, with the paper's equal slots (F = B);
+    other costs no longer line the slots up and have no closed form here (``simulate_chimera`` them)."""
+    if not math.isclose(forward, backward):
+        raise ValueError(f"Chimera's bubble has a formula for F = B only (Li & Hoefler 2021, equal slots), got "
+                         f"F {forward}, B {backward}; simulate_chimera(p, m, F, B) gives it for any costs")
+    return (p - 2) * forward
+
+
+def chimera_bubble_fraction(p: int, m: int) -> float:
+    """Chimera's idle share of the step with equal slots, ``(p - 2)/(2m + p - 2)`` (1F1B: (p-1)/(m+p-1))."""
+    return (p - 2) / (2 * m + p - 2)
+
+
+def weight_versions(kind: str, p: int, rank: int) -> int:
+    """Weight versions stage ``rank`` holds at once: PipeDream ``p - r``, PipeDream-2BW (``"2bw"``) 2,
+    every synchronous schedule 1."""
+    return p - rank if kind == "pipedream" else 2 if kind == "2bw" else 1
 
 
 def bubble_formula(kind: str) -> str:
