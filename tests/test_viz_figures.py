@@ -341,3 +341,29 @@ def test_hover_names_only_the_fields_a_span_has_and_simulated_traces_are_recogni
     assert "stage" not in opt.hovertext[0] and "None" not in opt.hovertext[0]
     assert A.is_simulated(simulated()) and A.is_simulated(Trace({"schedule": "gpipe (simulated)"}, []))
     assert not A.is_simulated(one_f_one_b())
+
+
+def test_a_terminal_table_is_the_same_table_in_the_report():
+    from viz.width import Table
+
+    table = Table(title="idle per rank", caption="formula: (p-1)(F+I+W)")
+    for col in ("schedule", "idle"):
+        table.add_column(col)
+    table.add_row("1f1b", "9 9 9 9")
+    table.add_row("zb-h1", "3 3 3 3")
+    fig = figures.table(table)
+    assert list(fig.data[0].header.values) == ["schedule", "idle"]
+    assert [list(c) for c in fig.data[0].cells.values] == [["1f1b", "zb-h1"], ["9 9 9 9", "3 3 3 3"]]
+    assert fig.layout.title.text == "idle per rank" and fig.layout.annotations[0].text == "formula: (p-1)(F+I+W)"
+
+
+def test_weight_versions_are_drawn_per_stage_as_sampled():
+    def held(stage: int, t: float, versions: int) -> Event:
+        return Event(stage, "memory", "weight_versions", t, t, stage=stage, args={"versions": versions})
+
+    trace = Trace({"schedule": "pipedream", "p": 2, "world_size": 2},
+                  [Event(0, "compute", "F", 1.0, 1.5), held(0, 2.0, 2), held(0, 3.0, 1), held(1, 2.5, 1)])
+    fig = figures.weight_versions([trace])
+    lines = {t.name: (list(t.x), list(t.y)) for t in fig.data}
+    assert lines == {"stage 0": ([0.0, 1000.0, 2000.0], [1, 2, 1]), "stage 1": ([0.0, 1500.0], [1, 1])}
+    assert fig.layout.annotations[0].text == "pipedream"

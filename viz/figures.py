@@ -12,8 +12,14 @@
   ``group="axis"``: per mesh axis instead (a hybrid run's trace: ``viz.mesh.axis_rows``).
 - ``memory``: bytes held per rank over time, stacked by the labels of the memory samples (stashed
   micro-batches, not bytes, for the simulator's counts: ``analysis.memory_counts``).
+- ``measured_bars``: measured numbers (bytes, parameters) as grouped bars, each labelled with its
+  formula's value (red where they differ).
 - ``clock_toggle``: two drawings of one run on two clocks (replayed and wall clock) in one figure, with
   a button for each: the first shown, the second hidden until its button is pressed.
+- ``table``: a terminal table (``viz.width.Table``) as a report figure: the same headers, cells, title and
+  caption, so the page shows what the terminal printed.
+- ``weight_versions``: per asynchronous pipeline run (PipeDream, 2BW), the weight versions each stage
+  held over the step, from the runtime's ``weight_versions`` samples.
 
 The drawn numbers come from ``viz.analysis`` (see its docstring for the bubble definition).
 Cost: O(E) Plotly points for E events.
@@ -24,6 +30,8 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from rich.table import Table
+from rich.text import Text
 
 from minipar.trace import Trace
 from viz import analysis as A
@@ -32,7 +40,8 @@ from viz.pipeline_grid import schedule_grid
 from viz.style import FORMULA_COLOR, MEMORY_COLORS, rank_color
 from viz.timeline import add_timeline, compare, timeline
 
-__all__ = ["add_timeline", "clock_toggle", "compare", "memory", "schedule_grid", "timeline", "traffic"]
+__all__ = ["add_timeline", "clock_toggle", "compare", "measured_bars", "memory", "schedule_grid", "table", "timeline",
+           "traffic", "weight_versions"]
 BUTTONS_HEIGHT = 34  # pixels added above the plot for the clock buttons
 
 
@@ -114,6 +123,20 @@ def memory(trace: Trace, title: str | None = None) -> go.Figure:
     return fig
 
 
+def measured_bars(x: list[str], series: list[tuple[str, list[float], list[float]]], title: str,
+                  yaxis_title: str, xaxis_title: str | None = None) -> go.Figure:
+    """Grouped bars, a group per ``x``: each series ``(name, measured, formula)`` drawn as its measured
+    values, each bar labelled with its formula's value (``= N`` when equal; red ``formula N`` when not).
+    Colours: ``MEMORY_COLORS`` in order."""
+    fig = go.Figure()
+    for (name, got, want), colour in zip(series, MEMORY_COLORS):
+        fig.add_bar(name=name, x=x, y=got, marker_color=colour, textposition="outside",
+                    text=[f"= {w:g}" if g == w else f"formula {w:g}" for g, w in zip(got, want)],
+                    textfont={"color": ["#333333" if g == w else FORMULA_COLOR for g, w in zip(got, want)]})
+    fig.update_layout(barmode="group", height=420, title=title, yaxis_title=yaxis_title, xaxis_title=xaxis_title)
+    return fig
+
+
 def clock_toggle(first: go.Figure, second: go.Figure, labels: tuple[str, str]) -> go.Figure:
     """``first`` with ``second``'s traces beside it, hidden, and two buttons (``labels``) above the plot
     that show one or the other: traces (a legend-only trace stays legend-only), title, annotations
@@ -142,4 +165,43 @@ def clock_toggle(first: go.Figure, second: go.Figure, labels: tuple[str, str]) -
         "y": 1.0, "yanchor": "bottom", "pad": {"b": 6}, "font": {"size": 12},
         "buttons": [{"label": labels[0], "method": "update", "args": on_first},
                     {"label": labels[1], "method": "update", "args": view(second, len(first.data))}]}])
+    return fig
+
+
+def _text(cell: object) -> str:
+    return cell.plain if isinstance(cell, Text) else str(cell or "")
+
+
+def table(source: Table) -> go.Figure:
+    """``source`` (a terminal table) as a Plotly table: its headers, its cells as text, its title above and its
+    caption below the cells."""
+    cols = [[_text(c) for c in col.cells] for col in source.columns]
+    fig = go.Figure(go.Table(header={"values": [_text(col.header) for col in source.columns], "fill_color": "#E8EAF0",
+                                     "align": "left"}, cells={"values": cols, "align": "left"}))
+    caption = _text(source.caption)
+    fig.update_layout(title=_text(source.title) or None, height=120 + 24 * source.row_count + (30 if caption else 0),
+                      margin={"l": 20, "r": 20, "t": 50, "b": 40 if caption else 0})
+    if caption:
+        fig.add_annotation(text=caption, x=0, xref="paper", y=0, yref="paper", yshift=-8, yanchor="top",
+                           showarrow=False, align="left", font={"size": 11})
+    return fig
+
+
+def weight_versions(traces: list[Trace]) -> go.Figure:
+    """Per trace (an asynchronous schedule's step), the weight versions each stage holds over the step: the
+    runtime's ``weight_versions`` samples (at each update and each release), one line per stage."""
+    kinds = [str(t.meta.get("schedule", "?")) for t in traces]
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=kinds, shared_yaxes=True)
+    for col, trace in enumerate(traces, 1):
+        t0 = min(e.t0 for e in trace.events if e.kind == "compute")
+        for s in range(trace.meta["p"]):
+            held = trace.select("memory", name="weight_versions", stage=s)
+            samples = sorted((e.t0, e.args["versions"]) for e in held)
+            fig.add_scatter(x=[0.0] + [1e3 * (t - t0) for t, _ in samples], y=[1] + [v for _, v in samples],
+                            mode="lines", line={"shape": "hv", "color": rank_color(s)}, name=f"stage {s}",
+                            legendgroup=f"stage {s}", showlegend=col == 1, row=1, col=col)
+        clock = style.clock(trace, short=True)
+        fig.update_xaxes(title_text=f"time in the step (ms{', ' + clock if clock else ''})", row=1, col=col)
+    fig.update_yaxes(title_text="weight versions held", dtick=1, row=1, col=1)
+    fig.update_layout(height=330, margin={"l": 60, "r": 20, "t": 40, "b": 40})
     return fig
