@@ -25,9 +25,11 @@ from minipar.cost import (
     paper_table,
     zero_model_states,
     zero_state_bytes,
+    zero_traffic_by_op,
     zero_traffic_bytes,
 )
 from minipar.cost.data import ddp_bytes
+from minipar.cost.zero import paper_gb
 
 FP64 = {"param_bytes": 8, "grad_bytes": 8, "optimizer_bytes": 16}  # AdamW's m and v, no master copy
 
@@ -62,6 +64,9 @@ def test_paper_table_1() -> None:
         assert got == printed, n
     # worked by hand (GB, exact): 128B on N = 4: 4 x 128 + 12 x 128/4, 2 x 128 + 14 x 128/4, 16 x 128/4;
     # 1T on N = 64: 4000 + 12000/64, 2000 + 14000/64, 16000/64
+    for row, (_, *printed) in zip(rows, TABLE_1_7_5B, strict=True):  # as the paper prints them
+        assert [paper_gb(row[k]) for k in ("baseline", "P_os", "P_os+g", "P_os+g+p")] == ["120", *printed]
+    assert (paper_gb(41.25), paper_gb(1.875), paper_gb(0.5)) == ("41.3", "1.88", "0.5")
     (b128,) = paper_table(128_000_000_000, [4])
     assert (b128["baseline"], b128["P_os"], b128["P_os+g"], b128["P_os+g+p"]) == (2048, 896, 704, 512)
     (t1,) = paper_table(1_000_000_000_000, [64], k=12)
@@ -114,6 +119,10 @@ def test_traffic_by_hand() -> None:
     assert zero_traffic_bytes([10, 7], 3, 4, reshard_after_forward=False) == 2 * 15 * 8
     # the root unit (index 0, 12 elements padded) is gathered once: 2 x 9 + 3 x 6 elements
     assert zero_traffic_bytes([10, 7], 3, 4, root=0) == (2 * 9 + 3 * 6) * 8
+    # by collective: each ring reduce-scatter and all-gather of a padded group sends 3 of its 4 chunks
+    assert zero_traffic_by_op([10, 7], 1, 4) == {"allgather": 15 * 8, "reduce_scatter": 15 * 8}
+    assert zero_traffic_by_op([10, 7], 3, 4) == {"allgather": 2 * 15 * 8, "reduce_scatter": 15 * 8}
+    assert zero_traffic_by_op([10, 7], 0, 4) == {"allreduce": zero_traffic_bytes([10, 7], 0, 4)}
     # fp16 working parameters and gradients: 2 bytes each
     assert zero_traffic_bytes([10, 7], 3, 4, itemsize=2) == 3 * 15 * 2
     # stage 0 is DDP on the unpadded buckets: ring chunks of 10 are (3, 3, 2, 2), of 7 (2, 2, 2, 1);

@@ -44,12 +44,14 @@ from minipar.cost.zero import (
     paper_table,
     zero_model_states,
     zero_state_bytes,
+    zero_traffic_by_op,
     zero_traffic_bytes,
 )
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "allreduce_bytes", "collective_time", "fsdp_gathered_peak", "hsdp_traffic_bytes",
            "paper_table",
-           "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_bytes",
+           "ring_bytes", "sequence", "zero", "zero_model_states", "zero_state_bytes", "zero_traffic_by_op",
+           "zero_traffic_bytes",
            "transfer_seconds", "zero_offload_bytes",
            "Candidate", "Layout", "ModelSpec", "NoFit", "Prediction", "layer_costs", "partition_layers", "plan",
            "predict"]

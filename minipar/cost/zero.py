@@ -12,7 +12,8 @@ gradients (2 + 2 bytes) and an fp32 copy of the parameters, the momentum and the
     stage 2  P_os+g    (Sec. 5.2)     2 Psi + (2 + K) Psi / N
     stage 3  P_os+g+p  (Sec. 5.3)     (2 + 2 + K) Psi / N
 
-``zero_model_states`` is that table (``paper_table`` prints the paper's Table 1 from it).
+``zero_model_states`` is that table (``paper_table`` gives the paper's Table 1 from it, ``paper_gb``
+rounds as the paper prints).
 ``zero_state_bytes`` is the same table for ``minipar.parallel.zero``'s exact layout: every bucket
 (stages 1, 2) or unit (stage 3) of ``n`` elements is one flat buffer zero-padded to ``L``, the next
 multiple of N, and rank r owns elements ``[r L/N, (r+1) L/N)``; a partitioned component costs the
@@ -28,13 +29,17 @@ Traffic per rank per step (Sec. 7.2.1, ring collectives, exact because N divides
                                             to its backward: the root unit, or every unit without
                                             ``reshard_after_forward``)
 
+``zero_traffic_by_op`` splits it by collective (a trace's ``expected_bytes``).
+
 FSDP's gathered units (Zhao et al. 2023, Sec. 3.3-3.4, ``fsdp_gathered_peak``): a unit is gathered
 only while it computes, plus the next one's all-gather already under way with prefetching.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from decimal import ROUND_HALF_UP, Decimal
 from numbers import Integral
 
 from minipar.cost.collectives import allreduce_bytes
@@ -150,6 +155,18 @@ def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8
     return total
 
 
+def zero_traffic_by_op(numels: list[int], stage: int, dp: int, itemsize: int = 8) -> dict[str, float]:
+    """``zero_traffic_bytes`` of rank 0 by collective: stage 0 all of it in ``allreduce``; a ring
+    reduce-scatter and a ring all-gather of one group send the same bytes, so stages 1 and 2 split it
+    half and half and stage 3 (two all-gathers and one reduce-scatter per unit) two thirds to
+    ``allgather`` and one third to ``reduce_scatter``."""
+    total = float(zero_traffic_bytes(numels, stage, dp, itemsize))
+    if stage == 0:
+        return {"allreduce": total}
+    gathers = 2 if stage == 3 else 1
+    return {"allgather": total * gathers / (gathers + 1), "reduce_scatter": total / (gathers + 1)}
+
+
 def fsdp_gathered_peak(numels: list[int], dp: int, itemsize: int = 8, prefetch: bool = True, *,
                        reshard_after_forward: bool = True, root: int | None = None) -> int:
     """The most bytes of gathered (unsharded) FSDP units alive at once on a rank, for units of
@@ -183,6 +200,14 @@ def paper_table(params: int, dp_sizes: list[int], k: int = 12) -> list[dict]:
     half up: 41.25 is printed 41.3). E.g. 7.5e9 parameters on N = 64: 120, 31.4, 16.6, 1.88."""
     return [{"dp": n, **{STAGE_NAMES[s]: zero_model_states(params, s, n, k) / 1e9 for s in STAGES}}
             for n in dp_sizes]
+
+
+def paper_gb(value: float) -> str:
+    """GB as the paper's Table 1 prints them: 3 significant figures, at most 2 decimals, rounding half
+    up (41.25 -> "41.3", 1.875 -> "1.88", 120.0 -> "120")."""
+    decimals = min(2, max(0, 2 - math.floor(math.log10(value))))
+    rounded = Decimal(repr(value)).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)
+    return f"{rounded:f}".rstrip("0").rstrip(".") if decimals else f"{rounded:f}"
 
 
 def hsdp_traffic_bytes(numels: list[int], shard_group: int, dp: int, itemsize: int = 8, rank: int = 0) -> int:
