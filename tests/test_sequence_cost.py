@@ -148,6 +148,7 @@ def check_gpt_step(case: tuple, results: list[dict]) -> None:
         assert got["n_params"] == N_PARAMS
         assert got["sent"] == want, case
         assert sum(want.values()) == step + cost.grad_sync_bytes(N_PARAMS, 4, rank=r)
+    assert cost.step_bytes_by_op(method, B, S, H, 2, 4, N_PARAMS, pu) == want  # rank 0's, by op
 
 
 @pytest.mark.parametrize("case", GPT_STEPS, ids=lambda c: c[0])

@@ -11,9 +11,20 @@ import pytest
 
 from minipar import trace
 from minipar.comm import Communicator, launch
+from minipar.cost.presets import CLUSTERS
 from minipar.parallel.sequence import SequenceParallelGPT
 from viz.report import figures_for, render
-from viz.ring import compute_time, exposed_wait, is_ring, ring_figure, ring_size, ring_steps, step_table
+from viz.ring import (
+    compute_time,
+    exposed_wait,
+    is_ring,
+    overlap_summary,
+    ring_figure,
+    ring_size,
+    ring_steps,
+    score_spans,
+    step_table,
+)
 
 VOCAB, SEQ, D, HEADS = 16, 24, 8, 2
 
@@ -57,6 +68,11 @@ def test_ring_steps_follow_the_ring(tmp_path, method: str, p: int, zigzag: bool)
         ring_steps(t, 4)  # 2 forward + 2 backward passes
     table = step_table(t)
     assert len(table.columns) == 1 + pr and table.row_count == p
+    for r in range(p):  # every score block of both layers' forward passes, and no other span
+        assert len(score_spans(t, r)) == sum(len(st.spans) for i in (0, 1) for st in ring_steps(t, i)[r])
+    n = max(e.nbytes for e in t.events if e.op == "ring_kv")
+    text = overlap_summary(t, CLUSTERS["a100-selene"], "wall clock")
+    assert text.startswith(f"A K/V block ({n:,} B) crosses a ") and "; wall clock, no rank waited more than" in text
     fig = ring_figure(t)
     assert len(fig.layout.shapes) == p * pr  # one cell per (rank, step)
     assert len([a for a in fig.layout.annotations if a.showarrow]) == p * (pr - 1)  # one arrow per message

@@ -179,3 +179,21 @@ def grad_sync_bytes(n_params: int, p: int, itemsize: int = 8, rank: int = 0) -> 
     """Bytes ``rank`` sends in ``SequenceParallelGPT.sync_grads``: one ring all-reduce of the
     ``n_params`` gradient numbers, ``2 (P-1)/P n_params e`` when P divides n_params."""
     return allreduce_bytes(n_params, itemsize, p, rank, "ring")
+
+
+def step_bytes_by_op(method: str, b: int, s: int, h: int, layers: int, p: int, n_params: int,
+                     ulysses: int | None = None, itemsize: int = 8) -> dict[str, int]:
+    """Bytes rank 0 sends in one training step of a ``layers``-block ``SequenceParallelGPT`` with
+    ``n_params`` parameters, by op (a trace's ``expected_bytes``): every layer's attention forward and
+    backward (Ulysses' ``all_to_all``; the ring's K/V blocks, ``ring_kv``, in forward and again in
+    backward, and the dK/dV accumulators travelling home, ``ring_dkv``; the hybrid both) and
+    ``sync_grads``' ring ``allreduce`` of every gradient."""
+    p_u, p_r = _grid(method, p, ulysses)
+    out = {"allreduce": grad_sync_bytes(n_params, p, itemsize)}
+    if method != "ulysses":
+        kv = ring_attention_bytes(b, s, h // p_u, p_r, itemsize)  # one pass of the K/V blocks
+        out["ring_kv"], out["ring_dkv"] = 2 * layers * kv, layers * kv
+    if method != "ring":
+        total = sum(attention_bytes(method, b, s, h, p, ulysses, itemsize, backward) for backward in (False, True))
+        out["all_to_all"] = layers * total - out.get("ring_kv", 0) - out.get("ring_dkv", 0)
+    return out
