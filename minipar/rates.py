@@ -19,12 +19,17 @@ in each thread's CPU time, the terms in which a replay (``minipar.replay``) char
   ones): per tensor, ``tensor_seconds + 32 n optimizer_gamma`` for ``n`` float64 numbers (parameter,
   gradient, two moments): a line in ``32 n`` (``fit_optimizer``).
 
+For a replay of a recorded run (lesson 8): ``message_overhead`` measures the CPU a replay charges a
+collective call and each of its message steps, and ``replay_cluster`` puts both and ``compute_rates``
+on a network's links: one cluster for ``perf.predict`` and ``minipar.replay`` alike.
+
 Every fit is ``fit_line``: least squares on relative errors, a negative intercept or slope refitted
 as 0. Repetitions start after one warm-up; medians over repetitions and ranks.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -33,12 +38,16 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
+from minipar.cost.cluster import Cluster, Link
 from minipar.cost.overhead import stage_ops
 from minipar.cost.perf import Layout, ModelSpec, memory_traffic_bytes
+from minipar.replay import replay
 
 GPT = {"batch": 4, "seq": 64, "d_model": 128, "heads": 4, "layers": 4, "vocab": 256}  # a small GPT (per rank)
 TINY = {"batch": 1, "seq": 2, "d_model": 2, "heads": 1, "vocab": 2, "d_ff": 2}  # every width 1-2: overhead only
 OPT_SMALL, OPT_LARGE = (64, 8), (4, 2**15)  # (tensors, float64 numbers each) of the optimizer's two timings
+MESSAGE_REPEATS = 4  # traced steps of each model message_overhead replays
+RATE_REPEATS = 20  # timings of each of compute_rates' measurements per rank, for replay_cluster
 STATE_BYTES = 32  # float64 AdamW: parameter, gradient, two moments (perf: w + w + K, K = 2w)
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
@@ -211,3 +220,66 @@ def compute_rates(comm: Any, gpt: dict[str, int] | None = None, repeats: int = 1
     rates = measure_rates(comm, gpt, repeats, "cpu")
     floor = pooled_median(comm, [add_gamma(repeats, time.thread_time)])
     return replace(rates, gamma=max(rates.gamma, floor))
+
+
+def message_overhead(comm: Any, shard: dict[str, int], path: str | os.PathLike[str]) -> tuple[float, float]:
+    """``(per call, per message step)``: the seconds of CPU a replay charges a rank for a collective
+    call and for each of its steps beyond the ops around it (entering the call, resuming after its
+    wait with caches others refilled; posting, completing and recording each message). Measured as
+    the replay sees it, on the program lesson 8 runs, every rank at once: groups of ``t`` = 2 and 4
+    ranks (2 alone below 4 ranks: then all of it per step) train the GPT whose tensor-parallel slices
+    are ``shard``, traced and replayed on a network that costs nothing, and each rank ``shard`` alone
+    (its one-rank collectives return at once; ``step_span_times``); per rank the difference of
+    the two steps over its calls is ``call + 2 (t - 1) step`` (medians over ranks; ``fit_line``).
+    Collective; the values on every rank."""
+    from minipar.mesh import DeviceMesh
+    from minipar.parallel.hybrid import HybridGPT
+
+    free = Cluster("free", comm.size, 1.0, 1.0, 1.0, Link(0.0, 0.0), Link(0.0, 0.0), 0.0)
+    sizes = [2, 4] if comm.size >= 4 else [2]
+    idx = np.random.default_rng(0).integers(0, shard["vocab"], (shard["batch"], shard["seq"]))
+    one = comm.split(comm.rank)
+    alone = comm.allgather_object(float(np.median(step_span_times(one, shard, MESSAGE_REPEATS, "cpu"))))
+    per_call = []
+    for t in sizes:
+        sub = comm.split(comm.rank // t)
+        g = {**shard, **{k: t * shard[k] for k in ("d_model", "heads", "vocab", "d_ff")}}  # t slices of shard
+        model = HybridGPT(DeviceMesh(sub, pp=1, dp=1, sp=1, tp=sub.size), g["vocab"], g["seq"], g["d_model"],
+                          g["heads"], g["layers"], g["d_ff"], seed=0)
+        model.forward_backward(idx, np.roll(idx, -1, axis=1))  # warm-up
+        comm.barrier()
+        with trace.record(path, comm):
+            for _ in range(MESSAGE_REPEATS):
+                model.forward_backward(idx, np.roll(idx, -1, axis=1))
+        if comm.rank == 0:
+            out = replay(trace.load(path), free)
+            per_call.append(float(np.median([
+                (_rank_seconds(out, r) - MESSAGE_REPEATS * alone[r]) / sum(e.rank == r and e.src == r and e.step == 0
+                                                                    for e in out.events)
+                for r in range(comm.size - comm.size % t)])))  # whole groups only
+    if comm.rank:
+        return comm.broadcast_object(None)
+    if min(per_call) <= 0:  # the replay charged the tensor-parallel step no more than the one-rank step
+        return comm.broadcast_object((0.0, 0.0))
+    if len(per_call) == 1:
+        return comm.broadcast_object((0.0, per_call[0] / 2))
+    return comm.broadcast_object(fit_line([2 * (t - 1) for t in sizes], per_call))
+
+
+def _rank_seconds(recorded: trace.Trace, rank: int) -> float:
+    """First to last compute or message event of ``rank``."""
+    ev = [e for e in recorded.events if e.rank == rank and e.kind in ("compute", "comm")]
+    return max(e.t1 for e in ev) - min(e.t0 for e in ev)
+
+
+def replay_cluster(comm: Any, network: Cluster, shard: dict[str, int], path: str | os.PathLike[str],
+                   repeats: int = RATE_REPEATS) -> Cluster:
+    """``network``'s links with this machine's compute in CPU time (collective, every rank at once, as
+    the traced step ran): ``compute_rates`` on ``shard``, the GPT shapes one rank computes, and
+    ``message_overhead``. One cluster for the prediction and the replay."""
+    rates = compute_rates(comm, shard, repeats=repeats)
+    call, step = message_overhead(comm, shard, path)
+    return replace(network, name=f"{network.name} + this core", peak_flops=rates.flops, efficiency=1.0,
+                   gamma=rates.gamma, op_seconds=rates.op_seconds, call_seconds=call, message_seconds=step,
+                   tensor_seconds=rates.tensor_seconds, optimizer_gamma=rates.optimizer_gamma,
+                   source=f"{network.name}'s links; compute in one core's CPU time on {shard}, every rank at once")

@@ -25,7 +25,16 @@ from minipar.calibrate import (
 )
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
-from minipar.rates import Rates, compute_rates, fit_optimizer, fit_overheads, gpt_matmul_shapes, matmul_flops
+from minipar.cost.presets import NETWORKS
+from minipar.rates import (
+    Rates,
+    compute_rates,
+    fit_optimizer,
+    fit_overheads,
+    gpt_matmul_shapes,
+    matmul_flops,
+    replay_cluster,
+)
 from minipar.testing import ROOT, run
 
 QUICK = quick_options(True)
@@ -107,6 +116,17 @@ def test_compute_rates_on_two_thread_ranks():
               *r0.optimizer_seconds):
         assert math.isfinite(v) and v >= 0
     assert r0.flops > 0 and r0.gamma > 0  # gamma: at least np.add's
+
+
+def test_replay_cluster_keeps_the_network_and_adds_this_core(tmp_path):
+    shard = {"batch": 1, "seq": 4, "d_model": 4, "heads": 1, "layers": 1, "vocab": 4, "d_ff": 8}
+    network = NETWORKS["nvlink"]
+    c0, c1 = run(replay_cluster, 2, backend="threads", comm_timeout=60, network=network, shard=shard,
+                 path=str(tmp_path / "messages.json"), repeats=2)
+    assert c0 == c1  # medians over both ranks, on both
+    assert (c0.intra, c0.inter, c0.name) == (network.intra, network.inter, f"{network.name} + this core")
+    assert c0.peak_flops > 0 and c0.efficiency == 1.0 and c0.call_seconds == 0.0  # 2 ranks: all of it per step
+    assert c0.message_seconds >= 0 and c0.op_seconds >= 0
 
 
 def test_gpt_matmul_shapes_and_flops_by_hand():

@@ -23,7 +23,13 @@ from strategies import budget, hybrid_configs
 from tolerances import assert_close_after_adamw
 
 from minipar import nn, trace
-from minipar.cost.hybrid import TinyLayout, activation_peak_bytes, model_state_bytes, traffic_by_axis
+from minipar.cost.hybrid import (
+    TinyLayout,
+    activation_peak_bytes,
+    model_state_bytes,
+    parameters_per_rank,
+    traffic_by_axis,
+)
 from minipar.mesh import DeviceMesh, MeshShape
 from minipar.optim import AdamW
 from minipar.parallel.hybrid import HybridGPT
@@ -238,3 +244,21 @@ def test_bad_configurations_refused_on_every_rank(c: dict, needle: str, tmp_path
     msgs = run(bad_run, MeshShape(**c["degrees"]).size, "threads", c=c, path=path)
     assert len(set(msgs)) == 1 and needle in msgs[0], msgs[0]
     assert [e for e in trace.load(path).events if e.kind == "comm"] == []
+
+
+def holdings_run(comm, c: dict) -> dict:
+    return build(comm, c).holdings(c["batch"])
+
+
+def test_holdings_name_each_ranks_layers_slices_and_rows() -> None:
+    c = EXAMPLES[0]  # pp 2 x dp 2 x tp 2: rank = (pp_i x 2 + dp_i) x 2 + tp_i; 4 heads, d_ff 64, vocab 16
+    held = run(holdings_run, 8, "threads", c=c)
+    shape, layout = MeshShape(**c["degrees"]), layout_of(c)
+    for r, h in enumerate(held):
+        co = shape.coords(r)
+        assert h["layers"] == ("embed, blocks 0-1" if co["pp"] == 0 else "blocks 2-3, head"), r  # head: ln_f + head
+        vocab = f"vocab {8 * co['tp']}:{8 * co['tp'] + 8}"  # the embedding's rows or the head's columns
+        t = co["tp"]
+        assert h["slices"] == f"heads {2 * t}-{2 * t + 1}, fc {32 * t}:{32 * t + 32}, {vocab}"
+        assert h["data"] == f"rows {4 * co['dp']}:{4 * co['dp'] + 4}"
+        assert h["params"] == parameters_per_rank(layout, co["pp"])

@@ -131,7 +131,7 @@ class HybridGPT:
         d_ff = d_ff or 4 * d_model
         check_hybrid_config(mesh, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, schedule, microbatches,
                             chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype)
-        self.mesh, self.seq_len, self.vocab_size = mesh, seq_len, vocab_size
+        self.mesh, self.seq_len, self.vocab_size, self.head_dim = mesh, seq_len, vocab_size, d_model // n_heads
         self.sequence_parallel, self.zero_stage, self.microbatches = sequence_parallel, zero_stage, microbatches
         self.replicas = mesh.group("dp", "sp")  # ranks holding the same parameter slices
         self.group: SequenceGroup | None = None
@@ -239,6 +239,35 @@ class HybridGPT:
                 whole[shard if shard is not None else ...] = array
         return out
 
+    def holdings(self, batch: int) -> dict[str, Any]:
+        """What this rank holds, in words: ``layers`` (its stages' layers), ``slices`` (its tensor slice,
+        read from the parameters' declared ``shard``: heads, MLP columns, vocabulary rows or head
+        columns), ``data`` (its replica's rows of a global ``batch`` and, under sequence parallelism,
+        its contiguous positions) and ``params`` (numbers of parameters held)."""
+        params = dict(self.pipe.named_parameters())
+        layers = [n for s in sorted(self.pipe.stages) for n in self.pipe.stages[s].layer_names]
+
+        def shard(suffix: str, axis: int) -> slice | None:
+            name = next((n for n in params if n.endswith(suffix)), None)
+            return None if name is None or params[name].shard is None else params[name].shard[axis]
+
+        slices = []
+        q, fc = shard("attn.q.weight", 1), shard("mlp.fc.weight", 1)
+        if q is not None:
+            slices.append(f"heads {q.start // self.head_dim}-{q.stop // self.head_dim - 1}")
+        if fc is not None:
+            slices.append(f"fc {fc.start}:{fc.stop}")
+        for sl in (shard("tok_emb.weight", 0), shard("head.weight", 1)):
+            if sl is not None:
+                slices.append(f"vocab {sl.start}:{sl.stop}")
+        coords, degree = self.mesh.coords, self.mesh.degree
+        rows, positions = batch // degree("dp"), self.seq_len // degree("sp")
+        data = f"rows {coords['dp'] * rows}:{(coords['dp'] + 1) * rows}"
+        if degree("sp") > 1:
+            data += f", positions {coords['sp'] * positions}:{(coords['sp'] + 1) * positions}"
+        return {"layers": _layer_span(layers), "slices": ", ".join(slices) or "whole weights", "data": data,
+                "params": sum(p.data.size for p in params.values())}
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer state
         (``minipar.cost.hybrid.model_state_bytes`` predicts them)."""
@@ -259,3 +288,12 @@ class HybridGPT:
                 "sequence_parallel": self.sequence_parallel, "zero_stage": self.zero_stage,
                 "sp_method": self.group.method if self.group is not None else None}
 
+
+def _layer_span(names: list[str]) -> str:
+    """``["embed", "blocks.0", "blocks.1"]`` -> ``"embed, blocks 0-1"``."""
+    blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
+    parts = [n for n in names if not n.startswith("blocks.")]
+    if blocks:
+        parts.insert(1 if names[0] == "embed" else 0,
+                     f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}")
+    return ", ".join(parts)
