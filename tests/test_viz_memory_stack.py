@@ -73,3 +73,8 @@ def test_fsdp_trace_gets_the_gathered_figure_and_the_stack(tmp_path) -> None:
     step = ms.fsdp_step_figure(t)
     curves = [s for s in step.data if s.type == "scatter" and s.name and s.name.endswith("gathered")]
     assert [max(s.y) for s in curves] == [max(s.y) for s in fig.data]
+    # the forward unit by unit: gathered while computing = this unit + the prefetched next one (padded)
+    table = ms.fsdp_forward_table(t, sizes, 2)
+    cells = [list(c.cells) for c in table.columns]
+    assert cells[2] == cells[3] == [f"{8 * (a + b):,}" for a, b in zip(sizes, [*sizes[1:], 0], strict=True)]
+    assert cells[4][-1] == "0" and len(ms.allgather_calls(t, 2)) == 2 * len(sizes)

@@ -21,6 +21,9 @@ its next sample (``analysis.memory_series``).
 - ``fsdp_step_figure(trace, title)``: the step's timeline (a forward span per unit, the all-gathers
   and reduce-scatters on the communication lanes) over the gathered bytes of every rank, on one time
   axis: the prefetched all-gather of the next unit runs while this one computes.
+- ``fsdp_forward_table(trace, numels, n)``: the same forward on rank 0 as a table, unit by unit: the
+  gathered bytes while it computes and after it reshards, the next unit's all-gather and how much of
+  it ran inside this unit's span.
 
 Cost: O(E log E) for E events.
 """
@@ -34,8 +37,9 @@ from plotly.subplots import make_subplots
 
 from minipar.trace import Trace
 from viz import analysis as A
-from viz.style import MEMORY_COLORS, SPARE_COLORS, rank_color
+from viz.style import MEMORY_COLORS, SPARE_COLORS, rank_color, with_clock
 from viz.timeline import add_timeline, lanes
+from viz.width import Table
 
 MODEL_STATES = ("parameters", "gradients", "optimizer state", "master parameters", "gathered units")
 GATHERED = "gathered units"
@@ -183,3 +187,47 @@ def fsdp_step_figure(trace: Trace, title: str = "FSDP") -> go.Figure:
                       legend={"orientation": "h", "yref": "container", "y": 1 - 44 / height, "yanchor": "top",
                               "x": 0}, uniformtext={"minsize": 8, "mode": "hide"})
     return fig
+
+
+def allgather_calls(trace: Trace, n: int, rank: int = 0) -> list[tuple[float, float]]:
+    """(start, end) of each all-gather call of ``rank`` on ``n`` ranks, in order. The calls run one
+    after another and each sends and receives one block per ring step (n - 1 of each), so the k-th
+    n - 1 sends and the k-th n - 1 receives in time order are call k."""
+    mine = trace.select("comm", rank=rank, op="allgather")
+    sends = sorted((e for e in mine if e.src == rank), key=lambda e: e.t0)
+    recvs = sorted((e for e in mine if e.src != rank), key=lambda e: e.t0)
+    calls = []
+    for k in range(0, len(sends), n - 1):
+        events = sends[k:k + n - 1] + recvs[k:k + n - 1]
+        calls.append((min(e.t0 for e in events), max(e.t1 for e in events)))
+    return calls
+
+
+def fsdp_forward_table(trace: Trace, numels: Sequence[int], n: int, itemsize: int = 8) -> Table:
+    """Rank 0's FSDP forward on ``n`` ranks, unit by unit (units of ``numels`` elements, unpadded):
+    gathered bytes while it computes and after, against the padded sizes ``L_i + L_i+1``, and the next
+    unit's all-gather (call k + 1) with the part of it inside this unit's span."""
+    spans = sorted(trace.select("compute", rank=0, name="F"), key=lambda e: e.t0)
+    samples = sorted(trace.select("memory", rank=0, name=GATHERED), key=lambda e: e.t0)
+    calls, t0 = allgather_calls(trace, n), spans[0].t0
+    table = Table(title=with_clock(f"FSDP forward on rank 0, unit by unit (N = {n}; ms from the first unit; bytes)",
+                                   trace), title_justify="left",
+                  caption="gathered while computing: this unit + the next one already on its way (prefetch); "
+                          "formula: padded sizes L_i + L_i+1 in bytes. After: this unit resharded, only the next one "
+                          "left. The next unit's all-gather runs on the communicator's background thread; overlap: "
+                          "ms of it inside this unit's span, hidden behind its compute (the rest runs into the "
+                          "next unit's span, which waits for it).",
+                  caption_justify="left")
+    for col in ("unit", "compute span", "gathered while computing", "formula", "after reshard",
+                "next unit's all-gather", "overlap"):
+        table.add_column(col, justify="right")
+    sizes = [-(-k // n) * n * itemsize for k in numels]
+    for i, span in enumerate(spans):
+        inside = [e.nbytes for e in samples if span.t0 <= e.t0 <= span.t1]
+        nxt = calls[i + 1] if i + 1 < len(spans) else None
+        table.add_row(str(span.args.get("unit")), f"{(span.t0 - t0) * 1e3:.2f}-{(span.t1 - t0) * 1e3:.2f}",
+                      f"{max(inside):,}", f"{sizes[i] + (sizes[i + 1] if i + 1 < len(sizes) else 0):,}",
+                      f"{inside[-1]:,}",
+                      "-" if nxt is None else f"{(nxt[0] - t0) * 1e3:.2f}-{(nxt[1] - t0) * 1e3:.2f}",
+                      "-" if nxt is None else f"{max(0.0, min(span.t1, nxt[1]) - max(span.t0, nxt[0])) * 1e3:.2f}")
+    return table
