@@ -41,8 +41,10 @@ def test_every_clock_has_a_name():
     replayed, wall = two_clocks()
     assert style.clock(replayed) == "replayed: one core per rank, network local"
     assert style.clock(replayed, short=True) == "replayed on local"
-    assert style.clock(wall) == "wall clock"
-    assert style.clock(simulated("1f1b", 2, 4)) == "simulated"
+    assert style.clock(wall) == "wall clock, as recorded"  # the lessons' words (lessons.common.Clock.label)
+    assert style.clock(wall, short=True) == "wall clock"
+    assert style.clock(simulated("1f1b", 2, 4)) == "simulated, unit costs: forward 1, backward 2"
+    assert style.clock(simulated("1f1b", 2, 4), short=True) == "simulated"
     assert style.clock(one_f_one_b()) == "" and style.with_clock("x", one_f_one_b()) == "x"  # made by hand
 
 
@@ -60,7 +62,7 @@ def test_the_toggle_shows_one_clock_at_a_time():
         idle = [a["text"] for a in layout_args["annotations"]]
         assert idle == ([" idle 3 units (20%)"] * 2 if b.label != "wall clock" else [" idle 6 units (20%)"] * 2)
     assert menu.buttons[0].args[1]["title.text"] == "timeline: 1F1B (replayed: one core per rank, network local)"
-    assert menu.buttons[1].args[1]["title.text"] == "timeline: 1F1B (wall clock)"
+    assert menu.buttons[1].args[1]["title.text"] == "timeline: 1F1B (wall clock, as recorded)"
     assert menu.buttons[0].args[1]["xaxis.range"][1] < menu.buttons[1].args[1]["xaxis.range"][1]
     assert [v for v in (t.visible for t in fig.data) if v is not False] == list(menu.buttons[0].args[0]["visible"][:n])
 
@@ -87,7 +89,7 @@ def test_a_replay_shows_the_moves_between_tiers_as_recorded():
     replayed = Trace({**wall.meta, **REPLAY}, [replace(e, t0=e.t0 / 4, t1=e.t1 / 4) for e in wall.events])
     (_, tiers, _), (_, moves, _) = report.tier_figures(replayed, "offload", wall)
     assert tiers.layout.title.text.startswith("bytes per tier over time, per rank: offload (replayed")
-    assert "offload (wall clock)" in moves.layout.title.text
+    assert "offload (wall clock, as recorded)" in moves.layout.title.text
     assert list(next(t for t in moves.data if t.name == "measured").y) == [2000.0]  # ms: the recorded 2 s
 
 
@@ -113,7 +115,7 @@ def test_clicking_wall_clock_in_chromium_redraws_the_timeline(tmp_path):
            "--virtual-time-budget=10000", "--window-size=1280,2000", "--dump-dom", out.as_uri()]
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     fig = dom[dom.index('id="fig-0-timeline"'):]
-    assert re.search(r'class="gtitle"[^>]*>timeline: 1F1B \(wall clock\)<', fig)  # the wall clock's title
+    assert re.search(r'class="gtitle"[^>]*>timeline: 1F1B \(wall clock, as recorded\)<', fig)  # the wall clock's
     assert ">30<" in fig and " idle 6 units (20%)" in fig  # its time axis reaches 30, its idle totals
     assert 'data-js-errors="[]"' in dom
 

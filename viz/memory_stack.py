@@ -30,6 +30,7 @@ Cost: O(E log E) for E events.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -44,6 +45,8 @@ from viz.width import Table
 MODEL_STATES = ("parameters", "gradients", "optimizer state", "master parameters", "gathered units")
 GATHERED = "gathered units"
 STATE_COLORS = dict(zip(MODEL_STATES, MEMORY_COLORS[:5], strict=True))
+MANY_BARS = 16  # more bars than this in the model states chart: ranks named r0, r1, ...
+PLOT_CHARS = 150  # characters of an 11 px label across the chart's plot area in a ~1100 px wide page
 
 
 def has_model_states(trace: Trace) -> bool:
@@ -96,8 +99,12 @@ def stacks_figure(traces: Sequence[Trace], titles: Sequence[str]) -> go.Figure:
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.2, subplot_titles=(
         "model states when the optimizer step begins (every gradient computed, nothing gathered)",
         "at the rank's peak (gradients not yet reduced, units gathered, buckets in flight)"))
-    xs = [[title for title, t in zip(titles, traces, strict=True) for _ in range(t.world_size)],
-          [f"rank {r}" for t in traces for r in range(t.world_size)]]
+    bars = sum(t.world_size for t in traces)
+    many = bars > MANY_BARS  # "rank 0" under each of many bars would run into its neighbours: "r0"
+    names = [_wrapped(title, t.world_size, bars) for title, t in zip(titles, traces, strict=True)]
+    xs = [[name for name, t in zip(names, traces, strict=True) for _ in range(t.world_size)],
+          [f"r{r}" if many else f"rank {r}" for t in traces for r in range(t.world_size)]]
+    lines = max(name.count("<br>") + 1 for name in names)
     for row, pick in ((1, before_step), (2, at_peak)):
         states = [pick(t, r) for t in traces for r in range(t.world_size)]
         for lab in labels:
@@ -107,17 +114,35 @@ def stacks_figure(traces: Sequence[Trace], titles: Sequence[str]) -> go.Figure:
                 customdata=[A.fmt_bytes(y) for y in ys],
                 hovertemplate=f"%{{x}}: {lab} %{{customdata}}<extra></extra>"), row=row, col=1)
         totals = [sum(s.values()) for s in states]
-        first = [i for i, r in enumerate(xs[1]) if r == "rank 0"]  # one total per trace: its rank 0
+        first = [i for i, r in enumerate(xs[1]) if r in ("r0", "rank 0")]  # one total per trace: its rank 0
         fig.add_trace(go.Scatter(x=[[xs[0][i] for i in first], [xs[1][i] for i in first]],
                                  y=[totals[i] for i in first], mode="text", textposition="top right",
-                                 text=[f"rank 0: {A.fmt_bytes(totals[i])}" for i in first], textfont={"size": 11},
+                                 text=[f"{xs[1][i]}: {A.fmt_bytes(totals[i])}" for i in first], textfont={"size": 11},
                                  showlegend=False, hoverinfo="skip"), row=row, col=1)
         fig.update_yaxes(title_text="bytes per rank", range=[0, 1.15 * max(totals, default=1)], row=row, col=1)
     fig.update_xaxes(tickangle=0)
-    fig.update_layout(title="model states per rank, stacked (ZeRO, Rajbhandari et al. 2020, Fig. 1)",
-                      barmode="stack", bargap=0.15, height=700, margin={"t": 110}, legend={"orientation": "h",
-                                                                                          "y": 1.1, "x": 0})
+    fig.update_layout(title="model states per rank, stacked (ZeRO, Rajbhandari et al. 2020, Fig. 1)"
+                      + (" (r0 = rank 0)" if many else ""), barmode="stack", bargap=0.15,
+                      height=680 + 2 * 14 * lines, margin={"t": 110, "b": 40 + 14 * lines},
+                      legend={"orientation": "h", "y": 1.1, "x": 0})
     return fig
+
+
+def _wrapped(title: str, ranks: int, bars: int) -> str:
+    """``title`` broken into lines (``<br>``) as wide as its group of ``ranks`` bars out of ``bars``, so
+    that neighbouring group labels do not run into each other: at spaces, and a word longer than a line
+    after its "_" or "/"."""
+    width = max(8, PLOT_CHARS * ranks // bars)
+    words = [piece for word in title.split() for piece in
+             (re.split(r"(?<=[_/])", word) if len(word) > width else [word])]
+    lines = [""]
+    for word in words:
+        gap = " " if lines[-1] and not lines[-1].endswith(("_", "/")) else ""
+        if lines[-1] and len(lines[-1]) + len(gap) + len(word) > width:
+            lines.append("")
+            gap = ""
+        lines[-1] += gap + word
+    return "<br>".join(lines)
 
 
 def gathered_figure(trace: Trace, title: str = "FSDP") -> go.Figure:

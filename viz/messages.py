@@ -3,14 +3,26 @@ into one span per collective call (``collective_spans``), and each send paired w
 (``pair_messages``). The report's timeline and the terminal timeline both draw from here.
 
 - **Collective call** (``collective_spans``): a rank's run of comm events of one op and algorithm
-  whose steps never go back; one span per call, with the bytes the rank sent and received in it.
+  whose steps never go back; one span per call, with the bytes the rank sent and received in it. A
+  collective's messages name its algorithm (ring, naive, native, ...); a message without one is
+  point-to-point (send, recv, a parameter server's push and pull, Ring Attention's K/V pass) and is
+  a span of its own, however its steps count.
+- **A call inside a compute span** (``inside_compute``): the rank's own thread ran it within one of its
+  compute spans and computed nothing else meanwhile, so the computation waited in it (tensor
+  parallelism's all-reduces inside F, ZeRO-1's collectives inside opt): drawn inside that span, not
+  beside it as an overlap. A call on a communicator's worker thread (``Event.thread``: DDP's bucket
+  all-reduces, FSDP's prefetched all-gathers) or one a compute span started or ended during (Ring
+  Attention's K/V pass under its score blocks) runs beside the computation.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from minipar.trace import Event, Trace
 from viz.analysis import sends
@@ -67,9 +79,9 @@ def collective_spans(trace: Trace) -> list[CommSpan]:
 
     A rank's comm events, in time order, belong to one call while they keep the same op and
     algorithm and their ``step`` does not go back (a ring all-reduce: steps 0..2(p-1)-1, a send and
-    a receive each); a step lower than the last one, another op or algorithm, or an event without a
-    step (a point-to-point message: op "send" or "recv" as the rank saw it, a ``native``
-    collective) starts a new span. Limitation: one-step
+    a receive each); a step lower than the last one, another op or algorithm, an event without a
+    step (a ``native`` collective) or without an algorithm (a point-to-point message: op "send" or
+    "recv" as the rank saw it, "push", "pull", "ring_kv", ...) starts a new span. Limitation: one-step
     collectives of the same op and algorithm called back to back merge into one span.
     Cost: O(E log E).
     """
@@ -83,12 +95,35 @@ def collective_spans(trace: Trace) -> list[CommSpan]:
         for e in sorted(by_rank[rank], key=lambda e: e.t0):
             op = e.name if e.op in ("send", "recv", None) else e.op  # a p2p receive is a "recv"
             last = cur.events[-1].step if cur is not None else None
-            if (cur is None or e.step is None or last is None or e.step < last
+            if (cur is None or e.step is None or last is None or e.step < last or e.algorithm is None
                     or (op, e.algorithm) != (cur.op, cur.algorithm)):
                 cur = CommSpan(rank, op, e.algorithm, [])
                 spans.append(cur)
             cur.events.append(e)
     return spans
+
+
+def inside_compute(trace: Trace, spans: Sequence[CommSpan]) -> list[bool]:
+    """For each span (``collective_spans``): True when its rank's own thread recorded all of its
+    messages within one of that thread's compute spans and no other compute span of the thread began or
+    ended between the call's first and last message (module docstring). Cost: O(S C) for S calls and
+    C compute spans of a rank, vectorised over C."""
+    own: dict[int, list[Event]] = defaultdict(list)
+    for e in trace.events:
+        if e.kind == "compute" and not e.thread:
+            own[e.rank].append(e)
+    bounds = {r: (np.array([e.t0 for e in es]), np.array([e.t1 for e in es])) for r, es in own.items()}
+    out = []
+    for span in spans:
+        if span.rank not in bounds or any(e.thread for e in span.events):
+            out.append(False)
+            continue
+        starts, ends = bounds[span.rank]
+        t0, t1 = span.t0, span.t1
+        encloses = (starts <= t0) & (ends >= t1)
+        overlaps = (starts < t1) & (ends > t0)
+        out.append(bool(encloses.any() and not (overlaps & ~encloses).any()))
+    return out
 
 
 def _pair_op(event: Event) -> str | None:

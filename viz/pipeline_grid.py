@@ -112,7 +112,8 @@ def unit_stash(cells: list[Cell], rank: int) -> tuple[list[int], list[int]]:
 
 def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
     """The unit-time grid of ``unit_cells`` and, under it, each rank's stash (``unit_stash``) on
-    the same cells; None when the trace has no such schedule."""
+    the same cells; None when the trace has no such schedule. The default title names the schedule and
+    its costs: unit costs, whatever durations the trace was recorded or simulated with."""
     cells = unit_cells(trace)
     if cells is None:
         return None
@@ -159,9 +160,12 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
     meta = trace.meta
     what = ", ".join(f"{k}={meta[k]}" for k in ("p", "m", "v") if meta.get(k) is not None)
     split = "I and W 1 cell each" if any(c.name == "W" for c in cells) else "backward = 2 cells"
+    kind = str(meta.get("schedule") or "schedule").removesuffix(" (simulated)")
+    costs = f"unit costs: forward 1 cell, {split.replace(' = ', ' ')}, not the trace's times"
     height = 360 + 42 * p
     fig.update_layout(
-        title={"text": title or style.title(trace, "schedule"), "yref": "container", "y": 1 - 12 / height,
+        title={"text": title or f"{kind} as the papers draw it, {style.ranks(p)} ({costs})", "yref": "container",
+               "y": 1 - 12 / height,
                "yanchor": "top"},
         barmode="overlay", bargap=0, height=height, margin={"r": 150, "l": 70, "t": 100, "b": 60},
         plot_bgcolor="white", uniformtext={"minsize": 7, "mode": "hide"},

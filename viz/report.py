@@ -1,15 +1,19 @@
 """One self-contained HTML report for one or more traces.
 
 The page embeds plotly.js once (no CDN: it renders offline), then a summary table (world size, paradigm, the
-clock its times are on (``style.clock``: replayed on a cluster, simulated, wall clock), step time, idle share
-(the bubble, for a pipeline), bytes moved, peak memory per rank), then the first trace of a run on a device
-mesh: the grid and the bytes each rank sent stacked by mesh axis (``viz.mesh``), then the caller's
-``extra_figures`` (a section each: title and figure), then the first Ring Attention trace's ring step by step
-(``viz.ring``; the others' in their sections), then the first trace with moves between memory tiers: bytes per
-tier over time and the moves as links (``viz.tiers``; the others' in their sections), then the model states
-per rank of every trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline
-over its gathered units (``viz.memory_stack``), then, when there are several traces, their timelines on one
-shared time axis, then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
+clock its times are on (``style.clock``: replayed on a cluster, simulated, wall clock), time traced (and over how
+many steps, when the trace's meta says: ``steps``), idle share (the bubble, for a pipeline), bytes moved (per step
+too, with ``steps``), peak memory per rank). Then the figure of what the run is about, so that each lesson's
+report opens with its own: the first trace of a run on a device mesh: the grid and the bytes each rank sent
+stacked by mesh axis (``viz.mesh``), then the caller's ``extra_figures`` (a section each: title and figure),
+then every simulated pipeline schedule as the papers draw it (``viz.pipeline_grid``, unit costs; not repeated in
+its section), then the first Ring Attention trace's ring step by step (``viz.ring``; the others' in their
+sections), then the first trace with moves between memory tiers: bytes per tier over time and the moves as links
+(``viz.tiers``; the others' in their sections), then, for a ZeRO or FSDP run, the model states per rank of every
+trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline over its gathered
+units (``viz.memory_stack``), then, when there are several traces, their timelines on one shared time axis
+(then the model states of a run that samples them but shards none: data parallelism, a parameter server),
+then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
 timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its traffic (left
 out when no message carries a byte; per mesh axis when the trace has a mesh), its memory (with moves between
 memory tiers: ``viz.tiers``' two figures instead) and, for FSDP, its gathered units over time. The page
@@ -75,11 +79,13 @@ def _default_title(item: TraceLike, trace: Trace) -> str:
 
 
 def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[str, Any]]:
-    """The summary table's rows (one per trace), already formatted as strings."""
+    """The summary table's rows (one per trace), already formatted as strings; a trace of several steps
+    (``meta["steps"]``) says over how many its time and bytes are, and its bytes per step."""
     rows = []
     for title, t in zip(titles, traces, strict=True):
         s = A.summary(t)
         unit = A.time_unit(t)
+        steps, moved = _steps(t), s["bytes_moved"]
         rows.append({
             "trace": title,
             "paradigm": str(s["paradigm"]),
@@ -87,13 +93,20 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
             "backend": str(s["backend"]),
             "world size": str(s["world_size"]),
             "times": style.clock(t, short=True) or "-",
-            "step time": A.fmt_time(s["step_time"], unit),
+            "time traced": A.fmt_time(s["step_time"], unit) + (f" for {steps} steps" if steps else ""),
             "idle (bubble of a pipeline)": "-" if s["bubble_fraction"] is None
             else f"{100 * s['bubble_fraction']:.1f}%",
-            "bytes moved": A.fmt_bytes(s["bytes_moved"]),
+            "bytes moved": A.fmt_bytes(moved) + (f" in {steps} steps, {A.fmt_bytes(moved / steps)} per step"
+                                                 if steps else ""),
             "peak memory per rank": _peaks(t, s["peak_memory"]),
         })
     return rows
+
+
+def _steps(trace: Trace) -> int | None:
+    """The number of training steps the trace covers (``meta["steps"]``) when more than one, else None."""
+    steps = trace.meta.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else None
 
 
 def _peaks(trace: Trace, peaks: list[int]) -> str:
@@ -141,13 +154,19 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return f'<table class="summary"><tr>{head}</tr>{body}</table>'
 
 
+def _is_zero(trace: Trace) -> bool:
+    """A ZeRO or FSDP run (its paradigm says so): the model states chart is its figure."""
+    paradigm = str(trace.meta.get("paradigm", ""))
+    return "ZeRO" in paradigm or "FSDP" in paradigm
+
+
 def _fig_html(fig: go.Figure, div_id: str) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
                        config={"displaylogo": False, "responsive": True})
 
 
-def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True, other: Trace | None = None
-                ) -> list[tuple[str, go.Figure | None, str]]:
+def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True, other: Trace | None = None,
+                grid: bool = True) -> list[tuple[str, go.Figure | None, str]]:
     """(kind, figure or None, note) for the per-trace figures; None with a note when there is
     nothing to draw. Every figure drawn on a time axis names the trace's clock (``style.clock``); with
     ``other`` (the same run on the other clock) the timeline gets a button for each clock. A simulated
@@ -155,12 +174,14 @@ def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True,
     under it, and has no traffic panel when its messages carry no bytes. A Ring Attention trace gets
     ``viz.ring``'s figure (unless ``ring`` is False: the page already shows it at the top); one with
     moves between memory tiers gets ``viz.tiers``' two figures in place of the memory panel (none
-    when ``tiers`` is False: shown at the top)."""
+    when ``tiers`` is False: shown at the top). A simulated schedule's grid is titled with its unit costs
+    (not the trace's title: the grid does not use its times); ``grid=False``: a note that it is at the top."""
     out: list[tuple[str, go.Figure | None, str]] = []
-    grid = is_grid(trace)
+    is_unit_grid = is_grid(trace)
     timed = style.with_clock(title, trace)
-    if grid:
-        out.append(("schedule", figures.schedule_grid(trace, f"schedule as the papers draw it: {title}"), ""))
+    if is_unit_grid:
+        out.append(("schedule", figures.schedule_grid(trace), "") if grid else
+                   ("schedule", None, "Its schedule as the papers draw it (unit costs) is at the top of the page."))
     else:
         out.append(("timeline", timeline_figure(trace, title, other), ""))
     if ring and is_ring(trace):  # Ring Attention: the K/V blocks step by step
@@ -177,7 +198,7 @@ def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True,
                                      "are not visible, so there is no traffic panel."))
     else:
         out.append(("traffic", None, "No messages in this trace."))
-    if grid and A.memory_counts(trace):
+    if is_unit_grid and A.memory_counts(trace):
         return out  # its stash counts are drawn under the grid, on the same cells
     if has_transfers(trace):  # memory tiers: bytes per tier over time and the moves between tiers (viz.tiers)
         return [*out, *tier_figures(trace, title, other)] if tiers else out
@@ -201,11 +222,11 @@ def timeline_figure(trace: Trace, title: str, other: Trace | None = None) -> go.
 
 
 def compare_figure(traces: Sequence[Trace], titles: Sequence[str], others: Sequence[Trace | None]) -> go.Figure:
-    """The traces on one time axis, the title naming their clocks; a button for each clock when some
-    trace has another (the others' traces keep theirs)."""
+    """The traces on one time axis, the title naming their clocks (a simulated schedule's costs are in its
+    own title); a button for each clock when some trace has another (the others' traces keep theirs)."""
     def drawn(ts: Sequence[Trace]) -> go.Figure:
         fig = figures.compare(ts, titles)
-        clocks = ", ".join(dict.fromkeys(c for c in map(style.clock, ts) if c))
+        clocks = ", ".join(dict.fromkeys(c for c in (style.clock(t, short=A.is_simulated(t)) for t in ts) if c))
         fig.update_layout(title_text=f"{fig.layout.title.text}; times {clocks}" if clocks else fig.layout.title.text)
         return fig
 
@@ -247,20 +268,27 @@ def render(traces: Sequence[Trace], titles: Sequence[str], extra_figures: Sequen
     for j, (heading, fig) in enumerate(extra_figures):  # figures the caller made: after the summary and the mesh
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         parts.append(_fig_html(fig, f"fig-extra-{j}"))
+    grids = [i for i, t in enumerate(traces) if is_grid(t)]
+    if grids:  # a pipeline schedule: the papers' figure of it comes first
+        parts.append("<h2>the schedules as the papers draw them (unit costs)</h2>")
+        parts.extend(_fig_html(figures.schedule_grid(traces[i]), f"fig-{i}-schedule") for i in grids)
     first_ring = next((i for i, t in enumerate(traces) if is_ring(t)), None)
     if first_ring is not None:  # the ring is the point of a Ring Attention run: show it first
         parts.append(f"<h2>Ring Attention step by step: {html.escape(titles[first_ring])}</h2>")
-        parts.append(_fig_html(ring_figure(traces[first_ring], titles[first_ring]), "fig-ring"))
+        ring = traces[first_ring]
+        parts.append(_fig_html(ring_figure(ring, style.with_clock(titles[first_ring], ring)), "fig-ring"))
     first_tiers = next((i for i, t in enumerate(traces) if has_transfers(t)), None)
     if first_tiers is not None:  # offload: where the bytes live, tier by tier, and what moved between tiers
         parts.append(f"<h2>memory tiers: {html.escape(titles[first_tiers])}</h2>")
         parts.extend(_fig_html(fig, f"fig-top-{kind}") for kind, fig, _ in tier_figures(
             traces[first_tiers], titles[first_tiers], others[first_tiers]))
     states = [i for i, t in enumerate(traces) if has_model_states(t)]
-    if states:  # ZeRO / DDP: the paper's picture of model states per rank
-        parts.append("<h2>model states per rank</h2>")
-        parts.append(_fig_html(stacks_figure([traces[i] for i in states], [titles[i] for i in states]),
-                               "fig-model-states"))
+    stack = [] if not states else [
+        "<h2>model states per rank</h2>",
+        _fig_html(stacks_figure([traces[i] for i in states], [titles[i] for i in states]), "fig-model-states")]
+    zero = any(_is_zero(traces[i]) for i in states)
+    if zero:  # ZeRO / FSDP: the paper's picture of model states per rank is the point of the run
+        parts.extend(stack)
     first_fsdp = next((i for i, t in enumerate(traces) if has_gathered(t)), None)
     if first_fsdp is not None:  # the overlap FSDP is built for: the next unit's all-gather under this one's compute
         parts.append(f"<h2>FSDP step: {html.escape(titles[first_fsdp])}</h2>")
@@ -270,10 +298,13 @@ def render(traces: Sequence[Trace], titles: Sequence[str], extra_figures: Sequen
     if len(traces) > 1:
         parts.append("<h2>side by side</h2>")
         parts.append(_fig_html(compare_figure(traces, titles, others), "fig-compare"))
+    if not zero:  # data parallelism, a parameter server: their model states, after their timelines
+        parts.extend(stack)
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(metadata(t))
-        for kind, fig, note in figures_for(t, title, ring=i != first_ring, tiers=i != first_tiers, other=others[i]):
+        for kind, fig, note in figures_for(t, title, ring=i != first_ring, tiers=i != first_tiers, other=others[i],
+                                           grid=False):
             if fig is None:
                 parts.append(f'<p class="note" id="note-{i}-{kind}">{html.escape(note)}</p>')
             else:

@@ -5,7 +5,9 @@ Each rank gets a lane of character cells, each covering the same slice of the st
 to win any cell still claims its best-overlapping idle cell, so short spans do not vanish. Cells
 left free show a collective call (``viz.messages.collective_spans``: all of a rank's messages of
 one call, one span from its first step to its last), a point-to-point message (``~``, sending or
-waiting in a receive) or nothing (``.``, idle).
+waiting in a receive; a message without an algorithm: send, recv, a parameter server's push and pull,
+Ring Attention's K/V pass) or nothing (``.``, idle). A collective the rank's own thread runs inside a
+compute span shows as that span: the computation waits in it, nothing overlaps it.
 
 Labels: a block gets its label (``F0``, ``B3.1`` with chunks, ``F2↑`` for Chimera's up pipeline
 (drawn in reverse: the kind's colour on white), ``opt``; ``allreduce ring`` for a
@@ -56,17 +58,17 @@ PREFIX_FMT = "rank {:<{w}} "
 SUFFIX_WIDTH = len("  idle 100%")
 MAX_BANDS = 4
 UP_STYLE = " reverse"  # added to a kind's style for Chimera's up pipeline (args["direction"])
-POINT_TO_POINT = (None, "send", "recv")
 
 
 Call = M.CommSpan  # one collective call as one rank took part in it
 
 
 def collective_calls(trace: Trace) -> dict[int, list[Call]]:
-    """Each rank's collective calls: ``viz.messages.collective_spans`` without point-to-point messages."""
+    """Each rank's collective calls: ``viz.messages.collective_spans`` without point-to-point messages
+    (those without an algorithm: send, recv, push, pull, ring_kv, ...)."""
     calls: dict[int, list[Call]] = {r: [] for r in range(trace.world_size)}
     for span in M.collective_spans(trace):
-        if span.op not in POINT_TO_POINT and span.rank in calls:
+        if span.algorithm is not None and span.rank in calls:
             calls[span.rank].append(span)
     return calls
 
@@ -81,7 +83,7 @@ def _call_labels(call: Call, several: set[str]) -> list[str]:
 def _ops_with_several_algorithms(trace: Trace) -> set[str]:
     algorithms: dict[str, set[str | None]] = {}
     for e in trace.events:
-        if e.kind == "comm" and e.op not in POINT_TO_POINT:
+        if e.kind == "comm" and e.algorithm is not None:
             algorithms.setdefault(str(e.op), set()).add(e.algorithm)
     return {op for op, algs in algorithms.items() if len(algs) > 1}
 
@@ -123,7 +125,7 @@ def _cells(trace: Trace, rank: int, n: int, lo: float, dt: float, calls: list[Ca
         if free:
             cells[max(free, key=lambda c: overlap(e.t0, e.t1, c))] = e
     p2p = [(e.t0, e.t1, COMM_CHAR) for e in trace.events
-           if e.kind == "comm" and e.rank == rank and e.op in POINT_TO_POINT and e.t1 > e.t0]
+           if e.kind == "comm" and e.rank == rank and e.algorithm is None and e.t1 > e.t0]
     for t0, t1, owner in [(k.t0, k.t1, k) for k in calls] + p2p:
         if t1 > lo and t0 < hi:
             for c in cover(t0, t1):

@@ -9,7 +9,12 @@ profilers draw a GPU's compute and communication streams, so communication that 
 - Communication lane: one labelled bar per collective call (``messages.collective_spans``), e.g.
   "allreduce ring 12.0 MiB", one colour per op/algorithm; its steps are listed on hover. The
   individual messages ("messages (steps)") and the send -> receive arrows are legend entries,
-  hidden until clicked.
+  hidden until clicked. Only calls that run beside the computation sit there (a communicator's
+  worker thread: DDP's bucket all-reduces, FSDP's prefetch; Ring Attention's K/V pass): a call the
+  rank's own thread made inside a compute span (``messages.inside_compute``: tensor parallelism's
+  all-reduces inside F, ZeRO-1's collectives inside opt) is drawn inside that span, a hatched strip
+  in the call's colour along the compute bar's lower half ("allreduce ring, inside compute"), since
+  the computation waited in it; a rank with no call beside its computation gets no comm lane.
 - A run that lost a rank (``viz.faults``): its lanes end with a red cross, hatched grey after;
   each survivor's "peer declared dead" is a red tick on its lane, a server's "worker dropped" a diamond.
 - A trace with only compute (or only messages) gets one lane per rank, named "rank r". The
@@ -39,13 +44,21 @@ STEP_WIDTH = 0.18  # individual messages: a thin strip along the comm lane's bot
 HOVER_STEPS = 12  # steps listed in a collective's hover before "... more"
 
 
+INSIDE_WIDTH = 0.3  # a call inside a compute span: a strip along the compute bar's lower half
+INSIDE_OFFSET = 0.27  # its centre below the lane's centre (the y axis points down), clear of the span's label
+INSIDE_PATTERN = {"shape": "/", "fgcolor": "white", "solidity": 0.25, "size": 6}
+
+
 @dataclass
 class Lanes:
-    """Where each rank's lanes sit on the y axis (top to bottom) and their tick labels."""
+    """Where each rank's lanes sit on the y axis (top to bottom) and their tick labels; ``spans``: the
+    trace's collective calls, ``inside[i]``: whether call i runs inside a compute span (drawn there)."""
 
     compute: dict[int, int] = field(default_factory=dict)
     comm: dict[int, int] = field(default_factory=dict)
     ticks: list[tuple[int, str]] = field(default_factory=list)
+    spans: list[M.CommSpan] = field(default_factory=list)
+    inside: list[bool] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -58,10 +71,12 @@ class Lanes:
 
 def lanes(trace: Trace) -> Lanes:
     """Compute and comm lanes per rank: both ("rank r compute" / "rank r comm") when the trace has
-    both kinds of event, else one lane per rank named "rank r"."""
+    both compute and calls beside it (not all inside compute spans), else one lane per rank named "rank r"."""
     has_compute = any(e.kind == "compute" for e in trace.events)
-    has_comm = any(e.kind == "comm" for e in trace.events) and not A.is_simulated(trace)
-    out = Lanes()
+    spans = [] if A.is_simulated(trace) else M.collective_spans(trace)
+    inside = M.inside_compute(trace, spans)
+    has_comm = not all(inside)
+    out = Lanes(spans=spans, inside=inside)
     for r in range(trace.world_size):
         if has_compute and has_comm:
             out.compute[r], out.comm[r] = 2 * r, 2 * r + 1
@@ -74,9 +89,9 @@ def lanes(trace: Trace) -> Lanes:
 
 def span_text(span: M.CommSpan) -> str:
     """Label on a collective's bar: op, algorithm and the bytes this rank sent (else received).
-    Point-to-point messages get none: a send and a receive overlap on the lane, and their labels
-    would print over each other (their hover says it all)."""
-    if span.op in ("send", "recv"):
+    Point-to-point messages (no algorithm: send, recv, push, pull, ring_kv, ...) get none: a send and a
+    receive overlap on the lane, and their labels would print over each other (their hover says it all)."""
+    if span.algorithm is None:
         return ""
     moved = span.sent or span.received or span.hidden
     return f"{span.title} {A.fmt_bytes(moved)}"
@@ -170,7 +185,7 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
                        f"{A.fmt_time(e.duration, unit)}{_where(e)}" for e in spans],
             hovertemplate="%{hovertext}<extra></extra>",
         ), **where)
-    if lane.comm:
+    if lane.spans:
         _add_comm(fig, trace, lane, where, name, show_legend)
     _add_idle(fig, trace, lane, row)
     faults.add_faults(fig, trace, lane.compute, lane.comm, where, show_legend)  # a lost rank's lane stops
@@ -182,27 +197,36 @@ def add_timeline(fig: go.Figure, trace: Trace, row: int | None = None, name: str
 
 def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], name: str,
               show_legend: Callable[[str], bool]) -> None:
-    """Collective spans (one trace per op/algorithm), then the hidden messages and arrows; the
-    legend lists compute kinds, then collectives, then messages and arrows (``legendrank``)."""
+    """Collective spans (one trace per op/algorithm, and one per op/algorithm drawn inside compute
+    spans), then the hidden messages and arrows; the legend lists compute kinds, then collectives, then
+    messages and arrows (``legendrank``)."""
     unit = A.time_unit(trace)
-    spans = M.collective_spans(trace)
-    keys = list(dict.fromkeys(s.key for s in spans))
-    for key in keys:
-        group = [s for s in spans if s.key == key]
-        fig.add_trace(go.Bar(
-            orientation="h", name=group[0].title, legendgroup=f"comm {key}", legendrank=200,
-            showlegend=show_legend(f"comm {key}"),
-            y=np.array([lane.comm[s.rank] for s in group]), base=np.array([s.t0 for s in group]),
-            x=np.array([s.t1 - s.t0 for s in group]), width=COMM_WIDTH,
-            marker={"color": comm_color(key), "line": {"width": 0}},  # a white edge would pale thin spans
-            text=[span_text(s) for s in group], textposition="inside", insidetextanchor="middle", textangle=0,
-            hovertext=[span_hover(s, unit, name) for s in group], hovertemplate="%{hovertext}<extra></extra>",
-        ), **where)
+    at: dict[int, tuple[float, float]] = {}  # id(message) -> (centre, width) of its call's bar
+    for inside in (False, True):
+        spans = [s for s, i in zip(lane.spans, lane.inside, strict=True) if i == inside]
+        for key in dict.fromkeys(s.key for s in spans):
+            group = [s for s in spans if s.key == key]
+            entry = f"comm {key}" + (" inside" if inside else "")
+            ys = [lane.compute[s.rank] + INSIDE_OFFSET if inside else lane.comm[s.rank] for s in group]
+            width = INSIDE_WIDTH if inside else COMM_WIDTH
+            for s, y in zip(group, ys, strict=True):
+                at.update((id(e), (y, width)) for e in s.events)
+            marker = {"color": comm_color(key), "line": {"width": 0}}  # a white edge would pale thin spans
+            fig.add_trace(go.Bar(
+                orientation="h", name=group[0].title + (", inside compute" if inside else ""), legendgroup=entry,
+                legendrank=200, showlegend=show_legend(entry), y=np.array(ys), base=np.array([s.t0 for s in group]),
+                x=np.array([s.t1 - s.t0 for s in group]), width=width,
+                marker={**marker, "pattern": INSIDE_PATTERN} if inside else marker,
+                text=[span_text(s) for s in group], textposition="inside", insidetextanchor="middle", textangle=0,
+                hovertext=[span_hover(s, unit, name) + ("<br>inside a compute span: the computation waits in it"
+                                                         if inside else "") for s in group],
+                hovertemplate="%{hovertext}<extra></extra>",
+            ), **where)
     msgs = [e for e in trace.events if e.kind == "comm"]
     fig.add_trace(go.Bar(
         orientation="h", name="messages (steps)", legendgroup="messages", showlegend=show_legend("messages"),
-        legendrank=300,
-        visible="legendonly", y=np.array([lane.comm[e.rank] + (COMM_WIDTH - STEP_WIDTH) / 2 for e in msgs]),
+        legendrank=300, visible="legendonly",  # a strip along the bottom edge of the call's bar
+        y=np.array([at[id(e)][0] + (at[id(e)][1] - STEP_WIDTH) / 2 for e in msgs]),
         base=np.array([e.t0 for e in msgs]), x=np.array([e.duration for e in msgs]), width=STEP_WIDTH,
         marker={"color": "#333333"},
         hovertext=[f"{name}{e.op} {e.algorithm or ''}{'' if e.step is None else f' step {e.step}'}: {e.name}"
@@ -213,7 +237,7 @@ def _add_comm(fig: go.Figure, trace: Trace, lane: Lanes, where: dict[str, int], 
     pairs = [(s, r) for s, r in M.pair_messages(trace) if r is not None]
     if pairs:  # one polyline: send start on the sender -> receive end on the receiver, NaN between
         xs = np.array([[s.t0, r.t1, np.nan] for s, r in pairs]).ravel()
-        ys = np.array([[lane.comm[s.rank], lane.comm[r.rank], np.nan] for s, r in pairs]).ravel()
+        ys = np.array([[at[id(s)][0], at[id(r)][0], np.nan] for s, r in pairs]).ravel()
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="lines+markers", name="send -> recv arrows", legendgroup="arrows", legendrank=300,
             showlegend=show_legend("arrows"), visible="legendonly", hoverinfo="skip",
