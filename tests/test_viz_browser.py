@@ -98,7 +98,8 @@ def test_report_renders_in_chromium(tmp_path):
     cells = _bar_texts(figs["fig-2-schedule"])
     assert len(cells) == 2 * 2 * 4 * 8 and set(cells) == {str(mb) for mb in range(8)}  # F and B, v p m
     assert re.search(r'id="note-2-traffic">[^<]*carry no bytes', dom)  # a note instead of a heat map of zeros
-    assert re.search(r">stashed micro-batches per rank[^<]*<", figs["fig-2-schedule"])  # counts, under the grid
+    assert re.search(r">stashed chunk micro-batches \(1/2 of a micro-batch's activations on the rank each\) per rank",
+                     html.unescape(figs["fig-2-schedule"]))  # counts of (micro-batch, chunk), under the grid
     assert 'id="note-2-memory"' not in dom  # no second stash chart, in seconds
     details = re.findall(r"<details[^>]*>\s*<summary>([^<]*)</summary>", dom)
     assert len(details) == 3 and all(d.startswith("run metadata") for d in details)

@@ -8,7 +8,8 @@
 - the report opens with the run's own figure: a pipeline's grids, a ZeRO run's model states (a data
   parallel run's after its timelines); the summary says over how many steps its totals are;
 - titles name the clock and the costs (a unit grid says unit costs, whatever the trace's durations);
-- the model states chart of many bars names ranks r0, r1, ... and wraps long group labels.
+- the model states chart of many bars names ranks r0, r1, ... and wraps long group labels;
+- an interleaved schedule's stash counts say they count chunk micro-batches (1/v of a micro-batch each).
 """
 
 from __future__ import annotations
@@ -142,3 +143,14 @@ def test_many_bars_of_model_states_name_ranks_short_and_wrap_long_labels():
     assert list(ranks[:4]) == ["r0", "r1", "r2", "r3"] and groups[0] == "DDP<br>recursive_doubling"
     few = memory_stack.stacks_figure([t] * 2, ["DDP recursive_doubling", "b"])
     assert list(few.data[0].x[1][:2]) == ["rank 0", "rank 1"] and few.data[0].x[0][0] == "DDP recursive_doubling"
+
+
+def test_an_interleaved_stash_names_its_unit():
+    (row,) = report.summary_rows([simulated("interleaved", 4, 8, 2)], ["interleaved"])
+    peaks = ", ".join(str(n) for n in A.summary(simulated("interleaved", 4, 8, 2))["peak_memory"])
+    assert row["peak memory per rank"] == (f"{peaks} chunk micro-batches (1/2 of a micro-batch's activations on "
+                                           "the rank each) stashed")
+    grid = figures.schedule_grid(simulated("interleaved", 4, 8, 2))
+    assert grid.layout.annotations[0].text.startswith("stashed chunk micro-batches (1/2 of")
+    assert report.summary_rows([simulated("1f1b", 4, 8)], ["1f1b"])[0]["peak memory per rank"] == (
+        "4, 3, 2, 1 micro-batches stashed")

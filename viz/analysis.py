@@ -266,6 +266,15 @@ def memory_counts(trace: Trace) -> bool:
     return bool(samples) and all("stashed" in e.args and e.nbytes == e.args["stashed"] for e in samples)
 
 
+def stash_unit(trace: Trace) -> str:
+    """What one stashed item of a stash count (``memory_counts``) is: "micro-batches", or for a schedule of
+    v > 1 model chunks per rank (``meta["v"]``, interleaved) "chunk micro-batches (1/v of a micro-batch's
+    activations on the rank each)": each forward of a micro-batch on one chunk stashes one, and a chunk
+    holds 1/v of the rank's layers."""
+    v = int(trace.meta.get("v", 1) or 1)
+    return "micro-batches" if v <= 1 else f"chunk micro-batches (1/{v} of a micro-batch's activations on the rank each)"
+
+
 def fmt_memory(trace: Trace, n: float) -> str:
     """Bytes (``fmt_bytes``), or "4 micro-batches" / "1 micro-batch" when the trace counts a stash
     (``memory_counts``)."""

@@ -121,7 +121,8 @@ def schedule_grid(trace: Trace, title: str | None = None) -> go.Figure | None:
     n_chunks = max(int(trace.meta.get("v", 1) or 1), 1 + max(c.chunk for c in cells))
     end = max(c.t1 for c in cells)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.1,
-                        subplot_titles=("", "stashed micro-batches per rank (forward done, backward or W not yet)"))
+                        subplot_titles=("", f"stashed {A.stash_unit(trace)} per rank (forward done, backward or W "
+                                            "not yet)"))
     names = trace.meta.get("chunk_names")  # Chimera: ["down", "up"], the chunk a direction
     for kind in A.PIPELINE_KINDS:
         for chunk in range(n_chunks):

@@ -113,7 +113,7 @@ def _peaks(trace: Trace, peaks: list[int]) -> str:
     if not any(peaks):
         return "-"
     if A.memory_counts(trace):
-        return ", ".join(str(b) for b in peaks) + " micro-batches stashed"
+        return ", ".join(str(b) for b in peaks) + f" {A.stash_unit(trace)} stashed"
     return ", ".join(A.fmt_bytes(b) for b in peaks)
 
 
