@@ -196,6 +196,27 @@ def mpiexec_launcher(argv: Sequence[str], mpiexec: str | os.PathLike[str] | None
     return launch
 
 
+def threads_launcher(fn: Callable[..., Any], results: list[Any] | None = None, **kwargs: Any) -> Launcher:
+    """``elastic_loop``'s launcher on the threads backend (notebooks, lessons): each run calls
+    ``fn(comm, info=restart_info(env), **kwargs)`` on ``n`` threads (``minipar.launch``; ``deadline=``
+    among ``kwargs`` sets the failure detector's). A rank that ``faults.kill`` ended returns None and is
+    recorded as killed by SIGKILL, as the status shell records a killed process under ``minipar run
+    --elastic``; another's status is its result's ``"status"`` (0 without one). Rank 0's result of each
+    run is appended to ``results``."""
+    from minipar.comm import launch
+
+    def run(n: int, env: Mapping[str, str]) -> RunResult:
+        start = time.monotonic()
+        rows = launch(fn, n, "threads", info=restart_info(env), **kwargs)
+        if results is not None:
+            results.append(rows[0])
+        statuses = {r: LOST_STATUS + signal.SIGKILL if row is None else int(row.get("status", 0))
+                    if isinstance(row, dict) else 0 for r, row in enumerate(rows)}
+        return RunResult(n, max(statuses.values()), statuses, time.monotonic() - start)
+
+    return run
+
+
 def _statuses(folder: Path) -> dict[int, int]:
     """Each rank's exit status its shell recorded (none yet, or half-written when the shell itself was
     killed: absent)."""

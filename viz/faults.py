@@ -9,6 +9,10 @@ mark. Definitions:
 - **Lane end** of a lost rank (``lane_ends``): its "killed" mark, else the end of its last event (a
   rank killed from outside leaves no mark), else the start of the step window (no event at all).
 - **Detection** (``detections``): one per "peer declared dead" mark, on the survivor that declared it.
+- **Delay** (``after_kill``): per rank, seconds from the first "killed" mark to its first mark of a
+  name (a detection, a drop, the "PeerLost" a survivor caught), with the mark's ``args``.
+- **Wait** of a survivor (``longest_wait``): its longest gap between two forward spans (``F``), as a
+  parameter-server worker waits for a dead one's clock until the server drops it.
 
 The HTML timeline (``add_faults``) draws a lost rank's lanes from their end to the window's end as a
 hatched grey "lost" bar with a red cross at the end, each detection as a red vertical tick on the
@@ -53,6 +57,21 @@ def lane_ends(trace: Trace) -> dict[int, float]:
 def detections(trace: Trace) -> list[Event]:
     """The "peer declared dead" marks, by time."""
     return sorted(trace.select("mark", name=DECLARED), key=lambda e: e.t0)
+
+
+def after_kill(trace: Trace, name: str) -> dict[int, tuple[float, dict[str, Any]]]:
+    """Per rank: seconds from the first "killed" mark to that rank's first mark ``name``, and its args."""
+    killed = min(e.t0 for e in trace.select("mark", name=KILLED))
+    out: dict[int, tuple[float, dict[str, Any]]] = {}
+    for e in sorted(trace.select("mark", name=name), key=lambda e: e.t0):
+        out.setdefault(e.rank, (e.t0 - killed, e.args))
+    return out
+
+
+def longest_wait(trace: Trace, rank: int) -> tuple[float, int | None]:
+    """``rank``'s longest gap between two forward spans, and the step of the span after it."""
+    fs = sorted(trace.select("compute", name="F", rank=rank), key=lambda e: e.t0)
+    return max(((b.t0 - a.t1, b.step) for a, b in zip(fs, fs[1:])), default=(0.0, None))
 
 
 def add_faults(fig: go.Figure, trace: Trace, compute: dict[int, int], comm: dict[int, int],

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rich import table as rich_table
@@ -109,6 +110,18 @@ class Table(rich_table.Table):
         super().__init__(*headers, **kwargs)
         self.key = key
         self._part = False  # a part of a split table: never split again
+
+    @classmethod
+    def of(cls, title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], text: int = 1,
+           **kwargs: Any) -> Table:
+        """A table titled ``title`` (left-justified) with ``columns`` (the first ``text`` of them text,
+        left-justified; the others numbers, right-justified) and ``rows`` of cells."""
+        table = cls(title=title, title_justify="left", **kwargs)
+        for i, column in enumerate(columns):
+            table.add_column(column, justify="left" if i < text else "right")
+        for row in rows:
+            table.add_row(*row)
+        return table
 
     def _needs(self, console: Console) -> list[int]:
         """Per column, the narrowest width (padding included) that cuts no number and breaks no word."""

@@ -76,6 +76,12 @@ def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
     return {op: (calls["forward"].get(op, 0) + n) * ring_bytes(op, a, t) for op, n in calls["backward"].items()}
 
 
+def block_parameters(t: int, d: int, d_ff: int) -> int:
+    """Numbers of a Megatron block held per rank on ``t`` ranks: q, k, v and fc split by columns (weight
+    and bias), both projections by rows (their biases whole, as the layer norms)."""
+    return 2 * 2 * d + 3 * (d * d // t + d // t) + (d * d // t + d) + (d * d_ff // t + d_ff // t) + (d_ff // t * d + d)
+
+
 def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
                 sequence_parallel: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward on each rank, term by term: Korthikanti et al.
