@@ -300,16 +300,18 @@ class PointToPoint(ABC):
             like = None if header else ((out.shape, out.dtype) if out is not None else spec)
             rreqs.append(self._irecv(COLL, src, 0, like, out, op, algorithm, step))
         sreqs = [self._isend(COLL, arr, dst, 0, header, op, algorithm, step) for dst, arr in sends]
-        reqs = rreqs + sreqs
+        self._await(rreqs + sreqs, f"{op}({algorithm}) step {step}")
+        return [r._value for r in rreqs]
+
+    def _await(self, reqs: Sequence[Request], what: str) -> None:
+        """Wait for all of ``reqs`` (a collective's step; the trace notes when the wait began)."""
         for r in reqs:
             if r._note is not None:
                 r._note.waiting()
         peers = Lazy(lambda: [p for r in reqs if not r._pending.done() for p in r._peers])
-        what = f"{op}({algorithm}) step {step}"
         self._wait(lambda: all([r._pending.done() for r in reqs]), what, peers)
         for r in reqs:
             r._finish()
-        return [r._value for r in rreqs]
 
     # ---- Python objects on the control plane (pickled, not traced) --------------------------
     def _send_obj(self, ctx: int, obj: Any, dst: int, tag: int) -> Pending:

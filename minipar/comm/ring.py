@@ -11,11 +11,15 @@ Chunking rule (relied on by ``reduce_scatter`` and data/ZeRO parallel code): the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from minipar.comm.base import COLL
+
 if TYPE_CHECKING:
+    from minipar.comm.base import Request
     from minipar.comm.collectives import Communicator
 
 
@@ -45,6 +49,41 @@ def finish_mean(acc: np.ndarray, op: str, p: int) -> None:
         acc /= p
 
 
+def ring_pass(comm: Communicator, steps: int, outgoing: Callable[[int], np.ndarray],
+              incoming: Callable[[int], np.ndarray], arrived: Callable[[int, np.ndarray], None],
+              name: str, algorithm: str, step0: int) -> None:
+    """``steps`` ring steps: step ``s`` sends ``outgoing(s)`` to the right neighbour, receives into
+    ``incoming(s)`` from the left one, then calls ``arrived(s, received)``.
+
+    Step s+1's receive is posted as soon as step s's has arrived, before step s's send is known to
+    be delivered (unless the two buffers overlap), so MPI can copy the left neighbour's next chunk
+    while this rank waits for its right neighbour to take the last one: when ranks outnumber cores
+    that wait is long (``benchmarks/collectives.py``: 5-10 % off the all-reduce at p = 4 and 8 on 2
+    cores). The messages, their order and their bytes are those of one ``_step`` per step."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+
+    def post(s: int) -> Request:
+        into = incoming(s)
+        return comm._irecv(COLL, left, 0, (into.shape, into.dtype), into, name, algorithm, step0 + s)
+
+    recv = post(0)
+    for s in range(steps):
+        sent = outgoing(s)
+        send = comm._isend(COLL, sent, right, 0, False, name, algorithm, step0 + s)
+        what = f"{name}({algorithm}) step {step0 + s}"
+        comm._await([recv], what)
+        nxt = None
+        if s + 1 < steps:
+            into = incoming(s + 1)
+            if not (np.may_share_memory(into, sent) or np.may_share_memory(into, recv._value)):
+                nxt = post(s + 1)
+        comm._await([send], what)
+        arrived(s, recv._value)
+        if s + 1 < steps:
+            recv = nxt if nxt is not None else post(s + 1)
+
+
 def ring_reduce_scatter(comm: Communicator, flat: np.ndarray, op: str, name: str = "reduce_scatter",
                         algorithm: str = "ring", step0: int = 0, src: np.ndarray | None = None) -> np.ndarray:
     """Ring reduce-scatter into the flat work buffer ``flat``; returns this rank's fully reduced
@@ -53,22 +92,35 @@ def ring_reduce_scatter(comm: Communicator, flat: np.ndarray, op: str, name: str
     chunk never received is sent straight from ``src``), so no copy of the input is made.
 
     Step ``s`` = 0..p-2: send chunk ``(r-s-1) % p`` to the right neighbour, receive chunk
-    ``(r-s-2) % p`` from the left and add it to this rank's own, ``flat[c] = src[c] + received``.
-    After p-1 steps chunk ``r`` holds the reduction. Receives land in one chunk-sized scratch
-    buffer. Cost: (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma; bytes sent = every chunk except
-    chunk r.
+    ``(r-s-2) % p`` from the left and add this rank's own to it, ``flat[c] = received + src[c]``
+    (the sum a + b is b + a exactly in floating point, so every order of operands gives the same
+    bits). After p-1 steps chunk ``r`` holds the reduction. With a separate ``src`` a receive lands
+    in its place in ``flat``; in place, in one of two chunk-sized scratch buffers (step s+1's
+    receive is posted while step s's is read: ``ring_pass``). Cost: (p-1) alpha + (p-1)/p n beta +
+    (p-1)/p n gamma; bytes sent = every chunk except chunk r.
     """
     p, r = comm.size, comm.rank
-    src = flat if src is None else src
+    in_place = src is None
+    mine = flat if src is None else src
     bounds = chunk_bounds(flat.size, p)
-    right, left = (r + 1) % p, (r - 1) % p
-    scratch = np.empty(bounds[0][1], dtype=flat.dtype)  # chunk 0 is a largest one
-    for s in range(p - 1):
-        a, b = bounds[(r - s - 1) % p]
-        c, d = bounds[(r - s - 2) % p]
-        sent = (src if s == 0 else flat)[a:b]  # step s > 0 sends what step s-1 reduced
-        (got,) = comm._step([(right, sent)], [(left, scratch[:d - c])], name, algorithm, step0 + s)
-        combine(flat[c:d], got, op, src[c:d])
+    send_chunk = [bounds[(r - s - 1) % p] for s in range(p - 1)]
+    recv_chunk = [bounds[(r - s - 2) % p] for s in range(p - 1)]
+    largest = bounds[0][1]  # chunk 0 is a largest one
+    scratch = [np.empty(largest, flat.dtype) for _ in range(min(2, p - 1))] if in_place else []
+
+    def outgoing(s: int) -> np.ndarray:
+        a, b = send_chunk[s]
+        return (mine if s == 0 else flat)[a:b]  # step s > 0 sends what step s-1 reduced
+
+    def incoming(s: int) -> np.ndarray:
+        c, d = recv_chunk[s]
+        return scratch[s % len(scratch)][:d - c] if in_place else flat[c:d]
+
+    def arrived(s: int, got: np.ndarray) -> None:
+        c, d = recv_chunk[s]
+        combine(flat[c:d], got, op, mine[c:d])
+
+    ring_pass(comm, p - 1, outgoing, incoming, arrived, name, algorithm, step0)
     a, b = bounds[r]
     finish_mean(flat[a:b], op, p)
     return flat[a:b]
@@ -79,18 +131,21 @@ def ring_allgather_chunks(comm: Communicator, flat: np.ndarray, name: str = "all
     """Ring all-gather of equal-rule chunks in place: rank r starts with chunk r of ``flat`` final.
 
     Step ``s`` = 0..p-2: send chunk ``(r-s) % p`` right, receive chunk ``(r-s-1) % p`` from the
-    left straight into ``flat``. Cost: (p-1) alpha + (p-1)/p n beta; bytes sent = every chunk
-    except chunk (r+1) % p.
+    left straight into ``flat`` (``ring_pass``). Cost: (p-1) alpha + (p-1)/p n beta; bytes sent =
+    every chunk except chunk (r+1) % p.
     """
     p, r = comm.size, comm.rank
     bounds = chunk_bounds(flat.size, p)
-    right, left = (r + 1) % p, (r - 1) % p
-    for s in range(p - 1):
-        a, b = bounds[(r - s) % p]
-        c, d = bounds[(r - s - 1) % p]
-        (got,) = comm._step([(right, flat[a:b])], [(left, flat[c:d])], name, algorithm, step0 + s)
+
+    def chunk(i: int) -> np.ndarray:
+        a, b = bounds[i % p]
+        return flat[a:b]
+
+    def arrived(s: int, got: np.ndarray) -> None:
         if not np.may_share_memory(got, flat):  # threads backend: a new array; mpi: received in place
-            flat[c:d] = got
+            chunk(r - s - 1)[...] = got
+
+    ring_pass(comm, p - 1, lambda s: chunk(r - s), lambda s: chunk(r - s - 1), arrived, name, algorithm, step0)
 
 
 def ring_allgather(comm: Communicator, arr: np.ndarray, algorithm: str = "ring") -> np.ndarray:
