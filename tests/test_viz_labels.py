@@ -24,7 +24,7 @@ from minipar.trace import Event, Trace
 from viz import analysis as A
 from viz import figures, memory_stack, report, style
 from viz import messages as M
-from viz.terminal import print_timeline
+from viz.terminal import print_timeline, traffic_tables
 from viz.timeline import INSIDE_OFFSET, lanes
 
 POINT_TO_POINT = ("send", "recv", "pull", "push", "ring_kv", "ring_dkv")
@@ -133,6 +133,9 @@ def test_the_report_opens_with_the_runs_own_figure_and_totals_say_their_steps():
     assert row["bytes moved"] == f"{A.fmt_bytes(moved)} in 10 steps, {A.fmt_bytes(moved / 10)} per step"
     assert row["time traced"] == f"{A.fmt_time(A.summary(ps)['step_time'])} for 10 steps"
     assert report.summary_rows([states("DDP", 1)], ["ddp"])[0]["bytes moved"] == A.fmt_bytes(moved)
+    traffic = next(fig for kind, fig, _ in report.figures_for(ps, "ps") if kind == "traffic")
+    assert traffic.layout.title.text == "traffic: ps (bytes of all 10 traced steps)"
+    assert [t.title for t in traffic_tables(ps)] == ["bytes sent per rank, all 10 traced steps"]
 
 
 def test_many_bars_of_model_states_name_ranks_short_and_wrap_long_labels():

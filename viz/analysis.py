@@ -266,6 +266,13 @@ def memory_counts(trace: Trace) -> bool:
     return bool(samples) and all("stashed" in e.args and e.nbytes == e.args["stashed"] for e in samples)
 
 
+def traced_steps(trace: Trace) -> int | None:
+    """How many training steps the trace covers (``meta["steps"]``) when more than one, else None: its
+    totals (time, bytes) are then over that many steps."""
+    steps = trace.meta.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else None
+
+
 def stash_unit(trace: Trace) -> str:
     """What one stashed item of a stash count (``memory_counts``) is: "micro-batches", or for a schedule of
     v > 1 model chunks per rank (``meta["v"]``, interleaved) "chunk micro-batches (1/v of a micro-batch's

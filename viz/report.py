@@ -85,7 +85,7 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
     for title, t in zip(titles, traces, strict=True):
         s = A.summary(t)
         unit = A.time_unit(t)
-        steps, moved = _steps(t), s["bytes_moved"]
+        steps, moved = A.traced_steps(t), s["bytes_moved"]
         rows.append({
             "trace": title,
             "paradigm": str(s["paradigm"]),
@@ -101,12 +101,6 @@ def summary_rows(traces: Sequence[Trace], titles: Sequence[str]) -> list[dict[st
             "peak memory per rank": _peaks(t, s["peak_memory"]),
         })
     return rows
-
-
-def _steps(trace: Trace) -> int | None:
-    """The number of training steps the trace covers (``meta["steps"]``) when more than one, else None."""
-    steps = trace.meta.get("steps")
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else None
 
 
 def _peaks(trace: Trace, peaks: list[int]) -> str:
@@ -189,7 +183,9 @@ def figures_for(trace: Trace, title: str, ring: bool = True, tiers: bool = True,
     moved = sum(e.nbytes or 0 for e in A.sends(trace))
     if moved:
         group = "axis" if mesh_of(trace) else "op"
-        out.append(("traffic", figures.traffic(trace, f"traffic: {title}", group=group), ""))
+        steps = A.traced_steps(trace)
+        what = f"traffic: {title}" + (f" (bytes of all {steps} traced steps)" if steps else "")
+        out.append(("traffic", figures.traffic(trace, what, group=group), ""))
     elif A.sends(trace):
         why = " (a simulated schedule)" if A.is_simulated(trace) else ""
         out.append(("traffic", None, f"Its messages carry no bytes{why}: no traffic panel."))

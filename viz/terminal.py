@@ -352,9 +352,11 @@ def traffic_tables(trace: Trace, width: int = 80) -> list[Table]:
             used = first
         groups[-1].extend(unit)
         used += sum(w[i] for i in unit)
+    steps = A.traced_steps(trace)
+    over = f", all {steps} traced steps" if steps else ""
     tables = []
     for g, group in enumerate(groups):
-        title = "bytes sent per rank" + (" (continued)" if g else "")
+        title = f"bytes sent per rank{over}" + (" (continued)" if g else "")
         table = Table(title=title, title_justify="left")
         table.add_column("rank", justify="right", no_wrap=True)
         for i in group:
