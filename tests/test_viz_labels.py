@@ -143,7 +143,7 @@ def test_many_bars_of_model_states_name_ranks_short_and_wrap_long_labels():
                                   for lab in ("parameters", "optimizer state")])
     fig = memory_stack.stacks_figure([t] * 8, ["DDP recursive_doubling", *(f"run {i}" for i in range(7))])
     groups, ranks = fig.data[0].x
-    assert list(ranks[:4]) == ["r0", "r1", "r2", "r3"] and groups[0] == "DDP<br>recursive_doubling"
+    assert list(ranks[:4]) == ["r0", "r1", "r2", "r3"] and groups[0] == "DDP recursive_<br>doubling"
     few = memory_stack.stacks_figure([t] * 2, ["DDP recursive_doubling", "b"])
     assert list(few.data[0].x[1][:2]) == ["rank 0", "rank 1"] and few.data[0].x[0][0] == "DDP recursive_doubling"
 

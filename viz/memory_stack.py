@@ -46,7 +46,7 @@ MODEL_STATES = ("parameters", "gradients", "optimizer state", "master parameters
 GATHERED = "gathered units"
 STATE_COLORS = dict(zip(MODEL_STATES, MEMORY_COLORS[:5], strict=True))
 MANY_BARS = 24  # more bars than this in the model states chart: ranks named r0, r1, ...
-PLOT_CHARS = 150  # characters of an 11 px label across the chart's plot area in a ~1100 px wide page
+PLOT_CHARS = 120  # characters of an 11 px label across the chart's plot area in a ~900 px wide page
 
 
 def has_model_states(trace: Trace) -> bool:
