@@ -17,15 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from minipar import datasets
 from minipar.cli_args import int_in
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
 from minipar.cost.cluster import Cluster
 from minipar.replay import ReplayError, check_replayable, cluster_named, replay
 from minipar.trace import Trace, load
-from viz.width import terminal_width
+from viz.width import Table, terminal_width
 
 if TYPE_CHECKING:
+    import numpy as np
     import plotly.graph_objects as go
 
 
@@ -186,6 +188,37 @@ def one_process(model: Any, optimizer: Any, batches: Iterable[tuple[Any, Any]]) 
     return losses
 
 
+def lm_batches(steps: int, vocab: int, batch: int, seq: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The lessons' data: ``steps`` (tokens, next tokens) batches of ``batch`` x ``seq`` from one
+    synthetic stream of 20,000 tokens over ``vocab`` (``datasets.token_stream``, seed 0); step s's
+    batch is the same on every rank and in the single-process reference."""
+    stream = datasets.token_stream(20_000, vocab, seed=0)
+    return [datasets.lm_batch(stream, batch, seq, step=s) for s in range(steps)]
+
+
+def sections(out: Console) -> Callable[[str], None]:
+    """A function printing ``out``'s section rules numbered 1, 2, 3... in the order they are printed
+    (a lesson's default output leaves out some of its ``--verbose`` sections; the numbers stay in order)."""
+    count = [0]
+
+    def rule(title: str) -> None:
+        count[0] += 1
+        out.rule(f"[bold]{count[0]}. {title}")
+
+    return rule
+
+
+def loss_table(reference: Sequence[float], runs: dict[str, Sequence[float]], title: str = "loss per step",
+               reference_name: str = "one process", digits: int = 12) -> Table:
+    """Losses step by step: the single-process ``reference`` beside each run of ``runs`` (name: losses)."""
+    table = Table(title=title, title_justify="left")
+    for col in ("step", reference_name, *runs):
+        table.add_column(col, justify="right")
+    for s, ref in enumerate(reference):
+        table.add_row(str(s), f"{ref:.{digits}f}", *(f"{losses[s]:.{digits}f}" for losses in runs.values()))
+    return table
+
+
 def time_sharing(ranks: int) -> str | None:
     """A warning when ``ranks`` outnumber this machine's cores: measured times then include waiting
     for a core, not only for peers (bubbles look larger, overlap smaller); formulas assume one core
@@ -222,7 +255,7 @@ def reading_path(lesson: str) -> str:
     return f"{before} | {after}"
 
 
-BRIEF_BANDS = 2  # bands of a lesson's default timeline (finish(brief=True)): it fits its ~60 lines
+BRIEF_BANDS, BRIEF_LANES = 2, 8  # a lesson's default timeline (finish(brief=True)): at most 2 bands of 8 rank lanes
 
 
 def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.PathLike[str],
@@ -233,12 +266,14 @@ def finish(traces: Sequence[str | os.PathLike[str] | Trace], out_html: str | os.
     report of all ``traces``, with ``extra_figures`` (title, figure) as sections after its summary;
     returns the report's path. Recorded traces are shown on ``clock`` (replayed by default), each
     timeline of the report with a button for the other clock. ``brief`` (a lesson's default output):
-    the timeline in at most ``BRIEF_BANDS`` bands and without its traffic table."""
+    the timeline in at most ``BRIEF_BANDS`` bands and ``BRIEF_LANES`` rank lanes in all (one band of
+    8 ranks), without its traffic table."""
     from viz.report import write_report
     from viz.terminal import MAX_BANDS, print_timeline
 
-    print_timeline(clock.of(timeline if timeline is not None else traces[0]), console=out,
-                   max_bands=BRIEF_BANDS if brief else MAX_BANDS, traffic=not brief)
+    shown_timeline = clock.of(timeline if timeline is not None else traces[0])
+    bands = min(BRIEF_BANDS, max(1, BRIEF_LANES // shown_timeline.world_size)) if brief else MAX_BANDS
+    print_timeline(shown_timeline, console=out, max_bands=bands, traffic=not brief)
     shown = [clock.of(t) for t in traces]
     others = [clock.other(t) for t in traces]
     path = Path(write_report(shown, out_html, titles=titles, extra_figures=extra_figures, others=others))
