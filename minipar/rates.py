@@ -41,7 +41,6 @@ from minipar import trace
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.overhead import stage_ops
 from minipar.cost.perf import Layout, ModelSpec, memory_traffic_bytes
-from minipar.replay import replay
 
 GPT = {"batch": 4, "seq": 64, "d_model": 128, "heads": 4, "layers": 4, "vocab": 256}  # a small GPT (per rank)
 TINY = {"batch": 1, "seq": 2, "d_model": 2, "heads": 1, "vocab": 2, "d_ff": 2}  # every width 1-2: overhead only
@@ -234,6 +233,7 @@ def message_overhead(comm: Any, shard: dict[str, int], path: str | os.PathLike[s
     Collective; the values on every rank."""
     from minipar.mesh import DeviceMesh
     from minipar.parallel.hybrid import HybridGPT
+    from minipar.replay import replay  # a measurement of the replay itself (docs/architecture.md)
 
     free = Cluster("free", comm.size, 1.0, 1.0, 1.0, Link(0.0, 0.0), Link(0.0, 0.0), 0.0)
     sizes = [2, 4] if comm.size >= 4 else [2]

@@ -358,3 +358,10 @@ def test_drawn_configurations_cost_what_the_formulas_say(c: dict) -> None:
     held = launch(block_memory_run, p, method=method, ulysses=u, ff=ff, zigzag=c["zigzag"], **dims)
     want = cost.activation_bytes(method, c["batch"], c["seq"], c["d"], c["heads"], ff, p, u)
     assert [sum(sizes) for sizes in held] == [want] * p
+
+
+def test_longest_sequence_by_hand() -> None:
+    # s^2 bytes: 96^2 = 9,216 fits 10,000, 104^2 = 10,816 does not; steps of 8
+    assert cost.longest_sequence(lambda s: s * s, 10_000, 8) == 96
+    assert cost.longest_sequence(lambda s: s * s, 64, 8) == 8  # even the shortest does not fit: the multiple
+    assert cost.longest_sequence(lambda s: 3 * s, 3 * 1000, 10) == 1000

@@ -71,8 +71,10 @@ def test_ring_steps_follow_the_ring(tmp_path, method: str, p: int, zigzag: bool)
     for r in range(p):  # every score block of both layers' forward passes, and no other span
         assert len(score_spans(t, r)) == sum(len(st.spans) for i in (0, 1) for st in ring_steps(t, i)[r])
     n = max(e.nbytes for e in t.events if e.op == "ring_kv")
-    text = overlap_summary(t, CLUSTERS["a100-selene"], "wall clock")
-    assert text.startswith(f"A K/V block ({n:,} B) crosses a ") and "; wall clock, no rank waited more than" in text
+    link = CLUSTERS["a100-selene"].intra
+    text = overlap_summary(t, link.seconds, "a100-selene", "wall clock")
+    assert text.startswith(f"A K/V block ({n:,} B) crosses a a100-selene link in alpha + n beta = "
+                           f"{link.seconds(n) * 1e6:.0f} us") and "; wall clock, no rank waited more than" in text
     fig = ring_figure(t)
     assert len(fig.layout.shapes) == p * pr  # one cell per (rank, step)
     assert len([a for a in fig.layout.annotations if a.showarrow]) == p * (pr - 1)  # one arrow per message

@@ -5,7 +5,7 @@ layouts, for the terminal and the report (lesson 8).
   communication per mesh axis, optimizer), seconds.
 - ``prediction_table(prediction, got, cluster, clock)``: those parts beside the traced step on
   ``clock`` and their ratio; the caption names the cluster's terms.
-- ``replayed_parts(trace, prediction)``, ``small_messages(trace, shape)``: one sentence each: what a
+- ``replayed_parts(trace, prediction)``, ``small_messages(trace, shape, fit_from)``: one sentence each: what a
   replay's ranks spent beside the prediction's terms; which mesh axes' messages are smaller than the
   sizes the calibration fitted alpha and beta on.
 - ``plan_table(ranked, grid, model, gpus, cluster, batch)``: the planner's fastest layouts and a grid.
@@ -14,16 +14,24 @@ layouts, for the terminal and the report (lesson 8).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import plotly.graph_objects as go
 
 from minipar import trace as mtrace
-from minipar.calibrate import FIT_FROM, bandwidth
-from minipar.cost import perf, planner
-from minipar.cost.cluster import Cluster
-from minipar.mesh import MeshShape
 from viz.mesh import AXIS_COLORS
 from viz.width import Table
+
+if TYPE_CHECKING:  # the viewer reads traces; these are the types of what a lesson hands it
+    from minipar.cost import perf, planner
+    from minipar.cost.cluster import Cluster
+    from minipar.mesh import MeshShape
+
+
+def bandwidth(seconds_per_byte: float) -> str:
+    """``1 / seconds_per_byte`` in GB/s, "inf" for a fitted 0 (``minipar.calibrate.bandwidth``'s form)."""
+    return f"{1 / seconds_per_byte / 1e9:.2f} GB/s" if seconds_per_byte > 0 else "inf"
 
 
 def parts(p: perf.Prediction) -> dict[str, float]:
@@ -68,17 +76,18 @@ def replayed_parts(trace: mtrace.Trace, pred: perf.Prediction) -> str:
             f"optimizer {per_rank('opt') * 1e3:.1f} ms (predicted {pred.optimizer_seconds * 1e3:.1f}).")
 
 
-def small_messages(trace: mtrace.Trace, shape: MeshShape) -> str:
-    """Which axes' messages are smaller than the sizes alpha and beta were fitted on (``FIT_FROM``)."""
+def small_messages(trace: mtrace.Trace, shape: MeshShape, fit_from: int) -> str:
+    """Which axes' messages are smaller than ``fit_from`` bytes, the smallest size alpha and beta were
+    fitted on (``minipar.calibrate.FIT_FROM``)."""
     sizes: dict[str, list[int]] = {}
     for e in trace.events:
         if e.kind == "comm" and e.rank == e.src and e.dst is not None and e.nbytes:
             sizes.setdefault(shape.axis_of(e.src, e.dst), []).append(e.nbytes)
     text = "Messages of one step, median size per axis: " + ", ".join(
         f"{a} {int(np.median(v)):,} B ({len(v)} messages)" for a, v in sizes.items()) + "."
-    small = [a for a, v in sizes.items() if np.median(v) < FIT_FROM]
+    small = [a for a, v in sizes.items() if np.median(v) < fit_from]
     if small:
-        text += (f" The {' and '.join(small)} messages are below the {FIT_FROM:,} B from which the calibration fits "
+        text += (f" The {' and '.join(small)} messages are below the {fit_from:,} B from which the calibration fits "
                  "alpha and beta: MPICH sends them eagerly, without the handshake that makes alpha large when ranks "
                  "wait for a core, so the prediction overestimates their time.")
     return text

@@ -14,8 +14,8 @@ layer runs Ring Attention once, forward pass i is layer i's forward (the backwar
 - ``compute_time(step)``, ``exposed_wait(step)``: the step's score-block time, and how long the rank
   still waited for the next block after that compute (the transfer the compute did not hide).
 - ``step_table(trace, index)``: the same numbers as a rich table, for the terminal.
-- ``overlap_summary(trace, cluster, clock)``: one sentence: forward pass 0's longest wait for a block
-  against the alpha-beta formula's, max(0, alpha + n beta - the compute beside it), on ``cluster``.
+- ``overlap_summary(trace, link_seconds, network, clock)``: one sentence: forward pass 0's longest
+  wait for a block against the alpha-beta formula's, max(0, alpha + n beta - the compute beside it).
 - ``score_spans(trace, rank)``: the ``attention F`` spans, one per score block computed.
 - ``ring_figure(trace, title)``: two panels. Top, the ring as a step x rank grid: each cell names the
   K/V block the rank computes on at that step (one colour per block; pale when the causal mask hides
@@ -29,13 +29,13 @@ Cost: O(E log E) for E events.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from minipar.cost.cluster import Cluster
 from minipar.trace import Event, Trace
 from viz import analysis as A
 from viz import style
@@ -131,14 +131,15 @@ def step_table(trace: Trace, index: int = 0) -> Table:
     return table
 
 
-def overlap_summary(trace: Trace, cluster: Cluster, clock: str) -> str:
+def overlap_summary(trace: Trace, link_seconds: Callable[[int], float], network: str, clock: str) -> str:
     """Forward pass 0 against the formula's wait for a block, max(0, alpha + n beta - the compute
-    beside it) on ``cluster``'s intra-node link, in one sentence naming the trace's ``clock``."""
+    beside it), ``link_seconds(n)`` being alpha + n beta on the ``network``'s link, in one sentence
+    naming the trace's ``clock``."""
     n = max(e.nbytes or 0 for e in trace.events if e.op == KV)
-    hop, steps = cluster.intra.seconds(n), [st for r in ring_steps(trace).values() for st in r if st.incoming]
+    hop, steps = link_seconds(n), [st for r in ring_steps(trace).values() for st in r if st.incoming]
     computed = [compute_time(st) * 1e3 for st in steps]
     blocked = max(st.incoming.t1 - (st.incoming.tw or st.incoming.t1) for st in steps) * 1e3
-    return (f"A K/V block ({n:,} B) crosses a {cluster.name} link in alpha + n beta = {hop * 1e6:.0f} us, under "
+    return (f"A K/V block ({n:,} B) crosses a {network} link in alpha + n beta = {hop * 1e6:.0f} us, under "
             f"a block's compute (median {median(computed):.2f} ms): the formula's wait for it is at most "
             f"{max(0.0, hop * 1e3 - min(computed)):.2f} ms; {clock}, no rank waited more than {blocked:.2f} ms.")
 

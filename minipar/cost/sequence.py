@@ -31,6 +31,8 @@ key blocks ``0..r``: ``r + 1`` score blocks; with the zigzag split each rank hol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from minipar.cost.collectives import allreduce_bytes, ring_bytes
 from minipar.cost.tensor import collectives_per_block
 
@@ -197,3 +199,16 @@ def step_bytes_by_op(method: str, b: int, s: int, h: int, layers: int, p: int, n
         total = sum(attention_bytes(method, b, s, h, p, ulysses, itemsize, backward) for backward in (False, True))
         out["all_to_all"] = layers * total - out.get("ring_kv", 0) - out.get("ring_dkv", 0)
     return out
+
+
+def longest_sequence(need: Callable[[int], int], budget: int, multiple: int, limit: int = 2**30) -> int:
+    """The longest sequence length ``s``, a multiple of ``multiple`` (2P for the zigzag split), whose
+    ``need(s)`` bytes (growing with ``s``) fit ``budget``: doubling, then bisection; ``multiple`` when
+    even that does not fit, at most ``limit``."""
+    lo, hi = multiple, 2 * multiple
+    while need(hi) <= budget and hi < limit:
+        lo, hi = hi, 2 * hi
+    while hi - lo > multiple:
+        mid = (lo + hi) // 2 // multiple * multiple
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid)
+    return lo
