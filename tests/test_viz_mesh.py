@@ -145,3 +145,14 @@ def test_mesh_figures_render_in_chromium(tmp_path) -> None:
         assert 'class="main-svg"' in figs[name], f"{name} drew no plot SVG"
     # the grid's boxes carry their ranks: 3 panels (pp, dp, tp) x 8 ranks
     assert sorted(re.findall(r">rank (\d)<", figs["fig-mesh-grid"])) == sorted(str(r) for r in range(8) for _ in "pdt")
+
+
+def test_groups_and_holdings_for_the_terminal() -> None:
+    mesh = {"pp": 2, "dp": 2, "tp": 2}  # rank = (pp_i x 2 + dp_i) x 2 + tp_i
+    assert V.groups_text(mesh).endswith("pp: {0,4} {1,5} {2,6} {3,7}; dp: {0,2} {1,3} {4,6} {5,7}; "
+                                        "tp: {0,1} {2,3} {4,5} {6,7}")
+    held = [{"layers": "embed", "slices": "heads 0-1", "data": "rows 0:4", "params": 10 + r} for r in range(8)]
+    table = V.holdings_table(mesh, held, [10 + r for r in range(8)])
+    assert list(table.columns[1].cells)[5] == "1: embed" and list(table.columns[3].cells)[2] == "1: rows 0:4"
+    assert "equal on every rank to" in str(table.caption)
+    assert "NOT equal" in str(V.holdings_table(mesh, held, [10] * 8).caption)

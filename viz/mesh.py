@@ -20,6 +20,9 @@ the viewer needs: it rebuilds the coordinates itself and imports nothing of mini
   one sub-communicator of that axis share a colour. ``holds`` (rank -> text) goes in the hover.
 - ``axis_traffic_figure(trace)``: bytes per rank stacked by axis, the formula as a tick at the top of
   each axis's segment.
+- ``groups_text(mesh)``, ``holdings_table(mesh, held, expected)``: for the terminal, every
+  sub-communicator as rank sets; what each rank holds (``HybridGPT.holdings``), its parameters
+  against ``expected``.
 
 Cost: O(E) for E events, O(P) shapes per panel for P ranks.
 """
@@ -35,6 +38,7 @@ from plotly.subplots import make_subplots
 from minipar.trace import Trace
 from viz import analysis as A
 from viz import style
+from viz.width import Table
 
 AXIS_COLORS = {"tp": "#B279A2", "sp": "#72B7B2", "dp": "#F58518", "pp": "#54A24B"}  # compute keeps blue elsewhere
 GROUP_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#FF9DA6",
@@ -214,3 +218,37 @@ def axis_traffic_figure(trace: Trace, title: str | None = None) -> go.Figure:
                       yaxis_title="bytes sent", height=460, legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
                       margin={"t": 110})
     return fig
+
+
+def groups_text(mesh: Mesh) -> str:
+    """Every sub-communicator of every axis of degree > 1, as rank sets: ``tp: {0,1} {2,3}; ...``."""
+    size, lines = int(np.prod(list(mesh.values()))), []
+    for axis, degree in mesh.items():
+        if degree > 1:
+            key = [tuple(v for a, v in coords(mesh, r).items() if a != axis) for r in range(size)]
+            groups = [[r for r in range(size) if key[r] == k] for k in dict.fromkeys(key)]
+            lines.append(f"{axis}: " + " ".join("{" + ",".join(map(str, g)) + "}" for g in groups))
+    return "sub-communicators (one per group, mesh[axis] on each member): " + "; ".join(lines)
+
+
+def holdings_table(mesh: Mesh, held: list[dict[str, object]], expected: list[int]) -> Table:
+    """Per rank: its coordinates and what it holds (``layers``, tensor ``slices``, ``data``: its rows,
+    ``params``), the parameters against ``expected`` (one per rank) in the caption."""
+    same = all(h["params"] == e for h, e in zip(held, expected, strict=True))
+    d = dict.fromkeys(("pp", "dp", "sp", "tp"), 1) | mesh
+    table = Table(title=f"the mesh: rank = ((pp_i x {d['dp']} + dp_i) x {d['sp']} + sp_i) x {d['tp']} + tp_i",
+                  title_justify="left",
+                  caption="tp varies fastest (Megatron-LM's order). pp: the rank's pipeline stage and its "
+                          "layers; tp: its slice of every weight matrix (Megatron: q, k, v and the MLP's fc by "
+                          "columns, the projections by rows, the vocabulary split); dp: its replica's rows of the "
+                          "global batch; parameters: float64 numbers held, "
+                          + ("equal on every rank to" if same else "[red]NOT equal[/red] to")
+                          + " cost.hybrid.parameters_per_rank.", caption_justify="left")
+    for col in ("rank", "pp: stage", "tp: tensor slice", "dp: batch", "parameters"):
+        table.add_column(col, justify="left" if ":" in col else "right")
+    for r, h in enumerate(held):
+        co = dict.fromkeys(("pp", "dp", "sp", "tp"), 0) | coords(mesh, r)
+        table.add_row(str(r), f"{co['pp']}: {h['layers']}", f"{co['tp']}: {h['slices']}",
+                      f"{co['dp']}: {h['data']}" if d["sp"] == 1 else f"{co['dp']}, sp {co['sp']}: {h['data']}",
+                      f"{h['params']:,}")
+    return table
