@@ -21,7 +21,10 @@ def test_parts_add_up_to_the_predicted_step() -> None:
     assert got["compute"] == pred.compute_seconds - pred.overhead_seconds and got["bubble"] == pred.bubble_seconds
     table = prediction_table(pred, pred.step_seconds / 2, CLUSTER, "replayed")
     assert [c.header for c in table.columns][-2:] == ["replayed", "predicted / replayed"]
-    assert list(table.columns[-1].cells) == ["2.00"]
+    assert list(table.columns[-1].cells) == ["2.00"] and "Goal: predicted / replayed within 15 %." in table.caption
+    brief = prediction_table(pred, pred.step_seconds, CLUSTER, "replayed", detail=False)
+    assert [c.header for c in brief.columns] == ["", "predicted step", "replayed", "predicted / replayed"]
+    assert brief.caption == "Goal: predicted / replayed within 15 %." and list(brief.columns[-1].cells) == ["1.00"]
 
 
 def test_the_plan_table_lists_the_ranked_layouts_then_the_grid() -> None:

@@ -44,21 +44,23 @@ def parts(p: perf.Prediction) -> dict[str, float]:
     return {k: v for k, v in out.items() if v > 0 or k in ("compute", "bubble")}
 
 
-def prediction_table(pred: perf.Prediction, got: float, cluster: Cluster, clock: str = "replayed") -> Table:
-    """The predicted step in parts beside the traced step on ``clock`` (replayed on the same ``cluster``:
-    first to last event), and their ratio (the goal: within 15 %)."""
+def prediction_table(pred: perf.Prediction, got: float, cluster: Cluster, clock: str = "replayed",
+                     detail: bool = True) -> Table:
+    """The predicted step (``detail``: in parts, and the cluster's terms in the caption) beside the traced
+    step on ``clock`` (replayed on the same ``cluster``: first to last event), and their ratio (the goal:
+    within 15 %)."""
+    terms = (f"{cluster.source}: alpha {cluster.intra.alpha * 1e6:.1f} us (+ CPU {cluster.call_seconds * 1e6:.1f} us "
+             f"per call, {cluster.message_seconds * 1e6:.1f} us per message), 1/beta {bandwidth(cluster.intra.beta)}, "
+             f"{cluster.flops / 1e9:.2f} GFLOP/s, 1/gamma {bandwidth(cluster.gamma)}, {cluster.op_seconds * 1e6:.1f} "
+             f"us per autograd op, AdamW {cluster.tensor_seconds * 1e6:.1f} us per tensor and "
+             f"{bandwidth(cluster.optimizer_gamma)}. ")
     table = Table(title=f"one step, predicted (perf.predict) vs {clock}, on {cluster.name}", title_justify="left",
-                  caption=f"{cluster.source}: alpha {cluster.intra.alpha * 1e6:.1f} us (+ CPU "
-                          f"{cluster.call_seconds * 1e6:.1f} us per call, {cluster.message_seconds * 1e6:.1f} us per "
-                          f"message), 1/beta "
-                          f"{bandwidth(cluster.intra.beta)}, {cluster.flops / 1e9:.2f} GFLOP/s, 1/gamma "
-                          f"{bandwidth(cluster.gamma)}, {cluster.op_seconds * 1e6:.1f} us per autograd op, "
-                          f"AdamW {cluster.tensor_seconds * 1e6:.1f} us per tensor and "
-                          f"{bandwidth(cluster.optimizer_gamma)}. Goal: predicted / {clock} within 15 %.",
+                  caption=(terms if detail else "") + f"Goal: predicted / {clock} within 15 %.",
                   caption_justify="left")
-    for col in ("", *parts(pred), "step", clock, f"predicted / {clock}"):
+    shown = parts(pred) if detail else {}
+    for col in ("", *shown, "predicted step" if not detail else "step", clock, f"predicted / {clock}"):
         table.add_column(col, justify="right")
-    table.add_row("ms", *(f"{v * 1e3:.1f}" for v in parts(pred).values()), f"{pred.step_seconds * 1e3:.1f}",
+    table.add_row("ms", *(f"{v * 1e3:.1f}" for v in shown.values()), f"{pred.step_seconds * 1e3:.1f}",
                   f"{got * 1e3:.1f}", f"{pred.step_seconds / got:.2f}")
     return table
 
