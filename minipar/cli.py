@@ -31,15 +31,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from minipar import cli_simulate
-from minipar.cli_args import UsageError
+from minipar.cli_args import UsageError, check_width, check_writable
 
 if TYPE_CHECKING:
     from minipar.trace import Trace
 
 EXIT_USAGE = 2
 EXAMPLE_TRACE = "runs/02_pipeline/1f1b.json"
-MIN_WIDTH = 40  # room for a lane ("rank r ", cells, "  idle 100%") and a traffic table column
-MAX_WIDTH = 1000  # wider is no terminal (and the lines are built in memory)
 MAX_RANKS = 1024  # processes or threads started on this machine (calibrate, run)
 MAX_GPUS = 65536  # plan: the planner tries every divisor of --gpus (O(gpus) each)
 
@@ -78,27 +76,6 @@ def _not_a_folder(path: str) -> None:
     more = f" and {total - len(shown)} more" if total > len(shown) else ""
     raise UsageError(f"{path} is a directory; give one or more trace files, e.g. {shown[0]} "
                      f"(traces inside: {', '.join(shown)}{more})")
-
-
-def _check_writable(path: str, option: str) -> None:
-    """Raise ``UsageError`` before any work when ``path`` (given to ``option``) cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        problem = f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'out.json')}"
-    elif not os.path.isdir(folder):
-        problem = f"directory {folder} does not exist; create it first or choose another path"
-    elif not os.access(folder, os.W_OK):
-        problem = f"no permission to write in {folder}; choose another path"
-    else:
-        return
-    raise UsageError(f"cannot write output {path} ({option}): {problem}")
-
-
-def _check_width(width: int | None) -> None:
-    if width is not None and width < MIN_WIDTH:
-        raise UsageError(f"--width {width} is too narrow; use at least {MIN_WIDTH}")
-    if width is not None and width > MAX_WIDTH:
-        raise UsageError(f"--width {width} is too wide; use at most {MAX_WIDTH}")
 
 
 def _configure_view(p: argparse.ArgumentParser) -> None:
@@ -151,12 +128,12 @@ def _run_view(args: argparse.Namespace) -> int:
         raise UsageError(f"--chrome exports one trace, got {len(args.traces)}; pass a single TRACE")
     if args.title and len(args.title) != len(args.traces):
         raise UsageError(f"got {len(args.title)} --title for {len(args.traces)} traces; give one per TRACE")
-    _check_width(args.width)
+    check_width(args.width)
     for path in args.traces:
         _not_a_folder(path)
     for path, option in ((args.output, "-o"), (args.chrome, "--chrome")):
         if path:
-            _check_writable(path, option)
+            check_writable(path, option)
     try:
         traces = [load(path) for path in args.traces]
     except TraceError as exc:
@@ -200,7 +177,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     from minipar.trace import TraceError, load, save
 
     _not_a_folder(args.trace)
-    _check_writable(args.output, "-o")
+    check_writable(args.output, "-o")
     try:
         cluster = cluster_named(args.cluster)
         out = replay(load(args.trace), cluster)
@@ -233,7 +210,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"-n {args.ranks}: calibrate needs at least 2 ranks (messages go between ranks)")
     if args.ranks > MAX_RANKS:
         raise UsageError(f"-n {args.ranks}: calibrate runs at most {MAX_RANKS} ranks on this machine")
-    _check_writable(args.output, "-o")
+    check_writable(args.output, "-o")
     try:
         measured = run_calibration(args.ranks, args.backend, quick=args.quick)
     except HarnessError as exc:

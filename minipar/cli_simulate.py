@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from minipar.cli_args import UsageError, duration, int_in
+from minipar.cli_args import UsageError, check_width, check_writable, duration, int_in
 
 MAX_STAGES, MAX_MICROBATCHES, MAX_CHUNKS = 4096, 65536, 64
 MAX_ACTIONS = 1 << 18  # compute actions of one simulated step: -p 64 -m 512 1f1b is 65,536, ~2 s
@@ -161,20 +161,19 @@ def _order_lines(order: dict[int, list[str]], shown: list[int], width: int) -> l
 
 def run(args: argparse.Namespace) -> int:
     """Check every argument, simulate, print the order, the numbers and the timeline."""
-    from minipar.cli import _check_width, _check_writable
     from minipar.parallel.pipeline.generators import CHUNKED
     from minipar.trace import save
 
     kind, p, m = args.kind, args.stages, args.microbatches
     v = _chunks(kind, args.chunks)
-    _check_width(args.width)
+    check_width(args.width)
     actions = compute_actions(kind, p, m, v)
     if actions > MAX_ACTIONS:
         raise UsageError(f"-p {p} -m {m}{f' -v {v}' if kind in CHUNKED else ''} makes "
                          f"{actions:,} compute actions; the simulator takes at most {MAX_ACTIONS:,} (about 10 s): "
                          "use fewer stages or micro-batches")
     if args.output:
-        _check_writable(args.output, "-o")
+        check_writable(args.output, "-o")
     try:
         with _no_cyclic_gc():
             result, order = _simulated(kind, p, m, v, args.forward, args.backward)

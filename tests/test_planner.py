@@ -12,8 +12,9 @@ import pytest
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.perf import Layout, ModelSpec, predict
-from minipar.cost.planner import NoFit, layer_costs, layouts, partition_layers, plan
+from minipar.cost.planner import NoFit, layouts, plan
 from minipar.cost.presets import CLUSTERS, MODELS, narayanan_row
+from minipar.cost.stages import layer_costs, partition_layers
 
 SELENE = CLUSTERS["a100-selene"]
 TOY = Cluster(name="toy", gpus_per_node=4, peak_flops=1e12, efficiency=0.5, memory_bytes=2e8,

@@ -37,7 +37,8 @@ from minipar.cost import sequence, zero
 from minipar.cost.collectives import ALLREDUCE_ALGORITHMS, allreduce_bytes, collective_time, ring_bytes
 from minipar.cost.offload import transfer_seconds, zero_offload_bytes
 from minipar.cost.perf import Layout, ModelSpec, Prediction, predict
-from minipar.cost.planner import Candidate, NoFit, layer_costs, partition_layers, plan
+from minipar.cost.planner import Candidate, NoFit, plan
+from minipar.cost.stages import layer_costs, partition_layers
 from minipar.cost.zero import (
     fsdp_gathered_peak,
     hsdp_traffic_bytes,

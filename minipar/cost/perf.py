@@ -74,6 +74,7 @@ from minipar.cost.collectives import collective_time
 from minipar.cost.layout import UNEVEN, Layout, ModelSpec
 from minipar.cost.overhead import optimizer_seconds, parameter_tensors, stage_collectives, stage_ops
 from minipar.cost.pipeline import bubble_fraction, peak_stash
+from minipar.cost.stages import uneven_stage_blocks
 from minipar.cost.tensor import collectives_per_block
 from minipar.cost.zero import zero_model_states
 
@@ -124,13 +125,11 @@ class Prediction:
 def stage_blocks(model: ModelSpec, layout: Layout) -> list[int]:
     """Blocks on each pipeline rank (all its chunks): ``l/p`` each when ``p`` divides ``l`` (or
     ``ceil(l/p)`` with interleaving, which ``Layout.check`` refuses anyway); otherwise (``v = 1``)
-    the contiguous stages ``planner.partition_layers`` cuts from ``planner.layer_costs``, where the
+    the contiguous stages ``stages.partition_layers`` cuts from ``stages.layer_costs``, where the
     embedding and the head are entries of their own (the first and last stage's, not blocks)."""
     p, n = layout.pp, model.layers
     if n % p == 0 or layout.chunks > 1 or p > n:
         return [-(-n // p)] * p
-    from minipar.cost.planner import uneven_stage_blocks
-
     return list(uneven_stage_blocks(model, p, layout.recompute))
 
 

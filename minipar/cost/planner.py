@@ -9,20 +9,13 @@ memory, rank them by predicted step time (``minipar.cost.perf.predict``), and sa
   ``deepspeed/runtime/pipe/engine.py``: gradients accumulate over the micro-batches, which a
   sharded gradient would reduce-scatter every one of) and Megatron-LM's distributed optimizer
   shards only the optimizer state. A ``pp`` not dividing the layers is tried with ``v = 1`` and
-  uneven stages (``perf.stage_blocks``, cut by ``partition_layers``). A plan is a ranking of
+  uneven stages (``perf.stage_blocks``, cut by ``stages.partition_layers``). A plan is a ranking of
   *predictions*: its first row is the model's opinion, as good as the terms of ``perf``.
 - ``NoFit``: raised when no layout fits, naming what the least hungry layout lacks (bytes, GiB).
-- ``partition_layers``: the contiguous split of per-layer costs into ``stages`` stages that
-  minimises the slowest stage, by dynamic programming (Alpa's inter-operator pass, Zheng et al.
-  2022, Sec. 5: stages are contiguous slices, the pipeline runs at the pace of the slowest);
-  ``layer_costs`` gives a model's per-layer training FLOPs with the embedding and the head as
-  their own entries (Megatron's even split puts them on the first and last stage on top of their
-  blocks).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,53 +160,3 @@ def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
     return out[:top]
 
 
-def layer_costs(model: ModelSpec, batch: int = 1, recompute: str = "none") -> list[float]:
-    """Training FLOPs (forward + backward, 3 forwards) of each layer for ``batch`` sequences:
-    the embedding (no matmul: its gather and the backward's scatter-add, ``2 s h`` additions), the
-    blocks (4 forwards with full recomputation; selective adds ``Q K^T`` and the attention over
-    ``V`` again, ``4 s^2 h``), then the final layer norm with the head (``3 x 2 s h V``)."""
-    tokens = batch * model.seq
-    block = {"none": 3 * model.layer_flops(tokens), "full": 4 * model.layer_flops(tokens),
-             "selective": 3 * model.layer_flops(tokens) + 4.0 * tokens * model.seq * model.hidden}[recompute]
-    return [2.0 * tokens * model.hidden] + [block] * model.layers + [3 * model.head_flops(tokens)]
-
-
-@functools.lru_cache(maxsize=256)
-def uneven_stage_blocks(model: ModelSpec, stages: int, recompute: str = "none") -> tuple[int, ...]:
-    """Blocks on each of ``stages`` contiguous pipeline stages, cut by ``partition_layers`` over
-    ``layer_costs`` (the embedding and the head are entries of their own, not blocks). Every entry's
-    FLOPs scale with the batch, so the cut does not depend on it."""
-    counts = partition_layers(layer_costs(model, 1, recompute), stages)
-    ends = [0] * (stages - 1) + [1]
-    return tuple(c - (i == 0) - e for i, (c, e) in enumerate(zip(counts, ends)))
-
-
-def partition_layers(costs: Sequence[float], stages: int) -> list[int]:
-    """Layers per stage (contiguous, every stage non-empty) minimising the costliest stage.
-
-    ``best[k][i]``: the smallest possible maximum over ``k`` stages of the first ``i`` layers,
-    ``best[k][i] = min_j max(best[k-1][j], sum(costs[j:i]))``; O(k n^2) (Zheng et al. 2022, Sec. 5).
-    Ties go to the split with the last stages longest: under 1F1B the first stages hold the most
-    micro-batches in flight, so they get the fewer layers."""
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot cut {n} layers into {stages} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    counts, i = [], n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        counts.append(i - j)
-        i = j
-    return counts[::-1]
