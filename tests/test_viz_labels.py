@@ -43,12 +43,13 @@ def call(rank: int, t0: float, t1: float, op: str = "allreduce", algorithm: str 
 def nested() -> Trace:
     """Per rank r of 2: F [0, 10] on its own thread. Inside it: an all-reduce [2, 4] (blocking: nothing else
     computes); an all-gather [5, 8] with an inner compute span [6, 7] (overlapped, as Ring Attention's
-    K/V pass). A reduce-scatter [3, 9] on the worker thread (DDP's buckets). An all-reduce [11, 12] after F."""
+    K/V pass). A reduce-scatter [3, 9] on the worker thread (DDP's buckets). An all-reduce [11, 12] after F,
+    a broadcast of no duration at F's end (10: at its edge, not in it)."""
     events = []
     for r in range(2):
         events += [Event(r, "compute", "F", 0.0, 10.0), Event(r, "compute", "attention F", 6.0, 7.0)]
         events += call(r, 2.0, 4.0) + call(r, 5.0, 8.0, "allgather") + call(r, 3.0, 9.0, "reduce_scatter", thread=1)
-        events += call(r, 11.0, 12.0, step=1)
+        events += call(r, 11.0, 12.0, step=1) + call(r, 10.0, 10.0, "broadcast", "tree")
     return Trace({"world_size": 2, "clock": "wall"}, events)
 
 
@@ -58,7 +59,7 @@ def test_a_collective_inside_a_compute_span_is_drawn_inside_it():
     inside = dict(zip(((s.rank, s.op, s.t0) for s in spans), M.inside_compute(t, spans), strict=True))
     assert inside == {(r, op, t0): (op, t0) == ("allreduce", 2.0) for r in range(2)
                       for op, t0 in (("allreduce", 2.0), ("allgather", 5.0), ("reduce_scatter", 3.0),
-                                     ("allreduce", 11.0))}
+                                     ("allreduce", 11.0), ("broadcast", 10.0))}
     lane = lanes(t)
     assert lane.compute == {0: 0, 1: 2} and lane.comm == {0: 1, 1: 3}
     bars = {b.name: b for b in figures.timeline(t).data if b.type == "bar"}
@@ -67,8 +68,9 @@ def test_a_collective_inside_a_compute_span_is_drawn_inside_it():
     assert strip.marker.pattern.shape == "/" and strip.marker.color == style.comm_color("allreduce/ring")
     assert list(bars["allreduce ring"].y) == [1, 3] and list(bars["allreduce ring"].base) == [11.0, 11.0]
     assert list(bars["allgather ring"].y) == [1, 3] and list(bars["reduce_scatter ring"].y) == [1, 3]
+    assert list(bars["broadcast tree"].y) == [1, 3]
     # every call inside a compute span: no comm lane at all, one lane per rank
-    only = Trace(t.meta, [e for e in t.events if e.kind == "compute" or e.t0 == 2.0])
+    only = Trace(t.meta, [e for e in t.events if e.kind == "compute" or e.t0 == 2.0])  # the all-reduce in F
     assert lanes(only).ticks == [(0, "rank 0"), (1, "rank 1")]
     assert {b.name for b in figures.timeline(only).data if b.type == "bar"} == {
         "forward", "other", "allreduce ring, inside compute", "messages (steps)"}

@@ -120,8 +120,8 @@ def inside_compute(trace: Trace, spans: Sequence[CommSpan]) -> list[bool]:
             continue
         starts, ends = bounds[span.rank]
         t0, t1 = span.t0, span.t1
-        encloses = (starts <= t0) & (ends >= t1)
         overlaps = (starts < t1) & (ends > t0)
+        encloses = (starts <= t0) & (ends >= t1) & overlaps  # overlaps: a message at a span's edge is not in it
         out.append(bool(encloses.any() and not (overlaps & ~encloses).any()))
     return out
 
