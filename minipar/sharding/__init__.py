@@ -17,17 +17,24 @@ placements picks the collective on that axis's traced communicator.
   axis as GSPMD does) and the chooser of the cheapest legal strategy (bytes, then fewest changes).
 - ``ops.py``: every op the tiny GPT needs on global tensors (matmul, elementwise, unary, reductions,
   softmax, logsumexp, reshape, transpose, embedding), each propagated and differentiable.
-- ``autograd.py``: the backward pass on global tensors (backward made of the same ops; gradients'
-  placements and where partial ones are reduced).
+- ``autograd.py``: the graph the ops record and the rules of gradients' placements (where partial
+  ones are reduced); ``engine.py``: the backward pass itself, made of the same ops.
 - ``nn.py``: ``minipar.nn``'s layers with placed weights; ``MEGATRON``: Megatron as annotations.
 - ``minipar/cost/sharding.py``: the bytes each step sends per rank, from the collective formulas.
 """
 
+from minipar.sharding import engine
 from minipar.sharding.ops import add, matmul, mul
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard
 from minipar.sharding.propagate import matmul_strategies
-from minipar.sharding.redistribute import Step, plan, redistribute
+from minipar.sharding.redistribute import Step, plan, redistribute, to_global
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
+
+# PyTorch's ``t.backward()`` and DTensor's ``t.full_tensor()``: methods whose code sits in the layers
+# above tensor.py, bound here, at the package's top, so that tensor.py imports none of them (importing
+# any module of the package runs this file first).
+GlobalTensor.backward = engine.backward  # type: ignore[attr-defined]
+GlobalTensor.to_global = to_global  # type: ignore[attr-defined]
 
 __all__ = ["GlobalTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "add", "check_layout",
            "local_slices", "matmul", "matmul_strategies", "mul", "plan", "redistribute"]

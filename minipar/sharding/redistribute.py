@@ -140,3 +140,8 @@ def redistribute(t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTens
         cur[step.axis] = step.dst
     return GlobalTensor(np.require(local, requirements="C"), t.shape, t.mesh, t.axes, placements)  # 0-d stays 0-d
 
+
+def to_global(t: GlobalTensor) -> np.ndarray:
+    """The whole tensor on every rank, by redistributing to ``Replicate()`` on every axis (traced
+    collectives; for tests and examples): ``GlobalTensor.to_global``."""
+    return redistribute(t, [Replicate()] * len(t.axes)).local

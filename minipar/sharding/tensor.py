@@ -70,7 +70,9 @@ def local_slices(shape: Sequence[int], degrees: Sequence[int], coords: Sequence[
 
 class GlobalTensor:
     """This rank's piece of a tensor of global ``shape`` over ``mesh``'s ``axes`` with ``placements``
-    (one per axis). ``local`` must have the piece's shape (module docstring)."""
+    (one per axis). ``local`` must have the piece's shape (module docstring). ``t.backward(grad=None)``
+    (``engine.backward``) and ``t.to_global()`` (``redistribute.to_global``) are bound by the package's
+    ``__init__``: their code sits in the layers above this one."""
 
     def __init__(self, local: np.ndarray, shape: Sequence[int], mesh: DeviceMesh, axes: Sequence[str],
                  placements: Sequence[Placement]) -> None:
@@ -92,13 +94,6 @@ class GlobalTensor:
         """Make this (leaf) tensor one whose gradient ``backward`` accumulates into ``.grad``."""
         self.requires_grad = flag
         return self
-
-    def backward(self, grad: GlobalTensor | None = None) -> None:
-        """Gradients of this tensor (ones for a scalar) into every leaf's ``.grad``
-        (``minipar.sharding.autograd``)."""
-        from minipar.sharding.autograd import backward
-
-        backward(self, grad)
 
     @classmethod
     def zeros(cls, shape: Sequence[int], mesh: DeviceMesh, axes: Sequence[str], placements: Sequence[Placement],
@@ -135,13 +130,6 @@ class GlobalTensor:
         if any(isinstance(p, Partial) and c != 0 for p, c in zip(placements, coords, strict=True)):
             piece = np.zeros_like(piece)
         return cls(piece, array.shape, mesh, axes, placements)
-
-    def to_global(self) -> np.ndarray:
-        """The whole tensor on every rank, by redistributing to ``Replicate()`` on every axis (traced
-        collectives; for tests and examples)."""
-        from minipar.sharding.redistribute import redistribute
-
-        return redistribute(self, [Replicate()] * len(self.axes)).local
 
     def __repr__(self) -> str:
         return (f"GlobalTensor(shape={self.shape}, axes={self.axes}, placements={describe(self.placements)}, "
