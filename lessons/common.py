@@ -6,6 +6,7 @@ closing terminal timeline plus HTML report (the replay, with a button for the wa
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import textwrap
@@ -31,14 +32,42 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
 
 
+def blas_threads(n: int = 1) -> int | None:
+    """Set numpy's OpenBLAS to ``n`` threads in this process, as ``OPENBLAS_NUM_THREADS=n`` before numpy's import
+    would, unless that variable is set (``make demo`` and the tests set it to 1); returns OpenBLAS's thread
+    count after, or None (the variable set, or no OpenBLAS found beside numpy). A lesson's ranks each stand
+    for a device with a core of its own (the replay's model); BLAS threads of ranks that share the cores spin
+    against each other: lesson 2 under ``mpiexec -n 4`` on 2 cores trained in 77 s with OpenBLAS's default of
+    a thread per core in every rank, in 16 s with one (load 10 either way)."""
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        return None
+    import numpy as np
+
+    here = Path(np.__file__).parent  # numpy's wheels: numpy.libs/ (Linux), numpy/.dylibs/ (macOS)
+    for lib in sorted([*here.parent.glob("numpy.libs/*openblas*"), *here.glob(".dylibs/*openblas*")]):
+        try:
+            blas = ctypes.CDLL(str(lib))  # the copy numpy loaded: dlopen hands back the same library
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "")):
+            setter = getattr(blas, f"{prefix}_set_num_threads{suffix}", None)
+            getter = getattr(blas, f"{prefix}_get_num_threads{suffix}", None)
+            if setter is not None and getter is not None:
+                setter(n)
+                return int(getter())
+    return None
+
+
 def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str | None] | None = None,
               **kwargs: Any) -> Any:
     """Run ``body(comm, **kwargs)`` on every rank and return rank 0's result (None on other ranks).
 
     Under ``mpiexec`` the ranks are its processes; otherwise ``ranks`` threads in this process, said
     in one line. ``check(world_size)`` returns what is wrong with that world size (or None): the
-    message is printed once, by rank 0, and every rank exits with status 2 before any message.
+    message is printed once, by rank 0, and every rank exits with status 2 before any message. BLAS
+    runs on one thread per process (``blas_threads``).
     """
+    blas_threads(1)
     mpi = under_mpiexec()
     comm = world() if mpi else None
     size, rank = (comm.size, comm.rank) if comm is not None else (ranks, 0)

@@ -71,6 +71,16 @@ def test_a_wrong_ranks_option_is_reported_once_in_process(name: str, bad: int) -
     assert "threads" not in proc.stdout  # rejected before any rank starts
 
 
+def test_a_lesson_runs_blas_on_one_thread_per_rank_unless_told() -> None:
+    code = "from lessons.common import blas_threads; print(blas_threads(1), blas_threads(2))"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert alone.stdout.split() == ["1", "2"], alone.stderr  # numpy's OpenBLAS took each setting
+    told = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={**env, "OPENBLAS_NUM_THREADS": "3"})
+    assert told.stdout.split() == ["None", "None"], told.stderr  # the variable wins
+
+
 def test_in_process_run_says_so_in_one_line(tmp_path) -> None:
     proc = lesson("01_collectives", "--n", "64", "--reps", "0", "--out", str(tmp_path), "--ranks", "3")
     assert proc.returncode == 0, proc.stderr
