@@ -122,7 +122,8 @@ def _replayed(traces: list[Trace], clock: str | None, spec: str | None) -> list[
 
 
 def _run_view(args: argparse.Namespace) -> int:
-    from minipar.trace import TraceError, load, to_chrome
+    from minipar.chrome import to_chrome
+    from minipar.trace import TraceError, load
 
     if args.chrome and len(args.traces) != 1:
         raise UsageError(f"--chrome exports one trace, got {len(args.traces)}; pass a single TRACE")

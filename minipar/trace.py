@@ -292,19 +292,16 @@ def _remove_side_files(path: str, ranks: list[int]) -> None:
 
 
 @contextmanager
-def record(path: str | os.PathLike[str] | None, comm: Any = None, **meta: Any) -> Iterator[Recorder]:
+def record(path: str | os.PathLike[str] | None, comm: Any, **meta: Any) -> Iterator[Recorder]:
     """Record every rank's events while the block runs; rank 0 writes one file at ``path``.
 
-    All ranks of ``comm`` (the world when None) enter together. If the block raises, nothing is
+    All ranks of ``comm`` (``minipar.comm.world()`` for a whole run; this layer sits below the
+    communication layer and does not import it) enter together. If the block raises, nothing is
     written, and the side files of this trace's killed ranks are removed. ``path=None`` records
     without writing (the events stay on the yielded recorder).
     Ranks the failure detector declares dead are skipped by the gather; their spilled events (see
     the module docstring) are merged and ``meta["lost_ranks"]`` names them (rank 0 must survive).
     """
-    if comm is None:
-        from minipar.comm import world
-
-        comm = world()
     rank = comm.world_rank if hasattr(comm, "world_rank") else comm.rank
     with recording(rank) as rec:
         if path is not None:
@@ -417,10 +414,3 @@ def _event_problem(e: Event) -> str | None:
     if e.cid is not None and not isinstance(e.cid, str):
         return f"cid must be a string, got {e.cid!r}"
     return None
-
-
-def to_chrome(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Export to Chrome-trace JSON for https://ui.perfetto.dev (``minipar.chrome``)."""
-    from minipar.chrome import to_chrome as write
-
-    write(trace, path)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from strategies import budget
 
 from minipar import trace
+from minipar.chrome import to_chrome
 from minipar.comm import launch
 
 
@@ -153,7 +154,7 @@ def test_trace_round_trip_and_chrome_export(tmp_path):
     assert len(msgs) == 4 * 2 * 3 * 2  # 2(p-1) steps x (send + recv event) x 3 ranks x 2 all-reduces
     assert all(tr.bytes_sent(r, op="allreduce") == 2 * (2 * 2 * 48 // 3) for r in range(3))  # 2(p-1)/p n
     assert len(tr.select("compute", name="F")) == 3 and len(tr.select("memory")) == 3
-    trace.to_chrome(tr, chrome)
+    to_chrome(tr, chrome)
     doc = json.loads(chrome.read_text())
     names = [e["name"] for e in doc["traceEvents"] if e.get("ph") == "X"]
     assert "allreduce:send 0->1" in names and "allreduce:recv 2->0" in names and names.count("F0") == 3
@@ -185,7 +186,7 @@ def test_chrome_export_packs_overlapping_spans_into_nested_threads(tmp_path):
           trace.Event(0, "comm", "send", 2.0, 12.0, src=0, dst=1, nbytes=8, op="allreduce"),
           trace.Event(0, "comm", "recv", 4.0, 5.0, src=1, dst=0, nbytes=8, op="allreduce"),
           trace.Event(0, "comm", "send", 11.0, 13.0, src=0, dst=1, nbytes=8, op="allreduce")]
-    trace.to_chrome(trace.Trace({"world_size": 1}, ev), tmp_path / "c.json")
+    to_chrome(trace.Trace({"world_size": 1}, ev), tmp_path / "c.json")
     doc = json.loads((tmp_path / "c.json").read_text())
     spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
     assert_nested(spans)

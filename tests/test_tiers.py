@@ -17,6 +17,7 @@ from strategies import budget
 
 from minipar import trace
 from minipar.autograd import Tensor
+from minipar.chrome import to_chrome
 from minipar.cost import transfer_seconds, zero_offload_bytes
 from minipar.tiers import Bandwidth, DeviceOutOfMemory, NotOnDevice, Tiers
 from minipar.tiers.nvme import LONG, file_name, name_of
@@ -260,7 +261,7 @@ def test_transfer_events_survive_save_load_and_chrome(tmp_path):
     loaded = trace.load(path)
     assert [(e.name, e.args["src"], e.args["dst"]) for e in loaded.select("transfer")] == [
         ("p", "cpu", "device"), ("p", "device", "cpu"), ("m", "cpu", "nvme")]
-    trace.to_chrome(loaded, tmp_path / "c.json")
+    to_chrome(loaded, tmp_path / "c.json")
 
 
 @budget(15)

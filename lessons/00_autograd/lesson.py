@@ -23,6 +23,7 @@ from lessons.common import MAX_STEPS, Clock, clock_arguments, finish, parse_less
 from lessons.common import console as make_console
 from minipar import datasets, trace
 from minipar.cli_args import int_in
+from minipar.comm import world
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from viz.width import Table
@@ -93,7 +94,7 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
         for step in range(steps - traced_steps):
             losses.append(train_step(model, opt, *datasets.lm_batch(stream, batch, SEQ, step=step)))
             progress.update(task, advance=1, loss=np.mean(losses[-20:]))
-        with trace.record(trace_path, paradigm="single process", lesson="00_autograd", time_unit="s"):
+        with trace.record(trace_path, world(), paradigm="single process", lesson="00_autograd", time_unit="s"):
             for step in range(steps - traced_steps, steps):
                 losses.append(train_step(model, opt, *datasets.lm_batch(stream, batch, SEQ, step=step)))
                 progress.update(task, advance=1, loss=np.mean(losses[-20:]))

@@ -28,6 +28,7 @@ import numpy as np
 
 from lessons.common import MAX_RANKS, REPLAY, Clock, clock_arguments, console, finish, parse_lesson_args, run_ranks
 from minipar import trace
+from minipar.chrome import to_chrome
 from minipar.cli_args import int_in
 from minipar.comm import Communicator
 from minipar.cost import ALLREDUCE_ALGORITHMS, allreduce_bytes
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         out.print(f"[yellow]note:[/yellow] {note} (the time column).", highlight=False)
     if not all(r["agrees"] for r in rows):
         raise SystemExit("the algorithms disagree with each other")
-    trace.to_chrome(trace.load(path), Path(args.out) / "trace.chrome.json")
+    to_chrome(trace.load(path), Path(args.out) / "trace.chrome.json")
     finish([path], Path(args.out) / "report.html", out, titles=[f"all-reduce algorithms on {p} ranks"], clock=clock)
     out.print(f"trace: {path} (or open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
 
