@@ -1,7 +1,8 @@
 """Honest labels in the report (issue 28, item 3), on hand-made traces whose times are chosen below:
 
 - a collective the rank's own thread runs inside a compute span is drawn inside it (a hatched strip on
-  the compute lane), one on a worker thread or under other compute stays on the comm lane;
+  the compute lane), one on a worker thread or under other compute stays on the comm lane, and so does
+  a point-to-point message the rank did not wait for there;
 - every op/algorithm minipar's communicator has, and every point-to-point op, has a colour of its own,
   shared with no other kind, so no two kinds drawn in one report look alike;
 - a parameter server's pushes are messages, not one collective call spanning the run;
@@ -74,6 +75,21 @@ def test_a_collective_inside_a_compute_span_is_drawn_inside_it():
     assert lanes(only).ticks == [(0, "rank 0"), (1, "rank 1")]
     assert {b.name for b in figures.timeline(only).data if b.type == "bar"} == {
         "forward", "other", "allreduce ring, inside compute", "messages (steps)"}
+
+
+def test_a_message_is_inside_when_the_rank_waited_for_it_there():
+    """Rank 0's F [0, 10]: a K/V receive [2, 3] waited for from 2.1 (in it), a send [4, 6] never waited
+    for (posted and left to finish: beside), a receive [7, 9] first waited for at 8.9 (computed over:
+    beside), a send [0, 0.5] posted as F began (a replay puts the previous step's send there: beside)."""
+    def msg(name: str, t0: float, t1: float, tw: float | None, src: int = 1, dst: int = 0) -> Event:
+        return Event(0, "comm", name, t0, t1, src=src, dst=dst, nbytes=64, op="ring_kv", step=0, tw=tw)
+
+    t = Trace({"world_size": 2}, [Event(0, "compute", "F", 0.0, 10.0), msg("recv", 2.0, 3.0, 2.1),
+                                  msg("send", 4.0, 6.0, None, 0, 1), msg("recv", 7.0, 9.0, 8.9),
+                                  msg("send", 0.0, 0.5, 0.0, 0, 1)])
+    spans = M.collective_spans(t)
+    assert [(s.t0, i) for s, i in zip(spans, M.inside_compute(t, spans), strict=True)] == [
+        (0.0, False), (2.0, True), (4.0, False), (7.0, False)]
 
 
 def test_every_kind_has_its_own_colour():

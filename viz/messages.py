@@ -7,12 +7,16 @@ into one span per collective call (``collective_spans``), and each send paired w
   collective's messages name its algorithm (ring, naive, native, ...); a message without one is
   point-to-point (send, recv, a parameter server's push and pull, Ring Attention's K/V pass) and is
   a span of its own, however its steps count.
-- **A call inside a compute span** (``inside_compute``): the rank's own thread ran it within one of its
-  compute spans and computed nothing else meanwhile, so the computation waited in it (tensor
-  parallelism's all-reduces inside F, ZeRO-1's collectives inside opt): drawn inside that span, not
-  beside it as an overlap. A call on a communicator's worker thread (``Event.thread``: DDP's bucket
-  all-reduces, FSDP's prefetched all-gathers) or one a compute span started or ended during (Ring
-  Attention's K/V pass under its score blocks) runs beside the computation.
+- **A call inside a compute span** (``inside_compute``): the rank's own thread was in it, waiting,
+  after one of its compute spans began and before it ended, and computed nothing else meanwhile, so
+  the computation waited in it (tensor parallelism's all-reduces inside F, ZeRO-1's collectives inside
+  opt): drawn inside that span, not beside it as an overlap. A collective on the rank's own thread is
+  waited in from its first message to its last; a point-to-point message only when the rank began to
+  wait for it (``tw``) in the first half of its flight (a blocking receive; a send posted and left to
+  finish is not). A call on a communicator's worker thread (``Event.thread``: DDP's bucket all-reduces,
+  FSDP's prefetched all-gathers), one a compute span started or ended during (Ring Attention's K/V
+  pass under its score blocks) or one posted as a span began (a pipeline's send, which a replay
+  places at the next span's start) runs beside the computation.
 """
 
 from __future__ import annotations
@@ -105,9 +109,10 @@ def collective_spans(trace: Trace) -> list[CommSpan]:
 
 def inside_compute(trace: Trace, spans: Sequence[CommSpan]) -> list[bool]:
     """For each span (``collective_spans``): True when its rank's own thread recorded all of its
-    messages within one of that thread's compute spans and no other compute span of the thread began or
-    ended between the call's first and last message (module docstring). Cost: O(S C) for S calls and
-    C compute spans of a rank, vectorised over C."""
+    messages after one of that thread's compute spans began and before it ended, waited in them (a
+    collective, or a point-to-point message waited for from the first half of its flight on), and no
+    other compute span of the thread began or ended between the call's first and last message (module
+    docstring). Cost: O(S C) for S calls and C compute spans of a rank, vectorised over C."""
     own: dict[int, list[Event]] = defaultdict(list)
     for e in trace.events:
         if e.kind == "compute" and not e.thread:
@@ -115,15 +120,21 @@ def inside_compute(trace: Trace, spans: Sequence[CommSpan]) -> list[bool]:
     bounds = {r: (np.array([e.t0 for e in es]), np.array([e.t1 for e in es])) for r, es in own.items()}
     out = []
     for span in spans:
-        if span.rank not in bounds or any(e.thread for e in span.events):
+        if span.rank not in bounds or any(e.thread for e in span.events) or not _waited(span):
             out.append(False)
             continue
         starts, ends = bounds[span.rank]
         t0, t1 = span.t0, span.t1
         overlaps = (starts < t1) & (ends > t0)
-        encloses = (starts <= t0) & (ends >= t1) & overlaps  # overlaps: a message at a span's edge is not in it
+        encloses = (starts < t0) & (ends >= t1) & overlaps  # a message at a span's start or edge is not in it
         out.append(bool(encloses.any() and not (overlaps & ~encloses).any()))
     return out
+
+
+def _waited(span: CommSpan) -> bool:
+    """Whether the rank waited in the call: a collective (it has an algorithm) from start to end; a
+    point-to-point message when the rank began to wait for it (``tw``) in the first half of its flight."""
+    return span.algorithm is not None or all(e.tw is not None and e.tw <= (e.t0 + e.t1) / 2 for e in span.events)
 
 
 def _pair_op(event: Event) -> str | None:
