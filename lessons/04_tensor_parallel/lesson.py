@@ -1,6 +1,6 @@
 """Lesson 4: tensor parallelism (Megatron-LM) and sequence parallelism, byte by byte.
 
-    mpiexec -n 4 python lessons/04_tensor_parallel/lesson.py [--steps 4]
+    mpiexec -n 4 python lessons/04_tensor_parallel/lesson.py [--steps 4] [--verbose]
     python lessons/04_tensor_parallel/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
 1. The matrix-multiplication picture (Shoeybi et al. 2019, Sec. 3): Y = X W with X 4x5 and W 5x8.
@@ -17,7 +17,10 @@
    and the bytes each rank sent, next to the formulas; activation bytes held per rank, measured
    from the autograd graph: one layer keeps Korthikanti et al.'s sbh (34/t + 5as/(ht)) without the
    dropout terms, and the layer-norm region shrinks by exactly t under sequence parallelism.
-Writes runs/04_tensor_parallel/{tp,tp_sp}.json and report.html; prints the timeline.
+By default it prints the split's conclusion, one line on the losses, the bytes per rank per step and
+the activation bytes against the formulas, and the timeline of the traced step (two bands, no traffic
+table); ``--verbose`` adds the picture's table, the losses step by step, the collectives per block
+and the full timeline. Writes runs/04_tensor_parallel/{tp,tp_sp}.json and report.html.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
+from lessons import common
 from lessons.common import console as make_console
-from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cost import ring_bytes
 from minipar.cost import tensor as formulas
@@ -45,7 +47,6 @@ OUT = Path("runs/04_tensor_parallel")
 LABELS = ("activations/ln", "activations/tp", "activations/logits")
 
 
-# ---- 1. the picture ---------------------------------------------------------------------------------
 def matmul_picture(comm: Any) -> dict[str, Any]:
     """Y = X W (4x5 @ 5x8) split by columns (all-gather) and by rows (all-reduce) over ``comm``."""
     t, r = comm.size, comm.rank
@@ -89,12 +90,6 @@ def picture_summary(results: list[dict[str, Any]]) -> str:
             "so the pair needs one all-reduce and nothing in between.")
 
 
-# ---- 2. training ----------------------------------------------------------------------------------
-def batches(steps: int, batch: int = BATCH, seq: int = SEQ) -> list[tuple[np.ndarray, np.ndarray]]:
-    stream = datasets.token_stream(20_000, VOCAB, seed=0)
-    return [datasets.lm_batch(stream, batch, seq, step=s) for s in range(steps)]
-
-
 def train(comm: Any, sequence_parallel: bool, steps: int = 4,
           trace_path: str | os.PathLike[str] | None = None, layers: int = LAYERS,
           batch: int = BATCH) -> dict[str, Any]:
@@ -107,7 +102,7 @@ def train(comm: Any, sequence_parallel: bool, steps: int = 4,
               "heads": HEADS, "layers": layers, "d_ff": D_FF, "batch": batch}
     expected = formulas.expected_bytes(t, batch, SEQ, D_MODEL, layers, 8, sequence_parallel, SEQ)
     losses = []
-    for step, (x, y) in enumerate(batches(steps, batch)):
+    for step, (x, y) in enumerate(common.lm_batches(steps, VOCAB, batch, SEQ)):
         last = step == steps - 1
         meta = {"paradigm": "tensor" + (" + sequence" if sequence_parallel else ""), "config": config,
                 "expected_bytes": expected, "time_unit": "s"}
@@ -125,10 +120,9 @@ def train(comm: Any, sequence_parallel: bool, steps: int = 4,
 def single_process_losses(steps: int, layers: int = LAYERS, batch: int = BATCH) -> list[float]:
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, layers, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    return one_process(model, opt, batches(steps, batch))
+    return common.one_process(model, opt, common.lm_batches(steps, VOCAB, batch, SEQ))
 
 
-# ---- 3. measured vs formula -----------------------------------------------------------------------
 def block_traffic(trace: mtrace.Trace, rank: int = 0) -> dict[tuple[int, str], dict[str, list[int]]]:
     """Per (block, "F"/"B"): {op: [calls, bytes sent]} by ``rank``, from the messages inside the
     block's span (a call is counted at its first message, step 0)."""
@@ -166,7 +160,7 @@ def traffic_table(trace: mtrace.Trace, t: int, sp: bool, batch: int = BATCH) -> 
 def totals_table(traces: dict[str, mtrace.Trace]) -> Table:
     from viz import analysis
 
-    table = Table(title="bytes sent per rank over the step (embedding, blocks, head, loss, grads)",
+    table = Table(title="bytes sent per rank in one training step (embedding, blocks, head, loss, grads)",
                   title_justify="left")
     for col in ("run", "op", "measured per rank", "formula"):
         table.add_column(col, justify="right")
@@ -185,10 +179,11 @@ def layer_caption(t: int, batch: int = BATCH) -> str:
             "only the sequence shard and all-gather it again in backward.")
 
 
-def memory_table(peaks: dict[str, dict[str, int]], t: int, layers: int = LAYERS, batch: int = BATCH) -> Table:
+def memory_table(peaks: dict[str, dict[str, int]], t: int, layers: int = LAYERS, batch: int = BATCH,
+                 verbose: bool = True) -> Table:
     table = Table(title="activation bytes held per rank at the end of the forward pass (measured: every "
                         "buffer the autograd graph keeps, once)", title_justify="left",
-                  caption=layer_caption(t), caption_justify="left")
+                  caption=layer_caption(t) if verbose else None, caption_justify="left")
     for col in ("region", "no TP (formula)", "TP measured", "TP formula", "TP+SP measured", "TP+SP formula",
                 "ratio TP / TP+SP"):
         table.add_column(col, justify="right")
@@ -212,52 +207,60 @@ def check_ranks(t: int) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
-    """The three parts on ``comm``; rank 0 prints."""
+def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: bool = False) -> None:
+    """The three parts on ``comm``; rank 0 prints (``verbose``: every table)."""
     console = make_console()
     t, lead = comm.size, comm.rank == 0
     picture = comm.gather_object(matmul_picture(comm))
     if lead:
         OUT.mkdir(parents=True, exist_ok=True)
         console.rule("[bold]1. the matrix-multiplication picture")
-        console.print(picture_table(picture))
+        if verbose:
+            console.print(picture_table(picture))
         console.print(picture_summary(picture), highlight=False)
     runs = {"tp": False, "tp_sp": True}
     results = {name: train(comm, sp, steps, OUT / f"{name}.json") for name, sp in runs.items()}
     if not lead:
         return
-    console.rule(f"[bold]2. tiny GPT on {t} tensor-parallel ranks")
+    console.rule(f"[bold]2. tiny GPT on {t} tensor-parallel ranks, {steps} AdamW steps")
     ref = single_process_losses(steps)
-    table = Table(title="loss per step", title_justify="left")
-    for col in ("step", "single process", "TP", "TP + SP"):
-        table.add_column(col, justify="right")
-    for s in range(steps):
-        table.add_row(str(s), f"{ref[s]:.10f}", f"{results['tp']['losses'][s]:.10f}",
-                      f"{results['tp_sp']['losses'][s]:.10f}")
-    console.print(table)
-    full = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
-    console.print(f"parameters: {full:,} in the whole model, {results['tp']['params_per_rank']:,} on each "
-                  "rank (layer norms, position embedding and proj biases are replicated)", highlight=False)
+    if verbose:
+        console.print(common.loss_table(ref, {"TP": results["tp"]["losses"], "TP + SP": results["tp_sp"]["losses"]},
+                                        reference_name="single process", digits=10))
+        full = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
+        console.print(f"parameters: {full:,} in the whole model, {results['tp']['params_per_rank']:,} on each "
+                      "rank (layer norms, position embedding and proj biases are replicated)", highlight=False)
+    diff = max(abs(a - b) for r in results.values() for a, b in zip(r["losses"], ref, strict=True))
+    console.print(f"TP and TP + SP give the single-process loss at every step: largest difference {diff:.1e}.",
+                  highlight=False)
     console.rule("[bold]3. communication and memory vs the formulas")
     traces = {name: mtrace.load(OUT / f"{name}.json") for name in runs}
-    for name, sp in runs.items():
-        console.print(traffic_table(traces[name], t, sp))
+    if verbose:
+        for name, sp in runs.items():
+            console.print(traffic_table(traces[name], t, sp))
     console.print(totals_table(traces))
-    console.print(memory_table({k: v["peak"] for k, v in results.items()}, t))
-    console.rule("[bold]timeline of the last step with sequence parallelism (F/B per block, opt)")
-    finish([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html", console, timeline=traces["tp_sp"],
-           titles=["tensor parallel", "tensor + sequence parallel"], clock=clock)
-    console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}", highlight=False)
+    console.print(memory_table({k: v["peak"] for k, v in results.items()}, t, verbose=verbose))
+    console.rule(f"[bold]the last step with sequence parallelism ({clock.short}; F/B per block, opt)")
+    common.finish([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html", console, timeline=traces["tp_sp"],
+                  titles=["tensor parallel", "tensor + sequence parallel"], clock=clock, brief=not verbose)
+    console.print("Megatron's f / g pair costs 2 all-reduces of the activation per block forward and 2 backward; "
+                  "sequence parallelism swaps each for an all-gather and a reduce-scatter of the same bytes and "
+                  f"keeps 1/{t} of the layer-norm activations.", highlight=False)
+    if verbose:
+        console.print(f"traces: {OUT / 'tp.json'}, {OUT / 'tp_sp.json'}", highlight=False)
+    console.print(common.reading_path("04_tensor_parallel"), highlight=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
-    return parse_lesson_args(lesson_parser(__doc__, steps=4, ranks=4), argv, lambda a: check_ranks(a.ranks))
+    parser = common.lesson_parser(__doc__, steps=4, ranks=4)
+    return common.parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
+    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
+                     verbose=args.verbose)
 
 
 if __name__ == "__main__":

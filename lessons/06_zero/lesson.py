@@ -1,49 +1,43 @@
 """Lesson 6: ZeRO stages 1, 2, 3 and FSDP: the optimizer state, the gradients and the parameters
 partitioned over the data-parallel ranks, byte by byte.
 
-    mpiexec -n 4 python lessons/06_zero/lesson.py [--steps 3]
+    mpiexec -n 4 python lessons/06_zero/lesson.py [--steps 3] [--verbose]
     python lessons/06_zero/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
-Plain data parallelism (DDP, "stage 0") keeps the whole model on every rank: parameters, gradients
-and AdamW's two moments. ZeRO (Rajbhandari et al. 2020, Sec. 5, Fig. 1) partitions them over the N
-ranks, one more at each stage: stage 1 (P_os) the optimizer state, stage 2 (P_os+g) also the
-gradients, stage 3 (P_os+g+p) also the parameters, which PyTorch's FSDP (Zhao et al. 2023) gathers
-unit by unit (here one unit per transformer block plus the embeddings, the final layer norm and the
-head) just before the unit computes and frees right after, prefetching the next unit's all-gather.
-Code: ``minipar/parallel/zero`` and ``minipar/parallel/ddp.py``; formulas: ``minipar/cost/zero.py``.
+DDP ("stage 0") keeps parameters, gradients and AdamW's two moments whole on every rank. ZeRO
+(Rajbhandari et al. 2020, Sec. 5, Fig. 1) partitions one more of them over the N ranks at each stage:
+1 (P_os) the optimizer state, 2 (P_os+g) the gradients, 3 (P_os+g+p) the parameters, which PyTorch's
+FSDP (Zhao et al. 2023) gathers unit by unit (a transformer block, the embeddings, the final norm and
+head) just before the unit computes and frees after, prefetching the next unit's all-gather. Code:
+``minipar/parallel/zero``, ``minipar/parallel/ddp.py``; formulas: ``minipar/cost/zero.py``.
 
-Printed: 1. the tiny GPT under DDP, ZeRO-1, ZeRO-2 and FSDP: every step's loss equals one
-process's on the global batch. 2. The paper's memory table MEASURED: bytes of parameters, gradients
-and optimizer state per rank when the optimizer step begins, at N = 1, 2 and 4 (sub-communicators
-of the first N ranks: ``comm.split``), next to ``zero_state_bytes`` (this layout, exact) and the
-paper's ``zero_model_states`` (here 8 + 8 + 16 bytes per parameter: float64 and AdamW's m and v),
-plus each run's peak with transients; then the paper's Table 1 for its 7.5B model from the formula
-(K = 12, mixed precision), at N = 64 the numbers of its Fig. 1. 3. Bytes each rank sent in one
-step, measured from the trace, vs ``zero_traffic_bytes`` and DDP's all-reduce: stages 1 and 2 move
-DDP's 2 (N-1)/N Psi, stage 3 1.5 times that (Sec. 7.2.1). 4. FSDP's step on rank 0 unit by unit:
-gathered bytes rising (this unit + the prefetched next) and falling (resharded), the next unit's
-all-gather in flight while this one computes. 5. Mixed precision (fp16 working parameters, fp32
-master and moments): K = 12 bytes of optimizer state per parameter, measured. Then the terminal
-timeline of the FSDP step; the HTML report stacks the model states per rank (the paper's Fig. 1)
-and draws the FSDP step's timeline over its gathered units (``viz.memory_stack``). Writes
-runs/06_zero/*.json and report.html.
+Printed: 1. every stage's losses equal one process's on the global batch. 2. The paper's memory
+table MEASURED: model states per rank (bytes) when the optimizer step begins at N = 1, 2, 4 (the
+first N ranks, ``comm.split``), next to ``zero_state_bytes`` (this layout, exact) and the paper's
+``zero_model_states`` (8 + 8 + 16 bytes per parameter: float64, AdamW's m and v). 3. Bytes each rank
+sent in one step vs ``zero_traffic_bytes`` and DDP's all-reduce: stages 1, 2 move DDP's 2 (N-1)/N Psi,
+FSDP 1.5 times that (Sec. 7.2.1). Then the FSDP step's terminal timeline and the conclusion.
+``--verbose`` adds the losses step by step, the states by component with each run's peak, the paper's
+Table 1 for 7.5B (K = 12; at N = 64 its Fig. 1), the ops per stage, 4. FSDP's forward on rank 0 unit
+by unit (gathered bytes: this unit + the prefetched next, then resharded; the next all-gather in
+flight while this unit computes), 5. mixed precision (fp16 working copy, fp32 master and moments: K =
+12 bytes per parameter, measured) and the full timeline. The HTML report stacks the model states per
+rank (Fig. 1) and draws the FSDP step over its gathered units. Writes runs/06_zero/*.json, report.html.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from contextlib import nullcontext
-from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
+from lessons import common
 from lessons.common import console as make_console
-from minipar import datasets, nn
+from minipar import nn
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
 from minipar.cost import zero as formulas
@@ -51,7 +45,7 @@ from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.ddp import DistributedDataParallel, local_batch
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
-from viz.memory_stack import at_peak, before_step
+from viz.memory_stack import at_peak, before_step, fsdp_forward_table
 from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, LR = 32, 16, 32, 4, 2, 64, 8, 3e-3
@@ -64,7 +58,6 @@ OUT = Path("runs/06_zero")
 TITLES = {0: "DDP (stage 0)", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "FSDP (ZeRO-3, P_os+g+p)"}
 
 
-# ---- the four ways to train, one surface ------------------------------------------------------------
 class DDPStage0:
     """Stage 0 with ZeRO's surface: DDP's all-reduce (ring) and a whole AdamW on every rank."""
 
@@ -109,23 +102,6 @@ def groups(wrapper: Any) -> list[int]:
     return [g.layout.numel for g in getattr(wrapper, "units", None) or wrapper.buckets]
 
 
-def expected_bytes(stage: int, numels: list[int], n: int, itemsize: int = ITEM) -> dict[str, float]:
-    """``zero_traffic_bytes`` by op, for the trace's meta (the report draws it over the measured bars): a
-    ring reduce-scatter and a ring all-gather of one group send the same bytes, so stages 1-2 split it
-    half and half and stage 3 (two all-gathers, one reduce-scatter per unit) two thirds and one third."""
-    total = float(formulas.zero_traffic_bytes(numels, stage, n, itemsize))
-    if stage == 0:
-        return {"allreduce": total}
-    gathers = 2 if stage == 3 else 1
-    return {"allgather": total * gathers / (gathers + 1), "reduce_scatter": total / (gathers + 1)}
-
-
-# ---- 1. training ------------------------------------------------------------------------------------
-def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    stream = datasets.token_stream(20_000, VOCAB, seed=0)
-    return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
-
-
 def sample(wrapper: Any) -> None:
     for label, nbytes in wrapper.state_bytes().items():
         mtrace.memory(label, nbytes)
@@ -142,11 +118,12 @@ def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[s
         for p in wrapper.module.parameters():
             p.register_hook(lambda _p: sample(wrapper))
     meta = {"paradigm": f"ZeRO stage {stage}" + (" (FSDP)" if stage == 3 else " (DDP)" if stage == 0 else ""),
-            "time_unit": "s", "expected_bytes": expected_bytes(stage, numels, n, 2 if precision == "mixed" else ITEM),
+            "time_unit": "s",
+            "expected_bytes": formulas.zero_traffic_by_op(numels, stage, n, 2 if precision == "mixed" else ITEM),
             "config": {"stage": stage, "N": n, "precision": precision, "groups": numels, "vocab": VOCAB, "seq": SEQ,
                        "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS, "d_ff": D_FF, "batch": BATCH}}
     losses, skipped = [], 0
-    for step, (x, y) in enumerate(batches(steps)):
+    for step, (x, y) in enumerate(common.lm_batches(steps, VOCAB, BATCH, SEQ)):
         xs, ys = local_batch(comm, x, y)
         with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
             sample(wrapper)
@@ -163,7 +140,7 @@ def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[s
 def single_process_losses(steps: int) -> list[float]:
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=LR)
-    return one_process(model, opt, batches(steps))
+    return common.one_process(model, opt, common.lm_batches(steps, VOCAB, BATCH, SEQ))
 
 
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[tuple[int, int], dict[str, Any]]:
@@ -179,14 +156,14 @@ def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[tuple[int, int], dic
     return results
 
 
-# ---- 2. memory ----------------------------------------------------------------------------------------
 def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Table:
+    """Model states per rank when the step begins, by component, measured vs the formulas, and each run's peak."""
     table = Table(title=f"model states per rank (bytes) when the optimizer step begins, float64, Psi = {psi:,}; "
                         "measured: the trace's memory samples on rank 0", title_justify="left",
                   caption="exact: zero_state_bytes (this layout, padded shards); paper: zero_model_states, "
                           "(2+2+K) Psi with 8-byte parameters and gradients and K = 16 (AdamW's m, v). Peak: the "
-                          "most at any sample of the step (stage 2: gradients of a bucket not yet reduced; FSDP: "
-                          "a unit's full gradients before their reduce-scatter, and the gathered units: the one "
+                          "most at any sample of the step (stage 2: gradients of a bucket not yet reduced; FSDP: a "
+                          "unit's full gradients before their reduce-scatter, and the gathered units: the one "
                           "computing plus the prefetched one, next to fsdp_gathered_peak).",
                   caption_justify="left", key=2)  # split to fit: each part keeps the stage and N
     for col in ("stage", "N", "params", "grads", "opt state", "total", "exact", "paper", "peak",
@@ -194,8 +171,7 @@ def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Ta
         table.add_column(col, justify="right")
     for (stage, n), res in sorted(results.items()):
         trace = mtrace.load(res["trace"])
-        got = before_step(trace, 0)
-        exact = formulas.zero_state_bytes(res["numels"], stage, n)
+        got, exact = before_step(trace, 0), formulas.zero_state_bytes(res["numels"], stage, n)
         paper = formulas.zero_model_states(psi, stage, n, optimizer_bytes=16, param_bytes=8, grad_bytes=8)
         gathered = "-"
         if stage == 3:
@@ -207,11 +183,25 @@ def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Ta
     return table
 
 
-def gb(value: float) -> str:
-    """GB as the paper prints them: 3 significant figures, at most 2 decimals, half up (41.25 -> 41.3)."""
-    decimals = min(2, max(0, 2 - math.floor(math.log10(value))))
-    rounded = Decimal(repr(value)).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)
-    return f"{rounded:f}".rstrip("0").rstrip(".") if decimals else f"{rounded:f}"
+def memory_totals(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> tuple[Table, bool]:
+    """The paper's table measured: model states per rank (bytes) by stage and N, and whether every total
+    equals ``zero_state_bytes`` and the paper's ``zero_model_states``."""
+    degrees = sorted({n for _, n in results})
+    table = Table(title=f"model states per rank (bytes) when the optimizer step begins, measured on rank 0 "
+                        f"(float64, AdamW, Psi = {psi:,}; N ranks)", title_justify="left")
+    for col in ("stage", *(f"N = {n}" for n in degrees)):
+        table.add_column(col, justify="right")
+    equal = True
+    for stage in TITLES:
+        cells = []
+        for n in degrees:
+            res = results[(stage, n)]
+            got = sum(v for k, v in before_step(mtrace.load(res["trace"]), 0).items() if k != "gathered units")
+            paper = formulas.zero_model_states(psi, stage, n, optimizer_bytes=16, param_bytes=8, grad_bytes=8)
+            equal &= got == sum(formulas.zero_state_bytes(res["numels"], stage, n).values()) == paper
+            cells.append(f"{got:,}")
+        table.add_row(TITLES[stage], *cells)
+    return table, equal
 
 
 def paper_rows() -> Table:
@@ -220,17 +210,16 @@ def paper_rows() -> Table:
     for col in ("N", *formulas.STAGE_NAMES.values()):
         table.add_column(col, justify="right")
     for row in formulas.paper_table(int(PAPER_PSI), [1, 4, 16, PAPER_N, 256, 1024]):
-        table.add_row(str(row["dp"]), *(gb(row[s]) for s in formulas.STAGE_NAMES.values()))
+        table.add_row(str(row["dp"]), *(formulas.paper_gb(row[s]) for s in formulas.STAGE_NAMES.values()))
     table.add_row(f"paper's Fig. 1, N = {PAPER_N}", *(f"{v:g}" for v in PAPER_FIG1), style="bold")
     return table
 
 
-# ---- 3. traffic ---------------------------------------------------------------------------------------
-def traffic_table(results: dict[tuple[int, int], dict[str, Any]], n: int) -> Table:
-    table = Table(title=f"bytes each rank sent in one step, N = {n} (ring collectives; measured: the trace)",
-                  title_justify="left")
-    for col in ("stage", "ops measured (rank 0)", "measured per rank", "zero_traffic_bytes", "DDP all-reduce",
-                "vs DDP"):
+def traffic_table(results: dict[tuple[int, int], dict[str, Any]], n: int, verbose: bool = True) -> Table:
+    table = Table(title=f"bytes each rank sent in one training step, N = {n} (ring collectives; measured: the "
+                        "trace)", title_justify="left")
+    for col in ("stage", *(("ops measured (rank 0)",) if verbose else ()), "measured per rank", "zero_traffic_bytes",
+                "DDP all-reduce", "vs DDP"):
         table.add_column(col, justify="right")
     ddp = formulas.zero_traffic_bytes(results[(0, n)]["numels"], 0, n)
     for stage in TITLES:
@@ -241,68 +230,21 @@ def traffic_table(results: dict[tuple[int, int], dict[str, Any]], n: int) -> Tab
                 per_op[e.op] = per_op.get(e.op, 0) + (e.nbytes or 0)
         sent = [trace.bytes_sent(r) for r in range(n)]
         want = formulas.zero_traffic_bytes(results[(stage, n)]["numels"], stage, n)
-        table.add_row(f"{stage} {formulas.STAGE_NAMES[stage]}", ", ".join(f"{op} {b:,}" for op, b in per_op.items()),
+        table.add_row(f"{stage} {formulas.STAGE_NAMES[stage]}",
+                      *((", ".join(f"{op} {b:,}" for op, b in per_op.items()),) if verbose else ()),
                       f"{sent[0]:,}" if len(set(sent)) == 1 else " / ".join(f"{b:,}" for b in sent),
                       f"{want:,}", f"{ddp:,}", f"{sent[0] / ddp:.2f}x")
     return table
 
 
-# ---- 4. FSDP unit by unit -------------------------------------------------------------------------------
-def allgather_calls(trace: mtrace.Trace, n: int, rank: int = 0) -> list[tuple[float, float]]:
-    """(start, end) of each all-gather call on ``rank``, in order. The calls run one after another
-    and each sends and receives one block per ring step (N - 1 of each), so the k-th N - 1 sends and
-    the k-th N - 1 receives in time order are call k."""
-    mine = [e for e in trace.select("comm", rank=rank, op="allgather")]
-    sends = sorted((e for e in mine if e.src == rank), key=lambda e: e.t0)
-    recvs = sorted((e for e in mine if e.src != rank), key=lambda e: e.t0)
-    calls = []
-    for k in range(0, len(sends), n - 1):
-        events = sends[k:k + n - 1] + recvs[k:k + n - 1]
-        calls.append((min(e.t0 for e in events), max(e.t1 for e in events)))
-    return calls
-
-
-def fsdp_table(trace: mtrace.Trace, numels: list[int], n: int) -> Table:
-    """Rank 0's forward, unit by unit: gathered bytes while it computes and after, and the next unit's
-    all-gather (call k + 1) inside its span."""
-    spans = sorted((e for e in trace.events if e.kind == "compute" and e.rank == 0 and e.name == "F"),
-                   key=lambda e: e.t0)
-    samples = sorted((e for e in trace.events if e.kind == "memory" and e.rank == 0 and e.name == "gathered units"),
-                     key=lambda e: e.t0)
-    calls, t0 = allgather_calls(trace, n), spans[0].t0
-    table = Table(title=f"FSDP forward on rank 0, unit by unit (N = {n}; times in ms from the first unit)",
-                  title_justify="left",
-                  caption="gathered while computing: this unit + the next one already on its way (prefetch); "
-                          "formula: padded sizes L_i + L_i+1 in bytes. After: this unit resharded, only the next one "
-                          "left. The next unit's all-gather runs on the communicator's background thread; overlap: "
-                          "ms of it inside this unit's span, hidden behind its compute (the rest runs into the "
-                          "next unit's span, which waits for it; on the wall clock, ranks time-sharing cores and "
-                          "the GIL delay it).",
-                  caption_justify="left")
-    for col in ("unit", "compute span", "gathered while computing", "formula", "after reshard",
-                "next unit's all-gather", "overlap"):
-        table.add_column(col, justify="right")
-    sizes = [-(-k // n) * n * ITEM for k in numels]
-    for i, span in enumerate(spans):
-        inside = [s.nbytes for s in samples if span.t0 <= s.t0 <= span.t1]
-        nxt = calls[i + 1] if i + 1 < len(spans) else None
-        table.add_row(str(span.args.get("unit")), f"{(span.t0 - t0) * 1e3:.2f}-{(span.t1 - t0) * 1e3:.2f}",
-                      f"{max(inside):,}", f"{sizes[i] + (sizes[i + 1] if i + 1 < len(sizes) else 0):,}",
-                      f"{inside[-1]:,}",
-                      "-" if nxt is None else f"{(nxt[0] - t0) * 1e3:.2f}-{(nxt[1] - t0) * 1e3:.2f}",
-                      "-" if nxt is None else f"{max(0.0, min(span.t1, nxt[1]) - max(span.t0, nxt[0])) * 1e3:.2f}")
-    return table
-
-
-# ---- the lesson -------------------------------------------------------------------------------------
 def check_ranks(p: int) -> str | None:
     if p not in (2, 4):
         return f"lesson 6 measures ZeRO at N = 1, 2 and 4 ranks: run it on 4 ranks, or 2 (got {p})"
     return None
 
 
-def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
-    """Every stage at every N, then mixed precision; rank 0 prints."""
+def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: bool = False) -> None:
+    """Every stage at every N, then mixed precision; rank 0 prints (``verbose``: every table)."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
     if lead:
@@ -314,39 +256,44 @@ def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
         return
     console.rule(f"[bold]1. one tiny GPT, global batch {BATCH} over N = {p} ranks, {steps} AdamW steps")
     ref = single_process_losses(steps)
-    table = Table(title="loss per step (global batch: the mean over ranks of each rank's mean)", title_justify="left")
-    for col in ("step", "one process", *TITLES.values()):
-        table.add_column(col, justify="right")
-    for s in range(steps):
-        table.add_row(str(s), f"{ref[s]:.12f}", *(f"{results[(k, p)]['losses'][s]:.12f}" for k in TITLES))
-    console.print(table)
+    if verbose:
+        console.print(common.loss_table(ref, {t: results[(k, p)]["losses"] for k, t in TITLES.items()},
+                                        "loss per step (global batch: the mean over ranks of each rank's mean)"))
     diff = max(abs(a - b) for k in TITLES for a, b in zip(results[(k, p)]["losses"], ref, strict=True))
-    console.print(f"Every stage gives one process's losses: largest difference {diff:.1e} (float64 rounding: the "
-                  "ranks add the same gradients in another order).", highlight=False)
+    console.print(f"DDP, ZeRO-1, ZeRO-2 and FSDP give one process's losses: largest difference {diff:.1e} (float64 "
+                  "rounding: the ranks add the same gradients in another order).", highlight=False)
     psi = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
     console.rule("[bold]2. memory per rank: the paper's table, measured")
-    console.print(f"N = {', '.join(str(n) for n in DEGREES if n <= p)}: the first N of the {p} ranks train on a "
-                  "sub-communicator (comm.split; N = 4 is the run above), the others wait.", highlight=False)
-    console.print(memory_table(results, psi))
-    console.print(paper_rows())
+    table, equal = memory_totals(results, psi)
+    console.print(table)
+    console.print("Every total equals zero_state_bytes (this layout) and the paper's zero_model_states, (2 + 2 + K) "
+                  "Psi with K = 16 (8-byte numbers, AdamW's m and v) partitioned as the stage says." if equal else
+                  "[red]measured and formula differ[/red] (--verbose: the table by component)", highlight=False)
+    if verbose:
+        console.print(f"N = {', '.join(str(n) for n in DEGREES if n <= p)}: the first N of the {p} ranks train on "
+                      f"a sub-communicator (comm.split; N = {p} is the run above), the others wait.", highlight=False)
+        console.print(memory_table(results, psi))
+        console.print(paper_rows())
     console.rule("[bold]3. communication per step")
-    console.print(traffic_table(results, p))
-    console.print("A reduce-scatter plus an all-gather move what one all-reduce moves (Sec. 7.2.1): stages 1 and 2 "
-                  "cost DDP's bytes. FSDP gathers every unit twice (forward, and again for backward after "
-                  "resharding) and reduce-scatters once: 1.5x.", highlight=False)
+    console.print(traffic_table(results, p, verbose))
     fsdp = clock.of(results[(3, p)]["trace"])
-    console.rule(f"[bold]4. FSDP unit by unit ({clock.label})")
-    note = clock.caveat(p)
-    if note:
-        console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes.",
-                      highlight=False)
-    console.print(fsdp_table(fsdp, results[(3, p)]["numels"], p))
-    console.rule("[bold]5. mixed precision (FSDP, fp16 working copy, fp32 master and moments)")
-    console.print(mixed_summary(mixed, results[(3, p)]["losses"], p), highlight=False)
-    console.rule("[bold]the FSDP step's timeline (F per unit, B, opt; all-gathers and reduce-scatters)")
+    if verbose:
+        console.rule(f"[bold]4. FSDP unit by unit ({clock.label})")
+        if note := clock.caveat(p):
+            console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes.",
+                          highlight=False)
+        console.print(fsdp_forward_table(fsdp, results[(3, p)]["numels"], p))
+        console.rule("[bold]5. mixed precision (FSDP, fp16 working copy, fp32 master and moments)")
+        console.print(mixed_summary(mixed, results[(3, p)]["losses"], p), highlight=False)
+    console.rule(f"[bold]the FSDP step ({clock.short}; F per unit, B, opt; all-gathers, reduce-scatters)")
     order = [results[(k, p)]["trace"] for k in TITLES] + [mixed["trace"]]
-    finish(order, OUT / "report.html", console, timeline=fsdp, titles=[*TITLES.values(), "FSDP, mixed precision"],
-           clock=clock)
+    common.finish(order, OUT / "report.html", console, timeline=fsdp,
+                  titles=[*TITLES.values(), "FSDP, mixed precision"], clock=clock, brief=not verbose)
+    console.print("Each stage partitions one more model state over the N ranks: stage 1 the optimizer state, stage 2 "
+                  "the gradients, FSDP the parameters (1/N of everything). A reduce-scatter plus an all-gather move "
+                  "what one all-reduce moves (Sec. 7.2.1): stages 1 and 2 cost DDP's bytes; FSDP gathers every unit "
+                  "twice (forward, and again for backward) and reduce-scatters once: 1.5x.", highlight=False)
+    console.print(common.reading_path("06_zero"), highlight=False)
 
 
 def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
@@ -366,12 +313,14 @@ def mixed_summary(mixed: dict[str, Any], fp64: list[float], n: int) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
-    return parse_lesson_args(lesson_parser(__doc__, steps=3, ranks=4), argv, lambda a: check_ranks(a.ranks))
+    parser = common.lesson_parser(__doc__, steps=3, ranks=4)
+    return common.parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
+    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
+                     verbose=args.verbose)
 
 
 if __name__ == "__main__":
