@@ -1,7 +1,7 @@
 """Lesson 5: sequence parallelism. Megatron-SP, DeepSpeed-Ulysses, Ring Attention (contiguous and
 zigzag) and their 2 x 2 hybrid on one tiny GPT and one sequence, side by side.
 
-    mpiexec -n 4 python lessons/05_sequence_parallel/lesson.py [--steps 2]
+    mpiexec -n 4 python lessons/05_sequence_parallel/lesson.py [--steps 2] [--verbose]
     python lessons/05_sequence_parallel/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
 Every rank holds S/P of the sequence's positions; the methods differ in how attention, the one
@@ -18,17 +18,17 @@ layer that mixes positions, gets the rest (``minipar/parallel/sequence``, formul
   rank the same work.
 - Hybrid (Fang & Zhao 2024, USP): Ulysses inside pairs of ranks, the ring across the pairs.
 
-Printed: 1. every method's loss next to the single-process loss (they are equal); 2. bytes sent per
-rank per layer, forward and backward, measured from the trace next to the formula; 3. activation
-bytes one layer keeps and the largest score buffer, measured (the autograd graph; the ring's
-``score_bytes`` span fields) next to the formula; 4. the longest sequence each method fits into a
-fixed per-rank budget, from the formulas; 5. score blocks per rank under the causal mask, counted
-from the trace's spans, contiguous vs zigzag; 6. the zigzag ring's layer 0, step by step: compute on
-each K/V block and the wait for the next block left after it (near 0: the transfer was hidden), then
-the terminal timeline; the HTML report draws the ring on top (``viz.ring``: who holds which block at
-which step, and the compute beside the transfer). Writes runs/05_sequence_parallel/*.json, report.html.
-Times are replayed (lessons/common.py's ``Clock``: CPU time per span, a core per rank, ``--cluster``'s links;
-``--clock wall``: as recorded): the wait after each block's compute is held to max(0, alpha + n beta - compute).
+Printed: 1. every method's losses equal the single-process loss; 2. bytes sent per rank per layer,
+forward and backward, measured from the trace next to the formula; 3. activation bytes one layer
+keeps and the largest score buffer, measured (the autograd graph; the ring's ``score_bytes`` span
+fields) next to the formula; 4. the zigzag ring's last step: the longest wait for a K/V block against
+the formula's max(0, alpha + n beta - compute), then the terminal timeline. ``--verbose`` adds the
+losses step by step, the memory caption, the longest sequence each method fits into a fixed per-rank
+budget (from the formulas), the score blocks per rank under the causal mask counted from the spans
+(contiguous vs zigzag), the ring's layer 0 step by step (compute on each K/V block and the wait left
+after it) and the full timeline. The HTML report draws the ring on top (``viz.ring``). Times are
+replayed (``lessons.common.Clock``: CPU time per span, a core per rank, ``--cluster``'s links;
+``--clock wall``: as recorded). Writes runs/05_sequence_parallel/*.json and report.html.
 """
 
 from __future__ import annotations
@@ -40,100 +40,40 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
+from lessons import common
 from lessons.common import console as make_console
-from minipar import datasets
 from minipar import trace as mtrace
-from minipar.autograd import Tensor
 from minipar.cost import sequence as formulas
 from minipar.cost import tensor as tensor_cost
-from minipar.functional import on_backward
-from minipar.memory import held_buffers, seq_mark
 from minipar.nn import GPT, Module
 from minipar.optim import AdamW
 from minipar.parallel.sequence import SequenceParallelGPT
+from minipar.parallel.sequence.measure import measure_blocks
 from minipar.parallel.tensor import TensorParallelGPT
-from viz.ring import KV, compute_time, ring_steps, step_table
+from viz.ring import overlap_summary, score_spans, step_table
 from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH = 32, 256, 32, 4, 2, 64, 2
 ITEM = 8  # float64
 HYBRID_U = 2  # the hybrid's Ulysses degree P_u (P_r = P / P_u)
-BUDGET = 64 * 2**20  # bytes of activations per rank, for section 4
+BUDGET = 64 * 2**20  # bytes of activations per rank, for the budget table
 OUT = Path("runs/05_sequence_parallel")
-# run name -> (method, zigzag, title)
-RUNS = {
-    "megatron_sp": ("megatron", False, "Megatron-SP"),
-    "ulysses": ("ulysses", False, "Ulysses"),
-    "ring": ("ring", False, "Ring, contiguous"),
-    "ring_zigzag": ("ring", True, "Ring, zigzag"),
-    "hybrid": ("hybrid", True, "Hybrid 2 x P/2 (zigzag)"),
-}
+RUNS = {"megatron_sp": ("megatron", False, "Megatron-SP"), "ulysses": ("ulysses", False, "Ulysses"),
+        "ring": ("ring", False, "Ring, contiguous"), "ring_zigzag": ("ring", True, "Ring, zigzag"),
+        "hybrid": ("hybrid", True, "Hybrid 2 x P/2 (zigzag)")}  # run name: (method, zigzag, title)
 ATTENTION_OPS = ("all_to_all", "ring_kv", "ring_dkv", "allgather", "reduce_scatter")
 
 
-# ---- the lesson's measurement, wrapped around each block once ---------------------------------------
-class Measured(Module):
-    """One transformer block, unchanged, with the lesson's measurement around it: the activation
-    bytes its autograd graph keeps (``memory.held_buffers``: every buffer made inside the block that
-    backward needs, views free) and the largest such buffer; with ``spans``, one ``F`` and one ``B``
-    span per call and a memory sample of the blocks' bytes held (``meter``, shared by the model's
-    blocks) when the block's forward ends and when its backward ends (Megatron-SP's blocks record
-    their own spans and samples)."""
-
-    def __init__(self, block: Module, layer: int, spans: bool, meter: dict[str, int]) -> None:
-        self.block, self.layer, self.spans, self.meter = block, layer, spans, meter
-        self.held, self.largest = 0, 0
-
-    def grad_sync_params(self) -> list[Any]:  # Megatron-SP's replicated layer norms and biases
-        return self.block.grad_sync_params()
-
-    def sample(self, change: int) -> None:
-        self.meter["held"] += change
-        mtrace.memory("activations/blocks", self.meter["held"])
-
-    def forward(self, x: Tensor) -> Tensor:
-        if mtrace.current() is None:
-            return self.block(x)
-        start, began = seq_mark(), [0.0, 0.0]
-        if self.spans:
-            def done() -> None:
-                mtrace.current().add("compute", "B", began[0], mtrace.now(), c0=began[1], c1=mtrace.cpu(),
-                                     args={"layer": self.layer})
-                self.sample(-self.held)
-
-            def starts() -> None:
-                began[:] = mtrace.now(), mtrace.cpu()
-
-            with mtrace.span("F", args={"layer": self.layer}):
-                out = on_backward.apply(self.block(on_backward.apply(x, done)), starts)
-        else:
-            out = self.block(x)
-        buffers = [n for _, n in held_buffers(out, start).values()]
-        self.held, self.largest = sum(buffers), max(buffers)
-        if self.spans:
-            self.sample(self.held)
-        return out
-
-
 def build(comm: Any, name: str) -> Module:
-    """The GPT of run ``name`` on ``comm``, every block wrapped in ``Measured``."""
+    """The GPT of run ``name`` on ``comm``, every block wrapped in ``sequence.measure.Measured``."""
     method, zigzag, _ = RUNS[name]
     if method == "megatron":
         model = TensorParallelGPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, comm, D_FF, sequence_parallel=True, seed=0)
     else:
         model = SequenceParallelGPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, comm, method=method, zigzag=zigzag,
                                     ulysses=HYBRID_U if method == "hybrid" else None, d_ff=D_FF, seed=0)
-    blocks, meter = model.blocks._modules, {"held": 0}
-    for i, block in enumerate(blocks):
-        blocks[i] = Measured(block, i, method != "megatron", meter)
+    measure_blocks(model, spans=method != "megatron")
     return model
-
-
-# ---- 1. training ------------------------------------------------------------------------------------
-def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    stream = datasets.token_stream(20_000, VOCAB, seed=0)
-    return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
 
 
 def train(comm: Any, name: str, steps: int = 2, trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -149,7 +89,7 @@ def train(comm: Any, name: str, steps: int = 2, trace_path: str | os.PathLike[st
                        "vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS,
                        "d_ff": D_FF, "batch": BATCH}}
     losses = []
-    for step, (x, y) in enumerate(batches(steps)):
+    for step, (x, y) in enumerate(common.lm_batches(steps, VOCAB, BATCH, SEQ)):
         if method != "megatron":
             x, y = model.shard(x), model.shard(y)
         with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
@@ -168,10 +108,9 @@ def train(comm: Any, name: str, steps: int = 2, trace_path: str | os.PathLike[st
 def single_process_losses(steps: int) -> list[float]:
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    return one_process(model, opt, batches(steps))
+    return common.one_process(model, opt, common.lm_batches(steps, VOCAB, BATCH, SEQ))
 
 
-# ---- formulas -----------------------------------------------------------------------------------------
 def layer_bytes(method: str, p: int, backward: bool) -> float:
     """Bytes one rank sends for one layer's attention (Megatron-SP: the whole block), by the formulas."""
     if method == "megatron":
@@ -181,20 +120,11 @@ def layer_bytes(method: str, p: int, backward: bool) -> float:
 
 
 def step_bytes(method: str, p: int) -> dict[str, float]:
-    """The formulas' bytes per rank for the traced step (``meta["expected_bytes"]``), by op: the
-    attention's messages in every layer, forward and backward, and ``sync_grads``' all-reduce."""
+    """The formulas' bytes per rank for the traced step by op (``meta["expected_bytes"]``)."""
     if method == "megatron":
         return tensor_cost.expected_bytes(p, BATCH, SEQ, D_MODEL, LAYERS, ITEM, True, SEQ)
     n_params = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
-    out = {"allreduce": float(formulas.grad_sync_bytes(n_params, p, ITEM))}
-    ring, heads_width = (p // HYBRID_U, D_MODEL // HYBRID_U) if method == "hybrid" else (p, D_MODEL)
-    if method in ("ring", "hybrid"):
-        kv = formulas.ring_attention_bytes(BATCH, SEQ, heads_width, ring, ITEM)  # K/V, one pass
-        out["ring_kv"], out["ring_dkv"] = 2 * LAYERS * kv, LAYERS * kv  # forward + backward; dK/dV home
-    if method != "ring":
-        total = layer_bytes(method, p, False) + layer_bytes(method, p, True)
-        out["all_to_all"] = LAYERS * total - out.get("ring_kv", 0) - out.get("ring_dkv", 0)
-    return out
+    return formulas.step_bytes_by_op(method, BATCH, SEQ, D_MODEL, LAYERS, p, n_params, ulysses_degree(method, p), ITEM)
 
 
 def held_formula(method: str, p: int, s: int = SEQ) -> int:
@@ -210,11 +140,11 @@ def score_formula(method: str, zigzag: bool, p: int, s: int = SEQ) -> int:
         return tensor_cost.layer_terms(p, BATCH, s, D_MODEL, HEADS, D_FF, ITEM, sequence_parallel=True)["softmax"]
     return formulas.score_bytes(method, BATCH, s, HEADS, p, ulysses_degree(method, p), zigzag, ITEM)
 
+
 def ulysses_degree(method: str, p: int) -> int | None:  # P_u, for the formulas
     return HYBRID_U if method == "hybrid" else p if method == "ulysses" else None
 
 
-# ---- 2. bytes per layer -----------------------------------------------------------------------------
 def layer_traffic(trace: mtrace.Trace, rank: int) -> dict[tuple[int, str], int]:
     """Bytes ``rank`` sent inside each layer's ``F`` and ``B`` span: {(layer, "F"/"B"): bytes}."""
     sent = [e for e in trace.events if e.kind == "comm" and e.rank == rank and e.src == rank and e.op in ATTENTION_OPS]
@@ -231,11 +161,12 @@ def per_rank(values: list[float]) -> str:
     return f"{values[0]:,.0f}" if len(set(values)) == 1 else " / ".join(f"{v:,.0f}" for v in values)
 
 
-def traffic_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
+def traffic_table(traces: dict[str, mtrace.Trace], p: int, verbose: bool = True) -> Table:
     a = BATCH * SEQ // p * D_MODEL * ITEM
     table = Table(title=f"bytes sent per rank per layer (P = {p}; one shard b (S/P) h x 8 B = {a:,} B); measured: "
                         "the messages inside each layer's F / B span, every layer alike", title_justify="left")
-    for col in ("method", "ops", "forward measured", "forward formula", "backward measured", "backward formula"):
+    for col in ("method", *(("ops",) if verbose else ()), "forward measured", "forward formula", "backward measured",
+                "backward formula"):
         table.add_column(col, justify="right")
     for name, trace in traces.items():
         method = RUNS[name][0]
@@ -247,23 +178,19 @@ def traffic_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
             cells += [per_rank(got) + ("" if len(layers) == 1 else " (layers differ!)"),
                       f"{layer_bytes(method, p, phase == 'B'):,.0f}"]
         ops = sorted({e.op for e in trace.events if e.kind == "comm" and e.op in ATTENTION_OPS})
-        table.add_row(RUNS[name][2], ", ".join(ops), *cells)
+        table.add_row(RUNS[name][2], *((", ".join(ops),) if verbose else ()), *cells)
     return table
 
 
-# ---- 3. memory --------------------------------------------------------------------------------------
-def score_spans(trace: mtrace.Trace, rank: int | None = None) -> list[mtrace.Event]:  # Ring Attention's
-    return [e for e in trace.events if e.kind == "compute" and e.name == "attention F"
-            and (rank is None or e.rank == rank)]
-
-
-def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtrace.Trace], p: int) -> Table:
+def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtrace.Trace], p: int,
+                 verbose: bool = True) -> Table:
     table = Table(title="activation bytes one layer keeps for backward, and the largest score buffer, per rank",
                   title_justify="left",
-                  caption="held: every buffer the layer's autograd graph keeps (memory.held_buffers), measured on "
-                          "each rank. Largest score buffer: Megatron-SP and Ulysses keep their softmax "
+                  caption="held: every buffer the layer's autograd graph keeps (memory.held_buffers), measured "
+                          "on each rank. Largest score buffer: Megatron-SP and Ulysses keep their softmax "
                           "(b x H/P x S x S), the largest buffer the layer holds; Ring Attention keeps none and "
-                          "computes one block at a time: the largest score_bytes of its 'attention F' spans.",
+                          "computes one block at a time: the largest score_bytes of its 'attention F' spans."
+                          if verbose else None,
                   caption_justify="left")
     for col in ("method", "held measured", "held formula", "largest score measured", "score formula"):
         table.add_column(col, justify="right")
@@ -279,7 +206,6 @@ def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtr
     return table
 
 
-# ---- 4. the longest sequence in a budget ---------------------------------------------------------------
 def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
     """The longest S (a multiple of 2P) whose LAYERS layers' activations plus one layer's backward
     buffers fit ``budget`` bytes per rank, by the formulas. Backward of a softmax kept whole makes a
@@ -294,14 +220,7 @@ def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
             transient = score_formula(method, zigzag, p, s)
         return LAYERS * held_formula(method, p, s) + transient
 
-    step = 2 * p
-    lo, hi = step, 2 * step
-    while need(hi) <= budget and hi < 2**30:
-        lo, hi = hi, 2 * hi
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid)
-    return lo
+    return formulas.longest_sequence(need, budget, 2 * p)
 
 
 def budget_table(p: int) -> Table:
@@ -318,7 +237,6 @@ def budget_table(p: int) -> Table:
     return table
 
 
-# ---- 5. causal load ---------------------------------------------------------------------------------
 def causal_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
     table = Table(title="causal mask: score blocks each rank computes in one layer's forward (counted from the "
                         "'attention F' spans) vs causal_blocks; hidden blocks are skipped", title_justify="left")
@@ -343,7 +261,6 @@ def causal_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
     return table
 
 
-# ---- the lesson -------------------------------------------------------------------------------------
 def check_ranks(p: int) -> str | None:
     """What is wrong with ``p`` ranks, or None: Ulysses needs P | heads, the hybrid P_u = 2 | P."""
     if p not in (2, 4):
@@ -352,19 +269,8 @@ def check_ranks(p: int) -> str | None:
     return None
 
 
-def ring_overlap(trace: mtrace.Trace, clock: Clock) -> str:
-    """Layer 0's ring on ``clock`` vs the formula's wait for a block: max(0, alpha + n beta - the compute beside it)."""
-    n = max(e.nbytes or 0 for e in trace.events if e.op == KV)
-    hop, steps = clock.cluster.intra.seconds(n), [st for r in ring_steps(trace).values() for st in r if st.incoming]
-    computed = np.array([compute_time(st) for st in steps]) * 1e3
-    blocked = max(st.incoming.t1 - (st.incoming.tw or st.incoming.t1) for st in steps) * 1e3
-    return (f"A K/V block ({n:,} B) crosses a {clock.cluster.name} link in alpha + n beta = {hop * 1e6:.0f} us, under "
-            f"a block's compute (median {np.median(computed):.2f} ms): the formula's wait for it is at most "
-            f"{max(0.0, hop * 1e3 - computed.min()):.2f} ms; {clock.short}, no rank waited more than {blocked:.2f} ms.")
-
-
-def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
-    """Every method on ``comm``; rank 0 prints (times on ``clock``)."""
+def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: bool = False) -> None:
+    """Every method on ``comm``; rank 0 prints (times on ``clock``; ``verbose``: every table)."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
     if lead:
@@ -372,54 +278,58 @@ def run(comm: Any, steps: int, clock: Clock = REPLAY) -> None:
     results = {name: comm.gather_object(train(comm, name, steps, OUT / f"{name}.json")) for name in RUNS}
     if not lead:
         return
-    console.rule(f"[bold]1. one tiny GPT, S = {SEQ} positions over P = {p} ranks, {steps} AdamW steps")
+    section = common.sections(console)
+    section(f"one tiny GPT, S = {SEQ} positions over P = {p} ranks, {steps} AdamW steps")
     ref = single_process_losses(steps)
-    table = Table(title="loss per step (the mean over ranks of each rank's mean over its positions)",
-                  title_justify="left")
-    for col in ("step", "single process", *(RUNS[n][2] for n in RUNS)):
-        table.add_column(col, justify="right")
-    for s in range(steps):
-        table.add_row(str(s), f"{ref[s]:.12f}", *(f"{results[n][0]['losses'][s]:.12f}" for n in RUNS))
-    console.print(table)
+    if verbose:
+        console.print(common.loss_table(ref, {RUNS[n][2]: results[n][0]["losses"] for n in RUNS},
+                                        "loss per step (the mean over ranks of each rank's mean over its positions)",
+                                        "single process"))
     diff = max(abs(a - b) for n in RUNS for a, b in zip(results[n][0]["losses"], ref, strict=True))
     console.print(f"Every method gives the single-process loss: largest difference {diff:.1e} (float64 "
                   "rounding: the methods add the same numbers in other orders).", highlight=False)
     traces = {name: mtrace.load(OUT / f"{name}.json") for name in RUNS}
-    console.rule("[bold]2. communication per layer")
-    console.print(traffic_table(traces, p))
-    console.print("Megatron-SP gathers and scatters the whole (b, S, h) activation; Ulysses moves 4 (P-1)/P of a "
-                  "shard, fixed while S and P grow together; the ring passes P-1 K/V blocks, and in backward the "
-                  "K/V again plus the dK/dV accumulators travelling home.", highlight=False)
-    console.rule("[bold]3. memory per layer")
-    console.print(memory_table(results, traces, p))
-    console.rule("[bold]4. how long a sequence fits")
-    console.print(budget_table(p))
-    console.print("Megatron-SP and Ulysses keep an S x S softmax of H/P heads: their memory grows as S^2/P. The "
-                  "ring keeps no scores; the two score blocks its backward holds, (S/P)^2 (zigzag: (S/2P)^2), are what "
-                  "cap it here (FlashAttention-style tiles inside a block would shrink them too).", highlight=False)
-    console.rule("[bold]5. causal load balance")
-    console.print(causal_table(traces, p))
-    console.rule("[bold]6. the zigzag ring's last step: layer 0's ring, then the timeline (F/B per layer, opt)")
-    note = clock.caveat(p)
-    if note:
+    section("communication per layer")
+    console.print(traffic_table(traces, p, verbose))
+    console.print("Megatron-SP moves the whole (b, S, h) activation; Ulysses 4 (P-1)/P of a shard, fixed while S "
+                  "and P grow together; the ring P-1 K/V blocks (backward: again, and dK/dV going home).",
+                  highlight=False)
+    section("memory per layer")
+    console.print(memory_table(results, traces, p, verbose))
+    if verbose:
+        section("how long a sequence fits")
+        console.print(budget_table(p))
+        console.print("Megatron-SP and Ulysses keep an S x S softmax of H/P heads: their memory grows as S^2/P. The "
+                      "ring keeps no scores; the two score blocks its backward holds, (S/P)^2 (zigzag: (S/2P)^2), "
+                      "are what cap it here (FlashAttention-style tiles inside a block would shrink them too).",
+                      highlight=False)
+        section("causal load balance")
+        console.print(causal_table(traces, p))
+    section(f"the zigzag ring's last step, {clock.short} (F/B per layer, opt)")
+    if note := clock.caveat(p):
         console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes, "
                       "memory or blocks above.", highlight=False)
     ring = clock.of(OUT / "ring_zigzag.json")
-    console.print(step_table(ring))
-    console.print(ring_overlap(ring, clock), highlight=False)
+    if verbose:
+        console.print(step_table(ring))
+    console.print(overlap_summary(ring, clock.cluster.intra.seconds, clock.cluster.name, clock.short),
+                  highlight=False)
     order = ["megatron_sp", "ulysses", "ring_zigzag", "ring", "hybrid"]  # the report draws the first ring on top
-    finish([OUT / f"{name}.json" for name in order], OUT / "report.html", console, timeline=ring,
-           titles=[RUNS[n][2] for n in order], clock=clock)
+    common.finish([OUT / f"{name}.json" for name in order], OUT / "report.html", console, timeline=ring,
+                  titles=[RUNS[n][2] for n in order], clock=clock, brief=not verbose)
+    console.print(common.reading_path("05_sequence_parallel"), highlight=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
-    return parse_lesson_args(lesson_parser(__doc__, steps=2, ranks=4), argv, lambda a: check_ranks(a.ranks))
+    parser = common.lesson_parser(__doc__, steps=2, ranks=4)
+    return common.parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=Clock.of_args(args))
+    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
+                     verbose=args.verbose)
 
 
 if __name__ == "__main__":
