@@ -28,7 +28,7 @@ from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
 from minipar.nn import Block, FeedForward, Linear
 from minipar.optim import SGD
-from minipar.parallel.tensor2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
+from minipar.parallel.tensor.tp2d import MLP2D, Block2D, Grid2D, Linear2D, block, grid_2d
 from minipar.testing import run
 from viz.analysis import sent_by_op
 

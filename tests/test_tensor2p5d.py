@@ -37,8 +37,8 @@ from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
 from minipar.nn import Block, CausalSelfAttention, FeedForward, LayerNorm, Linear
 from minipar.optim import AdamW
-from minipar.parallel.tensor2d import MLP2D, Attention2D, Block2D, Grid2D, LayerNorm2D, Linear2D, block, grid_2d
-from minipar.parallel.tensor2p5d import (
+from minipar.parallel.tensor.tp2d import MLP2D, Attention2D, Block2D, Grid2D, LayerNorm2D, Linear2D, block, grid_2d
+from minipar.parallel.tensor.tp2p5d import (
     Attention2p5D,
     Block2p5D,
     Grid2p5D,

@@ -39,7 +39,16 @@ from minipar.memory import activation_bytes
 from minipar.mesh import DeviceMesh
 from minipar.nn import Block, FeedForward, Linear
 from minipar.optim import AdamW
-from minipar.parallel.tensor3d import MLP3D, Block3D, Cube3D, LayerNorm3D, Linear3D, cube_3d, input_piece, output_piece
+from minipar.parallel.tensor.tp3d import (
+    MLP3D,
+    Block3D,
+    Cube3D,
+    LayerNorm3D,
+    Linear3D,
+    cube_3d,
+    input_piece,
+    output_piece,
+)
 from minipar.testing import run
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}

@@ -38,8 +38,8 @@ from minipar.cost.sharding import collective
 from minipar.memory import activation_bytes, seq_mark
 from minipar.mesh import DeviceMesh
 from minipar.parallel.tensor.model import ParallelBlock
-from minipar.parallel.tensor2p5d import Block2p5D, block_2p5d, grid_2p5d
-from minipar.parallel.tensor3d import Block3D, cube_3d, input_piece
+from minipar.parallel.tensor.tp2p5d import Block2p5D, block_2p5d, grid_2p5d
+from minipar.parallel.tensor.tp3d import Block3D, cube_3d, input_piece
 from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, ops, plan
 from minipar.sharding import nn as snn
 from minipar.sharding.placement import describe

@@ -1,6 +1,6 @@
 """2-D tensor parallelism (Xu et al. 2021, Optimus; SUMMA): bytes each rank sends, parameters it holds.
 
-Derivation, on a ``q x q`` grid, rank ``(i, j)`` (``minipar.parallel.tensor2d``):
+Derivation, on a ``q x q`` grid, rank ``(i, j)`` (``minipar.parallel.tensor.tp2d``):
 
 - SUMMA ``C = A B`` runs ``q`` steps; at step ``t`` rank ``(i, t)`` broadcasts ``A_it`` along row
   ``i`` and rank ``(t, j)`` broadcasts ``B_tj`` down column ``j``. In a binomial-tree broadcast on

@@ -1,6 +1,6 @@
 """2.5-D tensor parallelism (Wang et al. 2021, Tesseract): bytes each rank sends, memory it holds.
 
-Derivation, on ``d`` stacked ``q x q`` grids, rank ``(k, i, j)`` (``minipar.parallel.tensor2p5d``),
+Derivation, on ``d`` stacked ``q x q`` grids, rank ``(k, i, j)`` (``minipar.parallel.tensor.tp2p5d``),
 for a linear layer ``Y = X W`` with ``X`` of ``b`` rows (the product of its leading axes) and
 ``h_in`` features, ``W`` of ``h_in x h_out``, ``s`` bytes per number:
 

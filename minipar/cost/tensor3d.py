@@ -2,7 +2,7 @@
 
 Derivation, on a ``q x q x q`` cube, rank ``(b, k, n)``, for ``Linear3D`` on an input of ``B`` rows
 (the product of its leading axes), ``K = in_features``, ``N = out_features``
-(``minipar.parallel.tensor3d``). Every collective is a ring on ``q`` ranks, and a ring all-gather or
+(``minipar.parallel.tensor.tp3d``). Every collective is a ring on ``q`` ranks, and a ring all-gather or
 reduce-scatter of a whole array of ``m`` bytes sends ``(q-1)/q m`` per rank
 (``collectives.ring_bytes``), i.e. ``q - 1`` pieces of ``m/q``:
 

@@ -11,6 +11,13 @@ al. 2022) and the vocabulary-parallel embedding and cross-entropy.
 - ``model.py``: ``ParallelMLP``, ``ParallelAttention``, ``ParallelBlock``, ``TensorParallelGPT``.
 
 What a step should cost (collectives, bytes per rank, activation bytes) is in ``minipar.cost.tensor``.
+
+The rest of the family, one subpackage per layout of the ranks (each splits every weight and
+activation further than Megatron's 1-D, whose activations are whole on every rank):
+
+- ``tp2d/``: 2-D (Optimus, on SUMMA): a ``q x q`` grid (``minipar.cost.tensor2d``);
+- ``tp2p5d/``: 2.5-D (Tesseract): ``d`` stacked ``q x q`` grids (``minipar.cost.tensor2p5d``);
+- ``tp3d/``: 3-D: a ``q x q x q`` cube (``minipar.cost.tensor3d``).
 """
 
 from minipar.parallel.tensor.comm_ops import (

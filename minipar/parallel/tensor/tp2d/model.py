@@ -27,7 +27,7 @@ from minipar import functional as F
 from minipar.autograd import Context, Function, Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module
-from minipar.parallel.tensor2d.layers import (
+from minipar.parallel.tensor.tp2d.layers import (
     GATHER,
     MLP2D,
     Linear2D,
@@ -36,7 +36,7 @@ from minipar.parallel.tensor2d.layers import (
     check_width,
     vector_piece,
 )
-from minipar.parallel.tensor2d.summa import Grid2D
+from minipar.parallel.tensor.tp2d.summa import Grid2D
 
 REDUCE = "ring"  # the layer norm's row all-reduces
 

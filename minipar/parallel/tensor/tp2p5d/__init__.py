@@ -26,8 +26,8 @@ With ``d = 1`` it is 2-D; with ``q = 1`` it is data parallelism.
 Bytes per rank and memory per rank are in ``minipar.cost.tensor2p5d``.
 """
 
-from minipar.parallel.tensor2p5d.grid import Grid2p5D, as_grid_2p5d, block_2p5d, check_world, grid_2p5d
-from minipar.parallel.tensor2p5d.layers import (
+from minipar.parallel.tensor.tp2p5d.grid import Grid2p5D, as_grid_2p5d, block_2p5d, check_world, grid_2p5d
+from minipar.parallel.tensor.tp2p5d.layers import (
     Attention2p5D,
     Block2p5D,
     DepthAllReduce,

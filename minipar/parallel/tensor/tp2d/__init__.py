@@ -13,9 +13,9 @@ activation is ``1/q^2`` of the single-process one.
 Bytes per rank and memory per rank are in ``minipar.cost.tensor2d``.
 """
 
-from minipar.parallel.tensor2d.layers import MLP2D, AddBias2D, Linear2D, block, vector_piece
-from minipar.parallel.tensor2d.model import Attention2D, Block2D, LayerNorm2D, LayerNorm2DOp
-from minipar.parallel.tensor2d.summa import Grid2D, Summa, check_square, grid_2d, summa_ab, summa_abt, summa_atb
+from minipar.parallel.tensor.tp2d.layers import MLP2D, AddBias2D, Linear2D, block, vector_piece
+from minipar.parallel.tensor.tp2d.model import Attention2D, Block2D, LayerNorm2D, LayerNorm2DOp
+from minipar.parallel.tensor.tp2d.summa import Grid2D, Summa, check_square, grid_2d, summa_ab, summa_abt, summa_atb
 
 __all__ = ["AddBias2D", "Attention2D", "Block2D", "Grid2D", "LayerNorm2D", "LayerNorm2DOp", "Linear2D", "MLP2D",
            "Summa", "block", "check_square", "grid_2d", "summa_ab", "summa_abt", "summa_atb",

@@ -51,9 +51,9 @@ from minipar import functional as F
 from minipar.autograd import Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module
-from minipar.parallel.tensor2d.layers import check_width
-from minipar.parallel.tensor2d.model import LayerNorm2DOp
-from minipar.parallel.tensor3d.layers import Cube3D, GatherInput, Linear3D, as_cube, plane_piece
+from minipar.parallel.tensor.tp2d.layers import check_width
+from minipar.parallel.tensor.tp2d.model import LayerNorm2DOp
+from minipar.parallel.tensor.tp3d.layers import Cube3D, GatherInput, Linear3D, as_cube, plane_piece
 
 
 def check_block(q: int, d: int, n_heads: int | None = None, d_ff: int | None = None) -> None:

@@ -28,7 +28,7 @@ from minipar import functional as F
 from minipar.autograd import Context, Function, Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module, Parameter
-from minipar.parallel.tensor2d.summa import Grid2D, Summa
+from minipar.parallel.tensor.tp2d.summa import Grid2D, Summa
 
 GATHER = "ring"  # the bias's all-gather and reduce-scatter (comm/ring.py)
 

@@ -59,8 +59,8 @@ from minipar.autograd import Context, Function, Tensor
 from minipar.comm.collectives import Communicator
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module, Parameter
-from minipar.parallel.tensor2d.layers import AddBias2D, check_width
-from minipar.parallel.tensor2d.layers import check_divisible as check_2d
+from minipar.parallel.tensor.tp2d.layers import AddBias2D, check_width
+from minipar.parallel.tensor.tp2d.layers import check_divisible as check_2d
 
 RING = "ring"  # all-gathers and reduce-scatters (comm/ring.py): every message is in the trace
 

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from minipar.mesh import DeviceMesh
-from minipar.parallel.tensor2d import Grid2D, block
-from minipar.parallel.tensor2d.layers import check_divisible
+from minipar.parallel.tensor.tp2d import Grid2D, block
+from minipar.parallel.tensor.tp2d.layers import check_divisible
 
 WHO = "2.5-D tensor parallelism"
 

@@ -37,8 +37,8 @@ import numpy as np
 from minipar.autograd import Tensor
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module
-from minipar.parallel.tensor2d import MLP2D, Attention2D, Block2D, LayerNorm2D, Linear2D
-from minipar.parallel.tensor2p5d.grid import Grid2p5D, as_grid_2p5d
+from minipar.parallel.tensor.tp2d import MLP2D, Attention2D, Block2D, LayerNorm2D, Linear2D
+from minipar.parallel.tensor.tp2p5d.grid import Grid2p5D, as_grid_2p5d
 
 ALLREDUCE = "ring"  # the depth's gradient all-reduce (comm/ring.py): every message is in the trace
 

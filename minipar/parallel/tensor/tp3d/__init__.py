@@ -14,7 +14,7 @@ another, multiplies locally and reduce-scatters the partial output along the thi
 Bytes, parameters and activations per rank, for a linear and for the block: ``minipar.cost.tensor3d``.
 """
 
-from minipar.parallel.tensor3d.layers import (
+from minipar.parallel.tensor.tp3d.layers import (
     Cube3D,
     GatherInput,
     Linear3D,
@@ -27,7 +27,7 @@ from minipar.parallel.tensor3d.layers import (
     output_piece,
     plane_piece,
 )
-from minipar.parallel.tensor3d.model import MLP3D, Attention3D, Block3D, LayerNorm3D, check_block
+from minipar.parallel.tensor.tp3d.model import MLP3D, Attention3D, Block3D, LayerNorm3D, check_block
 
 __all__ = ["MLP3D", "Attention3D", "Block3D", "Cube3D", "GatherInput", "LayerNorm3D", "Linear3D", "Matmul3D",
            "PieceGrid", "Plane", "check_block", "check_cube", "cube_3d", "input_piece", "output_piece", "plane_piece"]
