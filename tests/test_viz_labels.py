@@ -161,7 +161,11 @@ def test_many_bars_of_model_states_name_ranks_short_and_wrap_long_labels():
                                   for lab in ("parameters", "optimizer state")])
     fig = memory_stack.stacks_figure([t] * 8, ["DDP recursive_doubling", *(f"run {i}" for i in range(7))])
     groups, ranks = fig.data[0].x
-    assert list(ranks[:4]) == ["r0", "r1", "r2", "r3"] and groups[0] == "DDP recursive_<br>doubling"
+    assert list(ranks[:4]) == ["r0", "r1", "r2", "r3"] and groups[0] == "DDP<br>recursive_<br>doubling"
+    every = Trace({"world_size": 1}, [Event(0, "memory", lab, 0.0, 0.0, nbytes=100) for lab in
+                                      (*memory_stack.MODEL_STATES, "gradient buckets", "other bytes")])
+    colours = {b.name: b.marker.color for b in memory_stack.stacks_figure([every], ["e"]).data if b.type == "bar"}
+    assert len(colours) == 7 and len(set(colours.values())) == 7  # buckets no longer a red beside master's
     few = memory_stack.stacks_figure([t] * 2, ["DDP recursive_doubling", "b"])
     assert list(few.data[0].x[1][:2]) == ["rank 0", "rank 1"] and few.data[0].x[0][0] == "DDP recursive_doubling"
 

@@ -44,9 +44,10 @@ from viz.width import Table
 
 MODEL_STATES = ("parameters", "gradients", "optimizer state", "master parameters", "gathered units")
 GATHERED = "gathered units"
-STATE_COLORS = dict(zip(MODEL_STATES, MEMORY_COLORS[:5], strict=True))
-MANY_BARS = 24  # more bars than this in the model states chart: ranks named r0, r1, ...
-PLOT_CHARS = 120  # characters of an 11 px label across the chart's plot area in a ~900 px wide page
+# DDP's "gradient buckets" in pink, apart from the master parameters' red (a spare colour was close to it)
+STATE_COLORS = {**dict(zip(MODEL_STATES, MEMORY_COLORS[:5], strict=True)), "gradient buckets": MEMORY_COLORS[7]}
+MANY_BARS = 12  # more bars than this in the model states chart: ranks named r0, r1, ...
+PLOT_CHARS = 100  # characters of an 11 px label across the chart's plot area in a 1000 px wide page
 
 
 def has_model_states(trace: Trace) -> bool:
@@ -121,10 +122,13 @@ def stacks_figure(traces: Sequence[Trace], titles: Sequence[str]) -> go.Figure:
                                  showlegend=False, hoverinfo="skip"), row=row, col=1)
         fig.update_yaxes(title_text="bytes per rank", range=[0, 1.15 * max(totals, default=1)], row=row, col=1)
     fig.update_xaxes(tickangle=0)
-    fig.update_layout(title="model states per rank, stacked (ZeRO, Rajbhandari et al. 2020, Fig. 1)"
-                      + (" (r0 = rank 0)" if many else ""), barmode="stack", bargap=0.15,
-                      height=680 + 2 * 14 * lines, margin={"t": 110, "b": 40 + 14 * lines},
-                      legend={"orientation": "h", "y": 1.1, "x": 0})
+    height = 710 + 2 * 14 * lines
+    fig.update_layout(title={"text": "model states per rank, stacked (ZeRO, Rajbhandari et al. 2020, Fig. 1)",
+                             "yref": "container", "y": 1 - 12 / height,
+                             "yanchor": "top"}, barmode="stack", bargap=0.15, height=height,
+                      margin={"t": 140, "b": 40 + 14 * lines},  # room for the legend in two rows over the plot
+                      legend={"orientation": "h", "yref": "container", "y": 1 - 44 / height, "yanchor": "top",
+                              "x": 0})
     return fig
 
 

@@ -35,7 +35,7 @@ COMM_COLORS = {"allreduce/ring": "#B279A2", "allreduce/recursive_doubling": "#2C
                "reduce/tree": "#AD494A", "reduce/native": "#E7969C", "barrier/dissemination": "#BAB0AC",
                "barrier/native": "#E7CB94", "send": "#6B6ECF", "recv": "#17BECF", "pull": "#BD9E39",
                "push": "#637939", "ring_kv": "#393B79", "ring_dkv": "#CE6DBD"}
-SPARE_COLORS = ["#DE9ED6", "#BCBD22", "#9467BD", "#E377C2", "#7F7F7F", "#D6616B"]
+SPARE_COLORS = ["#DE9ED6", "#BCBD22", "#9467BD", "#E377C2", "#7F7F7F", "#AEC7E8"]
 FORMULA_COLOR = "#D62728"
 MEMORY_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6"]
 
