@@ -1,12 +1,18 @@
 """``viz.offload`` reads an offload run's steps from its "step" / "flush" marks: a step runs from its
 mark to the next, step 0 (placing, warming up) is left out of every median. Checked on a hand-written
 trace: steps of 2 and 1 ms after the first, forward + backward 1.0 and 0.5 ms, a CPU AdamW of 0.25 ms,
-a gradient bucket down and the parameters up in every step; the DPU model is max(F+B, AdamW) + rest."""
+a gradient bucket down and the parameters up in every step; the DPU model is max(F+B, AdamW) + rest. The
+terminal timeline of such a whole run says over how many steps its time is."""
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
 from minipar.trace import Event, Trace
 from viz import offload as views
+from viz.terminal import print_timeline
 
 MS = 1e-3
 
@@ -47,3 +53,9 @@ def test_the_tables_set_each_step_beside_the_formula() -> None:
     dpu = views.dpu_table({"zero2": t, "offload": t, "dpu": run_trace(adam=2.0)}, "replayed", "replayed", False)
     # rest = 1.5 - 0.75 - 0.25 = 0.5 ms; offload F+B + AdamW + rest = 1.5; DPU max(0.75, 2.0) + 0.5 = 2.5
     assert [list(c.cells)[1:] for c in dpu.columns][-1] == ["1.50", "2.50"]
+
+
+def test_the_timeline_of_a_whole_run_says_over_how_many_steps() -> None:
+    out = Console(width=80, record=True, file=io.StringIO())
+    print_timeline(run_trace(), console=out)  # the window: the first span's start to the last one's end
+    assert out.export_text().splitlines()[1].startswith("3 steps traced: 3.75 ms, idle")

@@ -392,7 +392,9 @@ def print_timeline(trace_or_path: Trace | str | os.PathLike[str], console: Conso
     bubble = "" if s["bubble_fraction"] is None else f", {idle} {100 * s['bubble_fraction']:.1f}%"
     # Lines are laid out to ``width`` here; soft_wrap stops rich from cropping them to a narrower
     # console (e.g. 80 columns when stdout is not a terminal, as under mpiexec).
-    step = f"step {A.fmt_time(s['step_time'], unit)}{bubble}" + (f"; {clock(trace)}" if clock(trace) else "")
+    steps = A.traced_steps(trace)  # a trace of several steps: its time is theirs, not one step's
+    step = (f"{steps} steps traced: {A.fmt_time(s['step_time'], unit)}" if steps else
+            f"step {A.fmt_time(s['step_time'], unit)}") + bubble + (f"; {clock(trace)}" if clock(trace) else "")
     for line in [*Text(head, "bold").wrap(Console(width=width), width), *Text(step).wrap(Console(width=width), width)]:
         console.print(line, soft_wrap=True)
     for line in timeline_text(trace, width, max_bands):
