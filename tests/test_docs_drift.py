@@ -13,6 +13,7 @@ import pytest
 from minipar.cli import COMMANDS
 from minipar.testing import ROOT
 
+SKIP = {"runs", "__pycache__"}  # what runs and the interpreter write: not the project's files
 LAYOUTS = [("README.md", "## Layout"), ("docs/architecture.md", "## Layers")]
 FILE = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b")  # cli.py, viz/overview.py, install-chromium.sh
 FOLDER = re.compile(r"(?<![\w./-])(\w+)/(?=[\s,)]|$)")  # comm/, pipeline/ (not record/save/load)
@@ -46,10 +47,9 @@ def tree_names() -> set[str]:
     """Every file and folder name of the project (``a/b.py`` also as ``b.py``), to resolve a name."""
     names: set[str] = set()
     for p in ROOT.rglob("*"):
-        if ".venv" in p.parts or any(part.startswith(".") for part in p.relative_to(ROOT).parts):
+        parts = p.relative_to(ROOT).parts
+        if any(part.startswith(".") or part in SKIP or part.endswith(".egg-info") for part in parts):
             continue
-        rel = p.relative_to(ROOT).as_posix()
-        parts = rel.split("/")
         for i in range(len(parts)):
             names.add("/".join(parts[i:]) + ("/" if p.is_dir() else ""))
     return names
