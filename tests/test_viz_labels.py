@@ -25,6 +25,7 @@ from minipar.trace import Event, Trace
 from viz import analysis as A
 from viz import figures, memory_stack, report, style
 from viz import messages as M
+from viz.overview import print_overview
 from viz.terminal import print_timeline, traffic_tables
 from viz.timeline import INSIDE_OFFSET, lanes
 
@@ -179,3 +180,12 @@ def test_an_interleaved_stash_names_its_unit():
     assert grid.layout.annotations[0].text.startswith("stashed chunk micro-batches (1/2 of")
     assert report.summary_rows([simulated("1f1b", 4, 8)], ["1f1b"])[0]["peak memory per rank"] == (
         "4, 3, 2, 1 micro-batches stashed")
+
+
+def test_the_overview_of_several_steps_says_so():
+    t = simulated("1f1b", 4, 8)
+    t.meta["steps"] = 3
+    console = Console(width=80, record=True, color_system=None)
+    print_overview(t, 80, console)
+    assert console.export_text().splitlines()[1] == (f"3 steps traced: {A.fmt_time(A.window(t)[1], 'units')}; "
+                                                     "simulated, unit costs: forward 1, backward 2")

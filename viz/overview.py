@@ -117,7 +117,9 @@ def print_overview(trace: Trace, width: int, console: Console | None = None, max
     lo, hi = (lo, hi) if lo <= hi else (0.0, 0.0)
     head = ", ".join(str(x) for x in (meta.get("paradigm", "trace"), meta.get("schedule"), ranks(world),
                                        meta.get("backend")) if x)
-    step = f"step {A.fmt_time(hi - lo, unit)}" + (f"; {clock(trace)}" if clock(trace) else "")
+    steps = A.traced_steps(trace)
+    step = (f"{steps} steps traced: " if steps else "step ") + A.fmt_time(hi - lo, unit) + (
+        f"; {clock(trace)}" if clock(trace) else "")
     drawn = "every rank" if len(lanes) == world else f"{len(lanes)} of {world} ranks ({_listed(lanes)})"
     busiest = max(per_rank.values(), default=0)
     why = [f"{ranks(world)} are more than {max_lanes} lanes"] * (world > max_lanes) + [
