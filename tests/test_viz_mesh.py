@@ -156,3 +156,22 @@ def test_groups_and_holdings_for_the_terminal() -> None:
     assert list(table.columns[1].cells)[5] == "1: embed" and list(table.columns[3].cells)[2] == "1: rows 0:4"
     assert "equal on every rank to" in str(table.caption)
     assert "NOT equal" in str(V.holdings_table(mesh, held, [10] * 8).caption)
+
+
+def test_axis_and_states_tables_set_each_rank_beside_the_formula() -> None:
+    want = [{a: v[r] for a, v in HAND.items() if v[r]} for r in range(8)]
+    table, equal = V.axis_table(mesh_trace(), want, detail=False)
+    assert equal and list(table.columns[0].cells) == ["0", "1 2 3", "4 5 6 7"]  # ranks that sent alike
+    assert list(table.columns[-1].cells) == ["yes"] * 3
+    assert list(table.columns[-2].cells)[0] == f"{PP + DP + TP + CROSS:,}"  # rank 0's total
+    want[5] = {**want[5], "tp": TP + 1}
+    table, equal = V.axis_table(mesh_trace(), want)
+    assert not equal and list(table.columns[4].cells)[5] == f"{TP:,} / {TP + 1:,}"  # rank, coords, pp, dp, tp
+    states = {"parameters": 80, "gradients": 80, "optimizer state": 160}
+    events = [Event(r, "memory", k, 0.0, 0.0, nbytes=v) for r in range(2) for k, v in states.items()]
+    events += [Event(r, "memory", "activations", t, t, nbytes=n) for r in range(2) for t, n in ((0.1, 50), (0.2, 70))]
+    events += [Event(r, "compute", "opt", 1.0, 2.0) for r in range(2)]
+    trace = Trace({"world_size": 2}, events)
+    table, equal = V.states_table(trace, [states] * 2, [70, 70])
+    assert equal and list(table.columns[-1].cells) == ["70 / 70"] * 2
+    assert not V.states_table(trace, [states] * 2, [70, 60])[1]

@@ -20,16 +20,17 @@ the viewer needs: it rebuilds the coordinates itself and imports nothing of mini
   one sub-communicator of that axis share a colour. ``holds`` (rank -> text) goes in the hover.
 - ``axis_traffic_figure(trace)``: bytes per rank stacked by axis, the formula as a tick at the top of
   each axis's segment.
-- ``groups_text(mesh)``, ``holdings_table(mesh, held, expected)``: for the terminal, every
-  sub-communicator as rank sets; what each rank holds (``HybridGPT.holdings``), its parameters
-  against ``expected``.
+- ``groups_text(mesh)``, ``holdings_table(mesh, held, expected)``, ``axis_table(trace, want)``,
+  ``states_table(trace, states, peaks)``: for the terminal, every sub-communicator as rank sets; what
+  each rank holds (``HybridGPT.holdings``), its parameters against ``expected``; its bytes per axis
+  against the formula's; its model states and activation peak against the formula's.
 
 Cost: O(E) for E events, O(P) shapes per panel for P ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -38,6 +39,7 @@ from plotly.subplots import make_subplots
 from minipar.trace import Trace
 from viz import analysis as A
 from viz import style
+from viz.memory_stack import before_step
 from viz.width import Table
 
 AXIS_COLORS = {"tp": "#B279A2", "sp": "#72B7B2", "dp": "#F58518", "pp": "#54A24B"}  # compute keeps blue elsewhere
@@ -252,3 +254,51 @@ def holdings_table(mesh: Mesh, held: list[dict[str, object]], expected: list[int
                       f"{co['dp']}: {h['data']}" if d["sp"] == 1 else f"{co['dp']}, sp {co['sp']}: {h['data']}",
                       f"{h['params']:,}")
     return table
+
+
+def axis_table(trace: Trace, want: Sequence[Mapping[str, int]], detail: bool = True,
+               caption: str | None = None) -> tuple[Table, bool]:
+    """Bytes each rank sent by mesh axis (``bytes_by_axis``) beside ``want`` (per rank: axis -> bytes),
+    and whether every rank's equal it. ``detail``: a row per rank, measured / formula; else a row per
+    group of ranks that sent alike, measured, and whether that is the formula."""
+    mesh, by_axis, p = _require(trace), bytes_by_axis(trace), trace.world_size
+    got = [{a: v[r] for a, v in by_axis.items() if v[r]} for r in range(p)]
+    axes = list(dict.fromkeys(a for r in range(p) for a in [*got[r], *want[r]]))
+    same = [all(got[r].get(a, 0) == want[r].get(a, 0) for a in axes) for r in range(p)]
+    table = Table(title="bytes each rank sent in one step, by mesh axis: measured (the trace)"
+                        + (" / formula" if detail else ""), title_justify="left", caption=caption,
+                  caption_justify="left")
+    for col in ("rank" if detail else "ranks", *(("coords",) if detail else ()), *axes, "total",
+                *(() if detail else ("= formula",))):
+        table.add_column(col, justify="right")
+    rows: dict[tuple, list[int]] = {}  # ranks that sent alike, in order (each alone with detail)
+    for r in range(p):
+        rows.setdefault((r,) if detail else (tuple(got[r].get(a, 0) for a in axes), same[r]), []).append(r)
+    for ranks in rows.values():
+        r = ranks[0]
+        if detail:
+            table.add_row(str(r), _short(mesh, r), *(f"{got[r].get(a, 0):,} / {want[r].get(a, 0):,}" for a in axes),
+                          f"{sum(got[r].values()):,} / {sum(want[r].values()):,}")
+        else:
+            table.add_row(" ".join(map(str, ranks)), *(f"{got[r].get(a, 0):,}" for a in axes),
+                          f"{sum(got[r].values()):,}", "yes" if all(same[q] for q in ranks) else "NO")
+    return table, all(same)
+
+
+def states_table(trace: Trace, states: Sequence[Mapping[str, int]], peaks: Sequence[int],
+                 caption: str | None = None) -> tuple[Table, bool]:
+    """Per rank: its model states when its optimizer step begins (``memory_stack.before_step``) and the
+    most "activations" it kept at once, measured / the formula's ``states`` and ``peaks``, and whether
+    every rank holds what the formula says."""
+    table = Table(title="bytes each rank holds: model states when the optimizer step begins, and the most activations "
+                        "kept at once; measured (the trace) / formula", title_justify="left", caption=caption,
+                  caption_justify="left")
+    for col in ("rank", *states[0], "activation peak"):
+        table.add_column(col, justify="right")
+    equal = True
+    for r, (want, want_peak) in enumerate(zip(states, peaks, strict=True)):
+        got = before_step(trace, r)
+        peak = max((e.nbytes or 0 for e in trace.select("memory", rank=r, name="activations")), default=0)
+        equal &= all(got.get(k) == v for k, v in want.items()) and peak == want_peak
+        table.add_row(str(r), *(f"{got.get(k, 0):,} / {v:,}" for k, v in want.items()), f"{peak:,} / {want_peak:,}")
+    return table, equal

@@ -57,9 +57,7 @@ from minipar.parallel.hybrid import HybridGPT
 from minipar.rates import replay_cluster
 from minipar.replay import replay
 from viz import mesh as vmesh
-from viz.memory_stack import before_step
 from viz.prediction import parts, parts_figure, plan_table, prediction_table, replayed_parts, small_messages
-from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, MICRO, LR, WD = 32, 16, 32, 4, 4, 64, 8, 2, 3e-3, 0.01
 MESH = {"pp": 2, "dp": 2, "sp": 1, "tp": 2}  # change with --pp/--dp/--sp/--tp (product = ranks; tp or sp, not both)
@@ -127,62 +125,15 @@ def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
-def traffic_table(trace: mtrace.Trace, shape: MeshShape, verbose: bool = True) -> tuple[Table, bool]:
-    """Bytes each rank sent in one step by mesh axis, measured / formula (``verbose``: a row per rank;
-    else one per group of ranks that sent alike, measured only, and whether it is the formula)."""
-    by_axis, c = vmesh.bytes_by_axis(trace), tiny_layout(shape.degrees())
-    got = {r: {a: v[r] for a, v in by_axis.items() if v[r]} for r in range(shape.size)}
-    want = {r: formulas.traffic_by_axis(c, r) for r in range(shape.size)}
-    axes = list(dict.fromkeys(a for r in range(shape.size) for a in [*got[r], *want[r]]))
-    table = Table(title="bytes each rank sent in one step, by mesh axis: measured (the trace)" + (
-                        " / formula (cost.hybrid.traffic_by_axis)" if verbose else ""), title_justify="left",
-                  caption=None if not verbose else (
-                      "tp: per micro-batch and block 2 all-reduces of the b x S x d activation forward and 2 "
-                      "backward, the embedding's g and the head's f, the loss's 3 small all-reduces; pp: one "
-                      "activation per micro-batch forward and its gradient back, and the loss broadcast; dp: "
-                      "the ring all-reduce of this rank's gradients, 2 (N-1)/N x 8 bytes x its parameters (with "
-                      "sp > 1 the ring runs over the dp x sp replicas; a rank's hop to its successor lands on "
-                      "sp or dp+sp; sp itself carries Ulysses' all-to-alls)."),
-                  caption_justify="left")
-    for col in ("rank" if verbose else "ranks", *(("coords",) if verbose else ()), *axes, "total",
-                *(() if verbose else ("= formula",))):
-        table.add_column(col, justify="right")
-    same = {r: all(got[r].get(a, 0) == want[r].get(a, 0) for a in axes) for r in range(shape.size)}
-    rows: dict[tuple, list[int]] = {}  # ranks that sent alike, in order (all of them when verbose)
-    for r in range(shape.size):
-        rows.setdefault((r,) if verbose else (tuple(got[r].get(a, 0) for a in axes), same[r]), []).append(r)
-    for ranks in rows.values():
-        r = ranks[0]
-        if verbose:
-            table.add_row(str(r), " ".join(f"{a}{i}" for a, i in shape.coords(r).items() if shape.degrees()[a] > 1),
-                          *(f"{got[r].get(a, 0):,} / {want[r].get(a, 0):,}" for a in axes),
-                          f"{sum(got[r].values()):,} / {sum(want[r].values()):,}")
-        else:
-            table.add_row(" ".join(map(str, ranks)), *(f"{got[r].get(a, 0):,}" for a in axes),
-                          f"{sum(got[r].values()):,}", "yes" if all(same[q] for q in ranks) else "NO")
-    return table, all(same.values())
-
-
-def memory_table(trace: mtrace.Trace, shape: MeshShape) -> tuple[Table, bool]:
-    """Model states when the optimizer step begins and the activation peak, per rank, measured (the
-    trace's memory samples) / formula (``cost.hybrid.model_state_bytes``, ``activation_peak_bytes``)."""
-    c = tiny_layout(shape.degrees())
-    table = Table(title="bytes each rank holds: model states when the optimizer step begins, and the most activations "
-                        "kept at once; measured (the trace) / formula (cost.hybrid)", title_justify="left",
-                  caption="float64 AdamW: 8 bytes per parameter, 8 per gradient, 16 of state (m, v). Activations: "
-                          "1F1B keeps p - s micro-batches in flight on stage s (here all of them on stage 0, one "
-                          "on stage 1), each the Korthikanti et al. terms of its tensor-parallel blocks.",
-                  caption_justify="left")
-    for col in ("rank", "parameters", "gradients", "optimizer state", "activation peak"):
-        table.add_column(col, justify="right")
-    equal = True
-    for r in range(shape.size):
-        got, want = before_step(trace, r), formulas.model_state_bytes(c, r)
-        peak = max((e.nbytes or 0 for e in trace.select("memory", rank=r, name="activations")), default=0)
-        want_peak = formulas.activation_peak_bytes(c, r, SCHEDULE)
-        equal &= all(got.get(k) == v for k, v in want.items()) and peak == want_peak
-        table.add_row(str(r), *(f"{got.get(k, 0):,} / {v:,}" for k, v in want.items()), f"{peak:,} / {want_peak:,}")
-    return table, equal
+TRAFFIC = ("tp: per micro-batch and block 2 all-reduces of the b x S x d activation forward and 2 backward, the "
+           "embedding's g and the head's f, the loss's 3 small all-reduces; pp: one activation per micro-batch "
+           "forward and its gradient back, and the loss broadcast; dp: the ring all-reduce of this rank's gradients, "
+           "2 (N-1)/N x 8 bytes x its parameters (with sp > 1 the ring runs over the dp x sp replicas; a rank's hop "
+           "to its successor lands on sp or dp+sp; sp itself carries Ulysses' all-to-alls). Formula: "
+           "cost.hybrid.traffic_by_axis.")
+MEMORY = ("float64 AdamW: 8 bytes per parameter, 8 per gradient, 16 of state (m, v). Activations: 1F1B keeps p - s "
+          "micro-batches in flight on stage s (here all of them on stage 0, one on stage 1), each the Korthikanti et "
+          "al. terms of its tensor-parallel blocks. Formula: cost.hybrid.model_state_bytes, activation_peak_bytes.")
 
 
 def tiny_spec() -> perf.ModelSpec:
@@ -263,12 +214,16 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: common.Clock = commo
                   f"{steps} steps to {param_diff:.1e} (float64 rounding: sums in another order).", highlight=False)
     trace = mtrace.load(res["trace"])
     section("bytes per mesh axis and memory per rank (the last step)")
-    table, equal = traffic_table(trace, shape, verbose)
+    c = tiny_layout(mesh)
+    table, equal = vmesh.axis_table(trace, [formulas.traffic_by_axis(c, r) for r in range(shape.size)], verbose,
+                                    TRAFFIC if verbose else None)
     console.print(table)
     console.print("Every rank's bytes on every axis equal the formula." if equal else
                   "[red]measured and formula differ[/red] (see the table)", highlight=False)
     if shape.sp == 1:
-        table, equal = memory_table(trace, shape)
+        table, equal = vmesh.states_table(trace, [formulas.model_state_bytes(c, r) for r in range(shape.size)],
+                                          [formulas.activation_peak_bytes(c, r, SCHEDULE) for r in range(shape.size)],
+                                          MEMORY)
         if verbose:
             console.print(table)
         console.print("Every rank holds what the formulas say (model states and activation peak, bytes)." if equal
