@@ -78,11 +78,6 @@ def model(precision: str = "fp64") -> GPT:
     return GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0, dtype=dtype)
 
 
-def device_need(n: int, precision: str = "fp64") -> dict[str, int]:
-    """``offload_device_need`` of the lesson's GPT on ``n`` ranks: the smallest budget that trains."""
-    return offload_device_need(model(precision), n, CAP)
-
-
 def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path = OUT) -> dict[str, Any]:
     """One tensor (``TOUR_ITEMS`` float64) on every rank: placed on the device, copied down to the CPU,
     written to this rank's NVMe directory, read back, copied up again; bit-exact at the end."""
@@ -119,7 +114,7 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
 
 def too_small(comm: Any) -> str:
     """The message every rank gets for a device budget one byte below ``offload_device_need``."""
-    tiers = Tiers(device_need(comm.size)["total"] - 1)
+    tiers = Tiers(offload_device_need(model(), comm.size, CAP)["total"] - 1)
     try:
         ZeroOffload(model(), comm, tiers, lr=LR, bucket_cap_bytes=CAP)
     except DeviceOutOfMemory as exc:
@@ -180,7 +175,7 @@ def bytes_table(results: dict[str, Any], n: int, verbose: bool) -> Table:
 
 
 def device_summary(results: dict[str, Any], n: int) -> str:
-    res, need = results["offload"], device_need(n)
+    res, need = results["offload"], offload_device_need(model(), n, CAP)
     states = sum(zero_formulas.zero_state_bytes(res["numels"], 2, n).values())
     return (f"device budget {res['budget']:,} bytes = offload_device_need ("
             + ", ".join(f"{k} {v:,}" for k, v in need.items() if k != "total")
