@@ -78,3 +78,12 @@ def test_fsdp_trace_gets_the_gathered_figure_and_the_stack(tmp_path) -> None:
     cells = [list(c.cells) for c in table.columns]
     assert cells[2] == cells[3] == [f"{8 * (a + b):,}" for a, b in zip(sizes, [*sizes[1:], 0], strict=True)]
     assert cells[4][-1] == "0" and len(ms.allgather_calls(t, 2)) == 2 * len(sizes)
+
+
+def test_totals_table_by_run_and_world_size() -> None:
+    t = hand_trace()  # before the step: parameters 100 + optimizer state 30 + gradients 10 + buckets 0
+    runs = {(name, n): t for name in ("DDP", "ZeRO-1") for n in (1, 2)}
+    table, equal = ms.totals_table(runs, dict.fromkeys(runs, 140), "title")
+    assert equal and [c.header for c in table.columns] == ["run", "N = 1", "N = 2"]
+    assert list(table.columns[0].cells) == ["DDP", "ZeRO-1"] and list(table.columns[2].cells) == ["140", "140"]
+    assert not ms.totals_table(runs, {**dict.fromkeys(runs, 140), ("ZeRO-1", 2): 141}, "title")[1]

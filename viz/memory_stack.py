@@ -21,6 +21,8 @@ its next sample (``analysis.memory_series``).
 - ``fsdp_step_figure(trace, title)``: the step's timeline (a forward span per unit, the all-gathers
   and reduce-scatters on the communication lanes) over the gathered bytes of every rank, on one time
   axis: the prefetched all-gather of the next unit runs while this one computes.
+- ``totals_table(traces, want)``: the model states each run keeps per rank when its step begins, one
+  row per run and a column per world size N, and whether each equals the formula's.
 - ``fsdp_forward_table(trace, numels, n)``: the same forward on rank 0 as a table, unit by unit: the
   gathered bytes while it computes and after it reshards, the next unit's all-gather and how much of
   it ran inside this unit's span.
@@ -31,7 +33,7 @@ Cost: O(E log E) for E events.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -260,3 +262,23 @@ def fsdp_forward_table(trace: Trace, numels: Sequence[int], n: int, itemsize: in
                       "-" if nxt is None else f"{(nxt[0] - t0) * 1e3:.2f}-{(nxt[1] - t0) * 1e3:.2f}",
                       "-" if nxt is None else f"{max(0.0, min(span.t1, nxt[1]) - max(span.t0, nxt[0])) * 1e3:.2f}")
     return table
+
+
+def totals_table(traces: Mapping[tuple[str, int], Trace], want: Mapping[tuple[str, int], int],
+                 title: str) -> tuple[Table, bool]:
+    """Rank 0's model states (parameters, gradients, optimizer state, master parameters: bytes) when its
+    optimizer step begins, for each run ``(name, N)``: a row per name, a column per N; and whether
+    every total equals ``want``'s."""
+    names, degrees = list(dict.fromkeys(k for k, _ in traces)), sorted({n for _, n in traces})
+    table = Table(title=title, title_justify="left")
+    for col in ("run", *(f"N = {n}" for n in degrees)):
+        table.add_column(col, justify="right")
+    equal = True
+    for name in names:
+        cells = []
+        for n in degrees:
+            got = sum(v for k, v in before_step(traces[(name, n)], 0).items() if k != GATHERED)
+            equal &= got == want[(name, n)]
+            cells.append(f"{got:,}")
+        table.add_row(name, *cells)
+    return table, equal

@@ -45,7 +45,7 @@ from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.ddp import DistributedDataParallel, local_batch
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
-from viz.memory_stack import at_peak, before_step, fsdp_forward_table
+from viz.memory_stack import at_peak, before_step, fsdp_forward_table, totals_table
 from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, LR = 32, 16, 32, 4, 2, 64, 8, 3e-3
@@ -183,27 +183,6 @@ def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Ta
     return table
 
 
-def memory_totals(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> tuple[Table, bool]:
-    """The paper's table measured: model states per rank (bytes) by stage and N, and whether every total
-    equals ``zero_state_bytes`` and the paper's ``zero_model_states``."""
-    degrees = sorted({n for _, n in results})
-    table = Table(title=f"model states per rank (bytes) when the optimizer step begins, measured on rank 0 "
-                        f"(float64, AdamW, Psi = {psi:,}; N ranks)", title_justify="left")
-    for col in ("stage", *(f"N = {n}" for n in degrees)):
-        table.add_column(col, justify="right")
-    equal = True
-    for stage in TITLES:
-        cells = []
-        for n in degrees:
-            res = results[(stage, n)]
-            got = sum(v for k, v in before_step(mtrace.load(res["trace"]), 0).items() if k != "gathered units")
-            paper = formulas.zero_model_states(psi, stage, n, optimizer_bytes=16, param_bytes=8, grad_bytes=8)
-            equal &= got == sum(formulas.zero_state_bytes(res["numels"], stage, n).values()) == paper
-            cells.append(f"{got:,}")
-        table.add_row(TITLES[stage], *cells)
-    return table, equal
-
-
 def paper_rows() -> Table:
     table = Table(title=f"the paper's Table 1 from zero_model_states: Psi = {PAPER_PSI / 1e9:g}B parameters, K = 12 "
                         "(fp16 parameters and gradients, fp32 master + m + v), GB per rank", title_justify="left")
@@ -264,11 +243,18 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
                   "rounding: the ranks add the same gradients in another order).", highlight=False)
     psi = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF).num_parameters()
     console.rule("[bold]2. memory per rank: the paper's table, measured")
-    table, equal = memory_totals(results, psi)
+    exact = {(TITLES[k], n): sum(formulas.zero_state_bytes(r["numels"], k, n).values())
+             for (k, n), r in results.items()}
+    paper = all(exact[(TITLES[k], n)] == formulas.zero_model_states(psi, k, n, 16, param_bytes=8, grad_bytes=8)
+                for k, n in results)
+    table, equal = totals_table({(TITLES[k], n): mtrace.load(r["trace"]) for (k, n), r in sorted(results.items())},
+                                exact, f"model states per rank (bytes) when the optimizer step begins, measured on "
+                                f"rank 0 (float64, AdamW, Psi = {psi:,}; N ranks)")
     console.print(table)
     console.print("Every total equals zero_state_bytes (this layout) and the paper's zero_model_states, (2 + 2 + K) "
-                  "Psi with K = 16 (8-byte numbers, AdamW's m and v) partitioned as the stage says." if equal else
-                  "[red]measured and formula differ[/red] (--verbose: the table by component)", highlight=False)
+                  "Psi with K = 16 (8-byte numbers, AdamW's m and v) partitioned as the stage says."
+                  if equal and paper else "[red]measured and formula differ[/red] (--verbose: the table by component)",
+                  highlight=False)
     if verbose:
         console.print(f"N = {', '.join(str(n) for n in DEGREES if n <= p)}: the first N of the {p} ranks train on "
                       f"a sub-communicator (comm.split; N = {p} is the run above), the others wait.", highlight=False)
