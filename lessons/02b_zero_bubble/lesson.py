@@ -1,53 +1,29 @@
 """Lesson 2b: zero-bubble pipelines. The backward split in two, and where the halves go.
 
-    mpiexec -n 4 python lessons/02b_zero_bubble/lesson.py [--steps 3] [--microbatches 8]
+    mpiexec -n 4 python lessons/02b_zero_bubble/lesson.py [--steps 2] [--microbatches 8] [--verbose]
     python lessons/02b_zero_bubble/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
-A backward computes two things: the gradient of its input (I), which the previous stage waits for,
-and the gradient of its weights (W), which nobody waits for until the optimizer. Qi et al. 2024
-("Zero Bubble Pipeline Parallelism") run them as two actions and move the W's into the holes 1F1B
-leaves. The lesson trains the tiny GPT of lesson 2 under every schedule this checkout has:
+A backward computes the gradient of its input (I), which the previous stage waits for, and of its
+weights (W), which nobody waits for until the optimizer. Qi et al. 2024 run them as two actions and
+move the W's into the holes 1F1B leaves. Idle per rank and peak stash (``minipar.cost.pipeline``):
 
-- 1F1B (PipeDream-Flush, Narayanan et al. 2021): one B per micro-batch, B = I + W;
-- ZB-H1 (Qi et al. 2024, Sec. 2.1, Fig. 3): 1F1B's order of F and I, each W run late enough that
-  every rank keeps p micro-batches (1F1B's first rank's most): the last r W's of rank r fill the
-  cool-down where 1F1B idles;
-- ZB-V (Qi et al. 2024, Sec. 6): two chunks per rank in a V (stages r and 2p - 1 - r), no gap
-  between a rank's first and last action when F = I = W;
-- PipeDream (Narayanan et al. 2019, Sec. 3.3) and PipeDream-2BW (Narayanan et al. 2021, Sec. 3.1),
-  asynchronous: 1F1B's order with a stage's own update (U) inside the step, after every backward
-  (PipeDream: each micro-batch's forward and backward on the weight version its forward saw, weight
-  stashing) or after every group of a >= p micro-batches (2BW: the version one update behind, a
-  double buffer);
-- Chimera (Li & Hoefler 2021, Sec. 3.1; ``chimera_part.py``, p even, m a multiple of p): two 1F1B
-  pipelines, down on ranks 0..p-1 and up on p-1..0, m/2 micro-batches each, filling each other's
-  bubbles; labelled F0↓ / F4↑, up drawn lighter and hatched (reversed colours in the terminal).
+- 1F1B (Narayanan et al. 2021): B = I + W, idle (p - 1)(F + I + W), stash p - r; ZB-H1 (Qi et al.
+  2024, Sec. 2.1, Fig. 3): 1F1B's order of F and I, rank r's last r W's in the cool-down: (p - 1)
+  (F + I - W), a third of 1F1B's when F = I = W; stash p on every rank;
+- ZB-V (Sec. 6): two chunks per rank in a V: (p - 1) F when F = I = W; 2p chunk-micro-batches;
+- PipeDream (Narayanan et al. 2019) and PipeDream-2BW (2021), asynchronous: 1F1B's order with each
+  stage's update (U) inside the step: p - r weight versions on stage r, resp. 2; their losses differ
+  from one process's by design (tests/test_pipedream.py holds them to the same stale versions);
+- Chimera (Li & Hoefler 2021; p even, m a multiple of p): two 1F1B pipelines, down on ranks 0..p-1
+  and up on p-1..0, each filling the other's bubbles: (p - 2) F with F = B, stash p/2 + 1 +
+  min(r, p-1-r); drawn F0↓ / F4↑ (up lighter and hatched, reversed in the terminal).
 
-It prints, and draws in runs/02b_zero_bubble/report.html:
-
-(1) every schedule simulated with unit costs F = I = W = 1 (1F1B's B = 2) on one shared time axis;
-    ZB-H1's W's (teal) sit where 1F1B's cool-down idles (Fig. 3); Chimera also with F = B = 1 (table);
-(2) every schedule run for real (``Pipeline``, the same executor for all), the last step traced,
-    on one shared time axis (the report's "side by side");
-(3) a table per schedule: the idle time per rank simulated and measured against the formula, in
-    words: 1F1B idles (p - 1) times a forward plus a whole backward, (p - 1)(F + I + W); ZB-H1 gives
-    back one W per hole, (p - 1)(F + I - W), a third of 1F1B's when F = I = W; the peak number of
-    micro-batches each rank holds (from its F until its W) against ``cost.pipeline.peak_stash``
-    (1F1B p - r, ZB-H1 p on every rank: the same peak memory as 1F1B's first rank; ZB-V 2p
-    chunks, p whole stages; Chimera p/2 + 1 + min(r, p-1-r), idle (p - 2) F for F = B); the weight
-    versions each stage holds at once: 1 for a synchronous schedule (Chimera too: its two replicas
-    update alike), PipeDream p - r (one per micro-batch in flight), 2BW 2;
-(4) the claim: every synchronous schedule gives the same losses as one process (a schedule changes
-    the order of the work, never the result); PipeDream and 2BW do not (their updates inside the
-    step use stale weights, by design): the versions stage 0 used are printed, and
-    tests/test_pipedream.py holds them equal to a reference with the same stale versions.
-
-Idle times are from the trace's F/B/I/W/U spans (window: first forward to last backward), replayed
-(``--clock``, ``--cluster``: lessons/common.py's ``Clock``): each span lasts the CPU time its rank
-spent in it and every rank has a core of its own, so 4 ranks on 2 cores rank the schedules as the
-paper does, run after run; ``--clock wall`` shows the times as recorded, time-sharing included. The
-simulator column plays the schedule with the run's median durations; the split backward costs a
-little more than one B (two passes over the graph).
+By default: (1) every schedule simulated with unit costs F = I = W = 1 against the formulas; (2) 1F1B
+and ZB-H1 run for real (``Pipeline``, last step traced and replayed: ``--clock``, ``--cluster``)
+against the simulator fed with their durations; (3) their losses equal one process's; and the figure,
+1F1B's and ZB-H1's unit-cost timelines one above the other (the paper's Fig. 3). ``--verbose`` runs
+every schedule for real, with weight versions, stale losses and measured timelines. The report
+(runs/02b_zero_bubble/report.html) draws the unit-cost schedules on one axis, every run and the tables.
 """
 
 from __future__ import annotations
@@ -60,8 +36,8 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from lessons import load
-from lessons.common import REPLAY, Clock, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
+from lessons import common
+from lessons.common import REPLAY, Clock
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
@@ -70,30 +46,24 @@ from minipar.cost import pipeline as pipeline_cost
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel import pipeline as pp
-from minipar.parallel.pipeline import KINDS, Pipeline, Schedule, gpt, gpt_layer_counts, make_schedule, simulate
+from minipar.parallel.pipeline import Chimera, Pipeline, Schedule, gpt, gpt_layer_counts, make_schedule, simulate
+from minipar.parallel.pipeline.chimera import DIRECTIONS, simulate_chimera
+from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8  # lesson 2's tiny GPT
-BATCH, MICROBATCHES, LR = 32, 8, 3e-3
-UNIT = {"forward": 1.0, "input": 1.0, "weight": 1.0}  # F = I = W = 1: 1F1B's B = 2
-WANTED = ("1f1b", "zb-h1", "zb-v")  # in the order shown; those this checkout lacks are left out
-ASYNC = ("pipedream", "2bw")  # asynchronous: a stage's update (U) inside the step, weight versions
-STASHING = {"pipedream": "forward and backward on the same version: weight stashing; one update per micro-batch",
-            "2bw": "each group of micro-batches on the version one update behind the newest: the double buffer"}
-PIPELINE_OPS = ("F", "B", "I", "W", "U")
+BATCH, MICROBATCHES, LR, STEPS = 32, 8, 3e-3, 2
+SYNC, ASYNC, CHIMERA = ("1f1b", "zb-h1", "zb-v"), ("pipedream", "2bw"), "chimera"
+BRIEF = ("1f1b", "zb-h1")  # run for real by default (the paper's Fig. 3 pair); --verbose: every schedule
+PAPER = "chimera, F = B = 1"  # Chimera with the paper's equal slots, where its formulas hold
+RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only", CHIMERA: "F=B only"}  # where the idle formula holds
+STASHING = {"pipedream": "forward and backward on the same version: weight stashing",
+            "2bw": "a group of micro-batches on the version one update behind: the double buffer"}
+OPS = ("F", "B", "I", "W", "U")
 OUT = Path("runs/02b_zero_bubble")
-chimera = load("02b_zero_bubble", "chimera_part.py")
-tables = load("02b_zero_bubble", "tables.py")  # the lesson's tables and the report's figures of them
-MODEL = {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "heads": HEADS, "blocks": BLOCKS}
-
-
-def schedules() -> list[str]:
-    """The schedules of ``WANTED`` that ``make_schedule`` knows, then the asynchronous ones."""
-    return [k for k in WANTED if k in KINDS] + list(ASYNC)
 
 
 def make(kind: str, p: int, m: int) -> Schedule:
-    """``kind``'s schedule for ``p`` ranks and ``m`` micro-batches; 2BW updates every a micro-batches,
-    the smallest a >= p that divides m (the paper's m >= d)."""
+    """``kind``'s schedule; 2BW updates every a micro-batches, the smallest a >= p dividing m (m >= d)."""
     if kind == "pipedream":
         return pp.asynchronous.pipedream(p, m)
     if kind == "2bw":
@@ -102,15 +72,8 @@ def make(kind: str, p: int, m: int) -> Schedule:
 
 
 def stage_count(kind: str, p: int, m: int) -> int:
-    """Virtual stages of ``kind`` on ``p`` ranks (ZB-V: 2 p, two chunks per rank)."""
-    return pp.validate(make(kind, p, m)).virtual_stages
-
-
-def formula_versions(kind: str, p: int) -> list[int]:
-    """Weight versions stage r holds at once: PipeDream p - r (its micro-batches in flight, each on the
-    version its forward used; Narayanan et al. 2019 Sec. 3.3, reached for m >= 2 (p - 1)), 2BW 2
-    (Narayanan et al. 2021 Sec. 3.1), a synchronous schedule 1."""
-    return [p - r if kind == "pipedream" else 2 if kind == "2bw" else 1 for r in range(p)]
+    """Stages of one model replica (ZB-V: 2 p, two chunks per rank; Chimera: p per direction)."""
+    return p if kind == CHIMERA else pp.validate(make(kind, p, m)).virtual_stages
 
 
 def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -118,109 +81,160 @@ def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
 
 
-def train(comm: Any, kind: str, steps: int = 3, microbatches: int = MICROBATCHES,
+def train(comm: Any, kind: str, steps: int = STEPS, microbatches: int = MICROBATCHES,
           trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Train the tiny GPT for ``steps`` steps under schedule ``kind``, the last step recorded into
-    ``trace_path``; returns (on every rank) the losses and this rank's peak stash."""
-    sched = make(kind, comm.size, microbatches)
-    n_stages = stage_count(kind, comm.size, microbatches)
+    """Train the tiny GPT for ``steps`` steps under ``kind`` (Chimera too), the last step recorded into
+    ``trace_path``; returns (on every rank) the losses, this rank's peak stash and the weight versions
+    each (stage, micro-batch) used (asynchronous schedules)."""
+    p, m = comm.size, microbatches
+    model = gpt(VOCAB, SEQ, D_MODEL, HEADS, BLOCKS, seed=0)
+    layers = gpt_layer_counts(BLOCKS, stage_count(kind, p, m))
 
     def adamw(params: list) -> AdamW:
         return AdamW(params, lr=LR, weight_decay=0.0)
 
-    stage_update = adamw if kind in ASYNC else None  # asynchronous: each stage's own AdamW in its U's
-    pipe = Pipeline(comm, gpt(VOCAB, SEQ, D_MODEL, HEADS, BLOCKS, seed=0), sched,
-                    layers=gpt_layer_counts(BLOCKS, n_stages), optimizer=stage_update)
-    opt = None if stage_update else adamw(pipe.parameters())
-    losses = []
-    for step, (x, y) in enumerate(batches(steps)):
-        if step < steps - 1:
-            losses.append(pipe.step(x, y, opt))
-            continue
-        with mtrace.record(trace_path, comm, **pipe.trace_meta(), time_unit="s", step=step):
-            losses.append(pipe.step(x, y, opt))
-    seen = pipe.versions.seen if pipe.versions is not None else {}
-    return {"losses": losses, "peak_stash": pipe.peak_stash, "seen": dict(seen)}
+    if kind == CHIMERA:  # one AdamW per replica; the replicas all-reduce their gradients first
+        pipe: Any = Chimera(comm, model, m, layers=layers, optimizer=adamw)
+        meta = {"paradigm": "pipeline", "schedule": kind, "p": p, "m": m, "v": 2, "chunk_names": list(DIRECTIONS),
+                "activation_unit": "bytes"}
+        step = pipe.step
+    else:  # asynchronous: each stage's own AdamW in its U's
+        pipe = Pipeline(comm, model, make(kind, p, m), layers=layers, optimizer=adamw if kind in ASYNC else None)
+        opt = None if kind in ASYNC else adamw(pipe.parameters())
+        meta = pipe.trace_meta()
+
+        def step(x: np.ndarray, y: np.ndarray) -> float:
+            return pipe.step(x, y, opt)
+
+    data = batches(steps)
+    losses = [step(x, y) for x, y in data[:-1]]
+    with mtrace.record(trace_path, comm, **meta, time_unit="s", step=steps - 1):
+        losses.append(step(*data[-1]))
+    versions = getattr(pipe, "versions", None)
+    return {"losses": losses, "peak_stash": pipe.peak_stash, "seen": dict(versions.seen) if versions else {}}
 
 
-def reference(steps: int = 3) -> list[float]:
+def reference(steps: int = STEPS) -> list[float]:
     """The same training in one process, on the whole batch (``minipar.nn.GPT``, same seed)."""
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, BLOCKS, seed=0)
-    return one_process(model, AdamW(model.parameters(), lr=LR, weight_decay=0.0), batches(steps))
-
-
-def formula_kind(kind: str) -> str:
-    """The schedule whose formulas hold for ``kind``: PipeDream and 2BW run 1F1B's order of F and B."""
-    return "1f1b" if kind in ASYNC else kind
+    return common.one_process(model, AdamW(model.parameters(), lr=LR, weight_decay=0.0), batches(steps))
 
 
 def formula_idle(kind: str, p: int, f: float, i: float, w: float) -> float | None:
-    """``cost.pipeline.bubble_time`` (idle per rank), or None when it has no formula for ``kind``."""
+    """Idle per rank by ``cost.pipeline`` (PipeDream and 2BW: 1F1B's order), None outside its range."""
     try:
-        return pipeline_cost.bubble_time(formula_kind(kind), p, f, i, w)
+        if kind == CHIMERA:
+            return pipeline_cost.chimera_bubble_time(p, f, i + w)
+        return pipeline_cost.bubble_time("1f1b" if kind in ASYNC else kind, p, f, i, w)
     except ValueError:
         return None
 
 
-def formula_peaks(kind: str, p: int, m: int) -> list[int] | None:
-    """``cost.pipeline.peak_stash`` per rank, or None when it has no formula for ``kind``."""
-    try:
-        return [pipeline_cost.peak_stash(formula_kind(kind), p, m, r) for r in range(p)]
-    except ValueError:
-        return None
+def formula_peaks(kind: str, p: int, m: int) -> list[int]:
+    if kind == CHIMERA:
+        return [pipeline_cost.chimera_peak_stash(p, r) for r in range(p)]
+    return [pipeline_cost.peak_stash("1f1b" if kind in ASYNC else kind, p, m, r) for r in range(p)]
 
 
-def simulate_units(kind: str, p: int, m: int, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """``kind`` played with F = I = W = 1 per rank's share of the model (B = 2; a schedule with v chunks
-    per rank, ZB-V's 2, takes 1/v per chunk, so every schedule does the same work per rank): idle per
-    rank, peak stash, and the formulas' (fed with the per-chunk times)."""
+def simulate_units(kind: str, p: int, m: int, path: str | os.PathLike[str] | None = None,
+                   backward: float = 2.0) -> dict[str, Any]:
+    """``kind`` played with F = 1 and B = I + W = ``backward`` (I = W) per rank's share of the model (a
+    schedule with v chunks per rank, ZB-V's 2, takes 1/v per chunk): step, idle per rank, bubble share,
+    peak stash and weight versions, with the formulas'. Chimera with ``backward=1``: the paper's slots."""
     v = stage_count(kind, p, m) // p
-    f, i, w = UNIT["forward"] / v, UNIT["input"] / v, UNIT["weight"] / v
-    sim = simulate(make(kind, p, m), forward=f, backward=i + w, weight=w)
-    sim.trace.meta.update(schedule=f"{kind} (simulated, F = I = W = 1{f' per rank, 1/{v} per chunk' if v > 1 else ''})")
+    f, i = 1.0 / v, backward / 2 / v
+    if kind == CHIMERA:
+        sim, name = simulate_chimera(p, m, f, backward), PAPER if backward == f else kind
+    else:
+        sim, name = simulate(make(kind, p, m), forward=f, backward=2 * i, weight=i), kind
+    per_chunk = f" per rank, 1/{v} per chunk" if v > 1 else ""
+    sim.trace.meta.update(schedule=f"{kind} (simulated, F = 1, B = {backward:g}{per_chunk})")
     if path is not None:
         mtrace.save(sim.trace, path)
-    versions = [sim.peak_versions.get(r, 1) for r in range(p)]  # stage r on rank r (v = 1)
-    return {"kind": kind, "v": v, "makespan": sim.makespan, "idle": [sim.idle[r] for r in range(p)],
-            "formula": formula_idle(kind, p, f, i, w), "versions": versions,
+    return {"kind": name, "v": v, "makespan": sim.makespan, "share": sim.bubble_fraction, "trace": sim.trace,
+            "idle": [sim.idle[r] for r in range(p)], "formula": formula_idle(kind, p, f, i, i),
             "peak": [sim.peak_stash[r] for r in range(p)], "formula_peak": formula_peaks(kind, p, m),
-            "formula_versions": formula_versions(kind, p), "trace": sim.trace}
-
-
-def medians(trace: mtrace.Trace, n_stages: int) -> dict[str, list[float]]:
-    """Median duration of each op of the trace (F, B, I, W) per (virtual) stage, seconds."""
-    out = {}
-    for op in PIPELINE_OPS:
-        per = [[e.duration for e in trace.select("compute", name=op, stage=s)] for s in range(n_stages)]
-        if all(per):
-            out[op] = [float(np.median(d)) for d in per]
-    return out
+            "versions": [sim.peak_versions.get(r, 1) for r in range(p)],
+            "formula_versions": [pipeline_cost.weight_versions(kind, p, r) for r in range(p)]}
 
 
 def analyse(trace_path: str | os.PathLike[str], clock: Clock = REPLAY) -> dict[str, Any]:
-    """One recorded run on ``clock`` (replayed by default) vs simulated vs formula."""
+    """One recorded run on ``clock`` (replayed by default): idle per rank in the F/B/I/W/U window, against
+    the simulator fed with the run's median durations per stage and the formula fed with their means."""
     from viz import analysis
 
     trace = clock.of(trace_path)
     kind, p, m = trace.meta["schedule"], trace.meta["p"], trace.meta["m"]
-    work = mtrace.Trace(trace.meta, [e for e in trace.events if e.kind == "compute" and e.name in PIPELINE_OPS])
+    work = mtrace.Trace(trace.meta, [e for e in trace.events if e.kind == "compute" and e.name in OPS])
     lo, hi = analysis.window(work)
-    idle = [(hi - lo) * f for f in analysis.bubble_fractions(work)]
-    med = medians(trace, stage_count(kind, p, m))
-    split = "W" in med
-    backward = [i + w for i, w in zip(med["I"], med["W"], strict=True)] if split else med["B"]
-    sim = simulate(make(kind, p, m), forward=med["F"], backward=backward, weight=med.get("W"),
-                   update=med.get("U", 0.0))
-    f, b = float(np.mean(med["F"])), float(np.mean(backward))
-    w = float(np.mean(med["W"])) if split else 0.0  # 1F1B: (p-1)(F + I + W) = (p-1)(F + B)
-    peaks = [max((e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)), default=0)
-             for r in range(p)]
-    versions = [max((e.args["versions"] for e in trace.select("memory", name="weight_versions", stage=s)),
-                    default=1) for s in range(p)]  # recorded at each U; a synchronous stage keeps 1
-    return {"kind": kind, "step": hi - lo, "idle": idle, "sim_idle": [sim.idle[r] for r in range(p)],
-            "formula": formula_idle(kind, p, f, b - w, w), "F": f, "B": b, "W": w if split else None,
-            "peak": peaks, "sim_peak": [sim.peak_stash[r] for r in range(p)],
-            "formula_peak": formula_peaks(kind, p, m), "versions": versions}
+    per = {op: [[e.duration for e in work.select("compute", name=op, stage=s)] for s in range(stage_count(kind, p, m))]
+           for op in OPS}
+    med = {op: [float(np.median(d)) for d in ds] for op, ds in per.items() if all(ds)}
+    backward = [i + w for i, w in zip(med["I"], med["W"], strict=True)] if "W" in med else med["B"]
+    f, b, w = float(np.mean(med["F"])), float(np.mean(backward)), float(np.mean(med.get("W", [0.0])))
+    sim = simulate_chimera(p, m, f, b) if kind == CHIMERA else simulate(
+        make(kind, p, m), forward=med["F"], backward=backward, weight=med.get("W"), update=med.get("U", 0.0))
+    held = [[e.args["stashed"] for e in trace.select("memory", name="activations", rank=r)] for r in range(p)]
+    versions = [max((e.args["versions"] for e in trace.select("memory", name="weight_versions", stage=s)), default=1)
+                for s in range(p)]  # recorded at each U; a synchronous stage keeps 1
+    return {"kind": kind, "step": hi - lo, "idle": [(hi - lo) * x for x in analysis.bubble_fractions(work)],
+            "sim_idle": [sim.idle[r] for r in range(p)], "formula": formula_idle(kind, p, f, b - w, w), "F": f, "B": b,
+            "W": w if "W" in med else None, "peak": [max(h, default=0) for h in held],
+            "sim_peak": [sim.peak_stash[r] for r in range(p)], "formula_peak": formula_peaks(kind, p, m),
+            "versions": versions}
+
+
+def _ints(xs: list[int]) -> str:
+    return " ".join(map(str, xs))
+
+
+def unit_table(rows: list[dict[str, Any]], p: int, verbose: bool) -> Table:
+    """(1): the schedules simulated with unit costs against the formulas; weight versions with ``verbose``."""
+    table = Table(title=f"(1) simulated with unit costs F = I = W = 1 (B = 2), p = {p}: idle per rank (in units "
+                        "of F) and peak stash vs the formulas", title_justify="left")
+    for col in ("schedule", "step", "idle per rank", "formula", "peak stash", "formula", *(
+            ("weight versions", "formula") if verbose else ())):
+        table.add_column(col, justify="right")
+    for row in rows:
+        formula = RANGE.get(row["kind"].split(",")[0], "-") if row["formula"] is None else f"{row['formula']:g}"
+        table.add_row(row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else ""), f"{row['makespan']:g}",
+                      " ".join(f"{x:g}" for x in row["idle"]), formula, _ints(row["peak"]), _ints(row["formula_peak"]),
+                      *((_ints(row["versions"]), _ints(row["formula_versions"])) if verbose else ()))
+    table.caption = ("stash: micro-batches held from F to W (B); ZB-V: half-size chunk ones" + (
+        "; Chimera: both directions'; versions: PipeDream p - r, 2BW 2, synchronous 1" if verbose else ""))
+    return table
+
+
+def measured_table(rows: list[dict[str, Any]], clock: Clock = REPLAY, verbose: bool = True) -> Table:
+    """(2): the real runs, last step, times on ``clock``, against the simulator and the formula fed with their
+    durations; the weight versions each stage held with ``verbose``."""
+    table = Table(title=f"(2) the runtime, last step ({clock.label}): ms, idle per rank (mean of the ranks)",
+                  title_justify="left")
+    for col in ("schedule", "F / B / W", "idle", "sim.", "formula", "stash", "formula", *("versions",) * verbose):
+        table.add_column(col, justify="right")
+    for row in rows:
+        formula = RANGE.get(row["kind"], "-") if row["formula"] is None else f"{1e3 * row['formula']:.0f}"
+        durations = " / ".join(f"{1e3 * x:.1f}" for x in (row["F"], row["B"], row["W"]) if x is not None)
+        table.add_row(row["kind"], durations, *(f"{1e3 * np.mean(row[k]):.0f}" for k in ("idle", "sim_idle")),
+                      formula, *(_ints(row[k]) for k in ("peak", "formula_peak", "versions")[:2 + verbose]))
+    table.caption = ("F, B = I + W, W: medians per action; sim.: simulated with them; formula: with their means; "
+                     "stash: micro-batches")
+    return table
+
+
+def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[str, dict], ref: list[float],
+                 m: int) -> None:
+    """(3): the synchronous schedules' losses equal one process's; the asynchronous ones train on stale weights."""
+    sync = [k for k in losses if k not in ASYNC]
+    spread = max(abs(a - b) for k in sync for a, b in zip(losses[k], ref, strict=True))
+    console.print(f"(3) {', '.join(sync)} give one process's losses (largest difference {spread:.1e} over "
+                  f"{len(ref)} steps): a synchronous schedule changes the order of the work, never the result.",
+                  highlight=False)
+    for kind in (k for k in ASYNC if k in losses):
+        console.print(f"    {kind}: stage 0 ran the last step's micro-batches on weight versions "
+                      f"{[seen[kind][(0, i)][0] for i in range(m)]} ({STASHING[kind]}); losses "
+                      f"{' '.join(f'{x:.4f}' for x in losses[kind])}, one process's "
+                      f"{' '.join(f'{x:.4f}' for x in ref)}", highlight=False)
 
 
 def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
@@ -231,99 +245,70 @@ def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
     return None
 
 
-def print_unit_timelines(console: Console, units: list[dict[str, Any]]) -> None:
+def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = False) -> None:
+    """Every schedule simulated, then run on ``comm`` (1F1B and ZB-H1, every one with ``verbose``); rank 0 prints
+    (times on ``clock``) and writes the report."""
+    from viz import figures
     from viz.terminal import print_timeline
 
-    for row in units:
-        if row["kind"] in ("1f1b", "zb-h1", "chimera"):
-            print_timeline(row["trace"], console=console, title=f"{row['kind']}, F = I = W = 1 (simulated)")
-
-
-def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
-    """Every schedule simulated, then run on ``comm``; rank 0 prints (times on ``clock``) and writes the report."""
-    console = make_console()
-    p, lead, kinds = comm.size, comm.rank == 0, schedules()
-    runs, units = kinds + [chimera.KIND] * chimera.fits(p, m), []
+    console, p, lead = make_console(), comm.size, comm.rank == 0
+    kinds = [*SYNC, *ASYNC, *[CHIMERA] * (p % 2 == 0 and m % p == 0)]  # Chimera: chimera.check_config
+    runs = kinds if verbose else list(BRIEF)
     if lead:
         (OUT / "simulated").mkdir(parents=True, exist_ok=True)
-        console.print(f"[bold]tiny GPT[/bold] ({VOCAB} tokens, seq {SEQ}, d_model {D_MODEL}, {BLOCKS} blocks) on {p} "
-                      f"pipeline ranks, batch {BATCH} = {m} micro-batches, {steps} steps per schedule; schedules: "
-                      f"{', '.join(runs)}{'' if chimera.KIND in runs else ' (chimera: p even, m a multiple of p)'}",
-                      highlight=False)
-        console.rule("[bold](1) simulated with unit costs F = I = W = 1")
+        console.print(f"[bold]tiny GPT[/bold] ({BLOCKS} blocks) on {p} ranks, {m} micro-batches; simulated: "
+                      f"{', '.join(kinds)}; run, {steps} step{'s' * (steps > 1)} each: {', '.join(runs)}"
+                      f"{'' if verbose else ' (--verbose: all)'}", highlight=False)
         units = [simulate_units(k, p, m, OUT / "simulated" / f"{k}.json") for k in kinds]
-        if chimera.KIND in runs:  # the lesson's costs (F = 1, B = I + W = 2), then the paper's equal slots
-            units += chimera.unit_rows(p, m, UNIT["forward"], UNIT["input"] + UNIT["weight"], OUT / "simulated")
-        print_unit_timelines(console, units)
-        console.print(tables.unit_table(units, p), *[chimera.claim(units, p, m)] * (chimera.KIND in runs),
-                      highlight=False)
-    rows, losses, paths, seen = [], {}, [], {}
+        units += [simulate_units(CHIMERA, p, m, backward=1.0)] * (CHIMERA in kinds)  # the paper's equal slots
+        shown = [u for u in units if verbose or u["kind"] not in (*ASYNC, CHIMERA)]  # the paper's Chimera
+        console.print(unit_table(shown, p, verbose))
+    rows, losses, seen = [], {}, {}
     for kind in runs:
-        path, is_chimera = OUT / f"{kind}.json", kind == chimera.KIND
-        result = (chimera.train(comm, steps, m, MODEL, LR, batches(steps), path) if is_chimera
-                  else train(comm, kind, steps, m, path))
+        result = train(comm, kind, steps, m, OUT / f"{kind}.json")
         if lead:
-            rows.append(chimera.analyse(path, clock) if is_chimera else analyse(path, clock))
+            rows.append(analyse(OUT / f"{kind}.json", clock))
             losses[kind], seen[kind] = result["losses"], result["seen"]
-            paths.append(path)
     if not lead:
         return
-    console.rule(f"[bold](2) the real runtime, last step, {clock.short}")
-    note = clock.caveat(p)
-    if note:
-        console.print(f"[yellow]note:[/yellow] {note}: compare the simulator column with the formula.",
+    if clock.caveat(p):
+        console.print(f"[yellow]note:[/yellow] {clock.caveat(p)}: compare the sim. column with the formula.",
                       highlight=False)
-    console.print(tables.measured_table(rows, clock))
+    console.print(measured_table(rows, clock, verbose))
     print_claims(console, losses, seen, reference(steps), m)
-    from viz import figures
-
-    shown = [row for row in units if row["kind"] != chimera.PAPER]  # one cost model on the shared axis
-    sim_fig = figures.compare([row["trace"] for row in shown], [f"{row['kind']}: simulated, F = I = W = 1"
-                                                               for row in shown])
-    extra = [("(1) simulated with unit costs F = I = W = 1 (1F1B: B = 2), one time axis: ZB-H1's W's "
-              "(teal) fill 1F1B's cool-down; Chimera's up pipeline lighter and hatched (F4↑)", sim_fig),
-             ("(3) idle per rank, stash and weight versions per schedule vs the formulas",
-              tables.table_figure(units, rows, clock.short))]
-    if any(k in ASYNC for k in kinds):
-        extra.append((f"weight versions each stage holds over the last step ({clock.label}): PipeDream p - r, "
-                      "2BW 2", tables.versions_figure([clock.of(OUT / f"{k}.json") for k in kinds if k in ASYNC])))
-    if chimera.KIND in runs:
-        chimera.print_measured(console, clock.of(OUT / "chimera.json"), clock.short)
-    console.rule(f"[bold]ZB-H1 timeline (last step, {clock.short})")
-    finish(paths, OUT / "report.html", console, timeline=OUT / "zb-h1.json",
-           titles=[f"{k}: the runtime (last step)" for k in runs], extra_figures=extra, clock=clock)
-
-
-def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[str, dict], ref: list[float],
-                 m: int) -> None:
-    """(4): the synchronous schedules' losses equal one process's; the asynchronous ones train on stale
-    weights, by design: the versions stage 0 used, and their losses."""
-    sync = [k for k in losses if k not in ASYNC]
-    spread = max(abs(a - b) for k in sync for a, b in zip(losses[k], ref, strict=True))
-    console.print(f"(4) {', '.join(sync)} give the same losses as one process (largest difference {spread:.1e} over "
-                  "every step): a synchronous schedule changes the order of the work, never the result.",
-                  highlight=False)
-    for kind in (k for k in ASYNC if k in losses):
-        used = [seen[kind][(0, i)][0] for i in range(m)]
-        console.print(f"    {kind}: stage 0 ran micro-batches 0..{m - 1} of the last step on weight versions {used} "
-                      f"({STASHING[kind]}); losses "
-                      f"{' '.join(f'{x:.4f}' for x in losses[kind])} vs one process's "
-                      f"{' '.join(f'{x:.4f}' for x in ref)}: updates inside the step, on stale weights "
-                      "(tests/test_pipedream.py holds them equal to a reference with the same stale versions)",
-                      highlight=False)
+    async_runs = [clock.of(OUT / f"{k}.json") for k in runs if k in ASYNC]
+    extra = [("(1) simulated with unit costs F = I = W = 1 (1F1B: B = 2), one time axis: ZB-H1's W's (teal) fill "
+              "1F1B's cool-down; Chimera's up pipeline lighter and hatched (F4↑)",
+              figures.compare([u["trace"] for u in units if u["kind"] != PAPER],
+                              [f"{u['kind']}: simulated, F = I = W = 1" for u in units if u["kind"] != PAPER])),
+             ("(1) the table", figures.table(unit_table(units, p, verbose=True))),
+             (f"(2) the table ({clock.label})", figures.table(measured_table(rows, clock)))]
+    if async_runs:
+        extra.append((f"(2) weight versions each stage holds over the last step ({clock.label}): PipeDream p - r, "
+                      "2BW 2", figures.weight_versions(async_runs)))
+    if verbose:
+        for kind in (k for k in (CHIMERA, "zb-h1") if k in runs):
+            console.rule(f"[bold]{kind} timeline (last step, {clock.short})")
+            print_timeline(clock.of(OUT / f"{kind}.json"), console=console)
+    console.rule("[bold]1F1B, then ZB-H1, simulated with F = I = W = 1 (Qi et al.'s Fig. 3)")
+    print_timeline(units[0]["trace"], console=console, max_bands=2, traffic=False)  # as finish(brief=True)
+    common.finish([OUT / f"{k}.json" for k in runs], OUT / "report.html", console, timeline=units[1]["trace"],
+                  titles=[f"{k}: the runtime (last step)" for k in runs], extra_figures=extra, clock=clock,
+                  brief=True)
+    console.print(common.reading_path("02b_zero_bubble"), highlight=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
-    parser = lesson_parser(__doc__, steps=3, ranks=4)
+    parser = common.lesson_parser(__doc__, steps=STEPS, ranks=4)
     parser.add_argument("--microbatches", type=int_in(1, 1024), default=MICROBATCHES)
-    return parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks, a.microbatches))
+    return common.parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks, a.microbatches))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps, m=args.microbatches,
-              clock=Clock.of_args(args))
+    common.run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
+                     m=args.microbatches, clock=Clock.of_args(args), verbose=args.verbose)
 
 
 if __name__ == "__main__":
