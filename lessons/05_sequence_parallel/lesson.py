@@ -50,6 +50,7 @@ from minipar.optim import AdamW
 from minipar.parallel.sequence import SequenceParallelGPT
 from minipar.parallel.sequence.measure import measure_blocks
 from minipar.parallel.tensor import TensorParallelGPT
+from viz.layers import layer_table, per_rank
 from viz.ring import overlap_summary, score_spans, step_table
 from viz.width import Table
 
@@ -145,41 +146,13 @@ def ulysses_degree(method: str, p: int) -> int | None:  # P_u, for the formulas
     return HYBRID_U if method == "hybrid" else p if method == "ulysses" else None
 
 
-def layer_traffic(trace: mtrace.Trace, rank: int) -> dict[tuple[int, str], int]:
-    """Bytes ``rank`` sent inside each layer's ``F`` and ``B`` span: {(layer, "F"/"B"): bytes}."""
-    sent = [e for e in trace.events if e.kind == "comm" and e.rank == rank and e.src == rank and e.op in ATTENTION_OPS]
-    out: dict[tuple[int, str], int] = {}
-    for span in trace.events:
-        layer = span.args.get("layer")
-        if span.kind == "compute" and span.rank == rank and span.name in ("F", "B") and isinstance(layer, int):
-            out[(layer, span.name)] = sum(e.nbytes or 0 for e in sent if span.t0 <= e.t0 <= span.t1)
-    return out
-
-
-def per_rank(values: list[float]) -> str:
-    """One number when every rank has it, else one per rank."""
-    return f"{values[0]:,.0f}" if len(set(values)) == 1 else " / ".join(f"{v:,.0f}" for v in values)
-
-
 def traffic_table(traces: dict[str, mtrace.Trace], p: int, verbose: bool = True) -> Table:
     a = BATCH * SEQ // p * D_MODEL * ITEM
-    table = Table(title=f"bytes sent per rank per layer (P = {p}; one shard b (S/P) h x 8 B = {a:,} B); measured: "
-                        "the messages inside each layer's F / B span, every layer alike", title_justify="left")
-    for col in ("method", *(("ops",) if verbose else ()), "forward measured", "forward formula", "backward measured",
-                "backward formula"):
-        table.add_column(col, justify="right")
-    for name, trace in traces.items():
-        method = RUNS[name][0]
-        per = [layer_traffic(trace, r) for r in range(p)]
-        cells = []
-        for phase in ("F", "B"):
-            layers = {per[r][(i, phase)] for r in range(p) for i in range(LAYERS)}
-            got = [per[r][(0, phase)] for r in range(p)]
-            cells += [per_rank(got) + ("" if len(layers) == 1 else " (layers differ!)"),
-                      f"{layer_bytes(method, p, phase == 'B'):,.0f}"]
-        ops = sorted({e.op for e in trace.events if e.kind == "comm" and e.op in ATTENTION_OPS})
-        table.add_row(RUNS[name][2], *((", ".join(ops),) if verbose else ()), *cells)
-    return table
+    return layer_table({RUNS[n][2]: t for n, t in traces.items()},
+                       {RUNS[n][2]: (layer_bytes(RUNS[n][0], p, False), layer_bytes(RUNS[n][0], p, True))
+                        for n in traces},
+                       f"bytes sent per rank per layer (P = {p}; one shard b (S/P) h x 8 B = {a:,} B); measured: "
+                       "the messages inside each layer's F / B span, every layer alike", ATTENTION_OPS, verbose)
 
 
 def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtrace.Trace], p: int,
