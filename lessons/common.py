@@ -204,6 +204,20 @@ def replayable(trace: Trace) -> bool:
     return True
 
 
+def by_rank(values: Sequence[int]) -> str:
+    """Bytes (or counts) per rank in a table cell: '1,024' when every rank agrees, else grouped runs of
+    ranks, 'r0 3,072 · r1-3 1,024'."""
+    if len(set(values)) == 1:
+        return f"{values[0]:,}"
+    groups: list[tuple[int, int, int]] = []
+    for r, v in enumerate(values):
+        if groups and groups[-1][2] == v:
+            groups[-1] = (groups[-1][0], r, v)
+        else:
+            groups.append((r, r, v))
+    return " · ".join(f"r{a}{'' if a == b else f'-{b}'} {v:,}" for a, b, v in groups)
+
+
 def one_process(model: Any, optimizer: Any, batches: Iterable[tuple[Any, Any]]) -> list[float]:
     """The reference every lesson compares with: ``model`` trained by ``optimizer`` in one process on
     each ``(x, y)`` of ``batches`` (the whole global batch); the losses, step by step."""

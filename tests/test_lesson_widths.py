@@ -4,7 +4,9 @@ the controlling terminal, else 80), no printed line is longer, and no number is 
 The lessons that ``test_lessons.test_the_notebooks_mpiexec_command_runs`` runs under mpiexec (01, 03 to
 09) are checked there, at 80 columns, on the same runs. Here: the others (00, 02, 02b, and 10, whose
 mpiexec run is ``make thorough`` only) in-process at 80 columns with small settings, 00 again at 120,
-and ``viz.width`` on its own (tables at 40 to 120 columns). About 9 CPU-seconds in all."""
+and ``viz.width`` on its own (tables at 40 to 120 columns). About 9 CPU-seconds in all. The lessons in
+``SHORT`` also print at most ``widths.MAX_LINES`` lines by default (``widths.length_problems``; those run under
+mpiexec: ``test_lessons.SHORT``)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 
 import pytest
 from rich.console import Console
-from widths import width_problems
+from widths import length_problems, width_problems
 
 from lessons import load
 from minipar.testing import ROOT
@@ -27,6 +29,7 @@ RUNS = [("00_autograd", ("--steps", "20"), 80),
         ("02b_zero_bubble", ("--steps", "1", "--ranks", "2", "--microbatches", "4"), 80),
         ("10_faults", (), 80),
         ("00_autograd", ("--steps", "20"), 120)]
+SHORT = ("00_autograd", "02_pipeline", "02b_zero_bubble")  # default output within widths.MAX_LINES lines at 80
 
 
 @pytest.mark.parametrize("name,args,width", RUNS)
@@ -40,6 +43,8 @@ def test_a_lesson_fits_the_terminal(name: str, args: tuple[str, ...], width: int
     out = capsys.readouterr().out
     assert "report:" in out
     assert not width_problems(out, width), "\n".join(width_problems(out, width))
+    if name in SHORT and width == 80:
+        assert not length_problems(out), "\n".join(length_problems(out)) + "\n" + out
 
 
 def test_the_width_is_columns_else_the_terminal_else_80() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from strategies import thorough_only
-from widths import width_problems
+from widths import length_problems, width_problems
 
 from minipar.testing import ROOT, mpiexec_path
 
@@ -116,6 +116,10 @@ REPLAYED = {"03_data_parallel": ("after B", "replayed: one core per rank, networ
             "08_hybrid": ("predicted / replayed", "Goal: predicted / replayed within 15 %")}
 
 
+# lessons whose default output is checked to be short (widths.MAX_LINES lines at 80 columns) on the run below
+SHORT = ("01_collectives", "03_data_parallel")
+
+
 # lessons whose mpiexec run is a long demonstration of what other tests prove under mpiexec
 LONG = {"10_faults": "real SIGKILLs of a parameter-server worker, a DDP rank and an elastic job's rank are "
                      "tests/test_faults.py, test_elastic.py and test_chaos.py (19 CPU-seconds, 4 mpiexec jobs)"}
@@ -131,6 +135,8 @@ def test_the_notebooks_mpiexec_command_runs(name: str, tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert (tmp_path / written).exists()
     assert not width_problems(proc.stdout, WIDTH), "\n".join(width_problems(proc.stdout, WIDTH))  # fits 80 columns
+    if name in SHORT:
+        assert not length_problems(proc.stdout), "\n".join(length_problems(proc.stdout)) + "\n" + proc.stdout
     text = " ".join(proc.stdout.split())
     assert all(words in text for words in REPLAYED.get(name, ())), proc.stdout[-3000:]
     if name == "08_hybrid":

@@ -1,6 +1,6 @@
 """Lesson 0: the autograd engine and the tiny GPT every later lesson splits across ranks.
 
-    python lessons/00_autograd/lesson.py [--steps 300] [--out runs/00_autograd]
+    python lessons/00_autograd/lesson.py [--steps 300] [--out runs/00_autograd] [--verbose]
 
 1. Build the tiny GPT (token + position embeddings, pre-norm blocks, vocabulary head).
 2. Check one weight's gradient from backward() against central differences.
@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lessons.common import MAX_STEPS, Clock, clock_arguments, finish, parse_lesson_args
+from lessons.common import MAX_STEPS, Clock, clock_arguments, finish, parse_lesson_args, reading_path
 from lessons.common import console as make_console
 from minipar import datasets, trace
 from minipar.cli_args import int_in
@@ -94,7 +94,8 @@ def train(steps: int = 300, batch: int = 16, lr: float = 3e-3, console: Console 
         for step in range(steps - traced_steps):
             losses.append(train_step(model, opt, *datasets.lm_batch(stream, batch, SEQ, step=step)))
             progress.update(task, advance=1, loss=np.mean(losses[-20:]))
-        with trace.record(trace_path, world(), paradigm="single process", lesson="00_autograd", time_unit="s"):
+        with trace.record(trace_path, world(), paradigm="single process", lesson="00_autograd", time_unit="s",
+                          steps=traced_steps):
             for step in range(steps - traced_steps, steps):
                 losses.append(train_step(model, opt, *datasets.lm_batch(stream, batch, SEQ, step=step)))
                 progress.update(task, advance=1, loss=np.mean(losses[-20:]))
@@ -114,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=300, help="training steps (default 300)")
     parser.add_argument("--out", default="runs/00_autograd", help="folder for trace.json and report.html")
+    parser.add_argument("--verbose", action="store_true", help="the whole timeline (default: at most 2 bands)")
     return parse_lesson_args(clock_arguments(parser), argv)
 
 
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "trace.json"
     train(args.steps, console=out, trace_path=path)
-    finish([path], Path(args.out) / "report.html", out, titles=["tiny GPT, one process"], clock=Clock.of_args(args))
+    finish([path], Path(args.out) / "report.html", out, titles=["tiny GPT, one process, the last 3 steps"],
+           clock=Clock.of_args(args), brief=not args.verbose)
+    out.print(reading_path("00_autograd"), highlight=False)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Lesson 1: all-reduce four ways, message by message.
 
-    mpiexec -n 4 python lessons/01_collectives/lesson.py [--n 1048576] [--reps 5] [--out runs/01_collectives]
+    mpiexec -n 4 python lessons/01_collectives/lesson.py [--n 1048576] [--reps 5] [--out DIR] [--verbose]
     python lessons/01_collectives/lesson.py --ranks 4      # same, ranks as threads in one process
 
 Every rank holds the same-sized buffer of float64; all four all-reduce algorithms reduce it:
@@ -12,7 +12,9 @@ The table holds the bytes each rank sent, read from the trace, next to the formu
 and the time (median of ``--reps`` untraced runs, slowest rank). The trace lands in ``--out``, with
 the formula's bytes per rank in its metadata (``expected_bytes_by_rank``, drawn over each rank's
 measured bar in the report and as a formula column in the terminal table) and memory samples of
-the input and of the results the lesson keeps.
+the input and of the results the lesson keeps. By default it prints the table, the busiest rank's
+bytes per algorithm and a timeline of at most two bands; ``--verbose`` the whole timeline, the bytes
+per rank and collective, and the trace files.
 """
 
 from __future__ import annotations
@@ -26,7 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import MAX_RANKS, REPLAY, Clock, clock_arguments, console, finish, parse_lesson_args, run_ranks
+from lessons.common import (
+    MAX_RANKS,
+    REPLAY,
+    Clock,
+    by_rank,
+    clock_arguments,
+    console,
+    finish,
+    parse_lesson_args,
+    reading_path,
+    run_ranks,
+)
 from minipar import trace
 from minipar.chrome import to_chrome
 from minipar.cli_args import int_in
@@ -52,15 +65,15 @@ def expected_bytes(n: int, itemsize: int, p: int) -> dict[str, dict[str, Any]]:
     algorithm with a formula (the naive root's (p-1) n stands out against the others' n), and the
     scalar ``expected_bytes`` = ``{"allreduce/<alg>": bytes}`` for those whose formula gives every
     rank the same count (ring when p divides n, recursive doubling when p is a power of two)."""
-    scalar, by_rank = {}, {}
+    scalar, ranks = {}, {}
     for alg in ALLREDUCE_ALGORITHMS:
         per_rank = [formula_bytes(alg, n, itemsize, p, r) for r in range(p)]
         if None in per_rank:
             continue
-        by_rank[f"allreduce/{alg}"] = per_rank
+        ranks[f"allreduce/{alg}"] = per_rank
         if len(set(per_rank)) == 1:
             scalar[f"allreduce/{alg}"] = float(per_rank[0])
-    return {"expected_bytes": scalar, "expected_bytes_by_rank": by_rank}
+    return {"expected_bytes": scalar, "expected_bytes_by_rank": ranks}
 
 
 def formula_steps(algorithm: str, p: int) -> str:
@@ -117,19 +130,6 @@ def measure(comm: Communicator, n: int = 1 << 20, reps: int = 5, out: str | os.P
     return rows
 
 
-def per_rank(values: list[int]) -> str:
-    """'1,024' when every rank agrees, else 'r0 3,072 · r1-3 1,024'."""
-    if len(set(values)) == 1:
-        return f"{values[0]:,}"
-    groups: list[tuple[int, int, int]] = []
-    for r, v in enumerate(values):
-        if groups and groups[-1][2] == v:
-            groups[-1] = (groups[-1][0], r, v)
-        else:
-            groups.append((r, r, v))
-    return " · ".join(f"r{a}{'' if a == b else f'-{b}'} {v:,}" for a, b, v in groups)
-
-
 def replayed_seconds(t: trace.Trace) -> dict[str, float]:
     """Each algorithm's traced all-reduce (one call each, between barriers) from its first message to its last."""
     calls = [e for e in t.events if e.kind == "comm" and e.op == "allreduce"]
@@ -157,8 +157,8 @@ def render(rows: list[dict[str, Any]], p: int, n: int, backend: str, clock: Cloc
         match = "-" if native else ("yes" if row["sent"] == row["formula"] else "NO")
         steps = "?" if native else str(row["steps"])
         table.add_row(row["algorithm"], f"{steps} ({row['formula_steps']})",
-                      hidden if native else per_rank(row["sent"]),
-                      hidden if native else per_rank(row["formula"]),
+                      hidden if native else by_rank(row["sent"]),
+                      hidden if native else by_rank(row["formula"]),
                       match, f"{row['seconds'] * 1e3:.1f}" if replayed is None else
                       f"{replayed[row['algorithm']] * 1e3:.2f} / {formula(row['algorithm']) * 1e3:.2f}")
     table.caption = "formulas: " + "; ".join(f"{k} {v}" for k, v in MODEL.items() if v)
@@ -178,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="untraced timing runs per algorithm (0: none)")
     parser.add_argument("--out", default=str(OUT), help="folder for trace.json and trace.chrome.json")
     parser.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=4, help="ranks when not under mpiexec (threads)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the whole timeline, the bytes per rank and collective, the trace files (default: the "
+                             "table, a short timeline, the conclusion)")
     return parse_lesson_args(clock_arguments(parser), argv, lambda a: check_ranks(a.ranks))
 
 
@@ -201,9 +204,18 @@ def main(argv: list[str] | None = None) -> None:
         out.print(f"[yellow]note:[/yellow] {note} (the time column).", highlight=False)
     if not all(r["agrees"] for r in rows):
         raise SystemExit("the algorithms disagree with each other")
+    busiest = {r["algorithm"]: f"{max(r['sent']):,}" for r in rows}
+    out.print(f"Every rank's bytes equal its algorithm's formula. The busiest rank sends {busiest['ring']} B with the "
+              f"ring (2(p-1)/p n, in 2(p-1) = {2 * (p - 1)} steps), {busiest['recursive_doubling']} B with recursive "
+              f"doubling (n lg p) and {busiest['naive']} B as the naive root ((p-1) n)."
+              if all(r["sent"] == r["formula"] for r in rows if r["formula"][0] is not None) else
+              "[red]Some rank's bytes differ from the formula (match column).[/red]", highlight=False)
     to_chrome(trace.load(path), Path(args.out) / "trace.chrome.json")
-    finish([path], Path(args.out) / "report.html", out, titles=[f"all-reduce algorithms on {p} ranks"], clock=clock)
-    out.print(f"trace: {path} (or open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
+    finish([path], Path(args.out) / "report.html", out, titles=[f"all-reduce algorithms on {p} ranks"], clock=clock,
+           brief=not args.verbose)
+    if args.verbose:
+        out.print(f"trace: {path} (or open {Path(args.out) / 'trace.chrome.json'} in https://ui.perfetto.dev)")
+    out.print(reading_path("01_collectives"), highlight=False)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Lesson 2: pipeline parallelism. One tiny GPT, four schedules, the bubble measured and predicted.
 
-    mpiexec -n 4 python lessons/02_pipeline/lesson.py [--steps 3] [--microbatches 8]
+    mpiexec -n 4 python lessons/02_pipeline/lesson.py [--steps 3] [--microbatches 8] [--verbose]
     python lessons/02_pipeline/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
 The GPT's layers ([embed] + 8 blocks + [ln_f + head] = 10) are cut into consecutive stages, one
@@ -15,9 +15,12 @@ loss); only the order of the forwards (F) and backwards (B) differs:
 - 1F1B / PipeDream-Flush (Narayanan et al. 2021, section 2.2.1): same bubble, at most p - rank stashed;
 - interleaved 1F1B (section 2.2.2): v chunks per rank, bubble (p - 1)/(v m + p - 1).
 
-For each schedule the lesson prints the per-rank action order, the bubble fraction of the trace's
-F/B spans next to the formula and to the simulator fed with the run's per-stage durations, and the
-peak number of stashed micro-batches next to the simulator's. Times are replayed (``--clock``,
+By default the lesson prints one row per schedule (the bubble fraction of the trace's F/B spans next
+to the formula and to the simulator fed with the run's per-stage durations, the peak number of
+stashed micro-batches next to the simulator's; interleaved counts chunk micro-batches, each half a
+rank's layers), the claim that every schedule gives the same losses, and the 1F1B timeline;
+``--verbose`` adds each schedule's section (what rank 0 holds, the per-rank action order, the median
+F and B per stage) and the timeline's traffic table. Times are replayed (``--clock``,
 ``--cluster``: lessons/common.py's ``Clock``): each span lasts the CPU time its rank spent in it and
 every rank has a core of its own, so the bubbles mean the same run after run even when 4 ranks
 share 2 cores; ``--clock wall`` shows the times as recorded, time-sharing included. It writes
@@ -40,7 +43,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, reading_path, run_ranks
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
@@ -143,7 +146,8 @@ def summary_table(rows: list[dict[str, Any]], losses: dict[str, list[float]], cl
     table = Table(title=f"last step, {clock.label}; bubble: idle share of the F/B window; stash: peak "
                         "micro-batches per rank",
                   caption="sim.: the simulator, the same order with this run's F/B time per stage; formula: "
-                          "uniform stages, no communication time; loss: the last step's")
+                          "uniform stages, no communication time; interleaved stash: chunk micro-batches, each "
+                          "half a rank's layers; loss: the last step's")
     for col in ("schedule", "step ms", "bubble", "sim.", "formula", "stash", "sim.", "loss"):
         table.add_column(col, justify="right")
     for row in rows:
@@ -168,11 +172,12 @@ def print_schedule(console: Console, row: dict[str, Any], stages: dict[int, list
     def ms(xs: list[float]) -> str:
         return " ".join(f"{1e3 * x:.1f}" for x in xs)
 
+    unit = f"chunk micro-batches, each 1/{v} of a rank's layers" if v > 1 else "micro-batches"
     console.print(f"median F per stage {ms(row['forward'])} ms, B {ms(row['backward'])} ms ({clock.short})",
                   highlight=False)
     console.print(f"bubble {clock.short} {100 * row['bubble']:.1f}%, simulator {100 * row['simulated']:.1f}%, "
                   f"formula {100 * row['formula']:.1f}%;  peak stash per rank "
-                  f"{list(row['peak'].values())}, simulator {list(row['sim_peak'].values())}",
+                  f"{list(row['peak'].values())}, simulator {list(row['sim_peak'].values())} ({unit})",
                   highlight=False)
 
 
@@ -185,22 +190,16 @@ def check_ranks(p: int, microbatches: int = MICROBATCHES) -> str | None:
     return None
 
 
-def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
-    """Every schedule in turn on ``comm``; rank 0 prints, times on ``clock``."""
+def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = False) -> None:
+    """Every schedule in turn on ``comm``; rank 0 prints (each schedule's section with ``verbose``), times on
+    ``clock``."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
     if lead:
         (OUT / "simulated").mkdir(parents=True, exist_ok=True)
-        console.print(f"[bold]tiny GPT[/bold] ({VOCAB} tokens, seq {SEQ}, d_model {D_MODEL}, {BLOCKS} blocks "
-                      f"= {BLOCKS + 2} layers) on {p} pipeline ranks, batch {BATCH} = {m} micro-batches of "
-                      f"{BATCH // m}, {steps} steps per schedule, last step traced")
-        console.print(f"Times {clock.label} (--clock wall: as recorded). [bold]bubble[/bold] = idle share "
-                      "of each rank's F/B window; [bold]simulator[/bold] = the same schedule with this run's F/B "
-                      "durations (what the order alone costs); [bold]formula[/bold] = uniform stages, no "
-                      "communication time.", highlight=False)
-        note = clock.caveat(p)
-        if note:
-            console.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
+        console.print(f"[bold]tiny GPT[/bold] ({BLOCKS} blocks) on {p} pipeline ranks, batch {BATCH} = {m} "
+                      f"micro-batches, {steps} step{'s' * (steps > 1)} per schedule, the last traced"
+                      f"{'' if verbose else ' (--verbose: each schedule in detail)'}", highlight=False)
     rows, losses, paths, titles = [], {}, [], []
     for kind, v in SCHEDULES:
         path, sim_path = OUT / f"{kind}.json", OUT / "simulated" / f"{kind}.json"
@@ -211,10 +210,10 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
             losses[kind] = result["losses"]
             paths += [path, sim_path]
             titles += [kind, f"{kind}: simulator with the run's F/B durations ({clock.short})"]
-            print_schedule(console, row, result["stages"], clock)
+            if verbose:
+                print_schedule(console, row, result["stages"], clock)
     if not lead:
         return
-    console.rule("[bold]summary")
     console.print(summary_table(rows, losses, clock))
     note = clock.caveat(p)
     if note:
@@ -223,12 +222,13 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY) -> None:
     spread = max(abs(a - b) for ls in losses.values() for a, b in zip(ls, losses["naive"], strict=True))
     console.print(f"Every schedule gives the same losses (largest difference {spread:.1e}): a schedule "
                   "changes the order of the work, never the result.", highlight=False)
-    console.rule(f"[bold]1F1B timeline (last step, {clock.short})")
-    console.print("(idle time here counts the whole step, loss broadcast and optimizer included)",
-                  highlight=False)
-    finish(paths, OUT / "report.html", console, timeline=OUT / "1f1b.json", titles=titles, clock=clock)
-    console.print(f"traces: {', '.join(str(p_) for p_ in paths[::2])}  "
-                  f"(or: minipar view {OUT / '1f1b.json'})", highlight=False)
+    console.rule(f"[bold]1F1B timeline (last step, {clock.short}; idle counts the whole step)")
+    finish(paths, OUT / "report.html", console, timeline=OUT / "1f1b.json", titles=titles, clock=clock,
+           brief=not verbose)
+    if verbose:
+        console.print(f"traces: {', '.join(str(p_) for p_ in paths[::2])}  "
+                      f"(or: minipar view {OUT / '1f1b.json'})", highlight=False)
+    console.print(reading_path("02_pipeline"), highlight=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
-              m=args.microbatches, clock=Clock.of_args(args))
+              m=args.microbatches, clock=Clock.of_args(args), verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,27 @@
 """Lesson 3: data parallelism, two ways: DDP's bucketed all-reduce and the parameter server.
 
-    mpiexec -n 4 python lessons/03_data_parallel/lesson.py [--steps 10]
+    mpiexec -n 4 python lessons/03_data_parallel/lesson.py [--steps 10] [--verbose]
     python lessons/03_data_parallel/lesson.py --ranks 4      # same, ranks as threads in one process
 
-1. DDP (Li et al., VLDB 2020): every rank trains a full replica of the tiny GPT on its quarter of
-   each global batch; gradients travel in size-capped buckets, each all-reduced (non-blocking) as
-   soon as backward has finished it. With every all-reduce algorithm (ring, recursive doubling,
-   naive, native) the loss equals the single-process run's, step by step, and the bytes each rank
-   sent (from the trace) equal the algorithm's formula.
-2. The parameter server (Li et al., OSDI 2014): rank 0 holds the parameters, ranks 1-3 pull them,
-   compute, push gradients. Synchronous mode equals the single-process run; asynchronous mode with
-   staleness bound k = 0, 2, 4 lets the fast workers run up to k steps ahead of a straggler (rank 1,
-   slowed down on purpose): each applied gradient's staleness is in the trace, always <= k.
-3. Who sent how many bytes to whom: the parameter server's links to rank 0 carry everything (a hub),
-   the ring's links each carry an even share. Then the terminal timelines and an HTML report.
-Writes runs/03_data_parallel/*.json and report.html (``--out`` to choose the folder).
+1. DDP (Li et al., VLDB 2020): every rank trains a full replica of the tiny GPT on its quarter of each
+   global batch; gradients travel in size-capped buckets, each all-reduced (non-blocking) as soon as
+   backward has finished it. With every all-reduce algorithm (ring, recursive doubling, naive, native)
+   the loss equals one process's, step by step, and each rank's bytes per step (from the trace) the
+   algorithm's formula. The overlap is held against its formula (docs/formulas.md, section 11): bucket
+   k's all-reduce (``collective_time`` on the cluster) starts when the last rank launched it and bucket
+   k - 1 ended, so every bucket but the last hides under the backward.
+2. The parameter server (Li et al., OSDI 2014): rank 0 holds the parameters, ranks 1-3 pull, compute,
+   push gradients. Synchronous: one process's losses; asynchronous with staleness bound k = 0, 2, 4:
+   the fast workers run up to k steps ahead of a straggler (rank 1, slowed on purpose), each applied
+   gradient's staleness (in the trace) <= k. An always-slow straggler still does every step, so SSP
+   cannot shorten the run: it hides transient delays, at the price of stale gradients.
+3. Bytes per link per step: the server's links carry everything (a hub), the ring's an even share.
 
-Times are replayed (``--clock``, ``--cluster``: lessons/common.py's ``Clock``): each span at the CPU
-time its rank spent in it, a core per rank, messages on the cluster's links. DDP's overlap is held
-against its formula (docs/formulas.md, section 11): bucket k's all-reduce, ``collective_time`` of its
-bytes on the cluster, starts when the last rank launched it and the worker finished bucket k - 1, so
-every bucket but the last hides under the backward and the step grows by what ends after it.
-``--clock wall`` shows the times as recorded, time-sharing included.
-
-A straggler that is ALWAYS slow still has to do every step, so SSP cannot make the run shorter; what
-it buys is that the fast workers' gradients are applied (and their pulls answered) without waiting
-for it, up to k steps ahead -- it hides transient delays, at the price of stale gradients.
+By default: DDP's table, each part's conclusion and the DDP ring's timeline (its last 2 steps, traced);
+``--verbose`` adds the loss tables, the staleness counts, the bytes per link and the parameter server's
+timeline (every step traced). Times are replayed (``--clock``, ``--cluster``: ``lessons.common.Clock``):
+each span at its rank's CPU time, a core per rank, messages on the cluster's links; ``--clock wall``
+shows them as recorded. Writes runs/03_data_parallel/*.json and report.html (``--out``).
 """
 
 from __future__ import annotations
@@ -36,7 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import REPLAY, Clock, console, finish, lesson_parser, one_process, parse_lesson_args, run_ranks
+from lessons.common import (
+    REPLAY,
+    Clock,
+    by_rank,
+    console,
+    finish,
+    lesson_parser,
+    one_process,
+    parse_lesson_args,
+    reading_path,
+    run_ranks,
+)
 from minipar import datasets, trace
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.cost.cluster import Cluster
@@ -102,7 +109,7 @@ def ddp_run(comm: Any, algorithm: str, steps: int, out: Path) -> dict[str, Any]:
         return {}
     return {"losses": np.mean([r[0] for r in rows], axis=0).tolist(), "sent": [r[1] for r in rows],
             "formula": ddp.trace_meta(traced)["expected_bytes_by_rank"][f"allreduce/{algorithm}"],
-            "buckets": [b.nbytes for b in ddp.buckets], "path": path, "algorithm": algorithm}
+            "buckets": [b.nbytes for b in ddp.buckets], "path": path, "algorithm": algorithm, "traced": traced}
 
 
 def overlap(t: trace.Trace, cluster: Cluster, algorithm: str) -> dict[str, float]:
@@ -176,19 +183,19 @@ def ddp_tables(res: dict[str, Any], ref: list[float], clock: Clock = REPLAY) -> 
         losses.add_column(alg, justify="right")
     for s, r in enumerate(ref):
         losses.add_row(str(s), f"{r:.10f}", *[f"{ddp[a]['losses'][s]:.10f}" for a in ALLREDUCE_ALGORITHMS])
-    b = ddp[ALLREDUCE_ALGORITHMS[0]]["buckets"]
-    traffic = Table(title=f"all-reduce bytes sent per rank over the {TRACED_STEPS} traced steps: {len(b)} buckets "
-                    f"of <= {CAP:,} B ({sum(b):,} B of gradients); step and all-reduce after the backward "
-                    f"(rank 0, per step): {clock.label}", title_justify="left",
-                    caption=f"formula: bucket k's collective_time on {clock.cluster.name} from max(launch, bucket "
-                            "k-1's end); native as the ring", caption_justify="left")
+    b, traced = ddp[ALLREDUCE_ALGORITHMS[0]]["buckets"], ddp[ALLREDUCE_ALGORITHMS[0]]["traced"]
+    traffic = Table(title=f"DDP per step (of {traced} traced; times: medians, {clock.label})", title_justify="left",
+                    caption=f"bytes: all-reduce bytes each rank sent, {len(b)} buckets of <= {CAP:,} B ({sum(b):,} B "
+                            "of gradients); after B: the all-reduce left after rank 0's backward; formula: bucket "
+                            f"k's collective_time on {clock.cluster.name} from max(launch, bucket k-1's end), native "
+                            "as the ring", caption_justify="left")
     for col in ("algorithm", "trace, by rank", "formula, by rank", "match", "step", "after B", "formula"):
         traffic.add_column(col, justify="right")
     for alg in ALLREDUCE_ALGORITHMS:
         d, hidden = ddp[alg], alg == "native"
         o = overlap(clock.of(d["path"]), clock.cluster, alg)
-        traffic.add_row(alg, "(inside MPI)" if hidden else " ".join(f"{v:,}" for v in d["sent"]),
-                        "" if hidden else " ".join(f"{v:,}" for v in d["formula"]),
+        traffic.add_row(alg, "(inside MPI)" if hidden else by_rank([v // traced for v in d["sent"]]),
+                        "" if hidden else by_rank([v // traced for v in d["formula"]]),
                         "-" if hidden else ("yes" if d["sent"] == d["formula"] else "NO"),
                         *(f"{o[k] * 1e3:.2f} ms" for k in ("step", "exposed", "formula")))
     return losses, traffic
@@ -205,8 +212,8 @@ def ps_tables(res: dict[str, Any], ref: list[float], clock: Clock = REPLAY) -> t
     for s, v in enumerate(ref):
         cells = [f"{r['losses'][s]:.6f}" if s < len(r["losses"]) else "" for r in runs]
         losses.add_row(str(s), f"{v:.6f}", *cells)
-    losses.add_row(f"time, {clock.short}", "", *[f"{run_seconds(clock.of(r['path'])):.2f} s" for r in runs],
-                   style="bold")
+    losses.add_row(f"{len(ref)} steps, {clock.short}", "",
+                   *[f"{run_seconds(clock.of(r['path'])):.2f} s" for r in runs], style="bold")
     stale = Table(title="staleness of each applied gradient (from the trace marks): count by value",
                   title_justify="left")
     stale.add_column("run")
@@ -223,7 +230,7 @@ def ps_tables(res: dict[str, Any], ref: list[float], clock: Clock = REPLAY) -> t
 
 def links_table(ring: np.ndarray, hub: np.ndarray) -> Table:
     p = ring.shape[0]
-    table = Table(title="bytes per link, src -> dst: ring all-reduce (DDP) | parameter server "
+    table = Table(title="bytes per link per step, src -> dst: ring all-reduce (DDP) | parameter server "
                         "(rank 0 = server)", title_justify="left")
     table.add_column("src")
     for j in range(p):
@@ -253,35 +260,48 @@ def main(argv: list[str] | None = None) -> None:
     res = run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
     if res is None:  # not rank 0
         return
-    out = console()
-    p, ddp_ref, runs = res["p"], single_process(args.steps), res["ps"]
+    out, verbose = console(), args.verbose
+    p, ref, runs, ddp = res["p"], single_process(args.steps), res["ps"], res["ddp"]
+    traced = ddp["ring"]["traced"]
     out.rule(f"[bold]1. DDP: the tiny GPT on {p} ranks ({res['backend']}), every all-reduce algorithm")
-    for table in ddp_tables(res, ddp_ref, clock):
-        out.print(table)
-    note = clock.caveat(p)
-    if note:
-        out.print(f"[yellow]note:[/yellow] {note} (the wall times).", highlight=False)
-    out.rule(f"[bold]2. the parameter server: rank 0 serves, ranks 1-{p - 1} work")
-    for table in ps_tables(res, ddp_ref, clock):
-        out.print(table)
-    out.rule("[bold]3. who sends to whom")
-    ring = trace.load(res["ddp"]["ring"]["path"])
-    hub = trace.load(runs[0]["path"])
-    out.print(links_table(sent_matrix(ring), sent_matrix(hub)))
-    hub_step = sent_matrix(hub)[0].sum() // args.steps
-    ring_step = sent_matrix(ring)[0].sum() // min(TRACED_STEPS, args.steps)
-    out.print(f"per step: the server sends {hub_step:,} B and receives as much; "
-              f"a ring rank sends {ring_step:,} B (2(p-1)/p n), spread over one link",
+    losses, traffic = ddp_tables(res, ref, clock)
+    out.print(*(losses, traffic) if verbose else (traffic,))
+    spread = max(abs(a - b) for d in ddp.values() for a, b in zip(d["losses"], ref, strict=True))
+    out.print(f"Every algorithm gives one process's losses (largest difference {spread:.1e} over {len(ref)} steps).",
               highlight=False)
-    paths = [res["ddp"][a]["path"] for a in ALLREDUCE_ALGORITHMS] + [r["path"] for r in runs]
-    titles = [f"DDP {a}" for a in ALLREDUCE_ALGORITHMS] + [r["name"] for r in runs]
-    from viz.terminal import print_timeline
+    if clock.caveat(p):
+        out.print(f"[yellow]note:[/yellow] {clock.caveat(p)} (the wall times).", highlight=False)
+    out.rule(f"[bold]2. the parameter server: rank 0 serves, ranks 1-{p - 1} work, rank {STRAGGLER} straggles")
+    if verbose:
+        out.print(*ps_tables(res, ref, clock))
+    sync = max(abs(a - b) for a, b in zip(runs[0]["losses"], ref, strict=True))
+    times = ", ".join(f"{run_seconds(clock.of(r['path'])):.2f}" for r in runs)
+    out.print(f"Synchronous: one process's losses (largest difference {sync:.1e}). Asynchronous, staleness bound "
+              f"k = {', '.join(r['name'].rsplit('k', 1)[1] for r in runs[1:])}: the stalest applied gradient "
+              f"{', '.join(str(max(r['staleness'])) for r in runs[1:])} steps old, never more than k; "
+              f"{len(ref)} steps take {times} s "
+              f"(sync, then each k; {clock.short}).", highlight=False)
+    out.rule("[bold]3. who sends to whom, per step")
+    ring, hub = sent_matrix(trace.load(ddp["ring"]["path"])) // traced, sent_matrix(trace.load(runs[0]["path"]))
+    hub //= args.steps
+    if verbose:
+        out.print(links_table(ring, hub))
+    out.print(f"The server sends {hub[0].sum():,} B and receives as much, over its {p - 1} links; a ring rank "
+              f"sends {ring[0].sum():,} B (2(p-1)/p n), all over one link.", highlight=False)
+    paths = [ddp[a]["path"] for a in ALLREDUCE_ALGORITHMS] + [r["path"] for r in runs]
+    titles = ([f"DDP {a} ({traced} steps traced)" for a in ALLREDUCE_ALGORITHMS]
+              + [f"{r['name']} (all {args.steps} steps traced)" for r in runs])
+    if verbose:
+        from viz.terminal import print_timeline
 
-    out.rule("[bold]timeline: DDP with the ring (bucket all-reduces run while backward goes on)")
-    print_timeline(clock.of(ring), console=out)
-    out.rule("[bold]timeline: parameter server, asynchronous, k = 2 (the straggler is rank 1)")
-    finish(paths, folder / "report.html", out, timeline=runs[2]["path"], titles=titles, clock=clock)
-    out.print(f"traces: {', '.join(str(path) for path in paths)}", highlight=False)
+        out.rule("[bold]timeline: parameter server, asynchronous, k = 2 (the straggler is rank 1)")
+        print_timeline(clock.of(runs[2]["path"]), console=out)
+    out.rule(f"[bold]timeline: DDP, ring, {traced} steps (all-reduces while backward runs)")
+    finish(paths, folder / "report.html", out, timeline=ddp["ring"]["path"], titles=titles, clock=clock,
+           brief=not verbose)
+    if verbose:
+        out.print(f"traces: {', '.join(str(path) for path in paths)}", highlight=False)
+    out.print(reading_path("03_data_parallel"), highlight=False)
 
 
 if __name__ == "__main__":
