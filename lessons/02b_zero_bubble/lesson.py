@@ -260,7 +260,8 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = Fa
                       f"{', '.join(kinds)}; run, {steps} step{'s' * (steps > 1)} each: {', '.join(runs)}"
                       f"{'' if verbose else ' (--verbose: all)'}", highlight=False)
         units = [simulate_units(k, p, m, OUT / "simulated" / f"{k}.json") for k in kinds]
-        units += [simulate_units(CHIMERA, p, m, backward=1.0)] * (CHIMERA in kinds)  # the paper's equal slots
+        if CHIMERA in kinds:  # with the paper's equal slots too
+            units.append(simulate_units(CHIMERA, p, m, backward=1.0))
         shown = [u for u in units if verbose or u["kind"] not in (*ASYNC, CHIMERA)]  # the paper's Chimera
         console.print(unit_table(shown, p, verbose))
     rows, losses, seen = [], {}, {}
