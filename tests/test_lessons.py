@@ -117,7 +117,8 @@ REPLAYED = {"03_data_parallel": ("after B", "replayed: one core per rank, networ
 
 
 # lessons whose default output is checked to be short (widths.MAX_LINES lines at 80 columns) on the run below
-SHORT = ("01_collectives", "03_data_parallel")
+SHORT = ("01_collectives", "03_data_parallel", "04_tensor_parallel", "05_sequence_parallel", "06_zero", "07_offload",
+         "08_hybrid")
 
 
 # lessons whose mpiexec run is a long demonstration of what other tests prove under mpiexec
