@@ -106,10 +106,10 @@ def train(comm: Any, kind: str, steps: int = STEPS, microbatches: int = MICROBAT
         def step(x: np.ndarray, y: np.ndarray) -> float:
             return pipe.step(x, y, opt)
 
-    data = batches(steps)
-    losses = [step(x, y) for x, y in data[:-1]]
+    *first, last = batches(steps)
+    losses = [step(x, y) for x, y in first]
     with mtrace.record(trace_path, comm, **meta, time_unit="s", step=steps - 1):
-        losses.append(step(*data[-1]))
+        losses.append(step(*last))
     versions = getattr(pipe, "versions", None)
     return {"losses": losses, "peak_stash": pipe.peak_stash, "seen": dict(versions.seen) if versions else {}}
 
@@ -131,9 +131,8 @@ def formula_idle(kind: str, p: int, f: float, i: float, w: float) -> float | Non
 
 
 def formula_peaks(kind: str, p: int, m: int) -> list[int]:
-    if kind == CHIMERA:
-        return [pipeline_cost.chimera_peak_stash(p, r) for r in range(p)]
-    return [pipeline_cost.peak_stash("1f1b" if kind in ASYNC else kind, p, m, r) for r in range(p)]
+    return [pipeline_cost.chimera_peak_stash(p, r) if kind == CHIMERA else
+            pipeline_cost.peak_stash("1f1b" if kind in ASYNC else kind, p, m, r) for r in range(p)]
 
 
 def simulate_units(kind: str, p: int, m: int, path: str | os.PathLike[str] | None = None,
