@@ -32,18 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from lessons.common import (
-    REPLAY,
-    Clock,
-    by_rank,
-    console,
-    finish,
-    lesson_parser,
-    one_process,
-    parse_lesson_args,
-    reading_path,
-    run_ranks,
-)
+from lessons import common
+from lessons.common import REPLAY, Clock, by_rank, console, finish, lesson_parser, one_process
 from minipar import datasets, trace
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.cost.cluster import Cluster
@@ -251,13 +241,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = lesson_parser(__doc__, steps=10, ranks=4)
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and report.html")
-    return parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks))
+    return common.parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     folder, clock = Path(args.out), Clock.of_args(args)
-    res = run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
+    res = common.run_ranks(run_all, args.ranks, check_ranks, steps=args.steps, out=folder)
     if res is None:  # not rank 0
         return
     out, verbose = console(), args.verbose
@@ -301,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
            brief=not verbose)
     if verbose:
         out.print(f"traces: {', '.join(str(path) for path in paths)}", highlight=False)
-    out.print(reading_path("03_data_parallel"), highlight=False)
+    out.print(common.reading_path("03_data_parallel"), highlight=False)
 
 
 if __name__ == "__main__":
