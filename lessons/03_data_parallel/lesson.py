@@ -180,7 +180,7 @@ def ddp_tables(res: dict[str, Any], ref: list[float], clock: Clock = REPLAY) -> 
                             f"k's collective_time on {clock.cluster.name} from max(launch, bucket k-1's end), native "
                             "as the ring", caption_justify="left")
     for col in ("algorithm", "trace, by rank", "formula, by rank", "match", "step", "after B", "formula"):
-        traffic.add_column(col, justify="right")
+        traffic.add_column(col, justify="right", no_wrap=col == "algorithm")
     for alg in ALLREDUCE_ALGORITHMS:
         d, hidden = ddp[alg], alg == "native"
         o = overlap(clock.of(d["path"]), clock.cluster, alg)
