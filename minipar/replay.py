@@ -13,10 +13,7 @@ events in the order they happened on it (docs/formulas.md, section 11, has the r
 
 - a compute span lasts its CPU time (``c1 - c0``) less the CPU time of the communication recorded
   inside it (a wait, the gap between two steps of one collective call); a span without CPU times
-  lasts its wall time (``meta["replay"]["spans_without_cpu"]``); the rank's own thread's time outside
-  spans is free, a worker thread's CPU time between its messages (its bookkeeping) is charged;
-- a rank's threads share its one core, ``QUANTUM`` at a time, first come first served (a worker
-  thread's own spans, a CPU optimizer, stand for another device and run beside it);
+  lasts its wall time (``meta["replay"]["spans_without_cpu"]``); time outside spans is free;
 - a message of ``n`` bytes leaves when posted, once its sender's outgoing and its receiver's incoming
   port are free (one message at a time each way), and takes ``alpha + n beta`` of ``cluster.intra``
   (both ranks in one node of ``gpus_per_node``) or ``cluster.inter``; a send never blocks its rank;
@@ -52,7 +49,6 @@ from minipar.trace import Event, Trace, has_cpu_times
 NATIVE_AS = {"allreduce": "ring", "reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree",
              "reduce": "tree", "all_to_all": "pairwise", "barrier": "dissemination"}
 PRESETS: dict[str, Cluster] = NETWORKS  # local, nvlink, infiniband, a100-selene (minipar.cost.presets)
-QUANTUM = 2.0**-10  # seconds (~1 ms) a thread computes before the rank's other threads get its core
 
 
 class ReplayError(ValueError):
@@ -141,7 +137,7 @@ def _coll_key(e: Event) -> tuple[Any, ...] | None:
     return (e.cid, e.op, e.algorithm) if e.tag is not None and e.tag >> 22 == COLL else None
 
 
-def _program(events: list[Event], pts: list[_Point], stats: dict[str, int], worker: bool) -> list[tuple[str, Any]]:
+def _program(events: list[Event], pts: list[_Point], stats: dict[str, int]) -> list[tuple[str, Any]]:
     """A thread's ops: ``("compute", seconds)`` between its points (module docstring), then the point."""
     ops: list[tuple[str, Any]] = []
     open_spans: dict[int, bool] = {}  # span index -> has CPU times
@@ -152,18 +148,15 @@ def _program(events: list[Event], pts: list[_Point], stats: dict[str, int], work
             ops.append(("anchor", p))
             continue
         e = events[p.i]
-        if prev is not None and not waiting and (worker or open_spans):
+        if prev is not None and open_spans and not waiting:
             pe = events[prev.i]
             gap = prev.what == "done" and p.what == "post" and _is_message(e) and _is_message(pe) \
                 and _coll_key(e) is not None and _coll_key(e) == _coll_key(pe) \
                 and (e.step or 0) > (pe.step or 0)  # between one call's steps (a new call starts again at 0)
-            has_cpu = p.cpu is not None and prev.cpu is not None
-            if open_spans and not all(open_spans.values()):
-                d = p.wall - prev.wall  # inside a span without CPU times: its wall time
-            else:
-                d = (p.cpu - prev.cpu) if has_cpu else 0.0  # type: ignore[operator]
-            if not gap and d > 0:  # a worker's own spans are another device's work (a CPU optimizer)
-                ops.append(("compute" if worker and open_spans else "core", d))
+            cpu_ok = all(open_spans.values()) and p.cpu is not None and prev.cpu is not None
+            d = (p.cpu - prev.cpu) if cpu_ok else (p.wall - prev.wall)  # type: ignore[operator]
+            if not gap and d > 0:
+                ops.append(("compute", d))
         if p.what == "begin":
             open_spans[p.i] = e.c0 is not None and e.c1 is not None
             stats["spans_without_cpu"] += not open_spans[p.i]
@@ -236,7 +229,7 @@ def replay(trace: Trace, cluster: Cluster) -> Trace:
     check_replayable(trace)
     events = trace.events
     stats = {"spans_without_cpu": 0}
-    lanes = {k: _program(events, pts, stats, k[1] != 0) for k, pts in sorted(_points(events).items())}
+    lanes = {k: _program(events, pts, stats) for k, pts in sorted(_points(events).items())}
     match, sizes = _match(events), _group_sizes(events)
     sim = _Sim(events, lanes, match, sizes, cluster)
     sim.run()
@@ -255,11 +248,6 @@ class _Sim:
         self.events, self.lanes, self.match, self.sizes, self.cluster = events, lanes, match, sizes, cluster
         self.clock = dict.fromkeys(lanes, 0.0)
         self.pc = dict.fromkeys(lanes, 0)
-        self.core: dict[int, float] = defaultdict(float)  # rank -> its core is busy until
-        self.computing: dict[tuple[int, int], float] = {}  # lane -> CPU seconds left of its compute op
-        self.threads: dict[int, int] = defaultdict(int)  # rank -> its lanes
-        for rank, _ in lanes:
-            self.threads[rank] += 1
         self.reached: dict[tuple[int, str], float] = {}  # (event, what) -> replay time reached
         self.left: dict[tuple[int, str], float] = {}  # (event, what) -> replay time left (after a block)
         self.arrival: dict[int, float] = {}  # send event -> arrival of its data
@@ -320,14 +308,6 @@ class _Sim:
         woken: list[tuple[int, int]] = []
         if what == "compute":
             self.clock[lane] = t + arg
-        elif what == "core":  # the rank's threads share its core, QUANTUM at a time
-            left = self.computing.pop(lane, arg)
-            start = max(t, self.core[lane[0]])
-            piece = min(left, QUANTUM) if self.threads[lane[0]] > 1 else left
-            self.clock[lane] = self.core[lane[0]] = start + piece
-            if left - piece > 0:
-                self.computing[lane] = left - piece
-                return [lane]
         elif what != "anchor":
             e = self.events[arg.i]
             self.reached.setdefault((arg.i, what), t)
@@ -393,7 +373,7 @@ class _Sim:
         """The events with their replay times (anchors placed between their thread's neighbours)."""
         out = list(self.events)
         timed = {lane: [(p.wall, self.reached[(p.i, w)], self.left[(p.i, w)]) for w, p in ops
-                        if w not in ("compute", "core", "anchor")] for lane, ops in self.lanes.items()}
+                        if w not in ("compute", "anchor")] for lane, ops in self.lanes.items()}
         for lane, ops in self.lanes.items():
             mine = timed[lane] or timed.get((lane[0], 0), [])  # a thread of anchors alone: the rank's own
             walls = [w for w, _, _ in mine]

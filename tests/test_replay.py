@@ -51,18 +51,10 @@ def cluster(alpha: float = 0.0, beta: float = 0.0, gamma: float = 0.0, per_node:
     return Cluster("test", per_node, 1e9, 1.0, 1e9, Link(alpha, beta), Link(alpha, beta), gamma)
 
 
-def cpu_free(e: mtrace.Event) -> mtrace.Event:
-    """``e`` with no CPU time of its own: its CPU readings all 0 (the replay charges a thread's CPU time
-    between its points, so a recorded reading would enter the expectation)."""
-    zero = {k: 0.0 for k in ("c0", "c1", "cw") if getattr(e, k) is not None}
-    return replace(e, **zero)
-
-
 def unit_costs(events: list[mtrace.Event], cost: dict[str, float]) -> Trace:
     """The recorded events with every compute span's CPU time set to ``cost[name]`` (0 for the others:
-    the optimizer) and no CPU time anywhere else; nothing inside these spans is communication, so no
-    point splits them."""
-    out = [replace(e, c0=0.0, c1=cost.get(e.name, 0.0)) if e.kind == "compute" else cpu_free(e) for e in events]
+    the optimizer); nothing inside these spans is communication, so no point splits them."""
+    out = [replace(e, c0=0.0, c1=cost.get(e.name, 0.0)) if e.kind == "compute" else e for e in events]
     return Trace({"world_size": 1 + max(e.rank for e in events), "clock": "wall"}, out)
 
 
@@ -120,7 +112,7 @@ def test_ring_allreduce_replays_to_its_formula(p):
     events = [e for rank in launch(_allreduce, p, "threads", n, "ring") for e in rank]
     want = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
     for per_node in (p, 1):  # every rank in one node, or each its own (intra == inter here)
-        out = replay(Trace({"world_size": p}, [cpu_free(e) for e in events]), cluster(a, b, g, per_node))
+        out = replay(Trace({"world_size": p}, events), cluster(a, b, g, per_node))
         assert max(e.t1 for e in out.events) == want
         assert min(e.t0 for e in out.events) == 0.0
 
@@ -128,7 +120,7 @@ def test_ring_allreduce_replays_to_its_formula(p):
 def test_native_allreduce_replays_as_the_ring_formula():
     p, n, a, b, g = 4, 64 * 8, 0.25, 2.0**-8, 2.0**-9
     events = [e for rank in launch(_allreduce, p, "threads", n, "native") for e in rank]
-    out = replay(Trace({"world_size": p}, [cpu_free(e) for e in events]), cluster(a, b, g))
+    out = replay(Trace({"world_size": p}, events), cluster(a, b, g))
     ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g  # NATIVE_AS: MPI's is not visible
     assert {(e.t0, e.t1) for e in out.events} == {(0.0, ring)}
 
@@ -147,7 +139,7 @@ def test_native_rooted_and_personalised_collectives_by_hand(op, by_hand):
     # 4 ranks: binomial broadcast ceil(lg 4) = 2 rounds of alpha + n beta; dissemination barrier 2 alpha;
     # pairwise all-to-all 3 steps of alpha + n/4 beta (alpha 1/2, beta 1/64 s per byte, n = 256 bytes)
     events = [e for rank in launch(_native, 4, "threads", op) for e in rank]
-    out = replay(Trace({"world_size": 4}, [cpu_free(e) for e in events]), cluster(0.5, 1 / 64))
+    out = replay(Trace({"world_size": 4}, events), cluster(0.5, 1 / 64))
     assert {(e.t0, e.t1) for e in out.events} == {(0.0, by_hand)}
 
 
@@ -172,28 +164,6 @@ def test_a_non_blocking_receive_overlaps_the_compute_before_its_wait(beta, done)
     assert (recv.t0, recv.tw, recv.t1) == (0.0, 5.0, done)
 
 
-def test_a_ranks_threads_share_its_core_a_quantum_at_a_time():
-    # rank 0: its main thread computes a 2-unit span; its worker spends 1 unit of CPU time between two
-    # sends (bookkeeping, no span) to rank 1, on a network that costs nothing. One core: they alternate
-    # QUANTUM = 2^-10 s slices, the main thread first (its lane comes first at t = 0), so the worker's
-    # 1024 slices end at 2048 slices = 2.0, its second send leaves then, and the span ends at 3.0 (the
-    # sum of the CPU times). A worker's own span (a CPU optimizer) would run beside it instead.
-    Ev = mtrace.Event
-    send = dict(kind="comm", name="send", src=0, dst=1, nbytes=8, tag=0, cid="w", thread=1)
-    recv = dict(kind="comm", name="recv", src=0, dst=1, nbytes=8, tag=0, cid="w")
-    events = [Ev(0, "compute", "F", 0.0, 5.0, c0=0.0, c1=2.0),
-              Ev(0, t0=0.1, t1=0.2, c0=0.0, c1=0.0, **send), Ev(0, t0=3.0, t1=3.1, c0=1.0, c1=1.0, **send),
-              Ev(1, t0=0.0, t1=0.3, c0=0.0, c1=0.0, tw=0.0, cw=0.0, **recv),
-              Ev(1, t0=0.4, t1=4.0, c0=0.0, c1=0.0, tw=0.4, cw=0.0, **recv)]
-    out = replay(Trace({"world_size": 2}, events), cluster())
-    sends = sorted(e.t0 for e in out.events if e.rank == 0 and e.kind == "comm")
-    (span,) = [e for e in out.events if e.kind == "compute"]
-    assert sends == [0.0, 2.0] and (span.t0, span.t1) == (0.0, 3.0)
-    beside = [events[0], Ev(0, "compute", "cpu adam", 0.1, 3.1, c0=0.0, c1=1.0, thread=1)]
-    out = replay(Trace({"world_size": 1}, beside), cluster())
-    assert {(e.name, e.t0, e.t1) for e in out.events} == {("F", 0.0, 2.0), ("cpu adam", 0.0, 1.0)}
-
-
 # ---- DDP: the bucket all-reduces overlap the backward ------------------------------------------------
 # MLP 8 -> 16 -> 16 -> 4, one bucket per parameter (cap 1 byte), buckets in reverse parameter order:
 # bias 2 (4 float64 = 32 B), weight 2 (16x4: 512 B), bias 1 (128 B), weight 1 (2048 B), bias 0 (128 B),
@@ -212,24 +182,13 @@ def _ddp_step(comm) -> list[mtrace.Event]:
 
 
 def _ddp_costs(events: list[mtrace.Event]) -> Trace:
-    """The main thread's CPU clock: forward 0-1, backward 1-7, optimizer 7-8, bucket k posted at 1 + k + 1
-    (the last at 7), every other point of it at the clock's reading there; the worker's points cost nothing."""
-    spans = {"F": (0.0, 1.0), "B": (1.0, 7.0), "opt": (7.0, 8.0)}
-    done = {e.rank: sorted((e.t1, spans[e.name][1]) for e in events if e.kind == "compute") for e in events}
-
-    def clock(e: mtrace.Event) -> float:  # the CPU clock at e.t0: the spans ended by then
-        return max([c for t1, c in done[e.rank] if t1 <= e.t0], default=0.0)
-
+    spans = {"F": (0.0, 1.0), "B": (10.0, 16.0), "opt": (0.0, 1.0)}
     out = []
     for e in events:
         if e.kind == "compute":
             e = replace(e, c0=spans[e.name][0], c1=spans[e.name][1])
-        elif e.name == "async posted":  # inside the backward span; the last one at its end
-            e = replace(e, c0=1.0 + min(e.args["job"] + 1, 6))
-        elif e.thread is not None:
-            e = cpu_free(e)
-        else:
-            e = replace(e, **{k: clock(e) for k in ("c0", "c1", "cw") if getattr(e, k) is not None})
+        elif e.name == "async posted":  # inside the backward span: CPU 11..15; the last one after it
+            e = replace(e, c0=10.0 + min(e.args["job"] + 1, 6))
         out.append(e)
     return Trace({"world_size": 2}, out)
 
