@@ -28,25 +28,23 @@ these are not scaling numbers): native/blocking, ring/blocking, ring/native 2.1x
 16K; 1.5x, 1.9x, 1.3x at 1M; 0.93x, 0.71x, 0.77x at 16M. At load 3 the same ratios moved by
 20-50%.
 
-Issue 26 (ranks outnumbering cores), 2026-11-27, load average 8-11 from other jobs, so +-50% from
-run to run; ring / rd / tree over blocking at 1M and 16M float64 (``--variants ring rd tree``):
+Issue 26 (ranks outnumbering cores), 2026-11-27, nothing else running (load 3-6 from the benchmark's
+own ranks), ring / MPICH's blocking call, median of 7 (more at 1M), two runs each:
 
-    p  MINIPAR_WAIT  1M: ring   rd     tree     16M: ring   rd     tree
-    2  sleep             1.09x  0.93x  0.97x         0.78x  0.88x  1.14x
-    3  sleep             0.55x  0.79x  0.70x         0.43x  1.80x  0.92x
-    3  bell              0.62x  0.85x  0.81x         0.45x  0.85x  0.93x
-    4  sleep             1.17x  1.29x  1.40x         0.73x  2.25x  1.47x
-    4  bell              0.98x  1.10x  1.29x         0.72x  2.99x  1.32x
-    8  sleep             1.02x  1.32x  1.04x         0.72x  2.66x  2.43x
-    8  bell              1.23x  1.41x  1.07x         0.82x  2.42x  1.76x
+    p  before (ring copied its input)    after (input read in place, next receive pre-posted)
+       1M        16M                     1M             16M            rd at 1M / 16M   tree at 1M / 16M
+    2  1.18x     0.43x                   0.68x, 0.73x   0.30x, 0.27x   1.24-1.39x / 0.58x   1.86-1.92x / 0.93-1.07x
+    3  -         -                       0.38x, 0.24x   0.07x, 0.08x   0.62-0.90x / 0.84-0.94x   0.52-0.77x / 0.22x
+    4  1.21x     0.68x                   0.76x, 0.76x   0.40x, 0.36x   1.43-1.50x / 1.67-1.81x   1.33-1.43x / 0.82-0.93x
+    8  1.02x     0.72x                   0.74x, 0.81x   0.45x, 0.44x   1.34-1.53x / 2.00-2.52x   0.97-1.05x / 0.84-0.87x
 
-Under that load MPICH's blocking call, which busy-polls, loses its edge; the quiet-machine numbers of
-the issue (4 ranks: 1.29x at 1M, 2.90x at 16M) were not re-measured. ``benchmarks/oversubscribed.py``
-compares the ways a ring step waits side by side in one run.
-
-Re-measured with nothing else running (2 ranks): native/blocking 1.45x, 1.40x, 1.03x; ring/blocking
-1.83x, 1.01x, 0.69x; ring/native 1.26x, 0.72x, 0.67x at 16K, 1M, 16M elements; tracing on vs off
-1.01x (1M) and 1.25x (200 x 16).
+(the "before" row at p = 8 was measured under load 8-11, when MPICH's busy-polling call loses its edge).
+MPICH picks its own algorithm per size and rank count (the classic choice at these sizes is
+Rabenseifner's reduce-scatter + all-gather, 2 lg p steps against the ring's 2(p-1) for p a power
+of two; not verified here); relative to the ring it does worst at p = 3, not a power of two.
+``benchmarks/oversubscribed.py`` compares the ways a ring step waits (sleep, spin, sched_yield, a
+doorbell, MPI's blocking wait) side by side in one run, and
+``benchmarks/oversubscribed_step.py`` where a lesson-sized training step's time goes.
 """
 
 from __future__ import annotations
