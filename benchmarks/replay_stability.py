@@ -43,6 +43,16 @@ goal), DDP 0.38-0.55 (not: a rank's main thread and its all-reduce worker share 
 replay, giving the worker a core of its own, does not model). The goals (spread <= 2 points, within 3
 of the simulator) are not met yet: single spans' CPU time still varies run to run.
 
+Again on the quiet machine, 2026-11-27 22:52 (lessons 02 and 03 as they are after issue 28):
+1F1B replayed 29.6-32.5 % (spread 3.0 points; wall clock 37.5-44.6 %, spread 7.1), at most 3.4
+points from the simulator; interleaved 18.9-20.7 % (spread 1.8; wall clock 33.6-44.9 %, spread
+11.3), at most 1.4 points from it. 2 ranks: pipeline 0.88-0.91, DDP 0.39-0.59. Where DDP's time
+goes: the all-reduce worker's CPU time between its messages, which the replay does not charge, is
+~65 us per ring step on lesson 03's run (6 ms a step for 16 buckets, against the calibrated alpha
+of 13.4 us), and it shares the core and the GIL with the backward. A replay that charged it and
+ran a rank's threads on one core (tried, then reverted) reached 0.68-0.79 here but put lesson 03's
+replayed exposure after the backward at 10.4 ms against the alpha-beta formula's 2.5 ms.
+
 (Formula, uniform stages: 27.3 % and 15.8 %; lesson 02's first and last stages also carry the
 embedding and the head, which the simulator fed with the CPU costs per stage accounts for.) The
 replay ranks interleaved below 1F1B in every run, the wall clock in none: the wall-clock bubble is
