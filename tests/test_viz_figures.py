@@ -367,3 +367,16 @@ def test_weight_versions_are_drawn_per_stage_as_sampled():
     lines = {t.name: (list(t.x), list(t.y)) for t in fig.data}
     assert lines == {"stage 0": ([0.0, 1000.0, 2000.0], [1, 2, 1]), "stage 1": ([0.0, 1500.0], [1, 1])}
     assert fig.layout.annotations[0].text == "pipedream"
+
+
+def test_side_by_side_groups_traces_of_like_length():
+    # lesson 3's report: four DDP steps (~15 ms) and four parameter-server runs (~370 ms) on one time axis
+    # left the DDP steps a sliver; each group gets its own axis, and a lone length draws no comparison
+    def of(ms: float) -> Trace:
+        return Trace({"world_size": 1}, [Event(0, "compute", "F", 0.0, ms / 1e3)])
+
+    traces = [of(18), of(14), of(366), of(13), of(370), of(5000)]
+    assert report.time_scales(traces) == [[0, 1, 3], [2, 4], [5]]
+    assert report.time_scales([of(10), of(50), of(51)]) == [[0, 1], [2]]  # 51 > 5 x 10
+    page = report.render(traces, [f"t{i}" for i in range(6)])
+    assert page.count("<h2>side by side</h2>") == 2 and 'id="fig-compare-1"' in page

@@ -12,6 +12,7 @@ sections), then the first trace with moves between memory tiers: bytes per tier 
 (``viz.tiers``; the others' in their sections), then, for a ZeRO or FSDP run, the model states per rank of every
 trace that samples them, stacked as in ZeRO's Fig. 1, and the first FSDP trace's timeline over its gathered
 units (``viz.memory_stack``), then, when there are several traces, their timelines on one shared time axis
+(traces of like length together: ``time_scales``)
 (then the model states of a run that samples them but shards none: data parallelism, a parameter server),
 then per trace: its metadata folded into a ``<details>`` block (numbers rounded), its
 timeline (a simulated pipeline schedule: the papers' unit grid, its stash counts under it), its traffic (left
@@ -217,6 +218,25 @@ def timeline_figure(trace: Trace, title: str, other: Trace | None = None) -> go.
     return figures.clock_toggle(fig, back, (style.clock(trace, short=True), style.clock(other, short=True)))
 
 
+SCALE = 5.0  # traces drawn on one time axis differ at most this much in length
+
+
+def time_scales(traces: Sequence[Trace]) -> list[list[int]]:
+    """The traces' indices in groups to draw side by side, in order: a trace joins the group it fits
+    in (every member's length within ``SCALE`` of its own), else starts one. Lesson 3's DDP steps
+    (~20 ms) and its parameter server's 10 steps (~400 ms) are two groups."""
+    groups: list[list[int]] = []
+    length = [max(1e-12, A.window(t)[1] - A.window(t)[0]) for t in traces]
+    for i in range(len(traces)):
+        fit = next((g for g in groups if all(max(length[i], length[j]) <= SCALE * min(length[i], length[j])
+                                             for j in g)), None)
+        if fit is None:
+            groups.append([i])
+        else:
+            fit.append(i)
+    return groups
+
+
 def compare_figure(traces: Sequence[Trace], titles: Sequence[str], others: Sequence[Trace | None]) -> go.Figure:
     """The traces on one time axis, the title naming their clocks (a simulated schedule's costs are in its
     own title); a button for each clock when some trace has another (the others' traces keep theirs)."""
@@ -291,9 +311,11 @@ def render(traces: Sequence[Trace], titles: Sequence[str], extra_figures: Sequen
         parts.append(_fig_html(fsdp_step_figure(traces[first_fsdp], style.with_clock(titles[first_fsdp],
                                                                                      traces[first_fsdp])),
                                "fig-fsdp-step"))
-    if len(traces) > 1:
+    drawn = [g for g in time_scales(traces) if len(g) > 1]  # a 20 ms step beside a 400 ms one: a sliver
+    for k, group in enumerate(drawn):
         parts.append("<h2>side by side</h2>")
-        parts.append(_fig_html(compare_figure(traces, titles, others), "fig-compare"))
+        parts.append(_fig_html(compare_figure([traces[i] for i in group], [titles[i] for i in group],
+                                              [others[i] for i in group]), "fig-compare" + (f"-{k}" if k else "")))
     if not zero:  # data parallelism, a parameter server: their model states, after their timelines
         parts.extend(stack)
     for i, (title, t) in enumerate(zip(titles, traces, strict=True)):
