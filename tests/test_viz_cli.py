@@ -97,7 +97,8 @@ def test_view_writes_report_chrome_and_terminal(traces, tmp_path, capsys):
     assert cli.main(["view", *traces, "-o", str(html)]) == 0
     page = html.read_text()
     assert re.search(r"<script[^>]*\bsrc=", page) is None  # plotly.js inline, nothing fetched
-    assert page.count('class="plotly-graph-div"') == 1 + 3 + 3  # side by side + 3 figures per trace
+    # 3 figures per trace; a schedule in unit costs and a ring in seconds share no time axis (no side by side)
+    assert page.count('class="plotly-graph-div"') == 3 + 3 and "side by side" not in page
     assert cli.main(["view", traces[0], "--chrome", str(chrome)]) == 0
     events = json.loads(chrome.read_text())["traceEvents"]
     assert sum(e.get("name") in ("F0", "F1", "F2", "F3") for e in events) == 8

@@ -378,5 +378,7 @@ def test_side_by_side_groups_traces_of_like_length():
     traces = [of(18), of(14), of(366), of(13), of(370), of(5000)]
     assert report.time_scales(traces) == [[0, 1, 3], [2, 4], [5]]
     assert report.time_scales([of(10), of(50), of(51)]) == [[0, 1], [2]]  # 51 > 5 x 10
+    units = Trace({"world_size": 1, "time_unit": "units"}, [Event(0, "compute", "F", 0.0, 0.015)])
+    assert report.time_scales([of(15), units]) == [[0], [1]]  # seconds and unit costs share no axis
     page = report.render(traces, [f"t{i}" for i in range(6)])
     assert page.count("<h2>side by side</h2>") == 2 and 'id="fig-compare-1"' in page

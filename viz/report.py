@@ -223,13 +223,18 @@ SCALE = 5.0  # traces drawn on one time axis differ at most this much in length
 
 def time_scales(traces: Sequence[Trace]) -> list[list[int]]:
     """The traces' indices in groups to draw side by side, in order: a trace joins the group it fits
-    in (every member's length within ``SCALE`` of its own), else starts one. Lesson 3's DDP steps
-    (~20 ms) and its parameter server's 10 steps (~400 ms) are two groups."""
+    in (the same time unit, every member's length within ``SCALE`` of its own), else starts one.
+    Lesson 3's DDP steps (~20 ms) and its parameter server's 10 steps (~400 ms) are two groups; a
+    schedule in unit costs and a run in seconds share no axis."""
     groups: list[list[int]] = []
     length = [max(1e-12, A.window(t)[1] - A.window(t)[0]) for t in traces]
+    unit = [A.time_unit(t) for t in traces]
+
+    def fits(i: int, j: int) -> bool:
+        return unit[i] == unit[j] and max(length[i], length[j]) <= SCALE * min(length[i], length[j])
+
     for i in range(len(traces)):
-        fit = next((g for g in groups if all(max(length[i], length[j]) <= SCALE * min(length[i], length[j])
-                                             for j in g)), None)
+        fit = next((g for g in groups if all(fits(i, j) for j in g)), None)
         if fit is None:
             groups.append([i])
         else:
