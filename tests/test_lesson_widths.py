@@ -3,8 +3,9 @@ the controlling terminal, else 80), no printed line is longer, and no number is 
 
 The lessons that ``test_lessons.test_the_notebooks_mpiexec_command_runs`` runs under mpiexec (01, 03 to
 09) are checked there, at 80 columns, on the same runs. Here: the others (00, 02, 02b, and 10, whose
-mpiexec run is ``make thorough`` only) in-process at 80 columns with small settings, 00 again at 120,
-and ``viz.width`` on its own (tables at 40 to 120 columns). About 9 CPU-seconds in all. The lessons in
+mpiexec run is ``make thorough`` only) in-process at 80 columns with small settings, every lesson
+in-process at 120, and ``viz.width`` on its own (tables at 40 to 120 columns). About 70 CPU-seconds
+in all. The lessons in
 ``SHORT`` also print at most ``widths.MAX_LINES`` lines by default (``widths.length_problems``; those run under
 mpiexec: ``test_lessons.SHORT``)."""
 
@@ -23,12 +24,23 @@ from lessons import load
 from minipar.testing import ROOT
 from viz.width import Table, is_number, terminal_width
 
-# (lesson, arguments, width): every lesson not run under mpiexec by test_lessons at 80, the cheapest at 120
+# (lesson, arguments, width): every lesson not run under mpiexec by test_lessons at 80; every lesson at 120
 RUNS = [("00_autograd", ("--steps", "20"), 80),
         ("02_pipeline", ("--steps", "1", "--ranks", "2", "--microbatches", "4"), 80),
         ("02b_zero_bubble", ("--steps", "1", "--ranks", "2", "--microbatches", "4"), 80),
         ("10_faults", (), 80),
-        ("00_autograd", ("--steps", "20"), 120)]
+        ("00_autograd", ("--steps", "20"), 120),
+        ("01_collectives", (), 120),
+        ("02_pipeline", ("--steps", "1", "--ranks", "2", "--microbatches", "4"), 120),
+        ("02b_zero_bubble", ("--steps", "1", "--ranks", "2", "--microbatches", "4"), 120),
+        ("03_data_parallel", ("--steps", "2"), 120),
+        ("04_tensor_parallel", (), 120),
+        ("05_sequence_parallel", (), 120),
+        ("06_zero", ("--steps", "2"), 120),
+        ("07_offload", ("--steps", "2"), 120),
+        ("08_hybrid", ("--steps", "2"), 120),
+        ("09_sharding", (), 120),
+        ("10_faults", (), 120)]
 SHORT = ("00_autograd", "02_pipeline", "02b_zero_bubble")  # default output within widths.MAX_LINES lines at 80
 
 
