@@ -275,6 +275,17 @@ def summarise(table: list[dict[str, Any]], p: int) -> dict[str, Any]:
     return row
 
 
+def worker_json(cmd: list[str], env: dict[str, str], what: str) -> dict[str, Any] | None:
+    """Run an mpiexec job whose rank 0 prints one line ``JSON {...}``; its dict, or None after printing
+    the job's output when no such line came."""
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("JSON ")), None)
+    if line is None:
+        print(f"{what}: failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return None
+    return json.loads(line[5:])
+
+
 def driver(args: argparse.Namespace) -> None:
     py = str(ROOT / ".venv/bin/python")
     mpiexec = str(ROOT / ".venv/bin/mpiexec")
@@ -292,13 +303,9 @@ def driver(args: argparse.Namespace) -> None:
                 label = extra
             cmd = [mpiexec, "-n", str(p), py, __file__, "--worker", "--reps", str(args.reps),
                    "--variants", *args.variants, "--sizes", *map(str, args.sizes)]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("JSON ")), None)
-            if line is None:
-                print(f"p={p} {label}: failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-                continue
-            res = json.loads(line[5:])
-            print_table(res, label)
+            res = worker_json(cmd, env, f"p={p} {label}")
+            if res is not None:
+                print_table(res, label)
 
 
 def print_table(res: dict[str, Any], label: str) -> None:

@@ -51,7 +51,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,6 +60,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from oversubscribed import worker_json  # noqa: E402
 
 
 def counters() -> tuple[float, ...]:
@@ -144,12 +146,9 @@ def driver(ranks: list[int], steps: int) -> None:
     for p in ranks:
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
         cmd = [mpiexec, "-n", str(p), py, __file__, "--worker", "--steps", str(steps)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("JSON ")), None)
-        if line is None:
-            print(f"p={p}: failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        res = worker_json(cmd, env, f"p={p}")
+        if res is None:
             continue
-        res = json.loads(line[5:])
         for name, rows in res["work"].items():
             m = summarise(rows, res["p"], res["cores"])
             cells = [name, str(p), *(f"{m[k] * 1e3:.1f}" for k in ("wall", "cpu", "floor")),
