@@ -34,7 +34,7 @@ from strategies import budget
 import minipar
 from minipar import elastic
 from minipar.comm import PeerLost, RankError, faults
-from minipar.comm.detector import Detector, default_deadline
+from minipar.comm.detector import Detector, default_deadline, heartbeat_period
 from minipar.datasets import shard
 from minipar.nn import MLP
 from minipar.optim import SGD
@@ -42,7 +42,7 @@ from minipar.testing import ROOT
 
 DEADLINE = 2.0  # 2 s, not 1 s: the bound below needs room for a loaded machine under the never-heard 2x limit
 MARGIN = 1.0  # for a whole job's end: the detection's period, the wait's poll and the report's 0.3 s grace
-PERIOD = Detector(0, [], DEADLINE).period  # the heartbeat period: deadline / 5 = 0.4 s
+PERIOD = heartbeat_period(DEADLINE)  # the heartbeat period: deadline / 5 = 0.4 s
 
 
 def detected_in_time(seconds: float) -> bool:
@@ -67,6 +67,20 @@ def test_deadline_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         default_deadline(4.0, 4.0)
     monkeypatch.setenv("MINIPAR_PEER_DEADLINE", "off")
     assert default_deadline(4.0) is None
+
+
+def test_heartbeat_period_and_waiting_until_every_peer_was_heard() -> None:
+    assert (heartbeat_period(0.5), heartbeat_period(0.01), heartbeat_period(30.0)) == (0.1, 0.01, 1.0)
+    assert Detector(0, [1], 0.5).period == 0.1
+    det = Detector(0, [1, 2], 0.5)
+    det.heard(1)
+    t0 = time.monotonic()
+    det.wait_heard(limit=0.05)  # peer 2 never heard: the limit ends the wait
+    assert time.monotonic() - t0 >= 0.05
+    det.heard(2)
+    t0 = time.monotonic()
+    det.wait_heard(limit=5.0)  # both heard: returns at once
+    assert time.monotonic() - t0 < 5.0 and det.met == {1, 2}
 
 
 def _busy_then_reduce(comm: minipar.Communicator) -> float:

@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +46,10 @@ from lessons.common import console as make_console
 from minipar import datasets, elastic, launch, trace
 from minipar.cli_args import int_in
 from minipar.comm import faults
-from minipar.comm.detector import Detector
+from minipar.comm.detector import heartbeat_period
 from minipar.comm.errors import PeerLost
 from minipar.comm.mpi import under_mpiexec
+from minipar.comm.startup import env_rank_size
 from minipar.nn import GPT
 from minipar.optim import SGD, AdamW
 from minipar.parallel import param_server as ps
@@ -79,12 +79,10 @@ def batch(step: int, rows: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
     return datasets.lm_batch(STREAM, rows, SEQ, step=step)
 
 
-def heard_everyone(comm: Any, limit: float = 5.0) -> None:
-    """Wait until this rank's detector has heard every peer once (a peer never heard gets twice the
-    deadline: it may still be starting), so the lesson measures the steady-state detection."""
-    det, end = comm.state.detector, time.monotonic() + limit
-    while det is not None and len(det.met) < len(det.last) and time.monotonic() < end:
-        time.sleep(0.01)
+def heard_everyone(comm: Any) -> None:
+    """Wait until every peer was heard once, so the lesson measures the steady-state detection."""
+    if comm.state.detector is not None:
+        comm.state.detector.wait_heard()
 
 
 # ---- the three runs: every rank calls them (threads or mpiexec alike); rank 0 returns a plain dict ------
@@ -208,14 +206,9 @@ def child(part: str, out: Path, kill: bool) -> int:
 
 
 # ---- what the runs show (measured from their traces) --------------------------------------------------------
-def period(deadline: float) -> float:
-    """The detector's heartbeat period for ``deadline``."""
-    return Detector(0, (), deadline).period
-
-
 def window(deadline: float) -> str:
     """When a detection is expected after a kill: the deadline, give or take a heartbeat period."""
-    return f"{deadline - period(deadline):.2f}..{deadline + period(deadline):.2f}"
+    return f"{deadline - heartbeat_period(deadline):.2f}..{deadline + heartbeat_period(deadline):.2f}"
 
 
 def updates(applied: list[tuple[int, int, int, int]]) -> dict[int, list[int]]:
@@ -237,6 +230,7 @@ def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
     pst = trace.load(res["ps"]["trace"])
     (declared, args), = after_kill(pst, "peer declared dead").values()
     d, got, pushed = args["deadline"], updates(res["ps"]["applied"]), res["ps"]["pushed"]
+    beat = heartbeat_period(d)
     workers = sorted({*pushed, PS_VICTIM})
     want = {w: PS_KILL if w == PS_VICTIM else PS_STEPS for w in workers}
     losses = res["ps"]["losses"]
@@ -248,7 +242,7 @@ def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
     said, stopped = after_kill(ddpt, "peer declared dead"), after_kill(ddpt, "PeerLost")
     rows = sorted(runs[0]["stopped"], key=lambda r: r["rank"])
     ok_ddp = len(rows) == RANKS - 1 and all(
-        r["dead"] == VICTIM and said[r["rank"]][0] <= stopped[r["rank"]][0] <= d + 2 * period(d) for r in rows)
+        r["dead"] == VICTIM and said[r["rank"]][0] <= stopped[r["rank"]][0] <= d + 2 * beat for r in rows)
     stops = [s for s, _ in stopped.values()]
     # 3. its restart
     reference = res["reference"]["params"]
@@ -257,7 +251,7 @@ def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
     left = sorted(p.name for p in out.glob("ddp_ckpt.*"))  # a crashed save's leftovers
     ok_el = diff == 0.0 and shape == [(RANKS, 0), (RESTART, KILL)] and not left
     console.print(Table.of(f"a rank killed three times (delays after the kill: seconds, wall clock; deadline {d} s, "
-                           f"a heartbeat every {period(d):.2f} s)", ("part", "killed", "then", "delay", "expected"), [
+                           f"a heartbeat every {beat:.2f} s)", ("part", "killed", "then", "delay", "expected"), [
         ("1. async param. server", f"worker {PS_VICTIM} before step {PS_KILL}",
          f"dropped; {len(res['ps']['applied'])} updates applied in {PS_STEPS} steps", f"{declared:.3f}", window(d)),
         ("2. DDP", f"rank {VICTIM} of {RANKS} before step {KILL}", f"{len(rows)} survivors stop (PeerLost)",
@@ -309,8 +303,7 @@ def check_ranks(p: int) -> str | None:
 def relaunch_under_mpiexec(argv: list[str]) -> int:
     """Started by a plain ``mpiexec -n 4``: rank 0 runs the lesson with ``--mpi`` (its own mpiexec, outside
     this one's environment); the other ranks only check the size and exit."""
-    size = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-    rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    rank, size = env_rank_size() or (0, 1)
     problem = check_ranks(size)
     if problem:
         if rank == 0:

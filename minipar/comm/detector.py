@@ -60,6 +60,11 @@ DEFAULT_DEADLINE = 10.0
 BEAT, BYE = 1, 2  # heartbeat message kinds
 
 
+def heartbeat_period(deadline: float) -> float:
+    """Seconds between a rank's heartbeats for ``deadline``: a fifth of it, 10 ms to 1 s."""
+    return min(1.0, max(0.01, deadline / 5))
+
+
 def default_deadline(timeout: float, deadline: float | None = None) -> float | None:
     """Resolve the detection deadline: argument, then ``MINIPAR_PEER_DEADLINE``, then
     ``min(10, timeout / 2)``; it must be below the watchdog ``timeout``: an argument that is not is
@@ -110,8 +115,15 @@ class Detector:
 
     @property
     def period(self) -> float:
-        """Seconds between heartbeats: a fifth of the deadline (10 ms to 1 s)."""
-        return min(1.0, max(0.01, self.deadline / 5))
+        """Seconds between heartbeats (``heartbeat_period``)."""
+        return heartbeat_period(self.deadline)
+
+    def wait_heard(self, limit: float = 5.0) -> None:
+        """Wait (at most ``limit`` s) until every peer has been heard once: a peer never heard gets twice
+        the deadline (it may still be starting), so a detection measured after this is the steady state's."""
+        end = time.monotonic() + limit
+        while len(self.met) < len(self.last) and time.monotonic() < end:
+            time.sleep(0.01)
 
     def heard(self, peer: int, when: float | None = None) -> None:
         when = time.monotonic() if when is None else when
