@@ -227,7 +227,7 @@ def time_scales(traces: Sequence[Trace]) -> list[list[int]]:
     Lesson 3's DDP steps (~20 ms) and its parameter server's 10 steps (~400 ms) are two groups; a
     schedule in unit costs and a run in seconds share no axis."""
     groups: list[list[int]] = []
-    length = [max(1e-12, A.window(t)[1] - A.window(t)[0]) for t in traces]
+    length = [max(1e-12, hi - lo) for lo, hi in map(A.window, traces)]
     unit = [A.time_unit(t) for t in traces]
 
     def fits(i: int, j: int) -> bool:
