@@ -7,6 +7,7 @@ saves, never the complete checkpoint. All on the threads backend, each well unde
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,13 @@ import pytest
 from fault_helpers import SIZES, ps_batch, ps_loss
 
 import minipar
-from minipar import trace
+from minipar import elastic, trace
 from minipar.comm import PeerLost, RankError, faults
 from minipar.nn import MLP
 from minipar.optim import SGD
 from minipar.parallel import param_server as ps
 from minipar.parallel.zero import checkpoint
+from minipar.testing import ROOT
 
 
 # ---- M4: the parameter server translates world ranks <-> communicator ranks ---------------------------
@@ -179,3 +181,49 @@ def test_the_next_start_removes_leftovers_and_keeps_the_complete_checkpoint(tmp_
     assert sorted(os.listdir(tmp_path)) == (["ckpt"] if want else [])  # no ckpt.tmp-X, no ckpt.old-X
     if want:
         assert checkpoint.consolidate(ckpt)[1] == {"step": want}
+
+
+TRANSPORT_SCRIPT = """
+import sys
+from minipar.comm import CommError, PeerLost, faults, world
+comm = world()  # minipar initialises MPI (mpi4py's own initialisation would set ERRORS_RETURN itself)
+from mpi4py import MPI
+assert MPI.COMM_WORLD.Get_errhandler() == MPI.ERRORS_RETURN  # an MPI error comes back, not an abort
+
+def broken():  # what MPICH's Test raises when the sender of a large message died under its copy
+    raise MPI.Exception(MPI.ERR_OTHER)
+
+if comm.rank == 1 and comm.size == 3:
+    faults.kill(comm)
+try:
+    comm._wait(broken, "recv from rank 1", [1])
+except PeerLost as err:
+    print(f"rank {comm.rank}: PeerLost {err.rank}: {err}", flush=True)
+    sys.exit(3)
+except CommError as err:
+    print(f"rank {comm.rank}: CommError: {err}", flush=True)
+    sys.exit(4)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_mpi_error_in_a_wait_names_the_dead_peer_or_says_what_failed(tmp_path: Path, n: int,
+                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """MPI's errors come back to the wait (the world's handler is ``ERRORS_RETURN``); with a peer dead
+    (n = 3: rank 1 SIGKILLs itself) the wait waits for the detector and raises ``PeerLost`` naming it;
+    with every peer alive (n = 2), ``CommError`` with MPI's message after at most the detector's own
+    bound (twice the deadline and a heartbeat), never an MPI_Abort of the job."""
+    script = tmp_path / "transport.py"
+    script.write_text(TRANSPORT_SCRIPT)
+    env = {"MINIPAR_PEER_DEADLINE": "0.5", "PYTHONPATH": str(ROOT)}
+    result = elastic.mpiexec_launcher([sys.executable, str(script)], extra_env=env)(n, {})
+    out = capfd.readouterr().out
+    if n == 3:
+        assert result.statuses == {0: 3, 1: 137, 2: 3}
+        for r in (0, 2):
+            assert f"rank {r}: PeerLost 1: rank {r}: recv from rank 1 (MPI: " in out
+    else:
+        assert result.statuses == {0: 4, 1: 4}
+        for r in (0, 1):
+            assert f"rank {r}: CommError: rank {r}: recv from rank 1: MPI failed: " in out

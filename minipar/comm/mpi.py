@@ -39,7 +39,7 @@ from minipar.comm.base import Pending, wire_tag
 from minipar.comm.collectives import Communicator, scatter_shape
 from minipar.comm.detector import Detector, MpiHeartbeat, default_deadline
 from minipar.comm.doorbell import RENDEZVOUS, Doorbell, process_bell
-from minipar.comm.errors import CommTimeout, PeerLost
+from minipar.comm.errors import CommError, CommTimeout, PeerLost
 from minipar.comm.ring import chunk_bounds
 from minipar.comm.watchdog import PACE, RankState, default_timeout, poll, spin_for, wait_mode
 
@@ -180,7 +180,28 @@ class MpiCommunicator(Communicator):
 
     def _wait(self, test: Callable[[], bool], what: str, peers: Iterable[int],
               timeout: float | None = None) -> None:
-        poll(self.state, test, what, peers, timeout, self.spin, self.pace, self.rest)
+        def tested() -> bool:
+            try:
+                return test()
+            except self.MPI.Exception as err:
+                self._transport_failed(err, what)
+
+        poll(self.state, tested, what, peers, timeout, self.spin, self.pace, self.rest)
+
+    def _transport_failed(self, err: Exception, what: str) -> NoReturn:
+        """An MPI call in a wait failed (the world's handler returns errors instead of aborting). A
+        peer that dies while MPI reads its memory (MPICH's CMA copy of a large message:
+        ``process_vm_readv`` fails) fails the wait before the detector declares it: wait for the
+        declaration (at most what the detector needs: twice the deadline and a heartbeat) and raise
+        ``PeerLost`` naming the dead rank; with no rank declared, ``CommError`` with MPI's message."""
+        det = self.state.detector
+        if det is not None:
+            end = time.monotonic() + 2 * det.deadline + det.period
+            while not det.dead and time.monotonic() < end:
+                time.sleep(det.period / 4)
+            cause = err.Get_error_string().strip().splitlines()[-1].split(": ", 1)[-1].strip()  # the stack's last
+            det.raise_if_lost(f"{what} (MPI: {cause})", [], True)
+        raise CommError(f"rank {self.world_rank}: {what}: MPI failed: {err.Get_error_string()}") from err
 
     def _make_split(self, color: int, members: list[int], index: int) -> Communicator:
         return MpiCommunicator(self.mpicomm.Split(color, index), self.state)
@@ -330,6 +351,9 @@ def mpi_world(timeout: float | None = None, deadline: float | None = None) -> Mp
             watch = startup.init_mpi(dl, timeout_) if finalize else None  # mpi4py's finalize off too
             from mpi4py import MPI
 
+            # errors come back as MPI.Exception (MPI's default aborts the job): a wait turns the one a
+            # dying peer causes into PeerLost (``_transport_failed``); split and dup communicators inherit it
+            MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             state = RankState(MPI.COMM_WORLD.Get_rank(), timeout_)
             _world = MpiCommunicator(MPI.COMM_WORLD, state)
             sys.excepthook = _abort_hook
