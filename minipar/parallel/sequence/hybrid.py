@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.parallel.sequence.comm_ops import heads_to_seq, seq_to_heads
-from minipar.parallel.sequence.layout import Piece
+from minipar.parallel.sequence.layout import Piece, block_rows, check_attention
 from minipar.parallel.sequence.ring import ring_attention
 
 
@@ -27,6 +27,9 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, ulysses: Com
                      blocks: Sequence[Sequence[Piece]], causal: bool = True) -> Tensor:
     """Attention of (b, S/P, H d) shards: all-to-all over ``ulysses`` gathers ring block
     ``blocks[ring.rank]`` for H/P_u heads, Ring Attention runs over ``ring``, all-to-all back."""
+    block = block_rows("hybrid_attention", blocks, ring.size, ring.rank)
+    check_attention("hybrid_attention", q, k, v, n_heads, ulysses.size, block // ulysses.size,
+                    f"this rank's {block // ulysses.size} of the {block} positions of its ring block")
     q, k, v = (seq_to_heads.apply(x, ulysses) for x in (q, k, v))
     return hybrid_attention_on_heads(q, k, v, n_heads, ulysses, ring, blocks, causal)
 
@@ -35,5 +38,6 @@ def hybrid_attention_on_heads(q: Tensor, k: Tensor, v: Tensor, n_heads: int, uly
                               ring: Communicator, blocks: Sequence[Sequence[Piece]], causal: bool = True) -> Tensor:
     """The same from q, k, v already all-to-all'ed into ring block ``blocks[ring.rank]``, H/P_u
     heads (``linear_seq_to_heads``)."""
+    check_attention("hybrid_attention", q, k, v, n_heads, ulysses.size, on_heads=True)
     out = ring_attention(q, k, v, n_heads // ulysses.size, ring, blocks, causal)
     return heads_to_seq.apply(out, ulysses)

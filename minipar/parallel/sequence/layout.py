@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from minipar.checks import whole
+
 Piece = tuple[int, int]  # positions [start, stop)
 METHODS = ("ulysses", "ring", "hybrid")
 
@@ -148,3 +150,42 @@ def check_sequence_config(comm: Any, seq_len: int, n_heads: int, d_model: int, m
     if problems:
         raise ValueError("sequence parallelism: " + "; ".join(problems))
     return SequenceLayout(seq_len, pu, p // pu, zigzag)
+
+
+def _or(numbers: list[int]) -> str:
+    """"1, 2, 3 or 6"."""
+    return " or ".join(filter(None, [", ".join(map(str, numbers[:-1])), str(numbers[-1])]))
+
+
+def check_attention(who: str, q: Any, k: Any, v: Any, n_heads: int, p_u: int, rows: int | None = None,
+                    where: str = "", on_heads: bool = False) -> None:
+    """``ValueError`` from ``who`` (one of the attentions) unless q, k, v are one (b, n, H d) shape with
+    ``n_heads`` whole heads of width d (``on_heads``: already all-to-all'ed, H/P_u heads), ``n_heads``
+    splits over the ``p_u`` Ulysses ranks and (given ``rows``, the positions ``where`` says) n =
+    ``rows``. Numbers every rank has (its shapes, the degrees), checked before any message."""
+    n_heads = whole(who, "n_heads", n_heads)
+    shapes = [tuple(x.shape) for x in (q, k, v)]
+    if len(set(shapes)) > 1 or len(shapes[0]) != 3:
+        raise ValueError(f"{who}: q, k, v must have one shape (b, n, H d); got q {shapes[0]}, k {shapes[1]}, "
+                         f"v {shapes[2]}")
+    if n_heads % p_u:
+        ranks = _or(_divisors(n_heads))
+        raise ValueError(f"{who}: n_heads={n_heads} is not divisible by the Ulysses degree P_u={p_u} (the ranks of "
+                         f"its communicator): each rank needs whole heads; use a multiple of {p_u} heads or {ranks} "
+                         f"rank{'s' if n_heads > 1 else ''}")
+    held = n_heads // p_u if on_heads else n_heads
+    if shapes[0][2] % held:
+        heads = f"its {held} heads (n_heads={n_heads} over P_u={p_u})" if on_heads else f"n_heads={n_heads}"
+        raise ValueError(f"{who}: the width {shapes[0][2]} of q, k, v is not divisible by {heads}")
+    if rows is not None and shapes[0][1] != rows:
+        raise ValueError(f"{who}: q, k, v must be (b, {rows}, H d), {where}; got q {shapes[0]}, k {shapes[1]}, "
+                         f"v {shapes[2]}")
+
+
+def block_rows(who: str, blocks: Any, ring_size: int, ring_rank: int) -> int:
+    """The positions of ring block ``blocks[ring_rank]``, after checking ``blocks`` has one block (a
+    list of ``(start, stop)`` pieces) per ring rank."""
+    if len(blocks) != ring_size:
+        raise ValueError(f"{who}: blocks has {len(blocks)} entries; it needs one per rank of the ring "
+                         f"(comm.size={ring_size})")
+    return sum(stop - start for start, stop in blocks[ring_rank])

@@ -42,7 +42,7 @@ from minipar.comm import Communicator, Request
 from minipar.functional import _Attention
 from minipar.parallel.sequence.blockwise import HIDDEN, OnlineSoftmax, block_backward, scores, visibility
 from minipar.parallel.sequence.comm_ops import Both, pass_on
-from minipar.parallel.sequence.layout import Piece
+from minipar.parallel.sequence.layout import Piece, block_rows, check_attention
 
 TAG_KV, TAG_KV_BACK, TAG_DKV = 11, 12, 13
 heads = _Attention.heads  # (b, n, H d) -> (b, H, n, d), a view
@@ -152,5 +152,9 @@ class RingAttention(Function):
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, comm: Communicator,
                    blocks: Sequence[Sequence[Piece]], causal: bool = True) -> Tensor:
     """Ring Attention over ``comm`` for (b, n, H d) blocks q, k, v whose rows hold the positions
-    ``blocks[comm.rank]``; returns this rank's (b, n, H d) output."""
+    ``blocks[comm.rank]``; returns this rank's (b, n, H d) output. Refuses, before any message,
+    operands whose rows are not that block's positions."""
+    n = block_rows("ring_attention", blocks, comm.size, comm.rank)
+    check_attention("ring_attention", q, k, v, n_heads, 1, n,
+                    f"the {n} positions of this rank's ring block (blocks[comm.rank])")
     return RingAttention.apply(q, k, v, n_heads, comm, blocks, causal)

@@ -1,0 +1,95 @@
+"""The sequence-parallel attentions called directly (not through ``SequenceParallelGPT``, whose
+``check_sequence_config`` runs first) refuse bad arguments with one line, on every rank, before any
+message: ``ulysses_attention`` and ``hybrid_attention`` heads that do not split over the Ulysses
+ranks (they returned wrong attention, max error 0.869 against one process), ``ring_attention``
+operands whose rows are not this rank's ring block (a bare numpy IndexError)."""
+
+from __future__ import annotations
+
+import numpy as np
+from sp_helpers import Watched
+
+from minipar import launch, trace
+from minipar.autograd import Tensor
+from minipar.parallel.sequence import (
+    SequenceGroup,
+    SequenceLayout,
+    hybrid_attention,
+    ring_attention,
+    ulysses_attention,
+)
+
+P, B = 4, 2
+
+
+def _qkv(rows: tuple[int, int, int], width: int) -> list[Tensor]:
+    """q, k, v of (B, rows[i], width), requires_grad."""
+    rng = np.random.default_rng(0)
+    return [Tensor(rng.normal(size=(B, n, width)), requires_grad=True) for n in rows]
+
+
+CONTIGUOUS = [[(2 * r, 2 * r + 2)] for r in range(P)]  # S = 8 on 4 ring ranks: 2 rows each
+BAD = {  # name: (attention, keyword arguments, the whole message)
+    "ulysses heads": ("ulysses", {"heads": 6, "width": 12},
+                      "ulysses_attention: n_heads=6 is not divisible by the Ulysses degree P_u=4 (the ranks of "
+                      "its communicator): each rank needs whole heads; use a multiple of 4 heads or 1, 2, 3 or 6 "
+                      "ranks"),
+    "ulysses width": ("ulysses", {"heads": 4, "width": 10},
+                      "ulysses_attention: the width 10 of q, k, v is not divisible by n_heads=4"),
+    "ulysses shapes": ("ulysses", {"heads": 4, "width": 8, "rows": (2, 2, 3)},
+                       "ulysses_attention: q, k, v must have one shape (b, n, H d); got q (2, 2, 8), "
+                       "k (2, 2, 8), v (2, 3, 8)"),
+    "ulysses n_heads": ("ulysses", {"heads": 0, "width": 8},
+                        "ulysses_attention: n_heads=0 must be a positive whole number"),
+    "hybrid heads": ("hybrid", {"heads": 3, "width": 6},
+                     "hybrid_attention: n_heads=3 is not divisible by the Ulysses degree P_u=2 (the ranks of "
+                     "its communicator): each rank needs whole heads; use a multiple of 2 heads or 1 or 3 "
+                     "ranks"),
+    "hybrid rows": ("hybrid", {"heads": 2, "width": 4, "rows": (4, 4, 4)},
+                    "hybrid_attention: q, k, v must be (b, 2, H d), this rank's 2 of the 4 positions of its "
+                    "ring block; got q (2, 4, 4), k (2, 4, 4), v (2, 4, 4)"),
+    "ring rows": ("ring", {"heads": 2, "width": 4, "rows": (3, 3, 3)},
+                  "ring_attention: q, k, v must be (b, 2, H d), the 2 positions of this rank's ring block "
+                  "(blocks[comm.rank]); got q (2, 3, 4), k (2, 3, 4), v (2, 3, 4)"),
+    "ring whole sequence": ("ring", {"heads": 2, "width": 4, "rows": (8, 8, 8)},
+                            "ring_attention: q, k, v must be (b, 2, H d), the 2 positions of this rank's ring "
+                            "block (blocks[comm.rank]); got q (2, 8, 4), k (2, 8, 4), v (2, 8, 4)"),
+    "ring k rows": ("ring", {"heads": 2, "width": 4, "rows": (2, 3, 3)},
+                    "ring_attention: q, k, v must have one shape (b, n, H d); got q (2, 2, 4), k (2, 3, 4), "
+                    "v (2, 3, 4)"),
+    "ring blocks": ("ring", {"heads": 2, "width": 4, "blocks": CONTIGUOUS[:3]},
+                    "ring_attention: blocks has 3 entries; it needs one per rank of the ring (comm.size=4)"),
+    "ring n_heads": ("ring", {"heads": 2.0, "width": 4},
+                     "ring_attention: n_heads=2.0 must be a positive whole number"),
+}
+
+
+def bad_run(comm) -> dict:
+    """Every bad call on every rank: (error type and message, comm events recorded before it, the
+    communicators' attributes used besides rank and size)."""
+    group = SequenceGroup(comm, SequenceLayout(8, 2, 2), "hybrid")  # the 2 x 2 grid (split communicates)
+    out = {}
+    for name, (method, c) in ((n, (m, c)) for n, (m, c, _) in BAD.items()):
+        comms = [Watched(x) for x in ((comm,) if method != "hybrid" else (group.ulysses, group.ring))]
+        q, k, v = _qkv(c.get("rows", (2, 2, 2)), c["width"])
+        with trace.recording(comm.world_rank) as rec:
+            try:
+                if method == "ulysses":
+                    ulysses_attention(q, k, v, c["heads"], comms[0])
+                elif method == "ring":
+                    ring_attention(q, k, v, c["heads"], comms[0], c.get("blocks", CONTIGUOUS))
+                else:
+                    hybrid_attention(q, k, v, c["heads"], comms[0], comms[1], group.blocks)
+                msg = "accepted"
+            except Exception as exc:  # noqa: BLE001 - the test records what was raised, whatever it is
+                msg = f"{type(exc).__name__}: {exc}"
+        out[name] = (msg, sum(e.kind == "comm" for e in rec.events), [u for w in comms for u in w.used])
+    return out
+
+
+def test_bad_attention_arguments_refused_on_every_rank_threads() -> None:
+    results = launch(bad_run, P)
+    for got in results:
+        assert got == results[0]  # the same error on every rank
+    for name, (_, _, want) in BAD.items():
+        assert results[0][name] == (f"ValueError: {want}", 0, []), name  # before any message
