@@ -10,7 +10,7 @@ import ctypes
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -71,17 +71,36 @@ def run_ranks(body: Callable[..., Any], ranks: int, check: Callable[[int], str |
     mpi = under_mpiexec()
     comm = world() if mpi else None
     size, rank = (comm.size, comm.rank) if comm is not None else (ranks, 0)
-    problem = check(size) if check is not None else None
+    exit_if_wrong(check(size) if check is not None else None, rank)
+    if comm is not None:
+        result = body(comm, **kwargs)
+        return result if comm.rank == 0 else None
+    say_threads(ranks, "--ranks N to change, or mpiexec -n N for real processes")
+    return launch(body, ranks, "threads", **kwargs)[0]
+
+
+def exit_if_wrong(problem: str | None, rank: int) -> None:
+    """What every rank does with what is wrong with the world size (``problem``, None when nothing):
+    rank 0 prints ``error: <problem>`` once, and every rank exits with status 2 before any message."""
     if problem:
         if rank == 0:
             print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    if comm is not None:
-        result = body(comm, **kwargs)
-        return result if comm.rank == 0 else None
-    print(textwrap.fill(f"(no mpiexec: {ranks} ranks run as threads of this process; --ranks N to change, "
-                        f"or mpiexec -n N for real processes)", terminal_width()))
-    return launch(body, ranks, "threads", **kwargs)[0]
+
+
+def say_threads(ranks: int, how: str) -> None:
+    """The one line a lesson prints when its ``ranks`` run as threads of this process (no mpiexec),
+    ending with ``how`` to change that."""
+    print(textwrap.fill(f"(no mpiexec: {ranks} ranks run as threads of this process; {how})", terminal_width()))
+
+
+def shared_folder(comm: Any, path: str | os.PathLike[str]) -> Path:
+    """``path`` made (with its parents) by rank 0 of ``comm``, every rank waiting until it exists; returns it."""
+    folder = Path(path)
+    if comm.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    return folder
 
 
 MAX_RANKS = 64  # --ranks: threads of this process
@@ -112,6 +131,15 @@ def parse_lesson_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
     if problem:
         parser.error(f"argument --ranks: {problem}")
     return args
+
+
+def run_lesson(run: Callable[..., Any], args: argparse.Namespace, check: Callable[[int], str | None],
+               ranks: int | None = None, **kwargs: Any) -> Any:
+    """The main of a lesson whose arguments are ``lesson_parser``'s: ``run(comm, steps=, clock=, verbose=,
+    **kwargs)`` on every rank (``run_ranks``: ``ranks`` threads, default ``args.ranks``, when not under
+    mpiexec; ``check`` the world size); rank 0's result."""
+    return run_ranks(run, args.ranks if ranks is None else ranks, check, steps=args.steps,
+                     clock=Clock.of_args(args), verbose=args.verbose, **kwargs)
 
 
 def clock_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -231,6 +259,14 @@ def one_process(model: Any, optimizer: Any, batches: Iterable[tuple[Any, Any]]) 
     return losses
 
 
+def max_difference(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    """The largest absolute difference between two state dicts (the same names), over every element."""
+    import numpy as np
+
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
 def lm_batches(steps: int, vocab: int, batch: int, seq: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The lessons' data: ``steps`` (tokens, next tokens) batches of ``batch`` x ``seq`` from one
     synthetic stream of 20,000 tokens over ``vocab`` (``datasets.token_stream``, seed 0); step s's
@@ -272,6 +308,13 @@ def time_sharing(ranks: int) -> str | None:
     return (f"{ranks} ranks time-share {cores} cores: measured times include waiting for a core, "
             "so measured bubbles and idle times are larger than the formula's and schedules that "
             "should differ can look alike")
+
+
+def print_note(out: Console, note: str | None, after: str = ".") -> None:
+    """``note`` (a clock's ``caveat``, a ``time_sharing`` warning), when there is one, as a yellow "note:"
+    line ending with ``after`` (what it concerns)."""
+    if note:
+        out.print(f"[yellow]note:[/yellow] {note}{after}", highlight=False)
 
 
 def console(width: int | None = None) -> Console:

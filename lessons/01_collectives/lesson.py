@@ -37,6 +37,7 @@ from lessons.common import (
     console,
     finish,
     parse_lesson_args,
+    print_note,
     reading_path,
     run_ranks,
 )
@@ -199,9 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.out) / "trace.json"
     out.print(render(rows, p, args.n, backend, clock, replayed_seconds(clock.of(path)) if clock.kind == "replay"
                      else None))
-    note = clock.caveat(p)
-    if note:
-        out.print(f"[yellow]note:[/yellow] {note} (the time column).", highlight=False)
+    print_note(out, clock.caveat(p), " (the time column).")
     if not all(r["agrees"] for r in rows):
         raise SystemExit("the algorithms disagree with each other")
     busiest = {r["algorithm"]: f"{max(r['sent']):,}" for r in rows}

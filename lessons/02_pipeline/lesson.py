@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, reading_path, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, print_note, reading_path, run_lesson
 from lessons.common import console as make_console
 from minipar import datasets
 from minipar import trace as mtrace
@@ -215,10 +215,8 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = Fa
     if not lead:
         return
     console.print(summary_table(rows, losses, clock))
-    note = clock.caveat(p)
-    if note:
-        console.print(f"[yellow]note:[/yellow] {note}: compare the simulator column, not the measured one, "
-                      "with the formula (or drop --clock wall).", highlight=False)
+    print_note(console, clock.caveat(p), ": compare the simulator column, not the measured one, with the formula "
+               "(or drop --clock wall).")
     spread = max(abs(a - b) for ls in losses.values() for a, b in zip(ls, losses["naive"], strict=True))
     console.print(f"Every schedule gives the same losses (largest difference {spread:.1e}): a schedule "
                   "changes the order of the work, never the result.", highlight=False)
@@ -240,8 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
-              m=args.microbatches, clock=Clock.of_args(args), verbose=args.verbose)
+    run_lesson(run, args, lambda p: check_ranks(p, args.microbatches), m=args.microbatches)
 
 
 if __name__ == "__main__":

@@ -154,9 +154,7 @@ def run_seconds(t: trace.Trace) -> float:
 
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
     """Every run of the lesson on ``comm`` (4 ranks); the results on rank 0, {} elsewhere."""
-    if comm.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    comm.barrier()
+    common.shared_folder(comm, out)
     ddp = {alg: ddp_run(comm, alg, steps, out) for alg in ALLREDUCE_ALGORITHMS}
     runs = [ps_run(comm, "sync", 0, steps, out)] + [ps_run(comm, "async", k, steps, out) for k in (0, 2, 4)]
     return {"ddp": ddp, "ps": runs, "p": comm.size, "backend": comm.backend} if comm.rank == 0 else {}
@@ -259,8 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     spread = max(abs(a - b) for d in ddp.values() for a, b in zip(d["losses"], ref, strict=True))
     out.print(f"Every algorithm gives one process's losses (largest difference {spread:.1e} over {len(ref)} steps).",
               highlight=False)
-    if clock.caveat(p):
-        out.print(f"[yellow]note:[/yellow] {clock.caveat(p)} (the wall times).", highlight=False)
+    common.print_note(out, clock.caveat(p), " (the wall times).")
     out.rule(f"[bold]2. the parameter server: rank 0 serves, ranks 1-{p - 1} work, rank {STRAGGLER} straggles")
     if verbose:
         out.print(*ps_tables(res, ref, clock))

@@ -258,9 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
-                     verbose=args.verbose)
+    common.run_lesson(run, parse_args(argv), check_ranks)
 
 
 if __name__ == "__main__":
