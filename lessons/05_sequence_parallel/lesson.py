@@ -157,16 +157,7 @@ def traffic_table(traces: dict[str, mtrace.Trace], p: int, verbose: bool = True)
 
 def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtrace.Trace], p: int,
                  verbose: bool = True) -> Table:
-    table = Table(title="activation bytes one layer keeps for backward, and the largest score buffer, per rank",
-                  title_justify="left",
-                  caption="held: every buffer the layer's autograd graph keeps (memory.held_buffers), measured "
-                          "on each rank. Largest score buffer: Megatron-SP and Ulysses keep their softmax "
-                          "(b x H/P x S x S), the largest buffer the layer holds; Ring Attention keeps none and "
-                          "computes one block at a time: the largest score_bytes of its 'attention F' spans."
-                          if verbose else None,
-                  caption_justify="left")
-    for col in ("method", "held measured", "held formula", "largest score measured", "score formula"):
-        table.add_column(col, justify="right")
+    rows = []
     for name, ranks in results.items():
         method, zigzag, title = RUNS[name]
         held = [r["held"][0] for r in ranks]
@@ -174,9 +165,16 @@ def memory_table(results: dict[str, list[dict[str, Any]]], traces: dict[str, mtr
             score = max(e.args["score_bytes"] for e in score_spans(traces[name]))
         else:
             score = max(r["largest"][0] for r in ranks)
-        table.add_row(title, per_rank(held), f"{held_formula(method, p):,}", f"{score:,}",
-                      f"{score_formula(method, zigzag, p):,}")
-    return table
+        rows.append((title, per_rank(held), f"{held_formula(method, p):,}", f"{score:,}",
+                     f"{score_formula(method, zigzag, p):,}"))
+    return Table.of("activation bytes one layer keeps for backward, and the largest score buffer, per rank",
+                    ("method", "held measured", "held formula", "largest score measured", "score formula"), rows,
+                    text=0, caption_justify="left",
+                    caption="held: every buffer the layer's autograd graph keeps (memory.held_buffers), measured "
+                            "on each rank. Largest score buffer: Megatron-SP and Ulysses keep their softmax "
+                            "(b x H/P x S x S), the largest buffer the layer holds; Ring Attention keeps none and "
+                            "computes one block at a time: the largest score_bytes of its 'attention F' spans."
+                            if verbose else None)
 
 
 def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
@@ -197,25 +195,15 @@ def longest(method: str, zigzag: bool, p: int, budget: int = BUDGET) -> int:
 
 
 def budget_table(p: int) -> Table:
-    table = Table(title=f"the longest sequence whose activations and backward buffers fit "
-                        f"{BUDGET / 2**20:.0f} MiB per rank "
-                        f"(this model: b={BATCH}, h={D_MODEL}, H={HEADS}, d_ff={D_FF}, {LAYERS} layers; "
-                        "from the formulas, not measured)", title_justify="left")
-    for col in ("method", "longest S", "vs Megatron-SP"):
-        table.add_column(col, justify="right")
-    base = longest("megatron", False, p)
-    for method, zigzag, title in RUNS.values():
-        s = longest(method, zigzag, p)
-        table.add_row(title, f"{s:,}", f"{s / base:.1f}x")
-    return table
+    base, longests = longest("megatron", False, p), {title: longest(m, z, p) for m, z, title in RUNS.values()}
+    return Table.of(f"the longest sequence whose activations and backward buffers fit {BUDGET / 2**20:.0f} MiB per "
+                    f"rank (this model: b={BATCH}, h={D_MODEL}, H={HEADS}, d_ff={D_FF}, {LAYERS} layers; from the "
+                    "formulas, not measured)", ("method", "longest S", "vs Megatron-SP"),
+                    [(title, f"{s:,}", f"{s / base:.1f}x") for title, s in longests.items()], text=0)
 
 
 def causal_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
-    table = Table(title="causal mask: score blocks each rank computes in one layer's forward (counted from the "
-                        "'attention F' spans) vs causal_blocks; hidden blocks are skipped", title_justify="left")
-    for col in ("method", "ring ranks", "blocks per rank (measured)", "formula", "score elements per rank",
-                "formula", "max / mean"):
-        table.add_column(col, justify="right")
+    rows = []
     for name in ("ring", "ring_zigzag", "hybrid"):
         method, zigzag, title = RUNS[name]
         ring = p // (HYBRID_U if method == "hybrid" else 1)
@@ -229,9 +217,12 @@ def causal_table(traces: dict[str, mtrace.Trace], p: int) -> Table:
         want_b = [formulas.causal_blocks(ring, zigzag)[i] for i in ranks]
         want_e = formulas.causal_score_elements(SEQ, ring, zigzag)
         want_e = [want_e[i] for i in ranks] if isinstance(want_e, list) else want_e
-        table.add_row(title, str(ring), str(blocks), str(want_b), str(elements), str(want_e),
-                      f"{max(elements) / np.mean(elements):.2f}")
-    return table
+        rows.append((title, str(ring), str(blocks), str(want_b), str(elements), str(want_e),
+                     f"{max(elements) / np.mean(elements):.2f}"))
+    return Table.of("causal mask: score blocks each rank computes in one layer's forward (counted from the 'attention "
+                    "F' spans) vs causal_blocks; hidden blocks are skipped", ("method", "ring ranks",
+                    "blocks per rank (measured)", "formula", "score elements per rank", "formula", "max / mean"),
+                    rows, text=0)
 
 
 def check_ranks(p: int) -> str | None:
@@ -279,9 +270,8 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
         section("causal load balance")
         console.print(causal_table(traces, p))
     section(f"the zigzag ring's last step, {clock.short} (F/B per layer, opt)")
-    if note := clock.caveat(p):
-        console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes, "
-                      "memory or blocks above.", highlight=False)
+    common.print_note(console, clock.caveat(p), ". That concerns the times below, not the bytes, memory or blocks "
+                      "above.")
     ring = clock.of(OUT / "ring_zigzag.json")
     if verbose:
         console.print(step_table(ring))
@@ -300,9 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
-                     verbose=args.verbose)
+    common.run_lesson(run, parse_args(argv), check_ranks)
 
 
 if __name__ == "__main__":
