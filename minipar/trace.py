@@ -43,7 +43,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -215,6 +215,13 @@ def memory(label: str, nbytes: int, **fields: Any) -> None:
     if rec is not None:
         t = now()
         rec.add("memory", label, t, t, nbytes=int(nbytes), **fields)
+
+
+def memory_states(states: Mapping[str, int]) -> None:
+    """Sample each of ``states`` (label: bytes held, as a wrapper's ``state_bytes()`` reports its
+    parameters, gradients and optimizer state) on this rank, in order."""
+    for label, nbytes in states.items():
+        memory(label, nbytes)
 
 
 def mark(name: str, **args: Any) -> None:

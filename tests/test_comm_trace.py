@@ -203,3 +203,11 @@ def test_a_trace_that_cannot_be_written_leaves_nothing_behind(tmp_path):
     with pytest.raises(TypeError):
         trace.save(bad, path)
     assert list(tmp_path.iterdir()) == []  # neither the trace nor its temporary file
+
+
+def test_memory_states_samples_each_state_in_order():
+    with trace.recording(0) as rec:
+        trace.memory_states({"parameters": 80, "gradients": 64, "optimizer state": 160})
+    assert [(e.kind, e.name, e.nbytes) for e in rec.events] == [
+        ("memory", "parameters", 80), ("memory", "gradients", 64), ("memory", "optimizer state", 160)]
+    trace.memory_states({"parameters": 80})  # nothing recording: no sample, no error

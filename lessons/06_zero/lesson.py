@@ -45,6 +45,7 @@ from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.ddp import DistributedDataParallel, local_batch
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
+from viz.analysis import sent_by_op
 from viz.memory_stack import at_peak, before_step, fsdp_forward_table, totals_table
 from viz.width import Table
 
@@ -102,11 +103,6 @@ def groups(wrapper: Any) -> list[int]:
     return [g.layout.numel for g in getattr(wrapper, "units", None) or wrapper.buckets]
 
 
-def sample(wrapper: Any) -> None:
-    for label, nbytes in wrapper.state_bytes().items():
-        mtrace.memory(label, nbytes)
-
-
 def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[str] | None = None,
           precision: str = "fp64") -> dict[str, Any]:
     """Train the tiny GPT ``steps`` AdamW steps at ``stage`` on ``comm``, each rank on its part of
@@ -116,7 +112,7 @@ def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[s
     n, numels = comm.size, groups(wrapper)
     if stage in (1, 2):  # the lesson's sample as each gradient arrives (after ZeRO's own hook): stage 2's transient
         for p in wrapper.module.parameters():
-            p.register_hook(lambda _p: sample(wrapper))
+            p.register_hook(lambda _p: mtrace.memory_states(wrapper.state_bytes()))
     meta = {"paradigm": f"ZeRO stage {stage}" + (" (FSDP)" if stage == 3 else " (DDP)" if stage == 0 else ""),
             "time_unit": "s",
             "expected_bytes": formulas.zero_traffic_by_op(numels, stage, n, 2 if precision == "mixed" else ITEM),
@@ -126,12 +122,12 @@ def train(comm: Any, stage: int, steps: int = 3, trace_path: str | os.PathLike[s
     for step, (x, y) in enumerate(common.lm_batches(steps, VOCAB, BATCH, SEQ)):
         xs, ys = local_batch(comm, x, y)
         with mtrace.record(trace_path if step == steps - 1 else None, comm, **meta):
-            sample(wrapper)
+            mtrace.memory_states(wrapper.state_bytes())
             with mtrace.span("F") if stage != 3 else nullcontext():  # FSDP records one "F" span per unit
                 loss = wrapper.module.loss(xs, ys)
             wrapper.backward(loss)
             skipped += not wrapper.step()
-            sample(wrapper)
+            mtrace.memory_states(wrapper.state_bytes())
         losses.append(float(comm.allreduce(np.array([loss.item()]))[0]) / n)
     return {"losses": losses, "numels": numels, "skipped": skipped, "trace": trace_path,
             "loss_scale": getattr(wrapper.optimizer, "loss_scale", 1.0)}
@@ -195,25 +191,19 @@ def paper_rows() -> Table:
 
 
 def traffic_table(results: dict[tuple[int, int], dict[str, Any]], n: int, verbose: bool = True) -> Table:
-    table = Table(title=f"bytes each rank sent in one training step, N = {n} (ring collectives; measured: the "
-                        "trace)", title_justify="left")
-    for col in ("stage", *(("ops measured (rank 0)",) if verbose else ()), "measured per rank", "zero_traffic_bytes",
-                "DDP all-reduce", "vs DDP"):
-        table.add_column(col, justify="right")
-    ddp = formulas.zero_traffic_bytes(results[(0, n)]["numels"], 0, n)
+    ddp, rows = formulas.zero_traffic_bytes(results[(0, n)]["numels"], 0, n), []
     for stage in TITLES:
         trace = mtrace.load(results[(stage, n)]["trace"])
-        per_op: dict[str, int] = {}
-        for e in trace.events:
-            if e.kind == "comm" and e.rank == 0 and e.src == 0:
-                per_op[e.op] = per_op.get(e.op, 0) + (e.nbytes or 0)
+        per_op = sent_by_op(trace.events, 0)
         sent = [trace.bytes_sent(r) for r in range(n)]
         want = formulas.zero_traffic_bytes(results[(stage, n)]["numels"], stage, n)
-        table.add_row(f"{stage} {formulas.STAGE_NAMES[stage]}",
-                      *((", ".join(f"{op} {b:,}" for op, b in per_op.items()),) if verbose else ()),
-                      f"{sent[0]:,}" if len(set(sent)) == 1 else " / ".join(f"{b:,}" for b in sent),
-                      f"{want:,}", f"{ddp:,}", f"{sent[0] / ddp:.2f}x")
-    return table
+        rows.append((f"{stage} {formulas.STAGE_NAMES[stage]}",
+                     *((", ".join(f"{op} {b:,}" for op, b in per_op.items()),) if verbose else ()),
+                     f"{sent[0]:,}" if len(set(sent)) == 1 else " / ".join(f"{b:,}" for b in sent),
+                     f"{want:,}", f"{ddp:,}", f"{sent[0] / ddp:.2f}x"))
+    return Table.of(f"bytes each rank sent in one training step, N = {n} (ring collectives; measured: the trace)",
+                    ("stage", *(("ops measured (rank 0)",) if verbose else ()), "measured per rank",
+                     "zero_traffic_bytes", "DDP all-reduce", "vs DDP"), rows, text=0)
 
 
 def check_ranks(p: int) -> str | None:
@@ -226,9 +216,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     """Every stage at every N, then mixed precision; rank 0 prints (``verbose``: every table)."""
     console = make_console()
     p, lead = comm.size, comm.rank == 0
-    if lead:
-        OUT.mkdir(parents=True, exist_ok=True)
-    comm.barrier()
+    common.shared_folder(comm, OUT)
     results = run_all(comm, steps)
     mixed = train(comm, 3, steps, OUT / "fsdp_mixed.json", precision="mixed")
     if not lead:
@@ -265,9 +253,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     fsdp = clock.of(results[(3, p)]["trace"])
     if verbose:
         console.rule(f"[bold]4. FSDP unit by unit ({clock.label})")
-        if note := clock.caveat(p):
-            console.print(f"[yellow]note:[/yellow] {note}. That concerns the times below, not the bytes.",
-                          highlight=False)
+        common.print_note(console, clock.caveat(p), ". That concerns the times below, not the bytes.")
         console.print(fsdp_forward_table(fsdp, results[(3, p)]["numels"], p))
         console.rule("[bold]5. mixed precision (FSDP, fp16 working copy, fp32 master and moments)")
         console.print(mixed_summary(mixed, results[(3, p)]["losses"], p), highlight=False)
@@ -304,9 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
-                     verbose=args.verbose)
+    common.run_lesson(run, parse_args(argv), check_ranks)
 
 
 if __name__ == "__main__":
