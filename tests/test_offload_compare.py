@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import trace
+from minipar import nn, trace
 from minipar.comm import launch
-from minipar.parallel.offload.compare import Reuse, spread, train_chunks
+from minipar.parallel.offload.compare import Reuse, short_budget_error, spread, train_chunk_policies, train_chunks
 from minipar.tiers import Bandwidth
 from viz.tiers import per_step_moves
 
 D, CHUNK = 32, 32 * 32 + 32
 
 
+def batches() -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(np.random.default_rng(i).normal(size=(2, D)), np.random.default_rng(10 + i).normal(size=(2, D)))
+            for i in range(4)]
+
+
 def chunks_run(comm, policy: str, path: str) -> dict:
-    batches = [(np.random.default_rng(i).normal(size=(2, D)), np.random.default_rng(10 + i).normal(size=(2, D)))
-               for i in range(4)]
-    return train_chunks(comm, lambda: Reuse(D), batches, path, CHUNK, 2, policy, 1e-3, Bandwidth())
+    return train_chunks(comm, lambda: Reuse(D), batches(), path, CHUNK, 2, policy, 1e-3, Bandwidth())
 
 
 def test_chunks_miss_what_each_policy_should(tmp_path) -> None:
@@ -39,3 +42,25 @@ def test_chunks_miss_what_each_policy_should(tmp_path) -> None:
 
 def test_spread_includes_both_ends() -> None:
     assert spread(100, 300) == [100, 200, 300] and spread(7, 7) == [7] and spread(0, 10, 6) == [0, 2, 4, 6, 8, 10]
+
+
+def test_chunk_policies_run_each_model_under_both_policies_on_one_budget(tmp_path) -> None:
+    def body(comm):
+        return train_chunk_policies(comm, {"loop": (lambda: Reuse(D), CHUNK, 2, batches())}, tmp_path, 1e-3,
+                                    Bandwidth())
+
+    got = launch(body, 1)[0]
+    assert list(got) == [("loop", "lru"), ("loop", "warmup")]
+    for (_, policy), misses in zip(got, ([5, 5, 5, 5], [5, 4, 4, 4]), strict=True):
+        assert got[("loop", policy)]["trace"] == tmp_path / f"chunks_loop_{policy}.json"
+        setup, *steps, flush = per_step_moves(trace.load(tmp_path / f"chunks_loop_{policy}.json"), 0)
+        assert [s["cpu->device"] for s in steps] == [m * 8 * CHUNK for m in misses], policy
+    assert got[("loop", "lru")]["budget"] == got[("loop", "warmup")]["budget"]
+
+
+def test_a_device_one_byte_short_is_refused_alike_on_every_rank_before_any_byte_is_placed() -> None:
+    def body(comm):
+        return short_budget_error(lambda: nn.GPT(16, 8, 16, 2, 1, seed=0), comm, 4096, 1e-3)
+
+    first, second = launch(body, 2)
+    assert first == second and first.startswith("DeviceOutOfMemory: ") and not first.endswith("placed!)")

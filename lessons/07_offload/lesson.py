@@ -52,8 +52,8 @@ from minipar import trace as mtrace
 from minipar.cost import offload as formulas
 from minipar.cost import zero as zero_formulas
 from minipar.nn import GPT
-from minipar.parallel.offload import ZeroOffload, compare, offload_device_need
-from minipar.tiers import Bandwidth, DeviceOutOfMemory, Tiers
+from minipar.parallel.offload import compare, offload_device_need
+from minipar.tiers import Bandwidth, Tiers
 from viz import offload as views
 from viz.tiers import budget_figure
 from viz.width import Table
@@ -112,23 +112,13 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
                                  delayed=run == "dpu", in_memory=run == "zero2", loss_scale=MIXED_SCALE, meta=meta)
 
 
-def too_small(comm: Any) -> str:
-    """The message every rank gets for a device budget one byte below ``offload_device_need``."""
-    tiers = Tiers(offload_device_need(model(), comm.size, CAP)["total"] - 1)
-    try:
-        ZeroOffload(model(), comm, tiers, lr=LR, bucket_cap_bytes=CAP)
-    except DeviceOutOfMemory as exc:
-        return f"{type(exc).__name__}: {exc}" + ("" if tiers.device_bytes == 0 else " (but bytes were placed!)")
-    return "no error"
-
-
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
     """The tour, the four ZeRO runs, ZeRO-Infinity, the chunks (rank 0 alone) and the budget sweep
     (traces under ``out``), and the too-small budget's message; rank 0's results."""
     results: dict[str, Any] = {"tour": tour(comm, out / "tiers.json", out)}
     for run in RUNS:
         results[run] = train(comm, run, steps, out / f"{run}.json")
-    results["oom"] = comm.allgather_object(too_small(comm))
+    results["oom"] = comm.allgather_object(compare.short_budget_error(model, comm, CAP, LR))
     batches = common.lm_batches(steps, VOCAB, BATCH, SEQ)
     results["infinity"] = compare.train_infinity(comm, model, batches, out / "infinity.json", out / "nvme_infinity",
                                                  LR, BANDWIDTH, NVME_WORKERS)
@@ -155,14 +145,7 @@ def chunks(solo: Any, steps: int, out: Path) -> dict[tuple[str, str], dict[str, 
             for i in range(steps)]
     models = {"GPT": (model, CHUNK, FIT, half_batches(steps)),
               "loop": (lambda: compare.Reuse(LOOP_D), LOOP_D * LOOP_D + LOOP_D, 2, loop)}
-    results = {}
-    for name, (make, size, fit, batches) in models.items():
-        acts = compare.activations(make, batches[0])
-        for policy in ("lru", "warmup"):
-            path = out / f"chunks_{name}_{policy}.json"
-            results[(name, policy)] = compare.train_chunks(solo, make, batches, path, size, fit, policy, LR,
-                                                           BANDWIDTH, acts)
-    return results
+    return compare.train_chunk_policies(solo, models, out, LR, BANDWIDTH)
 
 
 def bytes_table(results: dict[str, Any], n: int, verbose: bool) -> Table:
@@ -200,9 +183,7 @@ def check_ranks(p: int) -> str | None:
 def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: bool = False) -> None:
     console = make_console()
     n, lead = comm.size, comm.rank == 0
-    if lead:
-        OUT.mkdir(parents=True, exist_ok=True)
-    comm.barrier()
+    common.shared_folder(comm, OUT)
     results = run_all(comm, steps)
     if not lead:
         return
@@ -217,7 +198,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
         for run in ("zero2", "offload", "dpu"):
             console.print(f"losses {RUNS[run]}: " + " ".join(f"{v:.12f}" for v in results[run]["losses"]),
                           highlight=False)
-    diff = max(float(np.abs(off["params"][k] - zero2["params"][k]).max()) for k in zero2["params"])
+    diff = common.max_difference(off["params"], zero2["params"])
     console.print(f"ZeRO-Offload trains to ZeRO-2's parameters: largest difference {diff:g} (every move is a copy; "
                   "the same reduce-scatter, the same AdamW, on the CPU).", highlight=False)
     section("bytes between the tiers, per step")
@@ -227,11 +208,10 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     if verbose:
         console.print(results["oom"][0], highlight=False)
     section("the delayed parameter update (DPU)")
-    if clock.caveat(2 * n):
-        console.print(f"[yellow]note:[/yellow] with DPU each rank runs a second thread (the CPU AdamW): {2 * n} "
-                      f"threads share {os.cpu_count()} cores (in-process ranks also share Python's GIL), so the "
-                      "measured times include waiting for a core and the DPU step can be no faster, or slower; "
-                      "the model gives the CPU step a core of its own.", highlight=False)
+    common.print_note(console, clock.caveat(2 * n) and f"with DPU each rank runs a second thread (the CPU AdamW): "
+                      f"{2 * n} threads share {os.cpu_count()} cores (in-process ranks also share Python's GIL), so "
+                      "the measured times include waiting for a core and the DPU step can be no faster, or slower; "
+                      "the model gives the CPU step a core of its own")
     console.print(dpu_table(results, clock, verbose))
     h = views.hidden_ms(clock.of(results["dpu"]["trace"]))
     console.print(f"DPU on rank 0 over the {steps} steps ({clock.short}): {h['total']:.2f} ms of CPU AdamW, "
@@ -279,7 +259,7 @@ def beyond(console: Any, section: Any, results: dict[str, Any], n: int) -> None:
     """ZeRO-Infinity, PatrickStar's chunks, each method's budget and the budget sweep (``--verbose``)."""
     inf, zero2 = results["infinity"], results["zero2"]
     section("ZeRO-Infinity: parameters and optimizer state on NVMe")
-    diff = max(float(np.abs(inf["params"][k] - zero2["params"][k]).max()) for k in zero2["params"])
+    diff = common.max_difference(inf["params"], zero2["params"])
     console.print(f"losses {' '.join(f'{v:.12f}' for v in inf['losses'])}; parameters vs ZeRO-2: largest difference "
                   f"{diff:g}.", highlight=False)
     console.print(infinity_table(results, n))
@@ -293,8 +273,7 @@ def beyond(console: Any, section: Any, results: dict[str, Any], n: int) -> None:
                   "chunk manager charges activations to the device (PatrickStar's non-model data); ZeRO-Offload's "
                   "and ZeRO-Infinity's budgets count model data alone.", highlight=False)
     section("step time vs device budget, from each method's minimum up")
-    if warn := common.time_sharing(n):
-        console.print(f"[yellow]note:[/yellow] {warn}.", highlight=False)
+    common.print_note(console, common.time_sharing(n))
     console.print(views.sweep_table(results["sweep"], n))
 
 
@@ -305,9 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.run_ranks(run, args.ranks, check_ranks, steps=args.steps, clock=common.Clock.of_args(args),
-                     verbose=args.verbose)
+    common.run_lesson(run, parse_args(argv), check_ranks)
 
 
 if __name__ == "__main__":

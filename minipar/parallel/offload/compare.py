@@ -7,11 +7,13 @@ trained on a budgeted device, each whole run traced with a "step" mark at every 
   mark, ``wrapper.loss``, ``backward``, ``step``; the global batch's losses.
 - ``train_offload(...)``: ZeRO-Offload (Ren et al. 2021; with ``delayed``, its delayed parameter
   update) on a device of exactly ``offload_device_need`` (or ``budget``), or ZeRO-2 with everything
-  in device memory (``in_memory``), the baseline it must equal.
+  in device memory (``in_memory``), the baseline it must equal; ``short_budget_error(...)`` what it
+  raises on a device one byte too small.
 - ``train_infinity(...)``: ZeRO-Infinity (Rajbhandari et al. 2021, Sec. 5-6) on a device of exactly
   ``zero_infinity_device_need`` (or ``budget``), each rank's NVMe files under ``nvme/rank<r>``.
 - ``train_chunks(...)``: PatrickStar (Fang et al. 2021) on one rank, a device of the activations
-  measured on the first batch plus ``fit`` chunks, evicting by recency (LRU) or by the warm-up's order.
+  measured on the first batch plus ``fit`` chunks, evicting by recency (LRU) or by the warm-up's order;
+  ``train_chunk_policies(...)`` each of a few models under both.
 - ``Reuse``: ``Linear`` layers applied in an order that comes back to the first: where the recorded
   order of uses beats recency (on a model that uses its layers in order both miss alike).
 - ``budget_sweep(...)``: ZeRO-Offload and ZeRO-Infinity at a few device budgets from their minimum
@@ -47,7 +49,7 @@ from minipar.parallel.offload.chunks import ChunkManager
 from minipar.parallel.offload.infinity import ZeroInfinity
 from minipar.parallel.offload.zero_offload import ZeroOffload, offload_device_need
 from minipar.parallel.zero import ZeroDataParallel
-from minipar.tiers import Bandwidth, Tiers
+from minipar.tiers import Bandwidth, DeviceOutOfMemory, Tiers
 
 Batches = Sequence[tuple[np.ndarray, np.ndarray]]
 
@@ -97,6 +99,17 @@ def train_offload(comm: Communicator, make_model: Callable[[], nn.GPT], batches:
     tiers.close()
     return {"losses": losses, "params": params, "numels": numels, "peak": tiers.peak_device_bytes,
             "budget": budget, "trace": trace_path}
+
+
+def short_budget_error(make_model: Callable[[], nn.GPT], comm: Communicator, cap: int, lr: float) -> str:
+    """What ``ZeroOffload`` raises on this rank of ``comm`` given a device one byte below
+    ``offload_device_need``: ``<type>: <message>`` (marked if it had placed bytes first), or "no error"."""
+    tiers = Tiers(offload_device_need(make_model(), comm.size, cap)["total"] - 1)
+    try:
+        ZeroOffload(make_model(), comm, tiers, lr=lr, bucket_cap_bytes=cap)
+    except DeviceOutOfMemory as exc:
+        return f"{type(exc).__name__}: {exc}" + ("" if tiers.device_bytes == 0 else " (but bytes were placed!)")
+    return "no error"
 
 
 def _forward(net: nn.GPT, x: np.ndarray, y: np.ndarray) -> Tensor:
@@ -173,6 +186,21 @@ def train_chunks(solo: Communicator, make_model: Callable[[], nn.Module], batche
     cm.close()
     tiers.close()
     return out
+
+
+def train_chunk_policies(solo: Communicator, models: dict[str, tuple[Callable[[], nn.Module], int, int, Batches]],
+                         out: str | os.PathLike[str], lr: float, bandwidth: Bandwidth) -> dict[tuple[str, str], Any]:
+    """``train_chunks`` of each of ``models`` (name: (make_model, chunk elements, chunks that fit beside
+    the activations, batches)) evicting by recency ("lru"), then by the warm-up's order ("warmup"), both
+    on one budget (the activations measured once, on the first batch), traced into
+    ``out/chunks_<name>_<policy>.json``; each (name, policy)'s result."""
+    results = {}
+    for name, (make, size, fit, batches) in models.items():
+        acts = activations(make, batches[0])
+        for policy in ("lru", "warmup"):
+            results[(name, policy)] = train_chunks(solo, make, batches, Path(out) / f"chunks_{name}_{policy}.json",
+                                                   size, fit, policy, lr, bandwidth, acts)
+    return results
 
 
 def spread(low: int, high: int, points: int = 3) -> list[int]:
