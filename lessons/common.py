@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,6 +23,7 @@ from minipar import datasets
 from minipar.cli_args import int_in
 from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
+from minipar.comm.startup import env_rank_size, outside_mpiexec_env
 from minipar.cost.cluster import Cluster
 from minipar.replay import ReplayError, check_replayable, cluster_named, replay
 from minipar.trace import Trace, load
@@ -86,6 +88,18 @@ def exit_if_wrong(problem: str | None, rank: int) -> None:
         if rank == 0:
             print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def rerun_outside_mpiexec(script: str | os.PathLike[str], argv: Sequence[str],
+                          check: Callable[[int], str | None]) -> int:
+    """A lesson that starts its own launchers, started by a plain ``mpiexec``: every rank checks the
+    world's size (``check``, as ``exit_if_wrong``); rank 0 runs ``script`` with ``argv`` as a process
+    outside this job (``startup.outside_mpiexec_env``) and returns its exit status, the others 0."""
+    rank, size = env_rank_size() or (0, 1)
+    exit_if_wrong(check(size), rank)
+    if rank != 0:
+        return 0
+    return subprocess.run([sys.executable, os.fspath(script), *argv], env=outside_mpiexec_env()).returncode
 
 
 def say_threads(ranks: int, how: str) -> None:
@@ -271,8 +285,17 @@ def lm_batches(steps: int, vocab: int, batch: int, seq: int) -> list[tuple[np.nd
     """The lessons' data: ``steps`` (tokens, next tokens) batches of ``batch`` x ``seq`` from one
     synthetic stream of 20,000 tokens over ``vocab`` (``datasets.token_stream``, seed 0); step s's
     batch is the same on every rank and in the single-process reference."""
-    stream = datasets.token_stream(20_000, vocab, seed=0)
-    return [datasets.lm_batch(stream, batch, seq, step=s) for s in range(steps)]
+    return [lm_batch(s, vocab, batch, seq) for s in range(steps)]
+
+
+def lm_batch(step: int, vocab: int, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step ``step``'s batch of ``lm_batches`` alone (the stream made once per ``vocab``)."""
+    return datasets.lm_batch(_token_stream(vocab), batch, seq, step=step)
+
+
+@cache
+def _token_stream(vocab: int) -> np.ndarray:
+    return datasets.token_stream(20_000, vocab, seed=0)
 
 
 def sections(out: Console) -> Callable[[str], None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ from strategies import budget
 import minipar
 from minipar import elastic
 from minipar.comm import PeerLost, RankError, faults
-from minipar.comm.detector import Detector, default_deadline, heartbeat_period
+from minipar.comm.detector import Detector, default_deadline, detection_window, heartbeat_period, wait_heard
 from minipar.datasets import shard
 from minipar.nn import MLP
 from minipar.optim import SGD
@@ -81,6 +82,25 @@ def test_heartbeat_period_and_waiting_until_every_peer_was_heard() -> None:
     t0 = time.monotonic()
     det.wait_heard(limit=5.0)  # both heard: returns at once
     assert time.monotonic() - t0 < 5.0 and det.met == {1, 2}
+
+
+def test_detection_window_is_the_deadline_give_or_take_a_heartbeat_period() -> None:
+    assert detection_window(0.5) == pytest.approx((0.4, 0.6)) and detection_window(10.0) == (9.0, 11.0)
+
+
+def test_wait_heard_returns_at_once_without_a_detector_and_waits_for_every_peer_with_one() -> None:
+    wait_heard(SimpleNamespace(state=SimpleNamespace(detector=None)))  # no deadline: nothing to wait for
+    det = Detector(0, [1, 2], 0.5)
+    det.heard(1)
+    det.heard(2)
+    wait_heard(SimpleNamespace(state=SimpleNamespace(detector=det)))
+    assert det.met == {1, 2}
+    assert minipar.launch(_heard, 3, deadline=0.5) == [[1, 2], [0, 2], [0, 1]]
+
+
+def _heard(comm: minipar.Communicator) -> list[int]:
+    wait_heard(comm)
+    return sorted(comm.state.detector.met)
 
 
 def _busy_then_reduce(comm: minipar.Communicator) -> float:

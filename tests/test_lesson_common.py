@@ -70,3 +70,17 @@ def test_run_lesson_passes_the_parsed_arguments(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         common.run_lesson(run, args, lambda p: f"got {p}")
     assert capsys.readouterr().err == "error: got 2\n"
+
+
+def test_rerun_outside_mpiexec_checks_the_size_everywhere_and_reruns_on_rank_0_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "child.py"  # exits with its argument count, 9 if it sees the enclosing job
+    script.write_text("import os, sys\nsys.exit(9 if 'PMI_RANK' in os.environ else len(sys.argv) - 1)\n")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("PMI_RANK", "1")
+    assert common.rerun_outside_mpiexec(script, ["--mpi"], lambda p: None) == 0  # not rank 0: nothing run
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert common.rerun_outside_mpiexec(script, ["--out", "x", "--mpi"], lambda p: None) == 3
+    with pytest.raises(SystemExit) as exc:
+        common.rerun_outside_mpiexec(script, [], lambda p: f"run it on 2 ranks, got {p}")
+    assert exc.value.code == 2 and capsys.readouterr().err == "error: run it on 2 ranks, got 4\n"

@@ -1,7 +1,7 @@
 """What lessons 9 and 10 moved into the library (issue 28, item 7): a Megatron block's parameters per
 rank (``cost.tensor.block_parameters``), ``viz.width.Table.of``, the delays and waits
-``viz.faults`` reads from a trace that lost a rank, and ``elastic.threads_launcher`` (the elastic loop
-on threads)."""
+``viz.faults`` reads from a trace that lost a rank, ``elastic.threads_launcher`` (the elastic loop
+on threads) and ``startup.outside_mpiexec_env`` (lesson 10 starting its own mpiexec from a rank)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import io
 from rich.console import Console
 
 from minipar import elastic, nn
-from minipar.comm import faults
+from minipar.comm import faults, startup
 from minipar.cost.tensor import block_parameters
 from minipar.trace import Event, Trace
 from viz import faults as vf
@@ -70,3 +70,9 @@ def test_the_elastic_loop_on_threads_restarts_without_the_killed_rank() -> None:
     assert runs[0].statuses == {0: 0, 1: 137, 2: 0} and runs[0].lost == [1] and runs[1].ok
     assert results == [{"status": 0, "run": 0, "size": 3}, {"status": 0, "run": 1, "size": 2}]
     assert sorted(seen) == [(0, 3, 0), (0, 3, 2), (1, 2, 0), (1, 2, 1)]
+
+
+def test_outside_mpiexec_env_drops_the_enclosing_jobs_variables_only() -> None:
+    env = {"PMI_RANK": "0", "PMI_SIZE": "4", "PMIX_RANK": "0", "HYDI_CONTROL_FD": "7", "HYDRA_PROXY": "x",
+           "PATH": "/bin", "MINIPAR_PEER_DEADLINE": "2"}
+    assert startup.outside_mpiexec_env(env) == {"PATH": "/bin", "MINIPAR_PEER_DEADLINE": "2"}

@@ -290,3 +290,9 @@ def test_memory_servers_hold_their_shard_workers_the_whole_model(opt, state_copi
             assert mem == {"parameters": [shard[rank]], "optimizer state": state}
         else:  # a full replica of the parameters and the gradients, no optimizer
             assert mem == {"parameters": [n], "gradients": [n] * steps}
+
+
+def test_updates_group_a_servers_applied_gradients_by_worker_in_order():
+    applied = [(1, 0, 0, 0), (2, 0, 0, 1), (1, 1, 1, 2), (3, 0, 0, 3), (1, 2, 2, 4), (2, 1, 1, 5)]
+    assert ps.Result(rank=0, role="server", applied=applied).updates() == {1: [0, 1, 2], 2: [0, 1], 3: [0]}
+    assert ps.Result(rank=1, role="worker").updates() == {}

@@ -34,7 +34,7 @@ import numpy as np
 
 from lessons import common
 from lessons.common import REPLAY, Clock, by_rank, console, finish, lesson_parser, one_process
-from minipar import datasets, trace
+from minipar import trace
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.cost.cluster import Cluster
 from minipar.cost.collectives import collective_time
@@ -49,7 +49,6 @@ CAP = 16 * 1024  # bucket cap (bytes): the tiny GPT's 250 KB of gradients make s
 STRAGGLER, DELAY = 1, 0.03  # the parameter server's slow worker and its extra seconds per step
 OUT = Path("runs/03_data_parallel")
 TRACED_STEPS = 2  # DDP traces its last 2 steps (a readable timeline); the parameter server its whole run
-STREAM = datasets.token_stream(20_000, VOCAB, seed=0)
 
 
 def model() -> GPT:
@@ -58,7 +57,7 @@ def model() -> GPT:
 
 def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of ``step`` (the same on every rank)."""
-    return datasets.lm_batch(STREAM, BATCH, SEQ, step=step)
+    return common.lm_batch(step, VOCAB, BATCH, SEQ)
 
 
 def loss_fn(m: Module, x: np.ndarray, y: np.ndarray) -> Any:

@@ -39,17 +39,15 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from lessons.common import MAX_RANKS, finish, parse_lesson_args, reading_path, time_sharing
+from lessons import common
 from lessons.common import console as make_console
-from minipar import datasets, elastic, launch, trace
+from minipar import elastic, launch, trace
 from minipar.cli_args import int_in
 from minipar.comm import faults
-from minipar.comm.detector import heartbeat_period
+from minipar.comm.detector import detection_window, heartbeat_period, wait_heard
 from minipar.comm.errors import PeerLost
 from minipar.comm.mpi import under_mpiexec
-from minipar.comm.startup import env_rank_size
+from minipar.comm.startup import outside_mpiexec_env
 from minipar.nn import GPT
 from minipar.optim import SGD, AdamW
 from minipar.parallel import param_server as ps
@@ -64,7 +62,6 @@ RANKS = 4  # every part's first run
 PS_STEPS, PS_VICTIM, PS_KILL, STALENESS, PS_LR, SLOW = 14, 2, 4, 2, 0.5, 0.02  # SLOW: seconds of work a step
 STEPS, VICTIM, KILL, RESTART, GLOBAL_BATCH, MICRO = 4, 2, 2, 2, 8, 2  # parts 2 and 3: one DDP job
 LR, WD = 1e-2, 0.01
-STREAM = datasets.token_stream(20_000, VOCAB, seed=0)
 OUT = Path("runs/10_faults")
 HERE = Path(__file__).resolve()
 
@@ -74,17 +71,6 @@ def model() -> GPT:
     return GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, seed=0)
 
 
-def batch(step: int, rows: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of ``step`` (the same on every rank and in every run)."""
-    return datasets.lm_batch(STREAM, rows, SEQ, step=step)
-
-
-def heard_everyone(comm: Any) -> None:
-    """Wait until every peer was heard once, so the lesson measures the steady-state detection."""
-    if comm.state.detector is not None:
-        comm.state.detector.wait_heard()
-
-
 # ---- the three runs: every rank calls them (threads or mpiexec alike); rank 0 returns a plain dict ------
 def ps_part(comm: Any, out: Path) -> dict[str, Any]:
     """1 server, 3 workers, async with staleness ``STALENESS``; worker ``PS_VICTIM`` dies before pushing ``PS_KILL``."""
@@ -92,15 +78,15 @@ def ps_part(comm: Any, out: Path) -> dict[str, Any]:
     meta = {k: v for k, v in ps.run_meta(model(), comm.size, 1, PS_STEPS, "async", STALENESS).items()
             if not k.startswith("expected")}  # the no-failure bytes formula: a killed worker pushes less
     workers = range(1, comm.size)
-    heard_everyone(comm)
+    wait_heard(comm)  # every peer heard once: the lesson measures the steady-state detection
     with trace.record(path, comm, lesson="10_faults", victim=PS_VICTIM, kill_step=PS_KILL, **meta):
-        result = ps.train(comm, model(), GPT.loss, batch, PS_STEPS, n_servers=1, mode="async", staleness=STALENESS,
-                          optimizer=lambda params: SGD(params, lr=PS_LR), slow=dict.fromkeys(workers, SLOW),
-                          die_at={PS_VICTIM: PS_KILL})
+        result = ps.train(comm, model(), GPT.loss, lambda s: common.lm_batch(s, VOCAB, BATCH, SEQ), PS_STEPS,
+                          n_servers=1, mode="async", staleness=STALENESS, optimizer=lambda w: SGD(w, lr=PS_LR),
+                          slow=dict.fromkeys(workers, SLOW), die_at={PS_VICTIM: PS_KILL})
     rows = comm.gather_object(result, survivors=True)
     if comm.rank != 0:
         return {}
-    return {"applied": rows[0].applied, "dropped": rows[0].dropped, "trace": str(path),
+    return {"applied": rows[0].applied, "updates": rows[0].updates(), "dropped": rows[0].dropped, "trace": str(path),
             "losses": ps.merge([r for r in rows if r is not None])[1],
             "pushed": {r: len(rows[r].losses) for r in workers if rows[r] is not None}}
 
@@ -118,14 +104,15 @@ def ddp_job(comm: Any, out: Path, ckpt: Path, info: elastic.Restart, kill: bool 
     start = int(elastic.load_ddp(ckpt, ddp, opt)["step"]) if elastic.checkpoint_exists(ckpt, comm) else 0
     path = out / f"ddp_run{info.count}.json" if kill else None
     stopped, losses = None, []
-    heard_everyone(comm)
+    wait_heard(comm)
     with trace.record(path, comm, lesson="10_faults", paradigm=f"DDP, run {info.count}", accumulation=acc,
                       resumed_at=start):
         for step in range(start, STEPS):
             if kill and info.count == 0 and comm.rank == VICTIM and step == KILL:
                 faults.kill(comm)
             try:
-                losses.append(train_step(ddp, opt, GPT.loss, *batch(step, GLOBAL_BATCH), accumulation=acc))
+                x, y = common.lm_batch(step, VOCAB, GLOBAL_BATCH, SEQ)  # the global batch, the same in every run
+                losses.append(train_step(ddp, opt, GPT.loss, x, y, accumulation=acc))
                 elastic.save_ddp(ckpt, ddp, opt, {"step": step + 1})
             except PeerLost as exc:
                 trace.mark("PeerLost", dead=exc.rank, operation=exc.operation)
@@ -158,13 +145,6 @@ def run_threads(out: Path, verbose: bool = False) -> dict[str, Any]:
 
 
 # ---- as real processes ------------------------------------------------------------------------------------
-def _env() -> dict[str, str]:
-    """This environment without an enclosing mpiexec's variables, with the lesson's deadline unless set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_"))}
-    env.setdefault("MINIPAR_PEER_DEADLINE", str(MPI_DEADLINE))
-    return env
-
-
 def run_mpi(out: Path, verbose: bool = False) -> dict[str, Any]:
     """Part 1 under ``faults.mpiexec_command``, the DDP job under ``minipar run --elastic`` and its
     uninterrupted reference under a plain ``mpiexec``. Their output (the shells' ``Killed`` lines, the
@@ -174,7 +154,8 @@ def run_mpi(out: Path, verbose: bool = False) -> dict[str, Any]:
         print(textwrap.fill("Two lines 'Killed' will appear below, one per kill, printed by the shell mpiexec "
                             "starts each rank under when its rank dies by SIGKILL: the lesson's own kills.",
                             terminal_width()), flush=True)
-    me, bindir, env, said = [sys.executable, str(HERE), "--out", str(out)], Path(sys.executable).parent, _env(), []
+    env = {"MINIPAR_PEER_DEADLINE": str(MPI_DEADLINE), **outside_mpiexec_env()}  # the lesson's deadline unless set
+    me, bindir, said = [sys.executable, str(HERE), "--out", str(out)], Path(sys.executable).parent, []
     for cmd in (faults.mpiexec_command(RANKS, [*me, "--part", "ps"]),
                 [str(bindir / "minipar"), "run", "--elastic", "-n", str(RANKS), "--max-restarts", "1",
                  "--restart-n", str(RESTART), str(HERE), "--out", str(out), "--part", "ddp"],
@@ -206,31 +187,17 @@ def child(part: str, out: Path, kill: bool) -> int:
 
 
 # ---- what the runs show (measured from their traces) --------------------------------------------------------
-def window(deadline: float) -> str:
-    """When a detection is expected after a kill: the deadline, give or take a heartbeat period."""
-    return f"{deadline - heartbeat_period(deadline):.2f}..{deadline + heartbeat_period(deadline):.2f}"
-
-
-def updates(applied: list[tuple[int, int, int, int]]) -> dict[int, list[int]]:
-    """The steps of each worker's updates the server applied, in order of application."""
-    out: dict[int, list[int]] = {}
-    for w, c, _, _ in applied:
-        out.setdefault(w, []).append(c)
-    return out
-
-
 def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
     """Print the three parts' numbers, the DDP timeline and the conclusion; write the report. Returns what
     did not hold."""
     console = make_console()
-    note = time_sharing(RANKS)
-    if note and verbose:
-        console.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
+    if verbose:
+        common.print_note(console, common.time_sharing(RANKS))
     # 1. the parameter server
     pst = trace.load(res["ps"]["trace"])
     (declared, args), = after_kill(pst, "peer declared dead").values()
-    d, got, pushed = args["deadline"], updates(res["ps"]["applied"]), res["ps"]["pushed"]
-    beat = heartbeat_period(d)
+    d, got, pushed = args["deadline"], res["ps"]["updates"], res["ps"]["pushed"]
+    beat, window = heartbeat_period(d), "{:.2f}..{:.2f}".format(*detection_window(d))  # when a detection is due
     workers = sorted({*pushed, PS_VICTIM})
     want = {w: PS_KILL if w == PS_VICTIM else PS_STEPS for w in workers}
     losses = res["ps"]["losses"]
@@ -245,17 +212,16 @@ def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
         r["dead"] == VICTIM and said[r["rank"]][0] <= stopped[r["rank"]][0] <= d + 2 * beat for r in rows)
     stops = [s for s, _ in stopped.values()]
     # 3. its restart
-    reference = res["reference"]["params"]
-    diff = max(float(np.max(np.abs(runs[-1]["params"][k] - reference[k]))) for k in reference)
+    diff = common.max_difference(runs[-1]["params"], res["reference"]["params"])
     shape = [(r["ranks"], r["start"]) for r in runs]
     left = sorted(p.name for p in out.glob("ddp_ckpt.*"))  # a crashed save's leftovers
     ok_el = diff == 0.0 and shape == [(RANKS, 0), (RESTART, KILL)] and not left
     console.print(Table.of(f"a rank killed three times (delays after the kill: seconds, wall clock; deadline {d} s, "
                            f"a heartbeat every {beat:.2f} s)", ("part", "killed", "then", "delay", "expected"), [
         ("1. async param. server", f"worker {PS_VICTIM} before step {PS_KILL}",
-         f"dropped; {len(res['ps']['applied'])} updates applied in {PS_STEPS} steps", f"{declared:.3f}", window(d)),
+         f"dropped; {len(res['ps']['applied'])} updates applied in {PS_STEPS} steps", f"{declared:.3f}", window),
         ("2. DDP", f"rank {VICTIM} of {RANKS} before step {KILL}", f"{len(rows)} survivors stop (PeerLost)",
-         f"{min(stops):.3f}..{max(stops):.3f}", window(d)),
+         f"{min(stops):.3f}..{max(stops):.3f}", window),
         ("3. elastic restart", "-", f"on {runs[-1]['ranks']} ranks from step {runs[-1]['start']}", "-", "-")], text=3))
     if verbose:
         console.print(Table.of("1. updates per worker: each (worker, step) applied once, in step order",
@@ -268,7 +234,7 @@ def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
                        "server's detector declares it dead (!)")
     titles = [f"2. DDP, rank {VICTIM} killed: every survivor stops", f"1. async parameter server, worker {PS_VICTIM} "
               f"killed", f"3. the DDP job restarted on {RESTART} ranks"]
-    finish([runs[0]["trace"], res["ps"]["trace"], *(r["trace"] for r in runs[1:])], out / "report.html", console,
+    common.finish([runs[0]["trace"], res["ps"]["trace"], *(r["trace"] for r in runs[1:])], out / "report.html", console,
            titles=titles, brief=not verbose)
     for text in (
         "1. No lost and no doubled update: every worker's steps were applied exactly once, in order; the killed "
@@ -284,7 +250,7 @@ def lesson(res: dict[str, Any], out: Path, verbose: bool = False) -> list[str]:
         "(equal: the same sums in the same order, scaled by powers of two)." if ok_el else
         f"[red]3. elastic: runs {shape}, max |difference| {diff:.1e} [/red]"):
         console.print(text, highlight=False)
-    console.print(reading_path("10_faults"), highlight=False)
+    console.print(common.reading_path("10_faults"), highlight=False)
     problems = [what for what, ok in (("parameter server: updates lost or doubled, or the loss did not fall", ok_ps),
                                       ("DDP: a survivor did not stop in time", ok_ddp),
                                       (f"elastic: runs {shape}, max difference {diff:.1e}", ok_el)) if not ok]
@@ -300,29 +266,17 @@ def check_ranks(p: int) -> str | None:
     return None
 
 
-def relaunch_under_mpiexec(argv: list[str]) -> int:
-    """Started by a plain ``mpiexec -n 4``: rank 0 runs the lesson with ``--mpi`` (its own mpiexec, outside
-    this one's environment); the other ranks only check the size and exit."""
-    rank, size = env_rank_size() or (0, 1)
-    problem = check_ranks(size)
-    if problem:
-        if rank == 0:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    return 0 if rank != 0 else subprocess.run([sys.executable, str(HERE), *argv, "--mpi"], env=_env()).returncode
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=RANKS,
+    parser.add_argument("--ranks", type=int_in(1, common.MAX_RANKS), default=RANKS,
                         help=f"ranks when not under mpiexec (threads; {RANKS})")
     parser.add_argument("--mpi", action="store_true", help="run the parts as real processes (mpiexec)")
     parser.add_argument("--out", default=str(OUT), help="folder for the traces and the report")
     parser.add_argument("--verbose", action="store_true", help="every part's table and timeline, the launchers' output")
     parser.add_argument("--part", choices=("ps", "ddp"), help=argparse.SUPPRESS)  # a child rank
     parser.add_argument("--no-kill", action="store_true", help=argparse.SUPPRESS)
-    return parse_lesson_args(parser, argv, lambda a: None if a.part else check_ranks(a.ranks))
+    return common.parse_lesson_args(parser, argv, lambda a: None if a.part else check_ranks(a.ranks))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,12 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.part:
         return child(args.part, out, not args.no_kill)
-    if under_mpiexec():
-        return relaunch_under_mpiexec(argv)
+    if under_mpiexec():  # a plain mpiexec -n 4: rank 0 runs the lesson with --mpi, its own launchers
+        return common.rerun_outside_mpiexec(HERE, [*argv, "--mpi"], check_ranks)
     out.mkdir(parents=True, exist_ok=True)
     if not args.mpi:
-        print(textwrap.fill(f"(no mpiexec: {RANKS} ranks run as threads of this process; --mpi for real processes)",
-                            terminal_width()))
+        common.say_threads(RANKS, "--mpi for real processes")
     res = run_mpi(out, args.verbose) if args.mpi else run_threads(out, args.verbose)
     return 1 if lesson(res, out, args.verbose) else 0
 

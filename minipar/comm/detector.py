@@ -65,6 +65,21 @@ def heartbeat_period(deadline: float) -> float:
     return min(1.0, max(0.01, deadline / 5))
 
 
+def detection_window(deadline: float) -> tuple[float, float]:
+    """Seconds from a peer's death to a survivor declaring it dead: the ``deadline`` of silence, give or
+    take a heartbeat period (its last heartbeat left up to a period before it died; the survivor looks
+    once a period)."""
+    beat = heartbeat_period(deadline)
+    return deadline - beat, deadline + beat
+
+
+def wait_heard(comm: Any, limit: float = 5.0) -> None:
+    """``Detector.wait_heard`` of ``comm``'s detector (every peer heard once, so that a detection measured
+    after it is the steady state's); at once when ``comm`` has none (no deadline)."""
+    if comm.state.detector is not None:
+        comm.state.detector.wait_heard(limit)
+
+
 def default_deadline(timeout: float, deadline: float | None = None) -> float | None:
     """Resolve the detection deadline: argument, then ``MINIPAR_PEER_DEADLINE``, then
     ``min(10, timeout / 2)``; it must be below the watchdog ``timeout``: an argument that is not is

@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,14 @@ def env_rank_size() -> tuple[int, int] | None:
         if rank in os.environ and size in os.environ:
             return int(os.environ[rank]), int(os.environ[size])
     return None
+
+
+def outside_mpiexec_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) without an enclosing mpiexec's variables (``PMI_``,
+    ``PMIX_``, ``HYDI_``, ``HYDRA_``): what a rank passes to an ``mpiexec`` it starts itself, so that the
+    new job is a world of its own, not a part of this one."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_"))}
 
 
 def _write(path: Path, text: str) -> None:

@@ -104,6 +104,14 @@ class Result:
     applied: list[tuple[int, int, int, int]] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
 
+    def updates(self) -> dict[int, list[int]]:
+        """A server's ``applied`` by worker: the steps of each worker's gradients it applied, in order of
+        application (``[0, 1, ..., s - 1]`` for a worker whose s pushes were each applied once)."""
+        steps: dict[int, list[int]] = {}
+        for worker, step, _, _ in self.applied:
+            steps.setdefault(worker, []).append(step)
+        return steps
+
 
 class Layout:
     """Who owns what: servers, workers, and each server's parameters (in model order)."""
