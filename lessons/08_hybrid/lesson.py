@@ -72,12 +72,6 @@ def tiny_layout(mesh: dict[str, int]) -> formulas.TinyLayout:
                                microbatches=MICRO, **mesh)
 
 
-def sample(model: HybridGPT) -> None:
-    """The rank's model states (parameters, gradients, optimizer state) as memory samples of the trace."""
-    for label, nbytes in model.state_bytes().items():
-        mtrace.memory(label, nbytes)
-
-
 def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
           trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """``steps`` AdamW steps of the tiny GPT on ``mesh`` (every rank, the same global batches); the
@@ -105,7 +99,7 @@ def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
         t0 = time.perf_counter()
         path = trace_path if step == steps - 1 else (earlier[step - 1] if 0 < step <= len(earlier) else None)
         with mtrace.record(path, comm, **meta):
-            sample(model)  # held through the step (the report's peak adds the activations to it)
+            mtrace.memory_states(model.state_bytes())  # held through the step (the report's peak adds activations)
             losses.append(model.forward_backward(x, y))  # samples them again when the optimizer step begins
             model.optimizer_step()
         seconds.append(max(comm.allgather_object(time.perf_counter() - t0)))
@@ -118,11 +112,6 @@ def single_process(steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0)
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
     return common.one_process(model, opt, common.lm_batches(steps, VOCAB, BATCH, SEQ)), model.state_dict()
-
-
-def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
 TRAFFIC = ("tp: per micro-batch and block 2 all-reduces of the b x S x d activation forward and 2 backward, the "
@@ -190,13 +179,10 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: common.Clock = commo
     """Train on ``mesh``, measure this machine for the replay and the prediction (every rank); rank 0
     prints (``verbose``: every table)."""
     console = make_console()
-    lead = comm.rank == 0
-    if lead:
-        OUT.mkdir(parents=True, exist_ok=True)
-    comm.barrier()
+    common.shared_folder(comm, OUT)
     res = train(comm, mesh, steps, OUT / "hybrid.json")
     cluster = replay_cluster(comm, clock.cluster, shard_gpt(mesh), OUT / "messages.json")  # every rank
-    if not lead:
+    if comm.rank != 0:
         return
     shape, section = MeshShape(**mesh), common.sections(console)
     section(f"the mesh {shape}: who holds what")
@@ -209,7 +195,7 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: common.Clock = commo
     if verbose:
         console.print(common.loss_table(ref, {f"mesh {shape}": res["losses"]}, reference_name="one process"))
     loss_diff = max(abs(a - b) for a, b in zip(ref, res["losses"], strict=True))
-    param_diff = max_difference(res["state"], ref_state)
+    param_diff = common.max_difference(res["state"], ref_state)
     console.print(f"The mesh computes one process's model: losses equal to {loss_diff:.1e}, every parameter after "
                   f"{steps} steps to {param_diff:.1e} (float64 rounding: sums in another order).", highlight=False)
     trace = mtrace.load(res["trace"])
@@ -231,8 +217,7 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: common.Clock = commo
     else:
         console.print("(cost.hybrid.activation_peak_bytes models tensor-parallel stages; sp > 1 here.)")
     section(f"predicted vs {clock.short} step time")
-    if note := clock.caveat(comm.size):
-        console.print(f"[yellow]note:[/yellow] {note}; the prediction has one core per rank.", highlight=False)
+    common.print_note(console, clock.caveat(comm.size), "; the prediction has one core per rank.")
     pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
     if clock.kind == "replay":
         replayed = replay(trace, cluster)
@@ -295,9 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     mesh = {a: getattr(args, a) for a in MESH}
-    ranks = args.ranks or MeshShape(**mesh).size
-    common.run_ranks(run, ranks, lambda p: check_ranks(p, mesh), steps=args.steps, mesh=mesh,
-                     clock=common.Clock.of_args(args), verbose=args.verbose)
+    common.run_lesson(run, args, lambda p: check_ranks(p, mesh), args.ranks or MeshShape(**mesh).size, mesh=mesh)
 
 
 if __name__ == "__main__":
