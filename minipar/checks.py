@@ -18,10 +18,10 @@ def whole(who: str, name: str, value: Any, least: int = 1) -> int:
     return int(value)
 
 
-def wholes(who: str, **values: Any) -> None:
+def wholes(who: str, least: int = 1, **values: Any) -> None:
     """``whole`` for each keyword: ``wholes("f", b=b, s=s)``."""
     for name, value in values.items():
-        whole(who, name, value)
+        whole(who, name, value, least)
 
 
 def counts(who: str, name: str, values: Iterable[Any]) -> list[int]:
@@ -48,8 +48,8 @@ def divisible(who: str, name: str, value: int, by: int, by_name: str) -> int:
 
 
 def one_of(who: str, name: str, value: Any, options: Sequence[Any]) -> None:
-    """``value`` must be one of ``options``."""
-    if isinstance(value, bool) or value not in options:
+    """``value`` must be one of ``options`` (a bool only when one of them is: True == 1)."""
+    if value not in options or isinstance(value, bool) != any(isinstance(o, bool) for o in options):
         raise ValueError(f"{who}: {name}={value!r}; choose one of {', '.join(map(repr, options))}")
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from minipar.checks import index, number, one_of, whole
 from minipar.comm.collectives import ALGORITHMS_BY_OP
 
 ALLREDUCE_ALGORITHMS = ALGORITHMS_BY_OP["allreduce"]
@@ -20,11 +21,12 @@ ALLREDUCE_ALGORITHMS = ALGORITHMS_BY_OP["allreduce"]
 
 def ring_bytes(op: str, nbytes: float, p: int) -> float:
     """Bytes one rank sends in a ring ``op`` on ``p`` ranks; ``nbytes`` = the (full) array's size."""
+    one_of("ring_bytes", "op", op, ("allreduce", "allgather", "reduce_scatter"))
+    number("ring_bytes", "nbytes", nbytes)
+    whole("ring_bytes", "p", p)
     if op == "allreduce":
         return 2 * (p - 1) / p * nbytes
-    if op in ("allgather", "reduce_scatter"):
-        return (p - 1) / p * nbytes
-    raise ValueError(f"no ring formula for {op!r}")
+    return (p - 1) / p * nbytes
 
 
 def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str) -> int:
@@ -37,8 +39,11 @@ def allreduce_bytes(numel: int, itemsize: int, p: int, rank: int, algorithm: str
     naive: rank 0 sends ``(p-1) n``, the others ``n``. native: 0 (MPI's own messages are not visible
     in the trace).
     """
-    if algorithm not in ALLREDUCE_ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose one of {ALLREDUCE_ALGORITHMS}")
+    who = "allreduce_bytes"
+    one_of(who, "algorithm", algorithm, ALLREDUCE_ALGORITHMS)
+    whole(who, "numel", numel, least=0)
+    whole(who, "itemsize", itemsize)
+    index(who, "rank", rank, whole(who, "p", p), "ranks")
     n = numel * itemsize
     if p == 1 or algorithm == "native":
         return 0
@@ -59,6 +64,10 @@ def tree_broadcast_bytes(nbytes: int, p: int, rank: int, root: int = 0) -> int:
     ``MPIR_Bcast_intra_binomial``): with ``v = (rank - root) mod p``, rank ``v``'s children are
     ``v + 2^k`` for every ``2^k`` below the lowest set bit of ``v`` (every ``2^k < p`` for the root)
     that is a rank: the root sends ``ceil(lg p)`` messages, a leaf none."""
+    whole("tree_broadcast_bytes", "nbytes", nbytes, least=0)
+    whole("tree_broadcast_bytes", "p", p)
+    index("tree_broadcast_bytes", "rank", rank, p, "ranks")
+    index("tree_broadcast_bytes", "root", root, p, "ranks")
     v = (rank - root) % p
     low = v & -v if v else 1 << max(p - 1, 1).bit_length()
     return nbytes * sum(1 for k in range(low.bit_length()) if (1 << k) < low and v + (1 << k) < p)
@@ -81,6 +90,9 @@ def collective_time(op: str, algorithm: str, nbytes: float, p: int, alpha: float
       (Sec. 3.5; n = the bytes one rank sends to all); dissemination barrier ``ceil(lg p) alpha``
       (Hensgen, Finkel & Manber 1988).
     """
+    whole("collective_time", "p", p)
+    for name, value in (("nbytes", nbytes), ("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        number("collective_time", name, value)
     if p == 1:
         return 0.0
     n, steps = nbytes, p - 1

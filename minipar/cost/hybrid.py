@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minipar.checks import index
 from minipar.cost import sequence, zero
 from minipar.cost.collectives import allreduce_bytes, ring_bytes, tree_broadcast_bytes
 from minipar.cost.pipeline import peak_stash, send_bytes, stage_owner
@@ -100,9 +101,17 @@ class TinyLayout:
         return {"pp": pp_i, "dp": dp_i, "sp": sp_i, "tp": tp_i}
 
 
+def _rank(who: str, c: TinyLayout, name: str, rank: int, size: int, of: str) -> int:
+    """``c`` is a ``TinyLayout`` and ``rank`` one of its ``size`` ranks (``of``: which)."""
+    if not isinstance(c, TinyLayout):
+        raise ValueError(f"{who}: c={c!r} must be a TinyLayout")
+    return index(who, name, rank, size, of)
+
+
 def parameters_per_rank(c: TinyLayout, pp_rank: int) -> int:
     """Numbers of parameters a rank of pipeline rank ``pp_rank`` holds: its stages' layers, the
     tensor-parallel ones split by ``t`` (``nn.GPT``'s shapes)."""
+    _rank("parameters_per_rank", c, "pp_rank", pp_rank, getattr(c, "pp", 0), "pipeline ranks")
     t, d, f, v, s = c.tp, c.d, c.d_ff, c.vocab, c.seq
     block = 2 * d + 3 * (d * d // t + d // t) + (d // t) * d + d + 2 * d + d * f // t + f // t + (f // t) * d + d
     total = 0
@@ -144,8 +153,8 @@ def _sp_bytes(c: TinyLayout, rank: int) -> int:
         return 0
     blocks = sum(n for _, n, _ in c.stages_of(c.coords(rank)["pp"]))
     b = c.micro_batch
-    per_block = sum(sequence.attention_bytes(c.sp_method, b, c.seq, c.d, c.sp, c.ulysses, c.itemsize, backward)
-                    for backward in (False, True))
+    per_block = sum(sequence.attention_bytes(c.sp_method, b, c.seq, c.d, c.sp, c.ulysses, c.itemsize, backward,
+                                             n_heads=c.heads) for backward in (False, True))
     return c.microbatches * blocks * per_block
 
 
@@ -177,6 +186,7 @@ def _replica_bytes(c: TinyLayout, rank: int) -> tuple[str, int]:
 
 def traffic_by_axis(c: TinyLayout, rank: int) -> dict[str, int]:
     """Bytes ``rank`` sends in one step, by the mesh axes its messages cross (module docstring)."""
+    _rank("traffic_by_axis", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
     out = {"tp": _tp_bytes(c, rank), "sp": _sp_bytes(c, rank), "pp": _pp_bytes(c, rank)}
     axis, nbytes = _replica_bytes(c, rank)
     if nbytes:
@@ -189,6 +199,7 @@ def model_state_bytes(c: TinyLayout, rank: int) -> dict[str, int]:
     three for its parameters (``e + e + 2e`` bytes each: AdamW's two moments in the parameters'
     type); ZeRO-1 (float64) shards the optimizer state over the ``dp x sp`` replicas
     (``zero.zero_state_bytes``, one bucket)."""
+    _rank("model_state_bytes", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
     numel, e = parameters_per_rank(c, c.coords(rank)["pp"]), c.itemsize
     if c.zero_stage == 0:
         return {"parameters": e * numel, "gradients": e * numel, "optimizer state": 2 * e * numel}
@@ -209,6 +220,7 @@ def activation_peak_bytes(c: TinyLayout, rank: int, schedule: str = "1f1b") -> i
 
     Tensor-parallel stages, one stage per rank (``chunks == 1``); sequence-parallel blocks are
     ``sequence.activation_terms``, measured in ``tests/test_sequence_parallel.py``."""
+    _rank("activation_peak_bytes", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
     if c.sp > 1 or c.chunks > 1 or schedule.startswith("zb"):
         raise ValueError("activation_peak_bytes models tensor-parallel stages, one per rank (sp = 1, chunks = 1), "
                          "whose backward is not split (between a split backward's I and W the kept bytes are the "

@@ -8,7 +8,9 @@ saying what to change). The formulas that use them are in ``perf.py``; their der
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from minipar.cost.cluster import Cluster
 from minipar.cost.pipeline import SCHEDULES
 
 RECOMPUTE = ("none", "selective", "full")
@@ -143,3 +145,15 @@ class Layout:
         if self.recompute not in RECOMPUTE:
             out.append(f"recompute={self.recompute!r}: choose one of {RECOMPUTE}")
         return out
+
+
+SPECS = {"model": ModelSpec, "layout": Layout, "cluster": Cluster}
+
+
+def check_specs(who: str, **given: Any) -> None:
+    """``ValueError`` unless each of ``model``, ``layout``, ``cluster`` given by keyword is a
+    ``ModelSpec``, a ``Layout``, a ``Cluster`` (their sizes are checked where they are made:
+    ``ModelSpec``, ``Layout.check``, ``Cluster.from_dict``)."""
+    for name, value in given.items():
+        if not isinstance(value, SPECS[name]):
+            raise ValueError(f"{who}: {name}={value!r} must be a {SPECS[name].__name__}")

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from minipar.checks import counts, number, one_of, whole, wholes
+
 TIERS = ("cpu", "device", "nvme")
 
 
@@ -33,9 +35,10 @@ class Rates(Protocol):
 def transfer_seconds(nbytes: int, src: str, dst: str, bandwidth: Rates) -> float:
     """Modelled seconds to move ``nbytes`` from tier ``src`` to tier ``dst`` (``"cpu"``, ``"device"``,
     ``"nvme"``) at ``bandwidth``'s rates in bytes/s; 0 within one tier."""
-    for tier in (src, dst):
+    for name, tier in (("src", src), ("dst", dst)):
         if tier not in TIERS:
-            raise ValueError(f"unknown tier {tier!r}; tiers are {TIERS}")
+            raise ValueError(f"transfer_seconds: {name}: unknown tier {tier!r}; tiers are {TIERS}")
+    number("transfer_seconds", "nbytes", nbytes)
     if src == dst:
         return 0.0
     if "nvme" in (src, dst) and "device" in (src, dst):  # staged through host memory
@@ -55,11 +58,8 @@ def zero_offload_bytes(params: int | Sequence[int], param_bytes: int = 2, grad_b
     padded to the next multiple of ``dp`` as ``minipar.parallel.zero.flat`` lays it out, so ``P`` =
     sum over groups of ``ceil(n / dp)`` (exactly ``Psi / dp`` when ``dp`` divides every group).
     """
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
-    groups = [params] if isinstance(params, int) else list(params)
-    if any(n < 0 for n in groups):
-        raise ValueError(f"parameter counts must be >= 0, got {groups}")
+    wholes("zero_offload_bytes", dp=dp, param_bytes=param_bytes, grad_bytes=grad_bytes)
+    groups = counts("zero_offload_bytes", "params", [params] if isinstance(params, int) else params)
     shard = sum(-(-n // dp) for n in groups)
     return {"device->cpu": grad_bytes * shard, "cpu->device": param_bytes * shard}
 
@@ -72,11 +72,11 @@ INFINITY_ITEMS = {"fp64": {"param": 8, "step_read": 8 + 16, "step_write": 8 + 16
                   "mixed": {"param": 2, "step_read": 4 + 8, "step_write": 2 + 4 + 8}}
 
 
-def _shard_elements(units: Sequence[int], dp: int) -> list[int]:
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
-    if any(n < 0 for n in units):
-        raise ValueError(f"unit sizes must be >= 0, got {list(units)}")
+def _shard_elements(who: str, units: Sequence[int], dp: int) -> list[int]:
+    whole(who, "dp", dp)
+    units = counts(who, "units", units)
+    if not units:
+        raise ValueError(f"{who}: units=[] must list at least one unit's parameters")
     return [-(-n // dp) for n in units]
 
 
@@ -95,9 +95,8 @@ def zero_infinity_bytes(units: Sequence[int], dp: int = 1, precision: str = "fp6
     (fp64: 40 s, 24 s, 16 s, 8 s; mixed: 16 s, 14 s, 4 s, 2 s). A step skipped on an fp16 overflow
     moves no optimizer state: its nvme traffic is the 2 p s alone, nothing written.
     """
-    if precision not in INFINITY_ITEMS:
-        raise ValueError(f"precision must be one of {sorted(INFINITY_ITEMS)}, got {precision!r}")
-    s, it = sum(_shard_elements(units, dp)), INFINITY_ITEMS[precision]
+    one_of("zero_infinity_bytes", "precision", precision, tuple(INFINITY_ITEMS))
+    s, it = sum(_shard_elements("zero_infinity_bytes", units, dp)), INFINITY_ITEMS[precision]
     return {"nvme->cpu": (2 * it["param"] + it["step_read"]) * s, "cpu->nvme": it["step_write"] * s,
             "cpu->device": 2 * it["param"] * s, "device->cpu": it["param"] * s}
 
@@ -106,7 +105,8 @@ def zero_infinity_device_need(units: Sequence[int], dp: int = 1, itemsize: int =
     """Device bytes at ZeRO-Infinity's peak on every rank: the largest unit gathered (``L`` = its size
     padded to a multiple of ``dp``) beside its flat gradient buffer during its backward, ``2 L``
     items (the shard copied up before the all-gather, ``L / dp``, is freed before the gradients exist)."""
-    largest = max(s * dp for s in _shard_elements(units, dp))
+    whole("zero_infinity_device_need", "itemsize", itemsize)
+    largest = max(s * dp for s in _shard_elements("zero_infinity_device_need", units, dp))
     return {"gathered unit": itemsize * largest, "gradient buffer": itemsize * largest, "total": 2 * itemsize * largest}
 
 
@@ -119,8 +119,7 @@ def in_order_misses(n_chunks: int, fit: int) -> int:
     backward: every chunk comes up once in forward (the step left them all on the CPU); backward finds
     the last ``fit`` still resident and fetches the other ``n_chunks - fit`` again. LRU and the
     warm-up's order (Belady) both keep the most recently used chunks here, so both miss this many."""
-    if n_chunks < 1 or fit < 1:
-        raise ValueError(f"need n_chunks >= 1 and fit >= 1, got {n_chunks}, {fit}")
+    wholes("in_order_misses", n_chunks=n_chunks, fit=fit)
     return n_chunks + max(0, n_chunks - fit)
 
 
@@ -128,8 +127,7 @@ def chunk_offload_bytes(chunk_bytes: int, misses: int) -> dict[str, int]:
     """Bytes the chunk manager moves per step: each miss (a chunk needed while on the CPU) brings the
     chunk up once, and it goes down once, evicted or at the CPU step, so ``chunk_bytes x misses`` each
     way (``misses`` from the schedule of uses: ``in_order_misses``, or counted by hand)."""
-    if chunk_bytes < 0 or misses < 0:
-        raise ValueError(f"need chunk_bytes >= 0 and misses >= 0, got {chunk_bytes}, {misses}")
+    wholes("chunk_offload_bytes", 0, chunk_bytes=chunk_bytes, misses=misses)
     return {"cpu->device": chunk_bytes * misses, "device->cpu": chunk_bytes * misses}
 
 
@@ -142,7 +140,6 @@ def chunk_dp_bytes(chunk_bytes: int, world: int, misses: int, groups: int) -> di
     gradients are reduce-scattered once (ring: ``(world - 1) x chunk_bytes`` sent). ``misses`` counts
     groups (``in_order_misses(groups, fit)`` for an in-order model, ``fit`` the groups beside the
     activations). ``world = 1``: ``chunk_offload_bytes`` and nothing sent."""
-    if chunk_bytes < 0 or world < 1 or misses < 0 or groups < 0:
-        raise ValueError(f"need chunk_bytes, misses, groups >= 0 and world >= 1, got {chunk_bytes}, {world}, "
-                         f"{misses}, {groups}")
+    wholes("chunk_dp_bytes", 0, chunk_bytes=chunk_bytes, misses=misses, groups=groups)
+    whole("chunk_dp_bytes", "world", world)
     return {**chunk_offload_bytes(chunk_bytes, misses), "sent": (world - 1) * chunk_bytes * (misses + groups)}

@@ -46,8 +46,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from minipar.checks import counts, number, one_of, whole
 from minipar.cost.cluster import Cluster
-from minipar.cost.layout import Layout
+from minipar.cost.layout import RECOMPUTE, Layout, check_specs
 from minipar.cost.tensor import collectives_per_block
 
 BLOCK_OPS = {"tensor": 15, "sequence": 16}  # autograd nodes of one block per micro-batch
@@ -61,6 +62,8 @@ EMBEDDING_ALLREDUCES, HEAD_ALLREDUCES = 1, 4  # tensor-parallel: the embedding's
 def block_ops(sequence_parallel: bool, recompute: str = "none") -> float:
     """Ops one block runs per micro-batch (table in the module docstring), recomputed forwards
     included (full: the block's forward again, selective: the attention's, each counted half)."""
+    one_of("block_ops", "sequence_parallel", sequence_parallel, (False, True))
+    one_of("block_ops", "recompute", recompute, RECOMPUTE)
     path = "sequence" if sequence_parallel else "tensor"
     again = {"none": 0.0, "selective": 0.5, "full": 0.5 * BLOCK_OPS[path]}[recompute]
     return BLOCK_OPS[path] + again
@@ -69,6 +72,8 @@ def block_ops(sequence_parallel: bool, recompute: str = "none") -> float:
 def stage_ops(blocks: Sequence[int], sequence_parallel: bool, recompute: str = "none") -> list[float]:
     """Ops per micro-batch on each pipeline stage holding ``blocks[i]`` blocks: its blocks', the
     embedding's on the first stage, the head's and the loss's on the last (one stage: both)."""
+    if not counts("stage_ops", "blocks", blocks):
+        raise ValueError("stage_ops: blocks=[] must give the blocks of at least one stage")
     path = "sequence" if sequence_parallel else "tensor"
     out = [n * block_ops(sequence_parallel, recompute) for n in blocks]
     out[0] += EMBEDDING_OPS[path]
@@ -79,6 +84,7 @@ def stage_ops(blocks: Sequence[int], sequence_parallel: bool, recompute: str = "
 def block_collectives(layout: Layout) -> tuple[float, float]:
     """``(calls, message steps)`` of one block's tensor- or sequence-parallel collectives per
     micro-batch (module docstring)."""
+    check_specs("block_collectives", layout=layout)
     t, u, again = layout.tp, layout.sp, 2 if layout.recompute == "full" else 1
     calls = steps = 0.0
     if t > 1:
@@ -97,6 +103,8 @@ def stage_collectives(blocks: Sequence[int], layout: Layout) -> list[tuple[float
     """``(calls, message steps)`` per micro-batch inside each pipeline stage's work: its blocks', the
     embedding's all-reduce on the first stage, the head's and the loss's on the last (tensor
     parallelism)."""
+    if not counts("stage_collectives", "blocks", blocks):
+        raise ValueError("stage_collectives: blocks=[] must give the blocks of at least one stage")
     calls, steps = block_collectives(layout)
     out = [[n * calls, n * steps] for n in blocks]
     if layout.tp > 1:
@@ -109,10 +117,14 @@ def stage_collectives(blocks: Sequence[int], layout: Layout) -> list[tuple[float
 def parameter_tensors(blocks: int, first: bool, last: bool) -> int:
     """Parameter tensors of a stage with ``blocks`` blocks (the embeddings' on the first stage, ln_f's
     and the head's on the last); a tensor-parallel rank holds a slice of each, as many tensors."""
+    whole("parameter_tensors", "blocks", blocks, least=0)
     return blocks * BLOCK_TENSORS + (EMBEDDING_TENSORS if first else 0) + (HEAD_TENSORS if last else 0)
 
 
 def optimizer_seconds(tensors: int, nbytes: float, cluster: Cluster) -> float:
     """One optimizer step over ``tensors`` parameter tensors streaming ``nbytes`` bytes (module
     docstring): ``tensors x tensor_seconds + nbytes x optimizer_gamma``."""
+    whole("optimizer_seconds", "tensors", tensors, least=0)
+    number("optimizer_seconds", "nbytes", nbytes)
+    check_specs("optimizer_seconds", cluster=cluster)
     return tensors * cluster.tensor_seconds + nbytes * cluster.optimizer_gamma

@@ -69,9 +69,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minipar.checks import one_of, whole
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
-from minipar.cost.layout import UNEVEN, Layout, ModelSpec
+from minipar.cost.layout import UNEVEN, Layout, ModelSpec, check_specs
 from minipar.cost.overhead import optimizer_seconds, parameter_tensors, stage_collectives, stage_ops
 from minipar.cost.pipeline import bubble_fraction, peak_stash
 from minipar.cost.stages import uneven_stage_blocks
@@ -127,6 +128,7 @@ def stage_blocks(model: ModelSpec, layout: Layout) -> list[int]:
     ``ceil(l/p)`` with interleaving, which ``Layout.check`` refuses anyway); otherwise (``v = 1``)
     the contiguous stages ``stages.partition_layers`` cuts from ``stages.layer_costs``, where the
     embedding and the head are entries of their own (the first and last stage's, not blocks)."""
+    check_specs("stage_blocks", model=model, layout=layout)
     p, n = layout.pp, model.layers
     if n % p == 0 or layout.chunks > 1 or p > n:
         return [-(-n // p)] * p
@@ -158,6 +160,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
     generalised to MLP width ``f``: outside the tensor-parallel regions ``10 s b h`` (two layer-norm
     inputs, the q k v and fc inputs, two dropout masks), inside ``8 s b h + 4 s b f + 5 a s^2 b``,
     the latter over ``t``; with SP all over ``t``; Ulysses over ``u``; ``w / 2`` for other widths."""
+    check_specs("activation_bytes_per_layer", model=model, layout=layout)
     s, b, h, a, f = model.seq, layout.micro_batch, model.hidden, model.heads, model.ffn
     t, u = layout.tp, layout.sp
     scale = model.bytes_per_number / 2
@@ -177,6 +180,7 @@ def memory_traffic_bytes(model: ModelSpec, layout: Layout) -> float:
     tensor written in the forward and read in the backward, and its gradient, as large, written
     and read in the backward: 4 moves; recomputation writes again what it recomputes (everything
     with full, the ``5 a s^2 b`` scores with selective): one more move of those."""
+    check_specs("memory_traffic_bytes", model=model, layout=layout)
     kept = activation_bytes_per_layer(model, Layout(tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch,
                                                     sequence_parallel=layout.sequence_parallel))
     scores = 5 * model.heads * model.seq**2 * layout.micro_batch / (layout.tp * layout.sp)
@@ -188,6 +192,7 @@ def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     """Bytes per GPU on the heaviest stage: parameters, gradients, optimizer state (ZeRO stage),
     activations (the stage's in-flight micro-batches of its blocks: the first stage's under an even
     split; every stage's own under ``stage_blocks``' uneven one), total."""
+    check_specs("memory_bytes", model=model, layout=layout)
     w, k, d, z = model.bytes_per_number, _optimizer_bytes(model.bytes_per_number), layout.dp * layout.sp, layout.zero
     p, v, m = layout.pp, layout.chunks, layout.microbatches
     per_layer = activation_bytes_per_layer(model, layout)
@@ -216,6 +221,9 @@ def group_link(cluster: Cluster, span: int, world: int) -> Link:
     """The link of a group covering ``span`` consecutive ranks, groups tiling a world of ``world``
     ranks from rank 0: inside a node when the whole world fits in one, or when every such group
     does (``span`` divides ``gpus_per_node``); the network otherwise."""
+    check_specs("group_link", cluster=cluster)
+    whole("group_link", "span", span)
+    whole("group_link", "world", world)
     g = cluster.gpus_per_node
     return cluster.intra if world <= g or (span <= g and g % span == 0) else cluster.inter
 
@@ -225,6 +233,7 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
     between stages and each gradient-sync collective also costs ``call_seconds`` and each of their
     steps ``message_seconds`` of CPU (the stages' own collectives' is their work's:
     ``overhead.stage_collectives``)."""
+    check_specs("comm_seconds", model=model, layout=layout, cluster=cluster)
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
     w, b, h, world = model.bytes_per_number, layout.micro_batch, model.hidden, layout.world
     layers_here = max(stage_blocks(model, layout))  # on the pipeline rank with the most blocks (all its chunks)
@@ -262,6 +271,7 @@ def optimizer_step_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -
     """The slowest rank's optimizer step (``overhead.optimizer_seconds``): its stage's parameter tensors
     and ``w + w + K`` bytes per parameter of its shard (over ``t``, and ``d u`` with ZeRO, which
     updates one flat shard)."""
+    check_specs("optimizer_step_seconds", model=model, layout=layout, cluster=cluster)
     blocks, p, h, w = stage_blocks(model, layout), layout.pp, model.hidden, model.bytes_per_number
     first, last = model.vocab * h + model.seq * h, 2 * h + h * model.vocab
     shard = layout.tp * (layout.dp * layout.sp if layout.zero else 1)
@@ -283,11 +293,13 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
     embedding, each block and the head) and the pipeline runs at the pace of the slowest; memory
     counts each stage's own blocks and in-flight micro-batches, tp and sp communication the stage
     with the most blocks."""
+    check_specs("predict", model=model, layout=layout, cluster=cluster)
+    one_of("predict", "uneven_stages", uneven_stages, (False, True))
     problems = layout.check(model)
     if uneven_stages and layout.chunks == 1:
         problems = [q for q in problems if not q.startswith(UNEVEN)]
     if problems:
-        raise ValueError(f"layout {layout} cannot run {model.name or 'the model'}:\n- " + "\n- ".join(problems))
+        raise ValueError(f"predict: layout {layout} cannot run {model.name or 'the model'}: " + "; ".join(problems))
     t, u, p, v, m = layout.tp, layout.sp, layout.pp, layout.chunks, layout.microbatches
     tokens = layout.micro_batch * model.seq
     block = model.layer_flops(tokens) * (4 if layout.recompute == "full" else 3)

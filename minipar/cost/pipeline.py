@@ -35,12 +35,21 @@ import math
 from collections.abc import Sequence
 from numbers import Integral
 
+from minipar.checks import counts, index, number, one_of, whole, wholes
+
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+RUNTIME_KINDS = (*SCHEDULES, "chimera", "pipedream", "2bw")  # every schedule the runtime runs
 
 
-def _check(kind: str) -> None:
-    if kind not in SCHEDULES:
-        raise ValueError(f"no formula for schedule {kind!r}; choose one of {SCHEDULES}")
+def _check(who: str, kind: str, **sizes: int) -> None:
+    """``kind`` has a formula here and every size in ``sizes`` (p, m, v) is a positive whole number."""
+    one_of(who, "kind", kind, SCHEDULES)
+    wholes(who, **sizes)
+
+
+def _chimera(who: str, p: int) -> None:
+    if whole(who, "p", p) % 2:
+        raise ValueError(f"{who}: p={p} must be even (Chimera's two pipelines in opposite directions)")
 
 
 def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
@@ -49,7 +58,7 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
     ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``; ZB-V (F = I = W = 1 per
     chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1. With fewer micro-batches the
     zero-bubble orders leave more gaps, which ``simulate`` measures (refused here)."""
-    _check(kind)
+    _check("bubble_fraction", kind, p=p, m=m, v=v)
     if kind == "naive":
         return (p - 1) / p
     least = {"zb-h1": p, "zb-v": 2 * p - 1}.get(kind, 1)
@@ -71,14 +80,16 @@ def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_gra
     F, I, W of one chunk, m >= 2p - 1) only for F = I = W, where it is ``(p-1) F``: rank r waits r F's
     for the first micro-batch and ends r F's after rank 0, with no gap in between (other costs leave
     gaps in this fixed order that have no closed form here: simulate them)."""
+    one_of("bubble_time", "kind", kind, ("1f1b", "zb-h1", "zb-v"))
+    whole("bubble_time", "p", p)
+    for name, value in (("forward", forward), ("input_grad", input_grad), ("weight_grad", weight_grad)):
+        number("bubble_time", name, value)
     if kind == "zb-v":
         if not (math.isclose(forward, input_grad) and math.isclose(forward, weight_grad)):
             raise ValueError(f"ZB-V's bubble has a formula for F = I = W only (Qi et al. 2024, Sec. 6), got F "
                              f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule('zb-v', p, m), "
                              "forward=F, backward=I + W, weight=W) gives it for any costs")
         return (p - 1) * forward
-    if kind not in ("1f1b", "zb-h1"):
-        raise ValueError(f"bubble_time has the formulas of '1f1b', 'zb-h1' and 'zb-v', not {kind!r}")
     if kind == "zb-h1" and weight_grad > min(forward, input_grad):
         raise ValueError(f"ZB-H1's (p-1)(F + I - W) holds for W <= F and W <= I (the paper's T_W < T_F < T_B), "
                          f"got F {forward}, I {input_grad}, W {weight_grad}; simulate it for other costs")
@@ -88,7 +99,8 @@ def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_gra
 
 def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
     """Micro-batches (interleaved, ZB-V: chunk-micro-batches) stashed at once on ``rank``."""
-    _check(kind)
+    _check("peak_stash", kind, p=p, m=m, v=v)
+    index("peak_stash", "rank", rank, p, "ranks")
     if kind == "zb-v":  # its two chunks whatever v says; 2p (m >= 2p - 1) = p whole stages = 1F1B's first rank
         return min(2 * p, 2 * m, m + rank + 1)
     if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
@@ -100,12 +112,17 @@ def chimera_peak_stash(p: int, rank: int) -> int:
     """Chimera's micro-batches held at once on ``rank`` (both directions): down's p/2 plus up's, mirrored,
     ``p/2 + 1 + min(r, p-1-r)``: from p/2 + 1 on the end ranks to p in the middle (the paper's
     [(D/2 + 1) M_a, D M_a])."""
+    _chimera("chimera_peak_stash", p)
+    index("chimera_peak_stash", "rank", rank, p, "ranks")
     return p // 2 + 1 + min(rank, p - 1 - rank)
 
 
 def chimera_bubble_time(p: int, forward: float, backward: float) -> float:
     """Chimera's idle time per rank in one step, ``(p - 2) F``, with the paper's equal slots (F = B);
     other costs no longer line the slots up and have no closed form here (``simulate_chimera`` them)."""
+    _chimera("chimera_bubble_time", p)
+    number("chimera_bubble_time", "forward", forward)
+    number("chimera_bubble_time", "backward", backward)
     if not math.isclose(forward, backward):
         raise ValueError(f"Chimera's bubble has a formula for F = B only (Li & Hoefler 2021, equal slots), got "
                          f"F {forward}, B {backward}; simulate_chimera(p, m, F, B) gives it for any costs")
@@ -114,18 +131,22 @@ def chimera_bubble_time(p: int, forward: float, backward: float) -> float:
 
 def chimera_bubble_fraction(p: int, m: int) -> float:
     """Chimera's idle share of the step with equal slots, ``(p - 2)/(2m + p - 2)`` (1F1B: (p-1)/(m+p-1))."""
+    _chimera("chimera_bubble_fraction", p)
+    whole("chimera_bubble_fraction", "m", m)
     return (p - 2) / (2 * m + p - 2)
 
 
 def weight_versions(kind: str, p: int, rank: int) -> int:
     """Weight versions stage ``rank`` holds at once: PipeDream ``p - r``, PipeDream-2BW (``"2bw"``) 2,
     every synchronous schedule 1."""
+    one_of("weight_versions", "kind", kind, RUNTIME_KINDS)
+    index("weight_versions", "rank", rank, whole("weight_versions", "p", p), "ranks")
     return p - rank if kind == "pipedream" else 2 if kind == "2bw" else 1
 
 
 def bubble_formula(kind: str) -> str:
     """The bubble formula as text, for printing next to its value."""
-    _check(kind)
+    _check("bubble_formula", kind)
     return {"naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
             "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)"}[kind]
 
@@ -133,6 +154,8 @@ def bubble_formula(kind: str) -> str:
 def stage_owner(p: int, v: int = 1, kind: str = "interleaved") -> list[int]:
     """Rank of each virtual stage: stage ``s`` on rank ``s mod p`` (``p v`` stages, interleaved), or
     ZB-V's V (``kind="zb-v"``, 2p stages): stage ``s`` on rank ``s`` for ``s < p``, else ``2p - 1 - s``."""
+    one_of("stage_owner", "kind", kind, ("interleaved", "zb-v"))
+    wholes("stage_owner", p=p, v=v)
     if kind == "zb-v":
         return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
     return [s % p for s in range(p * v)]
@@ -144,6 +167,8 @@ def send_bytes(owner: Sequence[int], m: int, boundary_bytes: int | Sequence[int]
     between two ranks carries ``m`` activations (sent by the earlier stage's rank) and ``m``
     gradients (sent by the later one's). For ``p`` ranks in a line (v = 1) and ``A`` bytes: the
     first and the last rank send ``m A``, the others ``2 m A``."""
+    counts("send_bytes", "owner", owner)
+    whole("send_bytes", "m", m)
     n = len(owner) - 1
     sizes = [boundary_bytes] * n if isinstance(boundary_bytes, Integral) else list(boundary_bytes)
     if len(sizes) != n or any(not isinstance(b, Integral) or b < 0 for b in sizes):

@@ -20,8 +20,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minipar.checks import one_of, whole
 from minipar.cost.cluster import Cluster
-from minipar.cost.layout import UNEVEN, Layout, ModelSpec
+from minipar.cost.layout import UNEVEN, Layout, ModelSpec, check_specs
 from minipar.cost.perf import GiB, Prediction, memory_bytes, predict, stage_blocks
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: Table 1's small rows (Narayanan et al. 2021, run_table_1.sh)
@@ -113,6 +114,15 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
             recompute: Sequence[str] = RECOMPUTE) -> list[Layout]:
     """Every layout of ``gpus`` GPUs ``Layout.check`` accepts, with ``tp`` inside a node, ZeRO-2/3
     only without pipelining; a ``pp`` not dividing the layers with ``v = 1`` (uneven stages)."""
+    check_specs("layouts", model=model, cluster=cluster)
+    whole("layouts", "gpus", gpus)
+    whole("layouts", "global_batch", global_batch)
+    for b in micro_batches:
+        whole("layouts", "a micro-batch size in micro_batches", b)
+    for z in zero_stages:
+        one_of("layouts", "a ZeRO stage in zero_stages", z, ZERO_STAGES)
+    for r in recompute:
+        one_of("layouts", "a mode in recompute", r, RECOMPUTE)
     out = []
     for tp in _divisors(gpus):
         if tp > cluster.gpus_per_node:
@@ -136,6 +146,7 @@ def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
          recompute: Sequence[str] = RECOMPUTE, top: int = 5) -> list[Candidate]:
     """The ``top`` fastest layouts that fit, fastest first (ties: less memory first); ``NoFit``
     (a ``ValueError``) naming the shortfall when none fits, ``ValueError`` when none is valid."""
+    whole("plan", "top", top)
     valid = layouts(model, gpus, cluster, global_batch, micro_batches, zero_stages, recompute)
     if not valid:
         raise ValueError(f"no layout of {gpus} GPUs can run {model.name or 'the model'} with global batch "

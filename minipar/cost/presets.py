@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from minipar.checks import number
 from minipar.cost.cluster import Cluster, Link
+from minipar.cost.layout import check_specs
 from minipar.cost.perf import Layout, ModelSpec, predict
 
 NARAYANAN = "Narayanan et al. 2021, SC21, Table 1"
@@ -53,7 +55,8 @@ def narayanan_row(name: str) -> tuple[ModelSpec, Layout, float]:
             layout = Layout(dp=gpus // (t * p), tp=t, pp=p, micro_batch=b, global_batch=batch, chunks=v,
                             recompute="full")
             return model, layout, float(tflops)
-    raise ValueError(f"no row {name!r} in {NARAYANAN}; rows: {[r[0] for r in NARAYANAN_TABLE_1]}")
+    raise ValueError(f"narayanan_row: name={name!r} is no row of {NARAYANAN}; rows: "
+                     f"{[r[0] for r in NARAYANAN_TABLE_1]}")
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -93,6 +96,9 @@ CLUSTERS: dict[str, Cluster] = {
 def calibrate_efficiency(model: ModelSpec, layout: Layout, cluster: Cluster, tflops_per_gpu: float) -> float:
     """The ``cluster.efficiency`` at which ``predict`` gives ``tflops_per_gpu`` (TFLOP/s, e.g. a
     published row) for ``model`` under ``layout``: bisection, the throughput rising with it."""
+    check_specs("calibrate_efficiency", model=model, layout=layout, cluster=cluster)
+    if number("calibrate_efficiency", "tflops_per_gpu", tflops_per_gpu) == 0:
+        raise ValueError("calibrate_efficiency: tflops_per_gpu=0 must be a positive throughput")
     lo, hi = 1e-6, 1.0
     if predict(model, layout, replace(cluster, efficiency=hi)).tflops_per_gpu < tflops_per_gpu:
         raise ValueError(f"{tflops_per_gpu} TFLOP/s per GPU is above what the model predicts at the full peak")

@@ -31,64 +31,79 @@ key blocks ``0..r``: ``r + 1`` score blocks; with the zigzag split each rank hol
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
+from minipar.checks import divisible, number, one_of, whole, wholes
 from minipar.cost.collectives import allreduce_bytes, ring_bytes
 from minipar.cost.tensor import collectives_per_block
 
 METHODS = ("ulysses", "ring", "hybrid")
 
 
-def _grid(method: str, p: int, ulysses: int | None) -> tuple[int, int]:
+def _grid(who: str, method: str, p: int, ulysses: int | None) -> tuple[int, int]:
     """(P_u, P_r) of ``method`` on ``p`` ranks (``ulysses`` = P_u, for "hybrid" only)."""
-    if method not in METHODS:
-        raise ValueError(f"no sequence-parallel formula for method {method!r}; choose one of {METHODS}")
+    one_of(who, "method", method, METHODS)
+    p = whole(who, "p", p)
     if method == "hybrid":
-        if ulysses is None or ulysses < 1 or p % ulysses:
-            raise ValueError(f"hybrid needs a Ulysses degree P_u that divides p={p}, got ulysses={ulysses}")
+        if isinstance(ulysses, bool) or not isinstance(ulysses, numbers.Integral) or ulysses < 1 or p % ulysses:
+            raise ValueError(f"{who}: hybrid needs a Ulysses degree P_u that divides p={p}, got ulysses={ulysses!r}")
         return ulysses, p // ulysses
     return (p, 1) if method == "ulysses" else (1, p)
 
 
-def _split(total: int, parts: int, what: str) -> int:
-    if total % parts:
-        raise ValueError(f"{what}={total} is not divisible by {parts}")
-    return total // parts
+def _heads(who: str, n_heads: int, p_u: int) -> int:
+    """H/P_u: Ulysses gives each of its P_u ranks whole heads."""
+    if whole(who, "n_heads", n_heads) % p_u:
+        raise ValueError(f"{who}: n_heads={n_heads} is not divisible by the Ulysses degree P_u={p_u} (each rank "
+                         "needs whole heads)")
+    return n_heads // p_u
 
 
-def ulysses_bytes(b: int, s: int, h: int, p: int, itemsize: int = 8) -> int:
+def ulysses_bytes(b: int, s: int, h: int, p: int, itemsize: int = 8, *, n_heads: int | None = None) -> int:
     """Bytes one rank sends in one layer's Ulysses attention, forward (backward is the same):
-    4 all-to-alls of the ``(b, s/P, h)`` shard, each ``(P-1)/P`` of it."""
-    return 4 * (p - 1) * b * _split(s, p, "s") * _split(h, p, "h") * itemsize
+    4 all-to-alls of the ``(b, s/P, h)`` shard, each ``(P-1)/P`` of it. Given ``n_heads``, refuses
+    head counts P does not divide (the bytes do not depend on it)."""
+    wholes("ulysses_bytes", b=b, s=s, h=h, p=p, itemsize=itemsize)
+    if n_heads is not None:
+        _heads("ulysses_bytes", n_heads, p)
+    return 4 * (p - 1) * b * divisible("ulysses_bytes", "s", s, p, "p") * divisible("ulysses_bytes", "h", h, p, "p") \
+        * itemsize
 
 
 def ring_attention_bytes(b: int, s: int, h: int, p: int, itemsize: int = 8, backward: bool = False) -> int:
     """Bytes one rank sends in one layer's Ring Attention: ``P-1`` K/V blocks of ``2 b (s/P) h e``
     forward; backward ``P-1`` K/V blocks plus ``P-1`` dK/dV accumulators (twice forward)."""
-    forward = (p - 1) * 2 * b * _split(s, p, "s") * h * itemsize
+    wholes("ring_attention_bytes", b=b, s=s, h=h, p=p, itemsize=itemsize)
+    forward = (p - 1) * 2 * b * divisible("ring_attention_bytes", "s", s, p, "p") * h * itemsize
     return 2 * forward if backward else forward
 
 
 def hybrid_bytes(b: int, s: int, h: int, ulysses: int, ring: int, itemsize: int = 8,
-                 backward: bool = False) -> int:
+                 backward: bool = False, *, n_heads: int | None = None) -> int:
     """Bytes one rank sends in one layer's USP attention on a ``ulysses x ring`` grid: 4 all-to-alls
     among P_u ranks of the ``(b, s/P, h)`` shard, plus Ring Attention among P_r ranks of
-    ``(b, s/P_r, h/P_u)`` blocks."""
-    n = _split(s, ulysses * ring, "s")
-    all_to_alls = 4 * (ulysses - 1) * b * n * _split(h, ulysses, "h") * itemsize
-    return all_to_alls + ring_attention_bytes(b, s, _split(h, ulysses, "h"), ring, itemsize, backward)
+    ``(b, s/P_r, h/P_u)`` blocks. Given ``n_heads``, refuses head counts P_u does not divide."""
+    wholes("hybrid_bytes", b=b, s=s, h=h, ulysses=ulysses, ring=ring, itemsize=itemsize)
+    if n_heads is not None:
+        _heads("hybrid_bytes", n_heads, ulysses)
+    n = divisible("hybrid_bytes", "s", s, ulysses * ring, "ulysses x ring")
+    width = divisible("hybrid_bytes", "h", h, ulysses, "ulysses")
+    all_to_alls = 4 * (ulysses - 1) * b * n * width * itemsize
+    return all_to_alls + ring_attention_bytes(b, s, width, ring, itemsize, backward)
 
 
 def attention_bytes(method: str, b: int, s: int, h: int, p: int, ulysses: int | None = None, itemsize: int = 8,
-                    backward: bool = False) -> int:
+                    backward: bool = False, *, n_heads: int | None = None) -> int:
     """Bytes one rank sends in one layer's attention by ``method`` ("ulysses" | "ring" | "hybrid";
-    ``ulysses`` = P_u for "hybrid"), forward or backward."""
-    pu, pr = _grid(method, p, ulysses)
+    ``ulysses`` = P_u for "hybrid"), forward or backward; given ``n_heads``, refuses head counts
+    P_u does not divide."""
+    pu, pr = _grid("attention_bytes", method, p, ulysses)
     if method == "ulysses":
-        return ulysses_bytes(b, s, h, p, itemsize)
+        return ulysses_bytes(b, s, h, p, itemsize, n_heads=n_heads)
     if method == "ring":
         return ring_attention_bytes(b, s, h, p, itemsize, backward)
-    return hybrid_bytes(b, s, h, pu, pr, itemsize, backward)
+    return hybrid_bytes(b, s, h, pu, pr, itemsize, backward, n_heads=n_heads)
 
 
 def megatron_sp_bytes(b: int, s: int, h: int, t: int, itemsize: int = 8, backward: bool = False) -> int:
@@ -96,6 +111,7 @@ def megatron_sp_bytes(b: int, s: int, h: int, t: int, itemsize: int = 8, backwar
     2022, Sec. 4.2.2), ``(t-1)/t A`` per collective of ``A = b s h e``: forward 2 all-gathers and 2
     reduce-scatters, backward 4 all-gathers (2 of them re-gathers) and 2 reduce-scatters
     (``minipar.cost.tensor.collectives_per_block``)."""
+    wholes("megatron_sp_bytes", b=b, s=s, h=h, t=t, itemsize=itemsize)
     a = s * b * h * itemsize
     calls = collectives_per_block(True)["backward" if backward else "forward"]
     return round(sum(n * ring_bytes(op, a, t) for op, n in calls.items()))
@@ -106,25 +122,27 @@ def score_bytes(method: str, b: int, s: int, n_heads: int, p: int, ulysses: int 
     """The largest score buffer a rank holds at once: Ulysses the softmax of H/P heads over the
     whole sequence (``b (H/P) s^2 e``, kept for backward); Ring Attention one block, ``b (H/P_u)
     (s/P_r)^2 e`` (P_u = 1 for "ring"), with zigzag pieces ``(s/(2 P_r))^2``."""
-    pu, pr = _grid(method, p, ulysses)
-    heads = _split(n_heads, pu, "n_heads")
+    pu, pr = _grid("score_bytes", method, p, ulysses)
+    wholes("score_bytes", b=b, s=s, itemsize=itemsize)
+    heads = _heads("score_bytes", n_heads, pu)
     if method == "ulysses":
         return b * heads * s * s * itemsize
-    piece = _split(s, 2 * pr if zigzag else pr, "s")
+    piece = divisible("score_bytes", "s", s, 2 * pr if zigzag else pr, "2 P_r" if zigzag else "P_r")
     return b * heads * piece * piece * itemsize
 
 
 def causal_blocks(p: int, zigzag: bool) -> list[int]:
     """Score blocks (query piece x key piece not fully masked) each of ``p`` ring ranks computes under
     a causal mask: contiguous ``r + 1`` (blocks of s/P), zigzag ``2P + 1`` (pieces of s/(2P))."""
-    return [2 * p + 1 if zigzag else r + 1 for r in range(p)]
+    return [2 * p + 1 if zigzag else r + 1 for r in range(whole("causal_blocks", "p", p))]
 
 
 def causal_score_elements(s: int, p: int, zigzag: bool) -> list[int]:
     """Score elements each ring rank computes per head and batch element under a causal mask:
     contiguous ``(r + 1)(s/P)^2``, zigzag ``(2P + 1)(s/(2P))^2`` (masked entries of the diagonal
     blocks included: they are computed, then set to -inf)."""
-    piece = _split(s, 2 * p if zigzag else p, "s")
+    wholes("causal_score_elements", s=s, p=p)
+    piece = divisible("causal_score_elements", "s", s, 2 * p if zigzag else p, "2 p" if zigzag else "p")
     return [n * piece * piece for n in causal_blocks(p, zigzag)]
 
 
@@ -150,17 +168,20 @@ def activation_terms(method: str, b: int, s: int, h: int, n_heads: int, d_ff: in
     Against ``nn.Block`` on one process (``10 b s h e + 2 b s d_ff e + b H s^2 e``) the ring keeps
     ``1/P`` of everything but the score matrix, which it replaces by the log-sum-exp; Ulysses keeps
     ``b s h e / P`` more (the attention output before and after its all-to-all back)."""
-    pu, pr = _grid(method, p, ulysses)
+    who = "activation_terms"
+    pu, pr = _grid(who, method, p, ulysses)
+    wholes(who, b=b, s=s, h=h, d_ff=d_ff, itemsize=itemsize)
+    heads = _heads(who, n_heads, pu)
+    divisible(who, "h", h, n_heads, "n_heads")
     e = itemsize
-    n = b * _split(s, p, "s")
-    heads = _split(n_heads, pu, "n_heads")
+    n = b * divisible(who, "s", s, p, "p")
     act = n * h * e
     terms = {"ln1 output (q k v input)": act}
     terms["q k v" if method == "ring" else "q k v after the all-to-all"] = 3 * act
     if method == "ulysses":
         terms["softmax"] = b * heads * s * s * e
     else:
-        terms["log-sum-exp"] = b * heads * _split(s, pr, "s") * e
+        terms["log-sum-exp"] = b * heads * (s // pr) * e
     terms["attention output"] = act
     if method != "ring":
         terms["attention output after the all-to-all (proj input)"] = act
@@ -190,7 +211,8 @@ def step_bytes_by_op(method: str, b: int, s: int, h: int, layers: int, p: int, n
     backward (Ulysses' ``all_to_all``; the ring's K/V blocks, ``ring_kv``, in forward and again in
     backward, and the dK/dV accumulators travelling home, ``ring_dkv``; the hybrid both) and
     ``sync_grads``' ring ``allreduce`` of every gradient."""
-    p_u, p_r = _grid(method, p, ulysses)
+    p_u, p_r = _grid("step_bytes_by_op", method, p, ulysses)
+    whole("step_bytes_by_op", "layers", layers)
     out = {"allreduce": grad_sync_bytes(n_params, p, itemsize)}
     if method != "ulysses":
         kv = ring_attention_bytes(b, s, h // p_u, p_r, itemsize)  # one pass of the K/V blocks
@@ -205,6 +227,10 @@ def longest_sequence(need: Callable[[int], int], budget: int, multiple: int, lim
     """The longest sequence length ``s``, a multiple of ``multiple`` (2P for the zigzag split), whose
     ``need(s)`` bytes (growing with ``s``) fit ``budget``: doubling, then bisection; ``multiple`` when
     even that does not fit, at most ``limit``."""
+    if not callable(need):
+        raise ValueError(f"longest_sequence: need={need!r} must be a function of the sequence length")
+    number("longest_sequence", "budget", budget)
+    whole("longest_sequence", "limit", limit, least=whole("longest_sequence", "multiple", multiple))
     lo, hi = multiple, 2 * multiple
     while need(hi) <= budget and hi < limit:
         lo, hi = hi, 2 * hi

@@ -32,10 +32,12 @@ elements (``redistribute_bytes``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
 
+from minipar.checks import counts, index, whole, wholes
 from minipar.cost.collectives import allreduce_bytes, ring_bytes
 
 TABLE = {
@@ -48,6 +50,10 @@ TABLE = {
 def collective(src: str, dst: str) -> str:
     """The collective of one step between placements written ``"S(0)"``, ``"B"``, ``"P"`` (``TABLE``;
     ``"none"`` for the same placement)."""
+    for name, placement in (("src", src), ("dst", dst)):
+        if not isinstance(placement, str) or not re.fullmatch(r"B|P|S\(-?\d+\)", placement):
+            raise ValueError(f"collective: {name}={placement!r} is not a placement; write 'S(0)', 'S(1)', ..., "
+                             "'B' or 'P'")
     if src == dst:
         return "none"
     return TABLE[(src[0], dst[0])]
@@ -56,6 +62,9 @@ def collective(src: str, dst: str) -> str:
 def step_bytes(src: str, dst: str, numel: int, itemsize: int, p: int, coord: int) -> int:
     """Bytes one rank sends in one step on an axis of degree ``p``; ``numel`` = its piece's elements
     before the step, ``coord`` its coordinate on the axis (module docstring)."""
+    whole("step_bytes", "numel", numel, least=0)
+    wholes("step_bytes", itemsize=itemsize, p=p)
+    index("step_bytes", "coord", coord, p, "coordinates on the axis")
     n, how = numel * itemsize, collective(src, dst)
     if p == 1 or how in ("none", "slice", "zero"):
         return 0
@@ -65,18 +74,24 @@ def step_bytes(src: str, dst: str, numel: int, itemsize: int, p: int, coord: int
         return int(ring_bytes("reduce_scatter", n, p))
     if how in ("allgather", "allgather+zero"):
         return int(ring_bytes("allgather", p * n, p))
-    if how == "all_to_all":
-        return (p - 1) * n // p
-    raise ValueError(f"no step {src} -> {dst}")
+    return (p - 1) * n // p  # all-to-all
 
 
 def redistribute_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], coords: Sequence[int],
                        src: Sequence[str], steps: Sequence[tuple[int, str, str]]) -> list[int]:
     """Bytes one rank sends on each axis (a list by axis index) over ``steps`` ``(axis, from, to)``,
     starting from the placements ``src`` (strings, one per axis)."""
+    who = "redistribute_bytes"
+    counts(who, "shape", shape)
+    whole(who, "itemsize", itemsize)
+    if not len(degrees) == len(coords) == len(src):
+        raise ValueError(f"{who}: degrees={list(degrees)}, coords={list(coords)} and src={list(src)} must have one "
+                         "entry per mesh axis")
     cur, out = list(src), [0] * len(src)
     for k, a, b in steps:
-        assert cur[k] == a, (cur, k, a)
+        if cur[index(who, "a step's axis", k, len(src), "mesh axes")] != a:
+            raise ValueError(f"{who}: the step {(k, a, b)} starts from {a} but axis {k} is {cur[k]} then "
+                             f"(placements {cur})")
         parts = int(np.prod([d for d, p in zip(degrees, cur, strict=True) if p.startswith("S")]))
         numel = int(np.prod(shape)) // parts
         out[k] += step_bytes(a, b, numel, itemsize, degrees[k], coords[k])

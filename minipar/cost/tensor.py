@@ -35,11 +35,23 @@ softmax ``2 s b V w / t``, its saved target indices and mask ``s b (8 + 1)`` and
 
 from __future__ import annotations
 
+from minipar.checks import divisible, one_of, whole, wholes
 from minipar.cost.collectives import ring_bytes
+
+
+def _megatron(who: str, t: int, n_heads: int, d: int, d_ff: int) -> None:
+    """Megatron's split of a block over ``t`` ranks: whole heads and MLP columns per rank."""
+    wholes(who, t=t, n_heads=n_heads, d=d, d_ff=d_ff)
+    if n_heads % t:
+        raise ValueError(f"{who}: n_heads={n_heads} is not divisible by t={t} (Megatron gives each rank whole "
+                         f"heads); use a multiple of {t} heads")
+    divisible(who, "d", d, n_heads, "n_heads")
+    divisible(who, "d_ff", d_ff, t, "t")
 
 
 def collectives_per_block(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     """Calls per transformer block by phase: ``{"forward": {op: n}, "backward": {op: n}}``."""
+    one_of("collectives_per_block", "sequence_parallel", sequence_parallel, (True, False))
     if sequence_parallel:
         return {"forward": {"allgather": 2, "reduce_scatter": 2},
                 "backward": {"allgather": 4, "reduce_scatter": 2}}  # 2 of the all-gathers: re-gathers
@@ -49,12 +61,16 @@ def collectives_per_block(sequence_parallel: bool) -> dict[str, dict[str, int]]:
 def sequence_parallel_params(seq_len: int, d: int, n_layers: int) -> int:
     """Numbers in the gradients ``sync_grads`` all-reduces: 2 layer norms and 2 proj biases per
     block (6 d), the final layer norm (2 d), the position embedding (seq_len d)."""
+    wholes("sequence_parallel_params", seq_len=seq_len, d=d, n_layers=n_layers)
     return n_layers * 6 * d + 2 * d + seq_len * d
 
 
 def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize: int = 8,
                    sequence_parallel: bool = False, seq_len: int | None = None) -> dict[str, float]:
     """Bytes each rank sends in one training step (forward, backward, ``sync_grads``), by op."""
+    wholes("expected_bytes", t=t, batch=batch, seq=seq, d=d, n_layers=n_layers, itemsize=itemsize)
+    if seq_len is not None:
+        whole("expected_bytes", "seq_len", seq_len)
     a = seq * batch * d * itemsize
     loss = 3 * ring_bytes("allreduce", seq * batch * itemsize, t)
     if not sequence_parallel:
@@ -71,6 +87,7 @@ def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize
 def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
                 sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes each rank sends for one block, forward plus backward, by op."""
+    wholes("block_bytes", t=t, batch=batch, seq=seq, d=d, itemsize=itemsize)
     a = seq * batch * d * itemsize
     calls = collectives_per_block(sequence_parallel)
     return {op: (calls["forward"].get(op, 0) + n) * ring_bytes(op, a, t) for op, n in calls["backward"].items()}
@@ -79,13 +96,19 @@ def block_bytes(t: int, batch: int, seq: int, d: int, itemsize: int = 8,
 def block_parameters(t: int, d: int, d_ff: int) -> int:
     """Numbers of a Megatron block held per rank on ``t`` ranks: q, k, v and fc split by columns (weight
     and bias), both projections by rows (their biases whole, as the layer norms)."""
+    wholes("block_parameters", t=t, d=d, d_ff=d_ff)
+    divisible("block_parameters", "d", d, t, "t")
+    divisible("block_parameters", "d_ff", d_ff, t, "t")
     return 2 * 2 * d + 3 * (d * d // t + d // t) + (d * d // t + d) + (d * d_ff // t + d_ff // t) + (d_ff // t * d + d)
 
 
 def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
                 sequence_parallel: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward on each rank, term by term: Korthikanti et al.
-    2022 Sec. 4.1 without the dropout terms (module docstring), in the order a block makes them."""
+    2022 Sec. 4.1 without the dropout terms (module docstring), in the order a block makes them.
+    Refuses head counts ``t`` does not divide, as Megatron does."""
+    _megatron("layer_terms", t, n_heads, d, d_ff)
+    wholes("layer_terms", batch=batch, seq=seq, itemsize=itemsize)
     n, w = seq * batch, itemsize
     shard = n * d * w // t if sequence_parallel else n * d * w  # the layer-norm region's tensors
     local = n * d * w // t  # one of q, k, v or the attention output on this rank's heads
@@ -105,6 +128,7 @@ def activation_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: i
                      index_itemsize: int = 8) -> dict[str, int]:
     """Activation bytes held per rank after the forward pass, by memory-sample label (module
     docstring); ``index_itemsize`` = bytes of the targets' integer type (int64: 8)."""
+    wholes("activation_bytes", n_layers=n_layers, vocab=vocab, index_itemsize=index_itemsize)
     w, n = itemsize, seq * batch
     a = n * d * w
     s_ = a // t if sequence_parallel else a

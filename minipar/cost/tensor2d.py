@@ -39,18 +39,31 @@ from __future__ import annotations
 
 from collections import Counter
 
+from minipar.checks import index, wholes
 from minipar.cost.collectives import allreduce_bytes, tree_broadcast_bytes
+
+
+def _grid(who: str, q: int, row: int, col: int) -> None:
+    """``(row, col)`` is a rank of the ``q x q`` grid."""
+    index(who, "row", row, q, "rows of the q x q grid")
+    index(who, "col", col, q, "columns of the q x q grid")
 
 
 def tree_reduce_bytes(nbytes: int, p: int, rank: int, root: int = 0) -> int:
     """Bytes ``rank`` sends in a binomial-tree reduce of ``nbytes`` to ``root`` on ``p`` ranks: every
     rank but the root sends its partial result once, to its parent."""
+    wholes("tree_reduce_bytes", 0, nbytes=nbytes)
+    wholes("tree_reduce_bytes", p=p)
+    index("tree_reduce_bytes", "rank", rank, p, "ranks")
+    index("tree_reduce_bytes", "root", root, p, "ranks")
     return 0 if p == 1 or (rank - root) % p == 0 else nbytes
 
 
 def summa_bytes(a_bytes: int, b_bytes: int, q: int) -> dict[str, int]:
     """Closed forms per rank for one SUMMA ``C = A B`` with blocks of ``a_bytes`` and ``b_bytes``:
     ``forward`` ``(q-1)(a + b)`` (broadcasts), ``backward`` ``2(q-1)(a + b)`` (broadcasts and reduces)."""
+    wholes("summa_bytes", 0, a_bytes=a_bytes, b_bytes=b_bytes)
+    wholes("summa_bytes", q=q)
     return {"forward": (q - 1) * (a_bytes + b_bytes), "backward": 2 * (q - 1) * (a_bytes + b_bytes)}
 
 
@@ -59,9 +72,12 @@ def linear2d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
     """Bytes rank ``(row, col)`` sends in one ``Linear2D`` forward and backward (input and weight
     gradients both computed), by phase and collective, summed over SUMMA's ``q`` steps root by root.
     ``batch_rows``: rows of the whole activation (the product of its leading axes)."""
+    wholes("linear2d_bytes", batch_rows=batch_rows, in_features=in_features, out_features=out_features, q=q,
+           itemsize=itemsize)
+    _grid("linear2d_bytes", q, row, col)
     for name, n in (("batch_rows", batch_rows), ("in_features", in_features), ("out_features", out_features)):
         if n % q:
-            raise ValueError(f"{name}={n} is not a multiple of q={q}")
+            raise ValueError(f"linear2d_bytes: {name}={n} is not a multiple of q={q}")
     a = batch_rows // q * in_features // q * itemsize  # this rank's input block A_ij
     w = in_features // q * out_features // q * itemsize  # its weight block W_ij
     roots = range(q)
@@ -77,11 +93,14 @@ def linear2d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
 
 def linear2d_parameters(in_features: int, out_features: int, q: int, bias: bool = True) -> int:
     """Numbers of a ``Linear2D`` held per rank: ``(in out + out) / q^2`` (``in out / q^2`` without bias)."""
+    wholes("linear2d_parameters", in_features=in_features, out_features=out_features, q=q)
     return (in_features * out_features + (out_features if bias else 0)) // (q * q)
 
 
 def layernorm2d_bytes(batch_rows: int, d: int, q: int, row: int, col: int, itemsize: int = 8) -> dict[str, Counter]:
     """Bytes rank ``(row, col)`` sends in one ``LayerNorm2D`` forward and backward, by collective."""
+    wholes("layernorm2d_bytes", batch_rows=batch_rows, d=d, q=q, itemsize=itemsize)
+    _grid("layernorm2d_bytes", q, row, col)
     local = batch_rows // q
     stat = allreduce_bytes(local, itemsize, q, col, "ring")
     piece = (q - 1) * (d // (q * q)) * itemsize

@@ -44,19 +44,25 @@ from __future__ import annotations
 
 from collections import Counter
 
+from minipar.checks import counts, index, whole, wholes
 from minipar.cost.collectives import allreduce_bytes
 from minipar.cost.tensor2d import block2d_bytes, layernorm2d_bytes, linear2d_bytes
 
 
-def _rows(batch_rows: int, d: int) -> int:
+def _rows(who: str, batch_rows: int, d: int, depth: int) -> int:
+    """The rows of one layer of the ``d`` stacked grids (``depth`` one of them)."""
+    wholes(who, batch_rows=batch_rows, d=d)
+    index(who, "depth", depth, d, "layers of the depth d")
     if batch_rows % d:
-        raise ValueError(f"batch_rows={batch_rows} is not a multiple of the depth d={d}")
+        raise ValueError(f"{who}: batch_rows={batch_rows} is not a multiple of the depth d={d}")
     return batch_rows // d
 
 
 def depth_bytes(pieces: list[int], d: int, k: int, itemsize: int = 8) -> int:
     """Bytes depth rank ``k`` sends summing parameter pieces of ``pieces`` numbers each over ``d``
     ranks, one ring all-reduce per piece (``DepthAllReduce``)."""
+    counts("depth_bytes", "pieces", pieces)
+    index("depth_bytes", "k", k, whole("depth_bytes", "d", d), "ranks along the depth")
     return sum(allreduce_bytes(n, itemsize, d, k, "ring") for n in pieces)
 
 
@@ -68,11 +74,13 @@ def _depth(pieces: list[int], d: int, k: int, itemsize: int) -> Counter:
 def linear_pieces(in_features: int, out_features: int, q: int, bias: bool = True) -> list[int]:
     """Numbers per rank of a 2.5-D linear's parameters: ``W_ij`` (``in out/q^2``) and the bias piece
     (``out/q^2``)."""
+    wholes("linear_pieces", in_features=in_features, out_features=out_features, q=q)
     return [in_features * out_features // (q * q)] + ([out_features // (q * q)] if bias else [])
 
 
 def block_pieces(d_model: int, d_ff: int, q: int) -> list[int]:
     """Numbers per rank of each parameter of a 2.5-D transformer block, in ``nn.Block``'s order."""
+    wholes("block_pieces", d_model=d_model, d_ff=d_ff, q=q)
     norm = [d_model // (q * q)] * 2
     return (norm + linear_pieces(d_model, d_model, q) * 4 + norm + linear_pieces(d_model, d_ff, q)
             + linear_pieces(d_ff, d_model, q))
@@ -83,7 +91,8 @@ def linear2p5d_bytes(batch_rows: int, in_features: int, out_features: int, q: in
     """Bytes rank ``(depth, row, col)`` sends in one ``Linear2p5D`` forward and backward: ``forward``
     and ``backward`` inside its layer (``tensor2d.linear2d_bytes`` on ``batch_rows / d`` rows) and
     ``depth``, the gradient all-reduces (module docstring). ``batch_rows``: the whole activation's."""
-    inner = linear2d_bytes(_rows(batch_rows, d), in_features, out_features, q, row, col, itemsize, bias)
+    rows = _rows("linear2p5d_bytes", batch_rows, d, depth)
+    inner = linear2d_bytes(rows, in_features, out_features, q, row, col, itemsize, bias)
     return {"forward": Counter(inner["forward"]), "backward": Counter(inner["backward"]),
             "depth": _depth(linear_pieces(in_features, out_features, q, bias), d, depth, itemsize)}
 
@@ -92,7 +101,7 @@ def layernorm2p5d_bytes(batch_rows: int, d_model: int, q: int, d: int, row: int,
                         itemsize: int = 8) -> dict[str, Counter]:
     """Bytes rank ``(depth, row, col)`` sends in one ``LayerNorm2p5D`` forward and backward, by phase
     (``tensor2d.layernorm2d_bytes`` on ``batch_rows / d`` rows; ``depth``: gain and shift pieces)."""
-    inner = layernorm2d_bytes(_rows(batch_rows, d), d_model, q, row, col, itemsize)
+    inner = layernorm2d_bytes(_rows("layernorm2p5d_bytes", batch_rows, d, depth), d_model, q, row, col, itemsize)
     return {**inner, "depth": _depth([d_model // (q * q)] * 2, d, depth, itemsize)}
 
 
@@ -100,7 +109,7 @@ def block2p5d_bytes(batch_rows: int, d_model: int, d_ff: int, q: int, d: int, ro
                     itemsize: int = 8) -> dict[str, Counter]:
     """Bytes rank ``(depth, row, col)`` sends in one ``Block2p5D`` forward and backward, by phase
     (``forward``, ``backward`` in the layer; ``depth``) and collective."""
-    inner = block2d_bytes(_rows(batch_rows, d), d_model, d_ff, q, row, col, itemsize)
+    inner = block2d_bytes(_rows("block2p5d_bytes", batch_rows, d, depth), d_model, d_ff, q, row, col, itemsize)
     return {**inner, "depth": _depth(block_pieces(d_model, d_ff, q), d, depth, itemsize)}
 
 
@@ -108,6 +117,7 @@ def linear_closed_form(b: int, h: int, q: int, d: int) -> dict[str, float]:
     """Numbers each rank sends for a square linear without bias, ``b`` rows, ``h x h`` weight, when
     every division is exact: ``layer`` ``3(q-1)(b h/(d q^2) + h^2/q^2)`` (forward + backward),
     ``depth`` ``2(d-1)/d h^2/q^2`` (module docstring)."""
+    wholes("linear_closed_form", b=b, h=h, q=q, d=d)
     return {"layer": 3 * (q - 1) * (b * h / (d * q * q) + h * h / (q * q)),
             "depth": 2 * (d - 1) / d * h * h / (q * q)}
 
@@ -116,6 +126,7 @@ def paper_bandwidth(q: int, d: int) -> float:
     """The paper's per-layer bandwidth term ``3(q-1)(d+1)/(d q)`` (whole matrices as the unit, ``b = h``),
     as Colossal-AI's 2.5-D documentation gives it; ``q`` times ``linear_closed_form``'s ``layer`` term
     in those units (module docstring: why)."""
+    wholes("paper_bandwidth", q=q, d=d)
     return 3 * (q - 1) * (d + 1) / (d * q)
 
 
@@ -127,6 +138,8 @@ def block2p5d_parameters(d_model: int, d_ff: int, q: int) -> int:
 def activation_bytes(whole: int, q: int, d: int, layer_norms: int = 0, d_model: int = 0, itemsize: int = 8) -> int:
     """Activation bytes a rank keeps for backward: ``1/(d q^2)`` of the single process's ``whole``,
     plus each of ``layer_norms`` layer norms' gathered gain (``d_model/q`` numbers)."""
+    wholes("activation_bytes", 0, whole=whole, layer_norms=layer_norms, d_model=d_model)
+    wholes("activation_bytes", q=q, d=d, itemsize=itemsize)
     if whole % (d * q * q):
-        raise ValueError(f"{whole} activation bytes do not split d q^2 = {d * q * q} ways")
+        raise ValueError(f"activation_bytes: whole={whole} activation bytes do not split d q^2 = {d * q * q} ways")
     return whole // (d * q * q) + layer_norms * d_model // q * itemsize

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from minipar.checks import index, wholes
 from minipar.cost.collectives import allreduce_bytes, ring_bytes
 
 
@@ -75,10 +76,12 @@ def linear3d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
     the ring formulas on the whole blocks gathered or scattered (module docstring). ``shared_input``:
     the input was gathered by another layer (``Linear3D.gathered``), which also reduce-scatters the
     summed gradient: neither is counted here."""
+    wholes("linear3d_bytes", batch_rows=batch_rows, in_features=in_features, out_features=out_features, q=q,
+           itemsize=itemsize)
     for name, n, by in (("batch_rows", batch_rows, q * q), ("in_features", in_features, q * q),
                         ("out_features", out_features, q ** 3 if bias else q)):
         if n % by:
-            raise ValueError(f"{name}={n} is not a multiple of {by} (q={q})")
+            raise ValueError(f"linear3d_bytes: {name}={n} is not a multiple of {by} (q={q})")
     x_block = batch_rows // q * in_features // q * itemsize  # X_bk, gathered along n
     w_block = in_features // q * out_features // q * itemsize  # W_kn, gathered along b
     y_block = batch_rows // q * out_features // q * itemsize  # Y_bn, reduce-scattered along k
@@ -96,12 +99,15 @@ def linear3d_bytes(batch_rows: int, in_features: int, out_features: int, q: int,
 def linear3d_total_bytes(batch_rows: int, in_features: int, out_features: int, q: int, itemsize: int = 8) -> int:
     """The closed form per phase (forward, or backward with both gradients): ``(q-1)(BK + KN + BN)/q^3``
     numbers times ``itemsize``."""
+    wholes("linear3d_total_bytes", batch_rows=batch_rows, in_features=in_features, out_features=out_features, q=q,
+           itemsize=itemsize)
     return (q - 1) * (batch_rows * in_features + in_features * out_features
                       + batch_rows * out_features) // q ** 3 * itemsize
 
 
 def linear3d_parameters(in_features: int, out_features: int, q: int, bias: bool = False) -> int:
     """Numbers of a ``Linear3D`` held per rank: ``(in out + out) / q^3`` (``in out / q^3`` without bias)."""
+    wholes("linear3d_parameters", in_features=in_features, out_features=out_features, q=q)
     return (in_features * out_features + (out_features if bias else 0)) // q ** 3
 
 
@@ -109,6 +115,7 @@ def plane_bytes(size: int, q: int, itemsize: int = 8) -> int:
     """Bytes a rank sends all-gathering (or reduce-scattering) the ``1/q^3`` pieces of a length-``size``
     vector over a plane of ``q^2`` ranks (a bias, a layer norm's gain): a ring along one axis on the
     whole of ``size/q^2``, then one along another on ``size/q``: ``(q-1)(size/q^3 + size/q^2)``."""
+    wholes("plane_bytes", size=size, q=q, itemsize=itemsize)
     return int(ring_bytes("allgather", size // q ** 2 * itemsize, q) + ring_bytes("allgather", size // q * itemsize, q))
 
 
@@ -116,6 +123,8 @@ def layernorm3d_bytes(batch_rows: int, d: int, q: int, k: int, itemsize: int = 8
     """Bytes rank ``(b, k, n)`` sends in one ``LayerNorm3D`` forward and backward, by collective: ring
     all-reduces of one number per local row along ``k`` (its rank there is ``k``), the gain's and the
     shift's plane gathers (module docstring)."""
+    wholes("layernorm3d_bytes", batch_rows=batch_rows, d=d, q=q, itemsize=itemsize)
+    index("layernorm3d_bytes", "k", k, q, "ranks along k")
     local = batch_rows // q ** 2
     stat = allreduce_bytes(local, itemsize, q, k, "ring")
     pair = 2 * plane_bytes(d, q, itemsize)
@@ -127,6 +136,7 @@ def layernorm3d_bytes(batch_rows: int, d: int, q: int, k: int, itemsize: int = 8
 def block3d_linears(d: int, d_ff: int) -> list[tuple[int, int, bool]]:
     """``(in, out, shared_input)`` of the block's six linears: attention's ``q, k, v, proj`` (``k`` and
     ``v`` use ``q``'s gathered input), the MLP's ``fc, proj``."""
+    wholes("block3d_linears", d=d, d_ff=d_ff)
     return [(d, d, False), (d, d, True), (d, d, True), (d, d, False), (d, d_ff, False), (d_ff, d, False)]
 
 
@@ -142,6 +152,7 @@ def block3d_bytes(batch_rows: int, d: int, d_ff: int, q: int, k: int, itemsize: 
 def block3d_parameters(d: int, d_ff: int, q: int) -> int:
     """Numbers of a ``Block3D`` held per rank: ``1/q^3`` of ``nn.Block``'s (two layer norms of ``2d``,
     six linears with biases)."""
+    wholes("block3d_parameters", d=d, d_ff=d_ff, q=q)
     whole = 2 * 2 * d + sum(fin * fout + fout for fin, fout, _ in block3d_linears(d, d_ff))
     return whole // q ** 3
 
@@ -151,6 +162,7 @@ def block3d_activation_bytes(batch: int, seq: int, d: int, n_heads: int, d_ff: i
     """Activation bytes one ``Block3D`` keeps for backward per rank, by kind (module docstring):
     ``pieces`` (``1/q^3`` of the single-process block's), the gathered ``inputs`` and ``weights`` of the
     six ``Matmul3D`` and the layer norms' gathered ``gains``."""
+    wholes("block3d_activation_bytes", batch=batch, seq=seq, d=d, n_heads=n_heads, d_ff=d_ff, q=q, itemsize=itemsize)
     rows, linears = batch * seq, block3d_linears(d, d_ff)
     whole = (10 * rows * d + 2 * rows * d_ff + batch * n_heads * seq * seq) * itemsize  # block_activations
     inputs = sum(rows * fin for fin, _, shared in linears if not shared)  # 3 B d + B d_ff

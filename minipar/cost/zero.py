@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from decimal import ROUND_HALF_UP, Decimal
 from numbers import Integral
 
+from minipar.checks import counts, number, whole, wholes
 from minipar.cost.collectives import allreduce_bytes
 from minipar.cost.data import ddp_bytes
 
@@ -54,29 +55,32 @@ BYTES_PER_ELEMENT = {  # bytes of each component per parameter
 }
 
 
-def _check_stage(stage: int) -> None:
+def _check_stage(who: str, stage: int) -> None:
     if stage not in STAGES:
         names = ", ".join(f"{s} ({STAGE_NAMES[s]})" for s in STAGES)
-        raise ValueError(f"unknown ZeRO stage {stage!r}; choose one of {names}")
+        raise ValueError(f"{who}: unknown ZeRO stage {stage!r}; choose one of {names}")
 
 
-def _check_dp(dp: int) -> None:
+def _check_dp(who: str, dp: int) -> None:
     if not isinstance(dp, Integral) or dp < 1:
-        raise ValueError(f"the data-parallel degree N must be a positive int, got dp={dp!r}")
+        raise ValueError(f"{who}: the data-parallel degree N must be a positive int, got dp={dp!r}")
 
 
-def _check_groups(numels: Sequence[int], dp: int, rank: int = 0, root: int | None = None) -> None:
-    _check_dp(dp)
+def _check_groups(who: str, numels: Sequence[int], dp: int, rank: int = 0, root: int | None = None) -> None:
+    _check_dp(who, dp)
     if any(not isinstance(n, Integral) or n < 0 for n in numels):
-        raise ValueError(f"numels must be element counts (non-negative ints), one per bucket or unit; got {numels!r}")
+        raise ValueError(f"{who}: numels must be element counts (non-negative ints), one per bucket or unit; got "
+                         f"{numels!r}")
     if not 0 <= rank < dp:
-        raise ValueError(f"rank={rank} is not one of the N={dp} ranks")
+        raise ValueError(f"{who}: rank={rank} is not one of the N={dp} ranks")
     if root is not None and not 0 <= root < len(numels):
-        raise ValueError(f"root={root} is not the index of a unit in numels (0..{len(numels) - 1})")
+        raise ValueError(f"{who}: root={root} is not the index of a unit in numels (0..{len(numels) - 1})")
 
 
 def padded(numel: int, dp: int) -> int:
     """``L``: ``numel`` rounded up to a multiple of ``dp`` (at most ``dp - 1`` elements of padding)."""
+    whole("padded", "numel", numel, least=0)
+    _check_dp("padded", dp)
     return -(-numel // dp) * dp
 
 
@@ -90,8 +94,10 @@ def zero_model_states(params: int, stage: int, dp: int, optimizer_bytes: int = 1
     (Sec. 5.2): ``2 Psi / N``. Stage 3 also stores only that ``1/N`` of the parameters and gathers
     the rest when needed (Sec. 5.3): ``2 Psi / N``.
     """
-    _check_stage(stage)
-    _check_dp(dp)
+    _check_stage("zero_model_states", stage)
+    _check_dp("zero_model_states", dp)
+    number("zero_model_states", "params", params)
+    wholes("zero_model_states", optimizer_bytes=optimizer_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes)
     own = {"parameters": param_bytes, "gradients": grad_bytes, "optimizer state": optimizer_bytes}
     return sum(b * params / (dp if stage >= PARTITIONED_FROM[c] else 1) for c, b in own.items())
 
@@ -109,10 +115,10 @@ def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, prec
     updates the parameters in place: no master copy); ``"mixed"`` fp16 parameters 2, fp16 gradients
     2, fp32 m and v 8, fp32 master parameters 4 (the paper's K = 12 is the last two).
     """
-    _check_stage(stage)
-    _check_groups(numels, dp, rank)
+    _check_stage("zero_state_bytes", stage)
+    _check_groups("zero_state_bytes", numels, dp, rank)
     if precision not in BYTES_PER_ELEMENT:
-        raise ValueError(f"precision={precision!r}; choose one of {tuple(BYTES_PER_ELEMENT)}")
+        raise ValueError(f"zero_state_bytes: precision={precision!r}; choose one of {tuple(BYTES_PER_ELEMENT)}")
     full, shard = sum(numels), sum(padded(n, dp) // dp for n in numels)
     out = {c: b * (shard if stage >= PARTITIONED_FROM[c] else full) for c, b in BYTES_PER_ELEMENT[precision].items()}
     if stage in (1, 2):  # the full parameters are views of the padded flat buckets
@@ -141,8 +147,9 @@ def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8
     ``collectives.allreduce_bytes(1, 8, N, rank, "ring")``. A step mixed precision skips (overflow)
     sends no all-gather in stages 1 and 2: half their bytes.
     """
-    _check_stage(stage)
-    _check_groups(numels, dp, rank, root)
+    _check_stage("zero_traffic_bytes", stage)
+    _check_groups("zero_traffic_bytes", numels, dp, rank, root)
+    whole("zero_traffic_bytes", "itemsize", itemsize)
     if stage == 0:
         return ddp_bytes([(n, itemsize) for n in numels], dp, rank, "ring")
     total = 0
@@ -182,7 +189,8 @@ def fsdp_gathered_peak(numels: list[int], dp: int, itemsize: int = 8, prefetch: 
     still gathered when forward ends: ``sum L``. On one rank nothing is gathered (the shard is the
     whole unit, PyTorch's NO_SHARD fallback): 0.
     """
-    _check_groups(numels, dp, root=root)
+    _check_groups("fsdp_gathered_peak", numels, dp, root=root)
+    whole("fsdp_gathered_peak", "itemsize", itemsize)
     if dp == 1:
         return 0
     sizes = [padded(n, dp) for n in numels]
@@ -198,6 +206,8 @@ def paper_table(params: int, dp_sizes: list[int], k: int = 12) -> list[dict]:
     ``{"dp": N, "baseline": GB, "P_os": GB, "P_os+g": GB, "P_os+g+p": GB}`` in GB = 1e9 bytes,
     unrounded (the paper prints about three significant figures, at most two decimals, rounding
     half up: 41.25 is printed 41.3). E.g. 7.5e9 parameters on N = 64: 120, 31.4, 16.6, 1.88."""
+    counts("paper_table", "dp_sizes", dp_sizes)
+    whole("paper_table", "k", k)
     return [{"dp": n, **{STAGE_NAMES[s]: zero_model_states(params, s, n, k) / 1e9 for s in STAGES}}
             for n in dp_sizes]
 
@@ -205,6 +215,8 @@ def paper_table(params: int, dp_sizes: list[int], k: int = 12) -> list[dict]:
 def paper_gb(value: float) -> str:
     """GB as the paper's Table 1 prints them: 3 significant figures, at most 2 decimals, rounding half
     up (41.25 -> "41.3", 1.875 -> "1.88", 120.0 -> "120")."""
+    if number("paper_gb", "value", value) == 0:
+        raise ValueError("paper_gb: value=0 must be a positive number of GB")
     decimals = min(2, max(0, 2 - math.floor(math.log10(value))))
     rounded = Decimal(repr(value)).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)
     return f"{rounded:f}".rstrip("0").rstrip(".") if decimals else f"{rounded:f}"
@@ -214,8 +226,9 @@ def hsdp_traffic_bytes(numels: list[int], shard_group: int, dp: int, itemsize: i
     """Bytes ``rank`` sends per step under hybrid sharding (FSDP ``shard_group=G`` of ``dp`` ranks):
     stage 3 inside its group of G (``3 (G-1)/G`` of each unit padded to a multiple of G) plus the
     all-reduce of its gradient shard across the ``dp / G`` replicas (ring, exact per rank)."""
-    if shard_group < 1 or dp % shard_group:
-        raise ValueError(f"shard_group={shard_group} does not divide dp={dp}")
+    _check_dp("hsdp_traffic_bytes", dp)
+    if whole("hsdp_traffic_bytes", "shard_group", shard_group) > dp or dp % shard_group:
+        raise ValueError(f"hsdp_traffic_bytes: shard_group={shard_group} does not divide dp={dp}")
     replicas = dp // shard_group
     inside = zero_traffic_bytes(numels, 3, shard_group, itemsize, rank % shard_group)
     across = sum(allreduce_bytes(padded(n, shard_group) // shard_group, itemsize, replicas, rank // shard_group,
