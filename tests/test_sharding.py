@@ -27,6 +27,7 @@ from minipar.comm import launch
 from minipar.cost.sharding import redistribute_bytes
 from minipar.mesh import DeviceMesh, MeshShape
 from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, plan, redistribute
+from minipar.sharding.redistribute import plan_text
 from minipar.testing import run_each
 
 MESHES = {"tp2": ({"tp": 2}, ("tp",)), "tp4": ({"tp": 4}, ("tp",)),
@@ -302,3 +303,11 @@ def scalar_loss(comm) -> tuple:
 
 def test_a_scalar_partial_sum_is_all_reduced_to_a_scalar() -> None:
     assert launch(scalar_loss, 2, "threads") == [((), 3.0), ((), 3.0)]  # coordinate 0 held 3, the other 0
+
+
+def test_plan_text_names_each_step_that_does_anything() -> None:
+    assert plan_text((Shard(0),), (Replicate(),), "A") == ["allgather A"]
+    assert plan_text((Partial(),), (Shard(1),), "B") == ["reduce-scatter B"]
+    assert plan_text((Shard(0),), (Shard(1),), "A") == ["all-to-all A"]
+    assert plan_text((Replicate(),), (Shard(0),), "B") == ["slice B"]
+    assert plan_text((Shard(1), Replicate()), (Shard(1), Replicate()), "A") == []

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, reading_path, run_ranks
+from lessons.common import REPLAY, Clock, finish, lesson_parser, parse_lesson_args, print_note, reading_path, run_ranks
 from lessons.common import console as make_console
 from minipar import nn, trace
 from minipar.autograd import Tensor
@@ -40,10 +40,11 @@ from minipar.mesh import DeviceMesh
 from minipar.parallel.tensor.model import ParallelBlock
 from minipar.parallel.tensor.tp2p5d import Block2p5D, block_2p5d, grid_2p5d
 from minipar.parallel.tensor.tp3d import Block3D, cube_3d, input_piece
-from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, ops, plan
+from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, ops
 from minipar.sharding import nn as snn
 from minipar.sharding.placement import describe
 from minipar.sharding.propagate import matmul_strategies
+from minipar.sharding.redistribute import plan_text
 from viz.analysis import sent_by_op
 from viz.figures import measured_bars
 from viz.width import Table
@@ -62,10 +63,6 @@ def seed_operands() -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(-3, 4, (M, K)).astype(np.float64), rng.integers(-3, 4, (K, N)).astype(np.float64)
 
 
-def _steps(name: str, src: tuple, dst: tuple) -> list[str]:
-    return [f"{s.collective.replace('_', '-')} {name}" for s in plan(src, dst) if s.collective != "none"]
-
-
 def seed_run(mesh: DeviceMesh) -> list[dict[str, Any]]:
     """Every pair on the mesh's ``tp`` axis (2 ranks; other axes compute the same): one row each."""
     x, y = seed_operands()
@@ -82,7 +79,7 @@ def seed_run(mesh: DeviceMesh) -> list[dict[str, Any]]:
         with trace.recording(mesh.rank) as rec:
             c = ops.matmul(a, b)
         rows.append({**row, "needs": f"{describe(na)} x {describe(nb)}", "C": describe(pc)[1:-1],
-                     "how": ", ".join(_steps("A", (pa,), na) + _steps("B", (pb,), nb)) or "none (local)",
+                     "how": ", ".join(plan_text((pa,), na, "A") + plan_text((pb,), nb, "B")) or "none (local)",
                      "predicted": int(predicted), "sent": int(sum(sent_by_op(rec.events, mesh.rank).values())),
                      "equal": bool(np.array_equal(c.to_global(), x @ y))})
     return rows
@@ -279,9 +276,7 @@ def run(comm: Any, clock: Clock = REPLAY, verbose: bool = False) -> None:
     out.print(t3)
     out.print("Measured equals the formula for every layout." if ok3 else "[red]measured and formula differ[/red]",
               highlight=False)
-    note = clock.caveat(comm.size)
-    if note:
-        out.print(f"[yellow]note:[/yellow] {note}.", highlight=False)
+    print_note(out, clock.caveat(comm.size))
     figures = [("one block, three layouts: measured vs formula", compare_figure(res3, 0)),
                ("the seed's matmul: bytes per pair of placements", seed_figure(rows))]
     finish([OUT / "3d.json", OUT / "2p5d.json", OUT / "1d.json"], OUT / "report.html", out,

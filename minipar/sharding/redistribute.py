@@ -89,6 +89,12 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
     return steps
 
 
+def plan_text(src: Sequence[Placement], dst: Sequence[Placement], name: str) -> list[str]:
+    """``plan(src, dst)`` for the tensor called ``name``, in words: one entry per step that does anything,
+    its collective (``minipar.cost.sharding.collective``'s name, dashed) and the name: "reduce-scatter A"."""
+    return [f"{s.collective.replace('_', '-')} {name}" for s in plan(src, dst) if s.collective != "none"]
+
+
 def _check_legal(step: Step, cur: Sequence[Placement]) -> None:
     k = step.axis
     if isinstance(step.src, Shard) and step.src != step.dst:
