@@ -14,8 +14,10 @@ from minipar.autograd import Tensor
 from minipar.parallel.sequence import (
     SequenceGroup,
     SequenceLayout,
+    heads_to_seq,
     hybrid_attention,
     ring_attention,
+    seq_to_heads,
     ulysses_attention,
 )
 
@@ -93,3 +95,46 @@ def test_bad_attention_arguments_refused_on_every_rank_threads() -> None:
         assert got == results[0]  # the same error on every rank
     for name, (_, _, want) in BAD.items():
         assert results[0][name] == (f"ValueError: {want}", 0, []), name  # before any message
+
+
+OTHERS = {  # name: (call on a communicator, the whole message)
+    "seq_to_heads width": (lambda c: seq_to_heads.apply(_qkv((2, 2, 2), 10)[0], c),
+                           "seq_to_heads: w=10 of the activation (2, 2, 10) is not divisible by the 4 ranks of the "
+                           "all-to-all"),
+    "heads_to_seq rows": (lambda c: heads_to_seq.apply(_qkv((6, 6, 6), 2)[0], c),
+                          "heads_to_seq: n=6 of the activation (2, 6, 2) is not divisible by the 4 ranks of the "
+                          "all-to-all"),
+    "heads_to_seq shape": (lambda c: heads_to_seq.apply(Tensor(np.zeros((8, 2))), c),
+                           "heads_to_seq: the activation must be (b, n, w), got shape (8, 2)"),
+    "group method": (lambda c: SequenceGroup(c, SequenceLayout(8, 1, 4), "tree"),
+                     "SequenceGroup: method='tree'; choose one of 'ulysses', 'ring', 'hybrid'"),
+    "group layout": (lambda c: SequenceGroup(c, SequenceLayout(8, 2, 2), "ring"),
+                     "SequenceGroup: layout=SequenceLayout(seq_len=8, ulysses=2, ring=2, zigzag=False) is not a ring "
+                     "layout of the communicator's 4 ranks; make it with check_sequence_config"),
+    "layout rank": (lambda c: SequenceLayout(8, 1, 4).positions(4),
+                    "SequenceLayout: rank=4 must be one of the 4 ranks of the layout (0..3)"),
+}
+
+
+def others_run(comm) -> dict:
+    out = {}
+    for name, (call, _) in OTHERS.items():
+        watched = Watched(comm)
+        with trace.recording(comm.world_rank) as rec:
+            try:
+                call(watched)
+                msg = "accepted"
+            except Exception as exc:  # noqa: BLE001 - the test records what was raised, whatever it is
+                msg = f"{type(exc).__name__}: {exc}"
+        out[name] = (msg, sum(e.kind == "comm" for e in rec.events), watched.used)
+    return out
+
+
+def test_bad_all_to_all_group_and_rank_refused_on_every_rank_threads() -> None:
+    """The all-to-alls, ``SequenceGroup`` and ``SequenceLayout.positions`` refuse what they cannot
+    split (numpy's reshape error, a hybrid group for an unknown method, an empty position list before)."""
+    results = launch(others_run, P)
+    for got in results:
+        assert got == results[0]
+    for name, (_, want) in OTHERS.items():
+        assert results[0][name] == (f"ValueError: {want}", 0, []), name

@@ -23,17 +23,29 @@ from minipar.comm import Communicator, Request
 ALGORITHM = "pairwise"  # hand-written: every message is in the trace
 
 
+def _split_over(who: str, x: np.ndarray, axis: int, name: str, p: int) -> None:
+    """``x`` is (b, n, w) and its ``axis`` (named ``name``) splits into ``p`` equal parts (checked
+    before the all-to-all)."""
+    if x.ndim != 3:
+        raise ValueError(f"{who}: the activation must be (b, n, w), got shape {x.shape}")
+    if x.shape[axis] % p:
+        raise ValueError(f"{who}: {name}={x.shape[axis]} of the activation {x.shape} is not divisible by the {p} "
+                         "ranks of the all-to-all")
+
+
 def _seq_to_heads(x: np.ndarray, comm: Communicator) -> np.ndarray:
-    b, n, w = x.shape
     p = comm.size
+    _split_over("seq_to_heads", x, 2, "w", p)
+    b, n, w = x.shape
     send = np.ascontiguousarray(x.reshape(b, n, p, w // p).transpose(2, 0, 1, 3))  # (P dst heads, b, n, w/P)
     got = comm.all_to_all(send, algorithm=ALGORITHM)  # (P src positions, b, n, w/P)
     return got.transpose(1, 0, 2, 3).reshape(b, p * n, w // p)  # (b, P n, w/P)
 
 
 def _heads_to_seq(y: np.ndarray, comm: Communicator) -> np.ndarray:
-    b, big_n, w = y.shape
     p = comm.size
+    _split_over("heads_to_seq", y, 1, "n", p)
+    b, big_n, w = y.shape
     n = big_n // p
     send = np.ascontiguousarray(y.reshape(b, p, n, w).transpose(1, 0, 2, 3))  # (P dst positions, b, n, w)
     got = comm.all_to_all(send, algorithm=ALGORITHM)  # (P src heads, b, n, w)

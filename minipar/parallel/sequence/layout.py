@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar.checks import whole
+from minipar.checks import index, whole
 
 Piece = tuple[int, int]  # positions [start, stop)
 METHODS = ("ulysses", "ring", "hybrid")
@@ -57,7 +57,7 @@ class SequenceLayout:
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(ring index, Ulysses index) of ``rank``."""
-        return divmod(rank, self.ulysses)
+        return divmod(index("SequenceLayout", "rank", rank, self.degree, "ranks of the layout"), self.ulysses)
 
     def ring_pieces(self, i: int) -> list[Piece]:
         """The position ranges of ring block ``i``, in the order the block's rows hold them."""

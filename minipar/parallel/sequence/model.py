@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from minipar.autograd import Tensor
+from minipar.checks import one_of
 from minipar.comm import Communicator
 from minipar.nn import GPT, CausalSelfAttention, Linear, Module
 from minipar.parallel.ddp import average_grads
 from minipar.parallel.sequence.comm_ops import linear_seq_to_heads
 from minipar.parallel.sequence.hybrid import hybrid_attention, hybrid_attention_on_heads
-from minipar.parallel.sequence.layout import SequenceLayout, check_sequence_config
+from minipar.parallel.sequence.layout import METHODS, SequenceLayout, check_sequence_config
 from minipar.parallel.sequence.ring import ring_attention
 from minipar.parallel.sequence.ulysses import ulysses_attention, ulysses_attention_on_heads
 
@@ -36,6 +37,11 @@ class SequenceGroup:
     ``method`` over them. Build it after ``check_sequence_config``: ``split`` communicates."""
 
     def __init__(self, comm: Communicator, layout: SequenceLayout, method: str) -> None:
+        one_of("SequenceGroup", "method", method, METHODS)
+        if not isinstance(layout, SequenceLayout) or layout.degree != comm.size or (method != "hybrid" and (
+                layout.ulysses, layout.ring) != ((comm.size, 1) if method == "ulysses" else (1, comm.size))):
+            raise ValueError(f"SequenceGroup: layout={layout!r} is not a {method} layout of the communicator's "
+                             f"{comm.size} ranks; make it with check_sequence_config")
         self.comm, self.layout, self.method = comm, layout, method
         ring_index, ulysses_index = layout.coords(comm.rank)
         self.ulysses = comm.split(ring_index) if method == "hybrid" else comm
