@@ -175,6 +175,9 @@ BAD = [  # (function, args, keywords, what the message must contain: the argumen
     (planner.plan, (GPT, 2, CLUSTER, 8), {"top": 0}, "top=0"),
     (presets.narayanan_row, ("2T",), {}, "name='2T'"),
     (presets.calibrate_efficiency, (GPT, Layout(), CLUSTER, -1.0), {}, "tflops_per_gpu=-1.0"),
+    (GPT.layer_flops, (0,), {}, "tokens=0"),
+    (GPT.head_flops, (2.5,), {}, "tokens=2.5"),
+    (GPT.step_flops, (1, "half"), {}, "recompute='half'"),
 ]
 
 
@@ -185,4 +188,4 @@ def test_bad_argument_refused_in_one_line(fn, args, keywords, names: str) -> Non
         fn(*args, **keywords)
     msg = str(err.value)
     assert "\n" not in msg and names in msg, msg
-    assert re.match(r"[a-z_0-9]+: ", msg), msg  # the function (it or the one it hands the argument to), then what
+    assert re.match(r"[A-Za-z_0-9.]+: ", msg), msg  # the function (it or the one it hands the argument to), then what

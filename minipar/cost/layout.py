@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from minipar.checks import one_of, whole
 from minipar.cost.cluster import Cluster
 from minipar.cost.pipeline import SCHEDULES
 
@@ -52,16 +53,20 @@ class ModelSpec:
 
     def layer_flops(self, tokens: int) -> float:
         """Forward FLOPs of one block for ``tokens`` tokens (matmuls only, 2 per multiply-add)."""
+        whole("ModelSpec.layer_flops", "tokens", tokens)
         h, f, s = self.hidden, self.ffn, self.seq
         return tokens * (8 * h * h + 4 * h * f + 4 * s * h)
 
     def head_flops(self, tokens: int) -> float:
         """Forward FLOPs of the logits."""
+        whole("ModelSpec.head_flops", "tokens", tokens)
         return 2.0 * tokens * self.hidden * self.vocab
 
     def step_flops(self, batch: int, recompute: str = "none") -> float:
         """FLOPs of one training step of ``batch`` sequences (forward + backward = 3 forwards; full
         recomputation 4 forwards of the blocks; selective adds ``Q K^T`` and ``attention x V``)."""
+        whole("ModelSpec.step_flops", "batch", batch)
+        one_of("ModelSpec.step_flops", "recompute", recompute, RECOMPUTE)
         tokens = batch * self.seq
         layers = self.layers * self.layer_flops(tokens)
         extra = {"none": 0.0, "full": layers, "selective": self.layers * 4.0 * tokens * self.seq * self.hidden}
