@@ -7,6 +7,7 @@ operands whose rows are not this rank's ring block (a bare numpy IndexError)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from sp_helpers import Watched
 
 from minipar import launch, trace
@@ -20,6 +21,7 @@ from minipar.parallel.sequence import (
     seq_to_heads,
     ulysses_attention,
 )
+from minipar.testing import run
 
 P, B = 4, 2
 
@@ -89,12 +91,22 @@ def bad_run(comm) -> dict:
     return out
 
 
-def test_bad_attention_arguments_refused_on_every_rank_threads() -> None:
-    results = launch(bad_run, P)
+def check(results: list[dict], cases: dict[str, str]) -> None:
+    """The same error on every rank, the expected line, raised before any message."""
+    assert len(results) == P
     for got in results:
-        assert got == results[0]  # the same error on every rank
-    for name, (_, _, want) in BAD.items():
-        assert results[0][name] == (f"ValueError: {want}", 0, []), name  # before any message
+        assert got == results[0]
+    for name, want in cases.items():
+        assert results[0][name] == (f"ValueError: {want}", 0, []), name
+
+
+def test_bad_attention_arguments_refused_on_every_rank_threads() -> None:
+    check(launch(bad_run, P), {name: want for name, (_, _, want) in BAD.items()})
+
+
+@pytest.mark.mpi
+def test_bad_attention_arguments_refused_on_every_rank_mpiexec() -> None:
+    check(run(bad_run, P, backend="mpi", timeout=60, comm_timeout=20), {name: w for name, (_, _, w) in BAD.items()})
 
 
 OTHERS = {  # name: (call on a communicator, the whole message)
@@ -133,8 +145,9 @@ def others_run(comm) -> dict:
 def test_bad_all_to_all_group_and_rank_refused_on_every_rank_threads() -> None:
     """The all-to-alls, ``SequenceGroup`` and ``SequenceLayout.positions`` refuse what they cannot
     split (numpy's reshape error, a hybrid group for an unknown method, an empty position list before)."""
-    results = launch(others_run, P)
-    for got in results:
-        assert got == results[0]
-    for name, (_, want) in OTHERS.items():
-        assert results[0][name] == (f"ValueError: {want}", 0, []), name
+    check(launch(others_run, P), {name: want for name, (_, want) in OTHERS.items()})
+
+
+@pytest.mark.mpi
+def test_bad_all_to_all_group_and_rank_refused_on_every_rank_mpiexec() -> None:
+    check(run(others_run, P, backend="mpi", timeout=60, comm_timeout=20), {name: w for name, (_, w) in OTHERS.items()})
