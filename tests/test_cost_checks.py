@@ -176,6 +176,8 @@ BAD = [  # (function, args, keywords, what the message must contain: the argumen
     (presets.narayanan_row, ("2T",), {}, "name='2T'"),
     (presets.calibrate_efficiency, (GPT, Layout(), CLUSTER, -1.0), {}, "tflops_per_gpu=-1.0"),
     (GPT.layer_flops, (0,), {}, "tokens=0"),
+    (TINY.stages_of, (2,), {}, "pp_rank=2"),
+    (TINY.coords, (2,), {}, "rank=2"),
     (GPT.head_flops, (2.5,), {}, "tokens=2.5"),
     (GPT.step_flops, (1, "half"), {}, "recompute='half'"),
 ]

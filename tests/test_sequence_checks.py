@@ -13,6 +13,7 @@ from sp_helpers import Watched
 from minipar import launch, trace
 from minipar.autograd import Tensor
 from minipar.parallel.sequence import (
+    OnlineSoftmax,
     SequenceGroup,
     SequenceLayout,
     heads_to_seq,
@@ -20,6 +21,7 @@ from minipar.parallel.sequence import (
     ring_attention,
     seq_to_heads,
     ulysses_attention,
+    visibility,
 )
 from minipar.testing import run
 
@@ -151,3 +153,19 @@ def test_bad_all_to_all_group_and_rank_refused_on_every_rank_threads() -> None:
 @pytest.mark.mpi
 def test_bad_all_to_all_group_and_rank_refused_on_every_rank_mpiexec() -> None:
     check(run(others_run, P, backend="mpi", timeout=60, comm_timeout=20), {name: w for name, (_, w) in OTHERS.items()})
+
+
+@pytest.mark.parametrize(("call", "want"), [
+    (lambda: SequenceLayout(8, 1, 4).shard(np.zeros((2, 6)), 0),
+     "SequenceLayout.shard: tokens of shape (2, 6) must be (batch, 8, ...): the whole sequence of seq_len=8 "
+     "positions on axis 1"),
+    (lambda: visibility((4, 2), (0, 2), True),
+     "visibility: q_piece=(4, 2) must be positions (start, stop) with 0 <= start <= stop"),
+    (lambda: OnlineSoftmax(2, 0, 4, 2, np.float64), "OnlineSoftmax: heads=0 must be a positive whole number"),
+], ids=["shard", "visibility", "online softmax"])
+def test_bad_layout_and_block_arguments_refused(call, want: str) -> None:
+    """Pure functions of one rank: a short token array (silently cut before), a reversed piece (a
+    block computed as hidden before), no heads (an empty buffer before)."""
+    with pytest.raises(ValueError) as err:
+        call()
+    assert str(err.value) == want

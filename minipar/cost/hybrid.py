@@ -80,6 +80,7 @@ class TinyLayout:
 
     def stages_of(self, pp_rank: int) -> list[tuple[bool, int, bool]]:
         """This pipeline rank's stages as (has the embedding, blocks, has the head)."""
+        index("TinyLayout.stages_of", "pp_rank", pp_rank, self.pp, "pipeline ranks")
         counts, owner, out, start = self.stage_counts(), self.owner(), [], 0
         last = self.layers + 1
         for s, c in enumerate(counts):
@@ -95,6 +96,8 @@ class TinyLayout:
         return stage_owner(self.pp, self.chunks, "zb-v" if self.schedule == "zb-v" else "interleaved")
 
     def coords(self, rank: int) -> dict[str, int]:
+        """The (pp, dp, sp, tp) coordinates of ``rank`` on the mesh (pp outermost, tp innermost)."""
+        index("TinyLayout.coords", "rank", rank, self.world, "ranks of the mesh")
         pp_i, rest = divmod(rank, self.dp * self.sp * self.tp)
         dp_i, rest = divmod(rest, self.sp * self.tp)
         sp_i, tp_i = divmod(rest, self.tp)

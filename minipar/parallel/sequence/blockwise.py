@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from minipar.checks import whole, wholes
+
 VISIBLE, PARTIAL, HIDDEN = "visible", "partial", "hidden"
 
 
 def visibility(q_piece: tuple[int, int], k_piece: tuple[int, int], causal: bool) -> str:
     """How much of the score block (queries at positions ``q_piece``, keys at ``k_piece``, both
     ``[start, stop)``) a causal mask leaves: all of it, part of it, or nothing (skip the block)."""
+    for name, piece in (("q_piece", q_piece), ("k_piece", k_piece)):
+        if len(piece) != 2 or not 0 <= piece[0] <= piece[1]:
+            raise ValueError(f"visibility: {name}={piece!r} must be positions (start, stop) with 0 <= start <= stop")
     if not causal or k_piece[1] - 1 <= q_piece[0]:
         return VISIBLE
     return HIDDEN if k_piece[0] > q_piece[1] - 1 else PARTIAL
@@ -57,6 +62,8 @@ class OnlineSoftmax:
     exponent is <= 0)."""
 
     def __init__(self, b: int, heads: int, n: int, d: int, dtype: np.dtype) -> None:
+        wholes("OnlineSoftmax", b=b, heads=heads, d=d)
+        whole("OnlineSoftmax", "n", n, least=0)
         self.m = np.full((b, heads, n), -np.inf, dtype=dtype)
         self.l = np.zeros((b, heads, n), dtype=dtype)
         self.acc = np.zeros((b, heads, n, d), dtype=dtype)

@@ -76,8 +76,12 @@ class SequenceLayout:
         return block[u * n:(u + 1) * n]
 
     def shard(self, tokens: np.ndarray, rank: int) -> np.ndarray:
-        """This rank's columns of ``tokens`` (batch, S): ``tokens[:, positions(rank)]``."""
-        return np.ascontiguousarray(np.asarray(tokens)[:, self.positions(rank)])
+        """This rank's columns of ``tokens`` (batch, S, ...): ``tokens[:, positions(rank)]``."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim < 2 or tokens.shape[1] != self.seq_len:
+            raise ValueError(f"SequenceLayout.shard: tokens of shape {tokens.shape} must be (batch, {self.seq_len}, "
+                             f"...): the whole sequence of seq_len={self.seq_len} positions on axis 1")
+        return np.ascontiguousarray(tokens[:, self.positions(rank)])
 
 
 def _divisors(n: int) -> list[int]:
