@@ -171,6 +171,8 @@ def _configure_replay(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, metavar="PRESET|FILE",
                    help="local, nvlink, infiniband, a100-selene, or a cluster file from 'minipar calibrate'")
     p.add_argument("-o", "--output", metavar="JSON", required=True, help="write the replayed trace here")
+    p.add_argument("--costs", choices=("median", "cpu"), default="median",
+                   help="a compute span lasts the median CPU time of the repeats of its work (default) or its own")
 
 
 def _run_replay(args: argparse.Namespace) -> int:
@@ -181,7 +183,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")
     try:
         cluster = cluster_named(args.cluster)
-        out = replay(load(args.trace), cluster)
+        out = replay(load(args.trace), cluster, args.costs)
     except (TraceError, ReplayError) as exc:
         raise UsageError(str(exc)) from None
     try:

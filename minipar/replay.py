@@ -13,7 +13,9 @@ events in the order they happened on it (docs/formulas.md, section 11, has the r
 
 - a compute span lasts its CPU time (``c1 - c0``) less the CPU time of the communication recorded
   inside it (a wait, the gap between two steps of one collective call); a span without CPU times
-  lasts its wall time (``meta["replay"]["spans_without_cpu"]``); time outside spans is free;
+  lasts its wall time (``meta["replay"]["spans_without_cpu"]``); time outside spans is free; with
+  ``costs="median"`` (the default) the repeats of the same work (``median_scales``) all last the
+  median of their CPU times, which time-sharing inflates span by span (``costs="cpu"``: each its own);
 - a message of ``n`` bytes leaves when posted, once its sender's outgoing and its receiver's incoming
   port are free (one message at a time each way), and takes ``alpha + n beta`` of ``cluster.intra``
   (both ranks in one node of ``gpus_per_node``) or ``cluster.inter``; a send never blocks its rank;
@@ -36,6 +38,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import os
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -137,8 +140,36 @@ def _coll_key(e: Event) -> tuple[Any, ...] | None:
     return (e.cid, e.op, e.algorithm) if e.tag is not None and e.tag >> 22 == COLL else None
 
 
-def _program(events: list[Event], pts: list[_Point], stats: dict[str, int]) -> list[tuple[str, Any]]:
-    """A thread's ops: ``("compute", seconds)`` between its points (module docstring), then the point."""
+COSTS = ("median", "cpu")  # what a compute span lasts (``replay``'s ``costs``)
+REPEAT_ARGS = ("iteration", "action")  # span args that number a repeat of the same work, not the work
+
+
+def _work(e: Event) -> tuple[Any, ...]:
+    """What identifies a compute span's work: its rank, thread, name, stage, chunk, step and args but
+    those that number a repeat (``REPEAT_ARGS``; the micro-batch is not part of it either)."""
+    args = tuple(sorted((k, repr(v)) for k, v in e.args.items() if k not in REPEAT_ARGS))
+    return (e.rank, e.thread, e.name, e.stage, e.chunk, e.step, args)
+
+
+def median_scales(events: list[Event]) -> dict[int, float]:
+    """Event index -> median / own CPU time, for the compute spans whose work repeats (``_work``):
+    scaled by it, every repeat of the same work costs the median of their CPU times."""
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        if e.kind == "compute" and e.c0 is not None and e.c1 is not None and e.c1 > e.c0:
+            groups[_work(e)].append(i)
+    scale: dict[int, float] = {}
+    for idx in groups.values():
+        if len(idx) > 1:
+            mid = statistics.median(events[i].c1 - events[i].c0 for i in idx)  # type: ignore[operator]
+            scale.update((i, mid / (events[i].c1 - events[i].c0)) for i in idx)  # type: ignore[operator]
+    return scale
+
+
+def _program(events: list[Event], pts: list[_Point], stats: dict[str, int],
+             scale: dict[int, float]) -> list[tuple[str, Any]]:
+    """A thread's ops: ``("compute", seconds)`` between its points (module docstring), then the point;
+    CPU time inside a span is scaled by the innermost open span's ``scale`` (1 if it has none)."""
     ops: list[tuple[str, Any]] = []
     open_spans: dict[int, bool] = {}  # span index -> has CPU times
     waiting = 0
@@ -154,7 +185,8 @@ def _program(events: list[Event], pts: list[_Point], stats: dict[str, int]) -> l
                 and _coll_key(e) is not None and _coll_key(e) == _coll_key(pe) \
                 and (e.step or 0) > (pe.step or 0)  # between one call's steps (a new call starts again at 0)
             cpu_ok = all(open_spans.values()) and p.cpu is not None and prev.cpu is not None
-            d = (p.cpu - prev.cpu) if cpu_ok else (p.wall - prev.wall)  # type: ignore[operator]
+            d = (p.cpu - prev.cpu) * scale.get(next(reversed(open_spans)), 1.0) if cpu_ok \
+                else (p.wall - prev.wall)  # type: ignore[operator]
             if not gap and d > 0:
                 ops.append(("compute", d))
         if p.what == "begin":
@@ -224,18 +256,24 @@ def reduces(op: str | None, algorithm: str | None, step: int | None, p: int) -> 
     return False
 
 
-def replay(trace: Trace, cluster: Cluster) -> Trace:
-    """``trace`` re-timed on ``cluster`` (module docstring); ``ReplayError`` if it cannot be."""
+def replay(trace: Trace, cluster: Cluster, costs: str = "median") -> Trace:
+    """``trace`` re-timed on ``cluster`` (module docstring); ``ReplayError`` if it cannot be.
+    ``costs``: ``"median"`` (the default), every repeat of the same work (``median_scales``) lasts the
+    median of their CPU times; ``"cpu"``, each span its own CPU time."""
+    if costs not in COSTS:
+        raise ReplayError(f"costs={costs!r}: choose one of {', '.join(COSTS)}")
     check_replayable(trace)
     events = trace.events
     stats = {"spans_without_cpu": 0}
-    lanes = {k: _program(events, pts, stats) for k, pts in sorted(_points(events).items())}
+    scale = median_scales(events) if costs == "median" else {}
+    lanes = {k: _program(events, pts, stats, scale) for k, pts in sorted(_points(events).items())}
     match, sizes = _match(events), _group_sizes(events)
     sim = _Sim(events, lanes, match, sizes, cluster)
     sim.run()
     meta = {**trace.meta, "clock": "replay", "cluster": cluster.name,
             "replay": {"from_clock": trace.meta.get("clock", "wall"), "cluster_source": cluster.source, **stats,
-                       "label": f"replayed: one core per rank, network {cluster.name}"}}
+                       "costs": costs, "label": f"replayed: one core per rank, network {cluster.name}"
+                       + (", span costs: own CPU time" if costs == "cpu" else "")}}
     return Trace(meta, sim.retimed(), trace.version)
 
 

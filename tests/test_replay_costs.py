@@ -1,0 +1,76 @@
+"""The replay's span costs: every repeat of the same work lasts the median of their CPU times
+(``costs="median"``, the default), or each span its own (``costs="cpu"``). Expected durations are
+worked out here by hand from the spans' CPU times."""
+
+from __future__ import annotations
+
+import pytest
+
+from minipar import cli
+from minipar import trace as mtrace
+from minipar.cost.cluster import Cluster, Link
+from minipar.replay import ReplayError, median_scales, replay
+from minipar.trace import Event, Trace
+
+
+def free() -> Cluster:
+    return Cluster(name="free", gpus_per_node=8, peak_flops=1.0, efficiency=1.0, memory_bytes=1.0,
+                   intra=Link(0.0, 0.0), inter=Link(0.0, 0.0), gamma=0.0)
+
+
+def span(name: str, t0: float, cpu: float, **fields) -> Event:
+    """A compute span at wall time ``t0`` that took 3x its CPU time on the wall clock (time-shared);
+    the spans of a test are 20 ms apart, so none overlaps the next."""
+    return Event(0, "compute", name, t0, t0 + 3 * cpu, c0=t0, c1=t0 + cpu, **fields)
+
+
+def durations(trace: Trace) -> list[float]:
+    return [round(e.t1 - e.t0, 9) for e in sorted(trace.events, key=lambda e: e.t0)]
+
+
+def test_repeats_of_the_same_work_cost_their_median_and_other_work_its_own() -> None:
+    # three forwards of stage 0 (micro-batches 0-2, iterations numbered in args): CPU 1, 1, 4 ms; a
+    # forward of stage 1 (other work) 4 ms, alone; two backwards 2 and 3 ms
+    events = [span("F", 0.00, 1e-3, stage=0, microbatch=0, args={"iteration": 0, "action": "F0"}),
+              span("F", 0.02, 1e-3, stage=0, microbatch=1, args={"iteration": 0, "action": "F1"}),
+              span("F", 0.04, 4e-3, stage=0, microbatch=2, args={"iteration": 1, "action": "F2"}),
+              span("F", 0.06, 4e-3, stage=1, microbatch=0),
+              span("B", 0.08, 2e-3, stage=0, microbatch=0),
+              span("B", 0.10, 3e-3, stage=0, microbatch=1)]
+    trace = Trace({"world_size": 1, "clock": "wall"}, events)
+    assert median_scales(events) == pytest.approx({0: 1.0, 1: 1.0, 2: 0.25, 4: 1.25, 5: 2.5 / 3})
+    median = replay(trace, free())
+    assert durations(median) == pytest.approx([1e-3, 1e-3, 1e-3, 4e-3, 2.5e-3, 2.5e-3])
+    assert median.meta["replay"]["costs"] == "median"
+    own = replay(trace, free(), costs="cpu")
+    assert durations(own) == pytest.approx([1e-3, 1e-3, 4e-3, 4e-3, 2e-3, 3e-3])
+    assert own.meta["replay"]["label"].endswith("span costs: own CPU time")
+
+
+def test_spans_whose_args_describe_other_work_are_not_pooled() -> None:
+    # ring attention's pieces: (q_piece, k_piece) say which block of scores a span computes
+    events = [span("attention F", 0.00, 1e-3, step=0, args={"q_piece": 0, "k_piece": 0}),
+              span("attention F", 0.02, 3e-3, step=1, args={"q_piece": 0, "k_piece": 1}),
+              span("attention F", 0.04, 2e-3, step=0, args={"q_piece": 0, "k_piece": 0})]
+    assert median_scales(events) == pytest.approx({0: 1.5, 2: 0.75})
+    out = replay(Trace({"world_size": 1, "clock": "wall"}, events), free())
+    assert durations(out) == pytest.approx([1.5e-3, 3e-3, 1.5e-3])
+
+
+def test_unknown_costs_are_refused_in_one_line() -> None:
+    trace = Trace({"world_size": 1, "clock": "wall"}, [span("F", 0.0, 1e-3)])
+    with pytest.raises(ReplayError, match=r"^costs='mean': choose one of median, cpu$"):
+        replay(trace, free(), costs="mean")
+
+
+def test_cli_replay_takes_the_costs(tmp_path, capsys) -> None:
+    events = [span("F", 0.00, 1e-3), span("F", 0.02, 3e-3)]
+    mtrace.save(Trace({"world_size": 1, "clock": "wall"}, events), tmp_path / "t.json")
+    for costs in ("median", "cpu"):
+        out = tmp_path / f"{costs}.json"
+        argv = ["replay", str(tmp_path / "t.json"), "--cluster", "local", "--costs", costs, "-o", str(out)]
+        assert cli.main(argv) == 0
+        got = mtrace.load(out)
+        assert got.meta["replay"]["costs"] == costs
+        assert durations(got) == pytest.approx([2e-3, 2e-3] if costs == "median" else [1e-3, 3e-3])
+    capsys.readouterr()
