@@ -43,6 +43,15 @@ class no_grad:  # noqa: N801 - PyTorch's name
         _mode.enabled = self.prev
 
 
+class enable_grad(no_grad):  # noqa: N801 - PyTorch's name
+    """Ops inside the block build a graph again (``torch.enable_grad``): recomputation re-runs a
+    forward inside a backward (``minipar.recompute``)."""
+
+    def __enter__(self) -> None:
+        self.prev = is_grad_enabled()
+        _mode.enabled = True
+
+
 def unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``grad`` back to ``shape``, undoing numpy broadcasting."""
     if grad.shape == shape:

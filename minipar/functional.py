@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))  # a python float keeps float32 arrays float32
@@ -263,7 +264,8 @@ def mse_loss(pred: Tensor, target: np.ndarray | Tensor) -> Tensor:
 
 class _Attention(Function):
     """softmax(q k^T / sqrt(d_head)) v per head; keeps q, k, v and the softmax (Korthikanti et al.
-    2022, Sec. 4.1, without dropout), recomputes the head layouts in backward."""
+    2022, Sec. 4.1, without dropout), or only q, k, v (selective recomputation); recomputes the
+    head layouts in backward."""
 
     @staticmethod
     def heads(x: np.ndarray, n_heads: int) -> np.ndarray:
@@ -281,27 +283,34 @@ class _Attention(Function):
         return out
 
     @staticmethod
-    def forward(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
-                causal: bool) -> np.ndarray:
-        b, t_q, width = q.shape
-        t_k = k.shape[1]
-        scale = 1.0 / float(np.sqrt(width // n_heads))
-        qh, kh, vh = (_Attention.heads(x, n_heads) for x in (q, k, v))
-        p = qh @ kh.transpose(0, 1, 3, 2)
+    def softmax(q: np.ndarray, k: np.ndarray, n_heads: int, scale: float, causal: bool) -> np.ndarray:
+        """softmax(q k^T scale) per head, (b, h, t_q, t_k), in one fresh array."""
+        t_q, t_k = q.shape[1], k.shape[1]
+        p = _Attention.heads(q, n_heads) @ _Attention.heads(k, n_heads).transpose(0, 1, 3, 2)
         p *= scale
         if causal:
             p += np.triu(np.full((t_q, t_k), -np.inf, dtype=p.dtype), k=1 + t_k - t_q)  # -inf above the diagonal
         p -= p.max(axis=-1, keepdims=True)
         np.exp(p, out=p)
         p /= _rowsum(p)
-        ctx.save_for_backward(q, k, v, p)
-        ctx.n_heads, ctx.scale = n_heads, scale
-        return _Attention.matmul_merged(p, vh)
+        return p
+
+    @staticmethod
+    def forward(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int,
+                causal: bool, keep_softmax: bool) -> np.ndarray:
+        scale = 1.0 / float(np.sqrt(q.shape[-1] // n_heads))
+        p = _Attention.softmax(q, k, n_heads, scale, causal)
+        ctx.save_for_backward(q, k, v, p if keep_softmax else None)
+        ctx.n_heads, ctx.scale, ctx.causal = n_heads, scale, causal
+        return _Attention.matmul_merged(p, _Attention.heads(v, n_heads))
 
     @staticmethod
     def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
         q, k, v, p = ctx.saved
         n = ctx.n_heads
+        if p is None:  # selective recomputation: the same numbers again, from the kept q and k
+            with trace.span("R", args={"op": "attention"}):
+                p = _Attention.softmax(q, k, n, ctx.scale, ctx.causal)
         qh, kh, vh, gh = (_Attention.heads(x, n) for x in (q, k, v, g))
         dv = _Attention.matmul_merged(p.transpose(0, 1, 3, 2), gh)
         dp = gh @ vh.transpose(0, 1, 3, 2)
@@ -310,17 +319,20 @@ class _Attention(Function):
         dp *= ctx.scale
         dq = _Attention.matmul_merged(dp, kh)
         dk = _Attention.matmul_merged(dp.transpose(0, 1, 3, 2), qh)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, causal: bool = True) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, causal: bool = True,
+              keep_softmax: bool = True) -> Tensor:
     """Scaled dot-product attention softmax(q k^T / sqrt(d_head)) v over ``n_heads`` heads.
 
     ``q, k, v`` are ``(batch, seq, n_heads * d_head)``; so is the result (heads concatenated).
+    ``keep_softmax=False``: selective recomputation (Korthikanti et al. 2022 Sec. 5), the softmax
+    (``a s^2 b`` numbers) is not kept but computed again in backward (a span ``R`` in the trace).
     """
     if q.shape[-1] % n_heads:
         raise ValueError(f"attention: width {q.shape[-1]} is not divisible by n_heads={n_heads}")
-    return _Attention.apply(q, k, v, n_heads, causal)
+    return _Attention.apply(q, k, v, n_heads, causal, keep_softmax)
 
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:

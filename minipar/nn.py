@@ -33,6 +33,7 @@ import numpy as np
 
 from minipar import functional as F
 from minipar.autograd import Tensor
+from minipar.recompute import check_recompute, checkpoint
 
 Init = tuple  # ("normal", std) | ("uniform", bound) | ("zeros",) | ("ones",)
 _building = threading.local()  # module constructors running on this thread (threads-backend ranks)
@@ -309,46 +310,57 @@ class CausalSelfAttention(Module):
     """Multi-head causal self-attention (Vaswani et al. 2017) with separate q, k, v projections;
     ``causal=False`` lets every position see the whole sequence (an encoder's attention)."""
 
-    def __init__(self, d_model: int, n_heads: int, dtype: Any = np.float64, causal: bool = True) -> None:
+    def __init__(self, d_model: int, n_heads: int, dtype: Any = np.float64, causal: bool = True,
+                 keep_softmax: bool = True) -> None:
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pick a multiple")
-        self.n_heads, self.causal = n_heads, causal
+        self.n_heads, self.causal, self.keep_softmax = n_heads, causal, keep_softmax
         self.q = Linear(d_model, d_model, dtype=dtype)
         self.k = Linear(d_model, d_model, dtype=dtype)
         self.v = Linear(d_model, d_model, dtype=dtype)
         self.proj = Linear(d_model, d_model, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.causal))
+        return self.proj(F.attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.causal, self.keep_softmax))
 
 
 class Block(Module):
-    """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (GPT-2)."""
+    """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` (GPT-2).
+
+    ``recompute`` (``minipar.recompute``): "none" keeps every activation for backward, "selective"
+    all but the attention's softmax, "full" only the block's input (its forward runs again in backward)."""
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dtype: Any = np.float64,
-                 causal: bool = True) -> None:
+                 causal: bool = True, recompute: str = "none") -> None:
+        self.recompute = check_recompute("Block", recompute)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
-        self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype, causal=causal)
+        self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype, causal=causal,
+                                        keep_softmax=recompute != "selective")
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = FeedForward(d_model, d_ff or 4 * d_model, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def math(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.math, x) if self.recompute == "full" else self.math(x)
+
 
 class GPT(Module):
-    """A tiny GPT: token + position embeddings, ``n_layers`` blocks, final layer norm, vocabulary head.
+    """A tiny GPT: token + position embeddings, ``n_layers`` blocks, final layer norm, vocabulary head;
+    ``recompute`` is every block's (``Block``).
 
     ``forward(idx)`` maps integer tokens ``(batch, seq)`` to logits ``(batch, seq, vocab)``.
     """
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
-                 d_ff: int | None = None, seed: int = 0, dtype: Any = np.float64, causal: bool = True) -> None:
+                 d_ff: int | None = None, seed: int = 0, dtype: Any = np.float64, causal: bool = True,
+                 recompute: str = "none") -> None:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.tok_emb = Embedding(vocab_size, d_model, dtype=dtype)
         self.pos_emb = Embedding(seq_len, d_model, dtype=dtype)
-        self.blocks = ModuleList([Block(d_model, n_heads, d_ff, dtype=dtype, causal=causal)
+        self.blocks = ModuleList([Block(d_model, n_heads, d_ff, dtype=dtype, causal=causal, recompute=recompute)
                                   for _ in range(n_layers)])
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = Linear(d_model, vocab_size, bias=False, dtype=dtype)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from minipar.checks import divisible, one_of, whole, wholes
 from minipar.cost.collectives import ring_bytes
+from minipar.cost.layout import RECOMPUTE
 
 
 def _megatron(who: str, t: int, n_heads: int, d: int, d_ff: int) -> None:
@@ -103,20 +104,37 @@ def block_parameters(t: int, d: int, d_ff: int) -> int:
 
 
 def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
-                sequence_parallel: bool = False) -> dict[str, int]:
+                sequence_parallel: bool = False, recompute: str = "none") -> dict[str, int]:
     """Bytes one transformer layer keeps for backward on each rank, term by term: Korthikanti et al.
     2022 Sec. 4.1 without the dropout terms (module docstring), in the order a block makes them.
-    Refuses head counts ``t`` does not divide, as Megatron does."""
+    ``recompute`` (Korthikanti et al. Sec. 5): "selective" drops the softmax term, "full" keeps the
+    block's input alone (minipar counts a block's output, the next one's input, as for "none"), and
+    ``recompute_working_bytes`` more while the layer's backward runs. Refuses head counts ``t`` does
+    not divide, as Megatron does."""
     _megatron("layer_terms", t, n_heads, d, d_ff)
     wholes("layer_terms", batch=batch, seq=seq, itemsize=itemsize)
+    one_of("layer_terms", "recompute", recompute, RECOMPUTE)
     n, w = seq * batch, itemsize
     shard = n * d * w // t if sequence_parallel else n * d * w  # the layer-norm region's tensors
+    if recompute == "full":
+        return {"residual 2 (next ln1 input)": shard}
     local = n * d * w // t  # one of q, k, v or the attention output on this rank's heads
     hidden = n * (d_ff // t) * w
-    return {"ln1 output (q k v input)": shard, "q k v": 3 * local,
-            "softmax": batch * (n_heads // t) * seq * seq * w, "attention output (proj input)": local,
-            "residual 1 (ln2 input)": shard, "ln2 output (fc input)": shard,
-            "gelu input": hidden, "gelu output (proj input)": hidden, "residual 2 (next ln1 input)": shard}
+    terms = {"ln1 output (q k v input)": shard, "q k v": 3 * local,
+             "softmax": batch * (n_heads // t) * seq * seq * w, "attention output (proj input)": local,
+             "residual 1 (ln2 input)": shard, "ln2 output (fc input)": shard,
+             "gelu input": hidden, "gelu output (proj input)": hidden, "residual 2 (next ln1 input)": shard}
+    if recompute == "selective":
+        del terms["softmax"]
+    return terms
+
+
+def recompute_working_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
+                            sequence_parallel: bool = False) -> int:
+    """Bytes one layer's recomputed forward holds while its backward runs under full recomputation
+    (Chen et al. 2016, Sec. 3): the whole ``layer_terms`` of no recomputation, its output included
+    (a fresh copy of the block's output, not the one kept)."""
+    return sum(layer_terms(t, batch, seq, d, n_heads, d_ff, itemsize, sequence_parallel).values())
 
 
 LN_TERMS = ("ln1 output (q k v input)", "residual 1 (ln2 input)", "ln2 output (fc input)",
@@ -125,14 +143,15 @@ LN_TERMS = ("ln1 output (q k v input)", "residual 1 (ln2 input)", "ln2 output (f
 
 def activation_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, n_layers: int,
                      vocab: int, itemsize: int = 8, sequence_parallel: bool = False,
-                     index_itemsize: int = 8) -> dict[str, int]:
+                     index_itemsize: int = 8, recompute: str = "none") -> dict[str, int]:
     """Activation bytes held per rank after the forward pass, by memory-sample label (module
-    docstring); ``index_itemsize`` = bytes of the targets' integer type (int64: 8)."""
+    docstring); ``index_itemsize`` = bytes of the targets' integer type (int64: 8). Under full
+    recomputation backward holds ``recompute_working_bytes`` more, one layer at a time."""
     wholes("activation_bytes", n_layers=n_layers, vocab=vocab, index_itemsize=index_itemsize)
     w, n = itemsize, seq * batch
     a = n * d * w
     s_ = a // t if sequence_parallel else a
-    terms = layer_terms(t, batch, seq, d, n_heads, d_ff, itemsize, sequence_parallel)
+    terms = layer_terms(t, batch, seq, d, n_heads, d_ff, itemsize, sequence_parallel, recompute)
     ln = sum(v for k, v in terms.items() if k in LN_TERMS)
     return {"activations/ln": n_layers * ln + 3 * s_,
             "activations/tp": n_layers * (sum(terms.values()) - ln) + 2 * a,

@@ -40,6 +40,7 @@ from minipar.parallel.sequence.model import SequenceGroup
 from minipar.parallel.tensor.layers import check_tokens
 from minipar.parallel.tensor.model import check_tp_config, sync_sequence_parallel_grads
 from minipar.parallel.zero import ZeroDataParallel
+from minipar.recompute import check_recompute
 
 from .stages import sequence_parallel_layers, tensor_parallel_layers
 
@@ -49,10 +50,17 @@ SP_METHODS = ("ulysses", "ring", "hybrid")
 def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
                         n_layers: int, d_ff: int, schedule: str, microbatches: int, chunks: int,
                         sequence_parallel: bool, sp_method: str, ulysses: int | None, zero_stage: int,
-                        layers: Sequence[int] | None, dtype: Any = np.float64) -> None:
+                        layers: Sequence[int] | None, dtype: Any = np.float64, recompute: str = "none") -> None:
     """``ValueError`` listing every problem (the same on every rank, before any message)."""
+    check_recompute("hybrid", recompute)
     tp, sp, pp = (mesh.degree(a) for a in ("tp", "sp", "pp"))
     problems = []
+    if recompute == "selective" and sp > 1:
+        problems.append("recompute='selective' drops minipar's attention softmax; the sequence-parallel attentions "
+                        "keep their own: use 'full' or sp = 1")
+    if recompute == "full" and str(schedule).lower().startswith("zb"):
+        problems.append(f"recompute='full' runs a block's whole backward, weight gradients included, inside its "
+                        f"recomputation: schedule={schedule!r} would have no W left to place; use another schedule")
 
     def collect(check: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -120,17 +128,19 @@ class HybridGPT:
     Megatron-SP) or sequence-parallel over ``sp`` (``sp_method``, ``ulysses`` = P_u for "hybrid",
     ``zigzag``), replicated by DDP (``zero_stage=0``) or ZeRO stage 1 over ``dp`` x ``sp``; AdamW.
     Every rank calls it with the same arguments, then ``loss = model.step(idx, targets)`` with the
-    same global batch ``(B, S)`` of token ids everywhere."""
+    same global batch ``(B, S)`` of token ids everywhere. ``recompute``: every block's ("none",
+    "selective" with sp = 1, "full" with a schedule that is not zero-bubble; ``minipar.recompute``)."""
 
     def __init__(self, mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
                  n_layers: int, d_ff: int | None = None, *, schedule: str = "1f1b", microbatches: int = 1,
                  chunks: int = 1, layers: Sequence[int] | None = None, sequence_parallel: bool = False,
                  sp_method: str = "ulysses", ulysses: int | None = None, zigzag: bool = False,
                  zero_stage: int = 0, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0, dtype: Any = np.float64) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0, dtype: Any = np.float64,
+                 recompute: str = "none") -> None:
         d_ff = d_ff or 4 * d_model
         check_hybrid_config(mesh, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, schedule, microbatches,
-                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype)
+                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype, recompute)
         self.mesh, self.seq_len, self.vocab_size, self.head_dim = mesh, seq_len, vocab_size, d_model // n_heads
         self.sequence_parallel, self.zero_stage, self.microbatches = sequence_parallel, zero_stage, microbatches
         self.replicas = mesh.group("dp", "sp")  # ranks holding the same parameter slices
@@ -139,10 +149,10 @@ class HybridGPT:
             layout = check_sequence_config(mesh["sp"], seq_len, n_heads, d_model, sp_method, ulysses, None, zigzag)
             self.group = SequenceGroup(mesh["sp"], layout, sp_method)
             layered = sequence_parallel_layers(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, self.group,
-                                               seed, dtype)
+                                               seed, dtype, recompute)
         else:
             layered = tensor_parallel_layers(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, mesh["tp"],
-                                             sequence_parallel, seed, dtype)
+                                             sequence_parallel, seed, dtype, recompute)
         stages = make_schedule(schedule, mesh.degree("pp"), microbatches, chunks).virtual_stages
         counts = list(layers) if layers is not None else gpt_layer_counts(n_layers, stages)
         self.pipe = Pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)

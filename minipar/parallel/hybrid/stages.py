@@ -58,7 +58,7 @@ class TensorParallelBlock(ParallelBlock):
     """``ParallelBlock``'s math alone: the pipeline's F/B spans time the stage it belongs to."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.math(x)
+        return self.body(x)
 
 
 class TensorParallelHead(Module):
@@ -87,15 +87,16 @@ def _gpt_names(n_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def tensor_parallel_layers(vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
                            d_ff: int, tp: Communicator, sequence_parallel: bool, seed: int,
-                           dtype: Any) -> LayeredModel:
-    """``nn.GPT`` as ``n_layers + 2`` tensor-parallel layers over ``tp`` (module docstring)."""
+                           dtype: Any, recompute: str = "none") -> LayeredModel:
+    """``nn.GPT`` as ``n_layers + 2`` tensor-parallel layers over ``tp`` (module docstring);
+    ``recompute``: the blocks' (``ParallelBlock``)."""
 
     def make(i: int) -> Module:
         if i == 0:
             return TensorParallelEmbedding(vocab_size, seq_len, d_model, tp, sequence_parallel, dtype)
         if i == n_layers + 1:
             return TensorParallelHead(d_model, vocab_size, tp, sequence_parallel, dtype)
-        return TensorParallelBlock(d_model, n_heads, tp, d_ff, sequence_parallel, i - 1, dtype)
+        return TensorParallelBlock(d_model, n_heads, tp, d_ff, sequence_parallel, i - 1, dtype, recompute)
 
     def loss(logits: Tensor, targets: np.ndarray) -> Tensor:  # logits [seq, batch, V/t]
         return vocab_parallel_cross_entropy(logits, np.ascontiguousarray(np.asarray(targets).T), tp)
@@ -117,16 +118,18 @@ class SequenceShardEmbedding(Module):
 
 
 def sequence_parallel_layers(vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
-                             d_ff: int, group: SequenceGroup, seed: int, dtype: Any) -> LayeredModel:
+                             d_ff: int, group: SequenceGroup, seed: int, dtype: Any,
+                             recompute: str = "none") -> LayeredModel:
     """``nn.GPT`` as ``n_layers + 2`` layers on this rank's ``S/P`` positions; attention over
-    ``group`` (module docstring). The loss is the mean over this rank's tokens."""
+    ``group`` (module docstring). The loss is the mean over this rank's tokens. ``recompute``:
+    the blocks' ("full" recomputes them; "selective" needs minipar's attention, which these replace)."""
 
     def make(i: int) -> Module:
         if i == 0:
             return SequenceShardEmbedding(vocab_size, seq_len, d_model, group.positions, dtype)
         if i == n_layers + 1:
             return GPTHead(d_model, vocab_size, dtype)
-        block = Block(d_model, n_heads, d_ff, dtype=dtype)
+        block = Block(d_model, n_heads, d_ff, dtype=dtype, recompute=recompute)
         block.attn = SequenceParallelAttention(block.attn, group)
         return block
 

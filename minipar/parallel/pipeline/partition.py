@@ -31,6 +31,7 @@ import numpy as np
 from minipar import functional as F
 from minipar.autograd import Tensor
 from minipar.nn import Block, Embedding, LayerNorm, Linear, Module, Parameter
+from minipar.recompute import check_recompute
 
 
 class ReLULinear(Linear):
@@ -106,8 +107,10 @@ def mlp(sizes: Sequence[int], seed: int = 0, dtype: Any = np.float64,
 
 
 def gpt(vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, d_ff: int | None = None,
-        seed: int = 0, dtype: Any = np.float64) -> LayeredModel:
-    """``nn.GPT(...)`` as ``n_layers + 2`` layers: embed, the blocks, ln_f + head; cross-entropy loss."""
+        seed: int = 0, dtype: Any = np.float64, recompute: str = "none") -> LayeredModel:
+    """``nn.GPT(...)`` as ``n_layers + 2`` layers: embed, the blocks, ln_f + head; cross-entropy loss.
+    ``recompute``: the blocks' (``nn.Block``; "full" recomputes each block in its stage's backward)."""
+    check_recompute("gpt", recompute)
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pick a multiple")
 
@@ -116,7 +119,7 @@ def gpt(vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int
             return GPTEmbedding(vocab_size, seq_len, d_model, dtype)
         if i == n_layers + 1:
             return GPTHead(d_model, vocab_size, dtype)
-        return Block(d_model, n_heads, d_ff, dtype=dtype)
+        return Block(d_model, n_heads, d_ff, dtype=dtype, recompute=recompute)
 
     names = ("embed", *(f"blocks.{i}" for i in range(n_layers)), "head")
     prefixes = ("", *(f"blocks.{i}." for i in range(n_layers)), "")

@@ -51,6 +51,7 @@ from minipar.parallel.tensor.layers import (
     column_parallel,
     vocab_parallel_cross_entropy,
 )
+from minipar.recompute import check_recompute, checkpoint
 
 LN, TP, LOGITS = ActivationMeter.LABELS
 
@@ -134,8 +135,8 @@ class ParallelAttention(Module):
     head h are ``[h d_head, (h+1) d_head)``, contiguous per rank) entered once, proj row-parallel."""
 
     def __init__(self, d_model: int, n_heads: int, comm: Any, sequence_parallel: bool = False,
-                 dtype: Any = np.float64) -> None:
-        self.local_heads = n_heads // comm.size
+                 dtype: Any = np.float64, keep_softmax: bool = True) -> None:
+        self.local_heads, self.keep_softmax = n_heads // comm.size, keep_softmax
         kw = {"sequence_parallel": sequence_parallel, "dtype": dtype}
         self.q = ColumnParallelLinear(d_model, d_model, comm, **kw)
         self.k = ColumnParallelLinear(d_model, d_model, comm, **kw)
@@ -147,7 +148,7 @@ class ParallelAttention(Module):
         with _Held.window(held, TP):  # the tensor-parallel region
             qkv = column_parallel(x, [self.q, self.k, self.v])  # one f (or all-gather) for q, k, v
             q, k, v = (part.transpose(1, 0, 2) for part in F.split(qkv, 3, axis=-1))
-            y = F.attention(q, k, v, self.local_heads).transpose(1, 0, 2)
+            y = F.attention(q, k, v, self.local_heads, keep_softmax=self.keep_softmax).transpose(1, 0, 2)
         return self.proj(y, residual)
 
 
@@ -158,13 +159,20 @@ class ParallelBlock(Module):
     the activations its graph keeps are measured into ``activations/tp`` (made inside the attention's
     and the MLP's tensor-parallel regions: q k v, softmax, attention output, fc output and GELU
     output) and ``activations/ln`` (the rest: layer-norm outputs and the two residual sums, on the
-    sequence shard under sequence parallelism)."""
+    sequence shard under sequence parallelism).
+
+    ``recompute`` as ``nn.Block``'s. Under "full" the graph keeps the block's output only (measured
+    into ``activations/ln``); backward runs the forward again (its collectives too: a span ``R``)
+    and holds the recomputed layer's working set in the meter until the block's backward is done."""
 
     def __init__(self, d_model: int, n_heads: int, comm: Any, d_ff: int | None = None,
-                 sequence_parallel: bool = False, layer: int = 0, dtype: Any = np.float64) -> None:
+                 sequence_parallel: bool = False, layer: int = 0, dtype: Any = np.float64,
+                 recompute: str = "none") -> None:
+        self.recompute = check_recompute("ParallelBlock", recompute)
         self.layer, self.meter, self.sequence_parallel = layer, ActivationMeter(), sequence_parallel
         self.ln1 = LayerNorm(d_model, dtype=dtype)
-        self.attn = ParallelAttention(d_model, n_heads, comm, sequence_parallel, dtype)
+        self.attn = ParallelAttention(d_model, n_heads, comm, sequence_parallel, dtype,
+                                      keep_softmax=recompute != "selective")
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = ParallelMLP(d_model, d_ff or 4 * d_model, comm, sequence_parallel, dtype)
 
@@ -172,10 +180,23 @@ class ParallelBlock(Module):
         x = self.attn(self.ln1(x), x, held)
         return self.mlp(self.ln2(x), x, held)
 
+    def body(self, x: Tensor) -> Tensor:
+        """``math(x)``, through ``recompute.checkpoint`` under full recomputation."""
+        return checkpoint(self.math, x, args={"layer": self.layer}) if self.recompute == "full" else self.math(x)
+
     def forward(self, x: Tensor) -> Tensor:
         if trace.current() is None:
-            return self.math(x)
+            return self.body(x)
         held, started = _Held(self.meter), [0.0, 0.0]  # this forward's: released by its own backward
+        work = [_Held(self.meter)]  # under full recomputation: the graph of the last run of math
+
+        def again(x: Tensor) -> Tensor:
+            work[0] = _Held(self.meter)
+            return self.math(x, work[0])
+
+        def recomputed(out: Tensor) -> None:
+            work[0].measure(out, LN)  # one layer's working set, held until its backward is done
+            started[:] = trace.now(), trace.cpu()  # B after the recomputation's R
 
         def backward_starts() -> None:
             started[:] = trace.now(), trace.cpu()
@@ -186,10 +207,13 @@ class ParallelBlock(Module):
                 rec.add("compute", "B", started[0], trace.now(), c0=started[1], c1=trace.cpu(),
                         args={"layer": self.layer})
             held.release()
+            work[0].release()
 
         with trace.span("F", args={"layer": self.layer}):
             x = F.on_backward.apply(x, backward_done)  # its backward runs after the whole block's
-            out = F.on_backward.apply(self.math(x, held), backward_starts)  # its backward runs first
+            y = (checkpoint(again, x, on_recompute=recomputed, args={"layer": self.layer})
+                 if self.recompute == "full" else self.math(x, held))
+            out = F.on_backward.apply(y, backward_starts)  # its backward runs first
             held.measure(out, LN)
             return out
 
@@ -206,15 +230,17 @@ class TensorParallelGPT(Module):
 
     Every rank holds 1/t of the embedding table (vocabulary rows), of q/k/v/fc (columns), of
     proj (rows) and of the head (vocabulary columns); layer norms, proj biases and the position
-    embedding are replicated. ``loss`` never forms the full logits. Per training step::
+    embedding are replicated. ``loss`` never forms the full logits. ``recompute``: every block's
+    (``ParallelBlock``). Per training step::
 
         loss = model.loss(idx, targets); loss.backward(); model.sync_grads(); opt.step()
     """
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int, comm: Any,
                  d_ff: int | None = None, sequence_parallel: bool = False, seed: int = 0,
-                 dtype: Any = np.float64, tp: int | None = None) -> None:
+                 dtype: Any = np.float64, tp: int | None = None, recompute: str = "none") -> None:
         d_ff = d_ff or 4 * d_model
+        check_recompute("TensorParallelGPT", recompute)
         check_tp_config(comm, vocab_size, d_model, n_heads, d_ff, tp)
         self.comm, self.sequence_parallel, self.seed = comm, sequence_parallel, seed
         self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
@@ -222,7 +248,7 @@ class TensorParallelGPT(Module):
         sp = sequence_parallel
         self.tok_emb = VocabParallelEmbedding(vocab_size, d_model, comm, sp, dtype)
         self.pos_emb = Table(seq_len, d_model, dtype)
-        self.blocks = ModuleList([ParallelBlock(d_model, n_heads, comm, d_ff, sp, i, dtype)
+        self.blocks = ModuleList([ParallelBlock(d_model, n_heads, comm, d_ff, sp, i, dtype, recompute)
                                   for i in range(n_layers)])
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = ColumnParallelLinear(d_model, vocab_size, comm, bias=False, sequence_parallel=sp,
