@@ -217,3 +217,19 @@ def test_bad_recompute_refused_in_one_line_before_any_message() -> None:
         assert "recompute='partial'; choose one of 'none', 'selective', 'full'" in msg and "\n" not in msg
     with pytest.raises(ValueError, match="recompute='partial'"):
         formulas.layer_terms(2, 2, 8, 8, 4, 16, recompute="partial")
+
+
+def test_recompute_span_is_a_kind_of_its_own() -> None:
+    """Every block's extra forward is one span ``R``: the viewer's "recompute", in a colour and a
+    terminal style no other compute kind or collective has."""
+    from viz.analysis import kind_of
+    from viz.style import COLORS, COMM_COLORS
+    from viz.terminal import STYLES
+
+    with trace.recording(0) as rec:
+        single("full")
+    spans = [e for e in rec.events if e.kind == "compute" and e.name == "R"]
+    assert len(spans) == C["layers"] and {kind_of(e) for e in spans} == {"recompute"}
+    others = [c for k, c in COLORS.items() if k != "recompute"] + list(COMM_COLORS.values())
+    assert COLORS["recompute"] not in others
+    assert STYLES["recompute"] not in [s for k, s in STYLES.items() if k != "recompute"]

@@ -7,7 +7,8 @@ Definitions
 -----------
 - **Kind of a compute span** (``kind_of``): name "F" -> forward; "B" -> backward; the two halves of
   a split backward (zero-bubble schedules, Qi et al. 2024) apart: "I" -> input gradient (what the
-  previous stage waits for), "W" -> weight gradient (what nobody waits for); "opt" / "step" / "U"
+  previous stage waits for), "W" -> weight gradient (what nobody waits for); "R" -> recompute (a
+  forward run again inside backward, ``minipar.recompute``; inside the B span); "opt" / "step" / "U"
   (a stage's update inside an asynchronous pipeline's step, PipeDream) -> optimizer; anything else
   -> other.
 - **Step window** (``window``): from the earliest start to the latest end of any *compute or comm*
@@ -39,11 +40,12 @@ from typing import Any
 
 from minipar.trace import Event, Trace
 
-KINDS = ("forward", "backward", "input gradient", "weight gradient", "optimizer", "other")
+KINDS = ("forward", "backward", "input gradient", "weight gradient", "recompute", "optimizer", "other")
 PIPELINE_KINDS = ("forward", "backward", "input gradient", "weight gradient")  # a stage's work on a micro-batch
 ARROWS = {"down": "\u2193", "up": "\u2191"}  # a span's args["direction"] (Chimera) -> its label's arrow
 FAULT_MARKS = ("killed", "peer declared dead")  # minipar.comm.faults / detector: they stretch the window
-_KIND_BY_NAME = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "opt": "optimizer",
+_KIND_BY_NAME = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient", "R": "recompute",
+                 "opt": "optimizer",
                  "step": "optimizer", "U": "optimizer"}  # U: a stage's update inside an asynchronous pipeline's step
 
 

@@ -2,7 +2,8 @@
 
 - Compute kinds: forward blue, backward orange, optimizer green, other grey; a split backward's
   halves (zero bubble) in colours of their own: input gradient (I) red, weight gradient (W) teal,
-  so the W's that fill 1F1B's cool-down stand out (Qi et al. 2024, Fig. 3). Model chunks of an
+  so the W's that fill 1F1B's cool-down stand out (Qi et al. 2024, Fig. 3); a recomputed forward
+  (R, ``minipar.recompute``) purple, drawn inside its backward. Model chunks of an
   interleaved schedule are shades of their kind: chunk 0 the full colour, later chunks lighter, as
   Narayanan et al. (2021, Fig. 4) draw them ("dark colors show the first chunk and light colors
   show the second chunk").
@@ -24,7 +25,7 @@ from minipar.trace import Trace
 from viz.analysis import fmt_time, is_simulated, time_unit
 
 COLORS = {"forward": "#4C78A8", "backward": "#F58518", "input gradient": "#E45756", "weight gradient": "#72B7B2",
-          "optimizer": "#54A24B", "other": "#9D9D9D"}
+          "recompute": "#6B4C9A", "optimizer": "#54A24B", "other": "#9D9D9D"}
 RANK_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#BAB0AC",
                "#FF9DA6", "#79706E"]
 # one hue per collective (op and algorithm) or point-to-point op, the same in every figure

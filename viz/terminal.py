@@ -48,10 +48,12 @@ from viz.width import terminal_width
 
 STYLES = {"forward": "bold white on blue", "backward": "bold black on dark_orange",
           "input gradient": "bold white on red3", "weight gradient": "bold black on dark_cyan",
+          "recompute": "bold white on purple4",
           "optimizer": "bold white on green", "other": "bold white on grey50"}
-FILL = {"forward": ">", "backward": "<", "input gradient": "(", "weight gradient": "=", "optimizer": "*", "other": "#"}
-LETTERS = {"forward": "F0", "backward": "B0", "input gradient": "I0", "weight gradient": "W0", "optimizer": "opt",
-           "other": "name"}  # a legend entry's sample label
+FILL = {"forward": ">", "backward": "<", "input gradient": "(", "weight gradient": "=", "recompute": "^",
+        "optimizer": "*", "other": "#"}
+LETTERS = {"forward": "F0", "backward": "B0", "input gradient": "I0", "weight gradient": "W0", "recompute": "R",
+           "optimizer": "opt", "other": "name"}  # a legend entry's sample label
 COMM_CHAR, IDLE_CHAR = "~", "."
 COMM_STYLE, CALL_STYLE, IDLE_STYLE, RULER_STYLE = "magenta", "bold magenta", "grey39", "dim"
 PREFIX_FMT = "rank {:<{w}} "
