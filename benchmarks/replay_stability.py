@@ -53,6 +53,16 @@ of 13.4 us), and it shares the core and the GIL with the backward. A replay that
 ran a rank's threads on one core (tried, then reverted) reached 0.68-0.79 here but put lesson 03's
 replayed exposure after the backward at 10.4 ms against the alpha-beta formula's 2.5 ms.
 
+2026-11-28, with the replay's default span costs now the median of the repeats of the same work
+(``replay(costs="median")``; load 1-3 from other engineers' work): 1F1B replayed 27.7-29.0 %
+(spread 1.3 points; wall clock 38.8-44.4 %, spread 5.6), at most 0.2 points from the simulator;
+interleaved 17.5-22.2 % (spread 4.7; wall clock 41.9-46.9 %), at most 0.1 from the simulator. The
+replay and the simulator now agree, so what still moves is the per-stage medians themselves: lesson
+02 traces one step, 8 spans per (virtual) stage, and with 8 samples of a +-20 % noise a median moves
+by ~+-9 %. Traced over 3 steps instead (24 samples; a loop outside the lesson), interleaved's replayed
+bubble spread 1.1 points over 5 runs (19.2-20.3 %). 2 ranks: pipeline 0.82-0.87 and DDP 0.44-0.50
+(load 1-3: the wall clock is the one that suffers).
+
 (Formula, uniform stages: 27.3 % and 15.8 %; lesson 02's first and last stages also carry the
 embedding and the head, which the simulator fed with the CPU costs per stage accounts for.) The
 replay ranks interleaved below 1F1B in every run, the wall clock in none: the wall-clock bubble is
