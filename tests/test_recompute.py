@@ -17,7 +17,9 @@ from minipar.autograd import Tensor
 from minipar.cost import tensor as formulas
 from minipar.cost.collectives import ring_bytes
 from minipar.memory import held_buffers, seq_mark
+from minipar.mesh import DeviceMesh
 from minipar.nn import GPT, Block
+from minipar.parallel.hybrid import HybridGPT
 from minipar.parallel.pipeline import Pipeline, partition
 from minipar.parallel.tensor import ParallelBlock, TensorParallelGPT, gather_grads
 from minipar.testing import run
@@ -181,18 +183,53 @@ def pipe_run(comm, c: dict) -> dict:
         x, y = batch(c, 0)
         with trace.recording(comm.world_rank) as rec:
             loss = pipe.step(x, y)
+        samples = [e for e in rec.events if e.kind == "memory" and e.name == "activations"]
         out[mode] = {"loss": loss, "grads": pipe.full_grads(root=None),
-                     "R": sum(1 for e in rec.events if e.kind == "compute" and e.name == "R")}
+                     "R": sum(1 for e in rec.events if e.kind == "compute" and e.name == "R"),
+                     "peak": max(e.nbytes for e in samples), "stashed": max(e.args["stashed"] for e in samples),
+                     "blocks": sum(1 for s in pipe.stages.values() for i in pipe.layer_ranges[s.index]
+                                   if 0 < i <= c["layers"])}
     return out
 
 
 def test_pipeline_equals_no_recomputation() -> None:
     """Two stages of one block each, 1F1B over 2 micro-batches: every stage recomputes its block
-    once per micro-batch."""
-    for got in launch(pipe_run, 2, c=C):
+    once per micro-batch; its peak stash shrinks by the dropped terms of each stashed micro-batch's
+    blocks (micro-batch b = 1): selective the softmax a s^2 b, full all but the block's output
+    (``nn.Block`` keeps paper + 2sbh without recomputation, see above)."""
+    s, h, a, w = C["seq"], C["d"], C["heads"], 8
+    for got in launch(pipe_run, 2, c={**C, "ff": 4 * h}):  # the paper's 4h MLP
         for mode in ("full", "selective"):
             assert_same(got[mode], got["none"])
         assert (got["full"]["R"], got["selective"]["R"]) == (2, 2)
+        n = got["none"]["stashed"] * got["none"]["blocks"]
+        assert n and got["none"]["peak"] - got["selective"]["peak"] == n * a * s * s * w
+        dropped = (paper_layer_numbers(s, 1, h, a, 1, False, "none") + 2 * s * h - s * h) * w
+        assert got["none"]["peak"] - got["full"]["peak"] == n * dropped
+
+
+def hybrid_run(comm, c: dict) -> dict:
+    out = {}
+    for mode in c["modes"]:
+        mesh = DeviceMesh(comm, **c["degrees"])
+        model = HybridGPT(mesh, c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], c["ff"], microbatches=2,
+                          sequence_parallel=c["degrees"].get("tp", 1) > 1, seed=c["seed"], recompute=mode)
+        with trace.recording(comm.world_rank) as rec:
+            loss = model.forward_backward(*batch(c, 0))
+        out[mode] = {"loss": loss, "grads": model.full_grads(),
+                     "R": sum(1 for e in rec.events if e.kind == "compute" and e.name == "R")}
+    return out
+
+
+@pytest.mark.parametrize("degrees,modes", [({"pp": 2, "tp": 2}, MODES), ({"pp": 2, "sp": 2}, ("none", "full"))])
+def test_hybrid_equals_no_recomputation(degrees: dict, modes: tuple[str, ...]) -> None:
+    """Pipeline stages of tensor-parallel blocks (Megatron-SP) or of Ulysses blocks: every mode gives
+    the numbers of no recomputation; each rank recomputes its stage's block (or its attention) once
+    per micro-batch."""
+    for got in launch(hybrid_run, 4, c={**C, "degrees": degrees, "modes": modes}):
+        for mode in modes[1:]:
+            assert_same(got[mode], got["none"])
+            assert got[mode]["R"] == 2
 
 
 # ---- bad values ------------------------------------------------------------------------------------
@@ -208,6 +245,24 @@ def bad_run(comm) -> list[str]:
             messages.append(str(err.value))
     assert not [e for e in rec.events if e.kind == "comm"]
     return messages
+
+
+def hybrid_bad_run(comm, degrees: dict, schedule: str, recompute: str) -> str:
+    with trace.recording(comm.world_rank) as rec, pytest.raises(ValueError) as err:
+        HybridGPT(DeviceMesh(comm, **degrees), 8, 8, 8, 4, 2, 16, schedule=schedule, microbatches=2,
+                  recompute=recompute)
+    assert not [e for e in rec.events if e.kind == "comm"]
+    return str(err.value)
+
+
+@pytest.mark.parametrize("degrees,schedule,recompute,needle", [
+    ({"pp": 2}, "1f1b", "partial", "recompute='partial'; choose one of"),
+    ({"pp": 2}, "zb-h1", "full", "schedule='zb-h1' would have no W left to place"),
+    ({"sp": 2}, "1f1b", "selective", "the sequence-parallel attentions keep their own"),
+])
+def test_hybrid_refuses_recompute_it_cannot_run(degrees: dict, schedule: str, recompute: str, needle: str) -> None:
+    first, second = launch(hybrid_bad_run, 2, degrees=degrees, schedule=schedule, recompute=recompute)
+    assert first == second and needle in first and "\n" not in first
 
 
 def test_bad_recompute_refused_in_one_line_before_any_message() -> None:
