@@ -96,3 +96,11 @@ def test_zero_bubble_formulas_equal_the_simulated_schedules(p: int, extra: int, 
     assert max(zb.peak_stash.values()) == max(one.peak_stash.values()) == min(p, m)
     unit = simulate(make_schedule("zb-h1", p, m), forward=1.0, backward=2.0)  # I = W = 1 by default
     assert pipe_cost.bubble_fraction("zb-h1", p, m) == pytest.approx(unit.bubble_fraction, rel=1e-12)
+
+
+def test_stash_peaks_of_every_kind_the_runtime_runs() -> None:
+    assert pipe_cost.stash_peaks("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert pipe_cost.stash_peaks("pipedream", 4, 8) == pipe_cost.stash_peaks("2bw", 4, 8) == [4, 3, 2, 1]
+    assert pipe_cost.stash_peaks("zb-h1", 4, 8) == [4, 4, 4, 4]
+    assert pipe_cost.stash_peaks("zb-v", 4, 8) == [8, 8, 8, 8]  # 2p chunk-micro-batches
+    assert pipe_cost.stash_peaks("chimera", 4, 8) == [3, 4, 4, 3]  # p/2 + 1 + min(r, p-1-r)

@@ -39,7 +39,6 @@ from rich.console import Console
 from lessons import common
 from lessons.common import REPLAY, Clock
 from lessons.common import console as make_console
-from minipar import datasets
 from minipar import trace as mtrace
 from minipar.cli_args import int_in
 from minipar.cost import pipeline as pipeline_cost
@@ -76,11 +75,6 @@ def stage_count(kind: str, p: int, m: int) -> int:
     return p if kind == CHIMERA else pp.validate(make(kind, p, m)).virtual_stages
 
 
-def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    stream = datasets.token_stream(20_000, VOCAB, seed=0)
-    return [datasets.lm_batch(stream, BATCH, SEQ, step=s) for s in range(steps)]
-
-
 def train(comm: Any, kind: str, steps: int = STEPS, microbatches: int = MICROBATCHES,
           trace_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Train the tiny GPT for ``steps`` steps under ``kind`` (Chimera too), the last step recorded into
@@ -106,7 +100,7 @@ def train(comm: Any, kind: str, steps: int = STEPS, microbatches: int = MICROBAT
         def step(x: np.ndarray, y: np.ndarray) -> float:
             return pipe.step(x, y, opt)
 
-    *first, last = batches(steps)
+    *first, last = common.lm_batches(steps, VOCAB, BATCH, SEQ)
     losses = [step(x, y) for x, y in first]
     with mtrace.record(trace_path, comm, **meta, time_unit="s", step=steps - 1):
         losses.append(step(*last))
@@ -117,7 +111,8 @@ def train(comm: Any, kind: str, steps: int = STEPS, microbatches: int = MICROBAT
 def reference(steps: int = STEPS) -> list[float]:
     """The same training in one process, on the whole batch (``minipar.nn.GPT``, same seed)."""
     model = GPT(VOCAB, SEQ, D_MODEL, HEADS, BLOCKS, seed=0)
-    return common.one_process(model, AdamW(model.parameters(), lr=LR, weight_decay=0.0), batches(steps))
+    return common.one_process(model, AdamW(model.parameters(), lr=LR, weight_decay=0.0),
+                              common.lm_batches(steps, VOCAB, BATCH, SEQ))
 
 
 def formula_idle(kind: str, p: int, f: float, i: float, w: float) -> float | None:
@@ -128,11 +123,6 @@ def formula_idle(kind: str, p: int, f: float, i: float, w: float) -> float | Non
         return pipeline_cost.bubble_time("1f1b" if kind in ASYNC else kind, p, f, i, w)
     except ValueError:
         return None
-
-
-def formula_peaks(kind: str, p: int, m: int) -> list[int]:
-    return [pipeline_cost.chimera_peak_stash(p, r) if kind == CHIMERA else
-            pipeline_cost.peak_stash("1f1b" if kind in ASYNC else kind, p, m, r) for r in range(p)]
 
 
 def simulate_units(kind: str, p: int, m: int, path: str | os.PathLike[str] | None = None,
@@ -152,7 +142,7 @@ def simulate_units(kind: str, p: int, m: int, path: str | os.PathLike[str] | Non
         mtrace.save(sim.trace, path)
     return {"kind": name, "v": v, "makespan": sim.makespan, "share": sim.bubble_fraction, "trace": sim.trace,
             "idle": [sim.idle[r] for r in range(p)], "formula": formula_idle(kind, p, f, i, i),
-            "peak": [sim.peak_stash[r] for r in range(p)], "formula_peak": formula_peaks(kind, p, m),
+            "peak": [sim.peak_stash[r] for r in range(p)], "formula_peak": pipeline_cost.stash_peaks(kind, p, m),
             "versions": [sim.peak_versions.get(r, 1) for r in range(p)],
             "formula_versions": [pipeline_cost.weight_versions(kind, p, r) for r in range(p)]}
 
@@ -179,7 +169,7 @@ def analyse(trace_path: str | os.PathLike[str], clock: Clock = REPLAY) -> dict[s
     return {"kind": kind, "step": hi - lo, "idle": [(hi - lo) * x for x in analysis.bubble_fractions(work)],
             "sim_idle": [sim.idle[r] for r in range(p)], "formula": formula_idle(kind, p, f, b - w, w), "F": f, "B": b,
             "W": w if "W" in med else None, "peak": [max(h, default=0) for h in held],
-            "sim_peak": [sim.peak_stash[r] for r in range(p)], "formula_peak": formula_peaks(kind, p, m),
+            "sim_peak": [sim.peak_stash[r] for r in range(p)], "formula_peak": pipeline_cost.stash_peaks(kind, p, m),
             "versions": versions}
 
 
@@ -189,36 +179,33 @@ def _ints(xs: list[int]) -> str:
 
 def unit_table(rows: list[dict[str, Any]], p: int, verbose: bool) -> Table:
     """(1): the schedules simulated with unit costs against the formulas; weight versions with ``verbose``."""
-    table = Table(title=f"(1) simulated with unit costs F = I = W = 1 (B = 2), p = {p}: idle per rank (in units "
-                        "of F) and peak stash vs the formulas", title_justify="left")
-    for col in ("schedule", "step", "idle per rank", "formula", "peak stash", "formula", *(
-            ("weight versions", "formula") if verbose else ())):
-        table.add_column(col, justify="right")
+    cells = []
     for row in rows:
         formula = RANGE.get(row["kind"].split(",")[0], "-") if row["formula"] is None else f"{row['formula']:g}"
-        table.add_row(row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else ""), f"{row['makespan']:g}",
+        cells.append((row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else ""), f"{row['makespan']:g}",
                       " ".join(f"{x:g}" for x in row["idle"]), formula, _ints(row["peak"]), _ints(row["formula_peak"]),
-                      *((_ints(row["versions"]), _ints(row["formula_versions"])) if verbose else ()))
-    table.caption = ("stash: micro-batches held from F to W (B); ZB-V: half-size chunk ones" + (
-        "; Chimera: both directions'; versions: PipeDream p - r, 2BW 2, synchronous 1" if verbose else ""))
-    return table
+                      *((_ints(row["versions"]), _ints(row["formula_versions"])) if verbose else ())))
+    caption = "stash: micro-batches held from F to W (B); ZB-V: half-size chunk ones" + (
+        "; Chimera: both directions'; versions: PipeDream p - r, 2BW 2, synchronous 1" if verbose else "")
+    return Table.of(f"(1) simulated with unit costs F = I = W = 1 (B = 2), p = {p}: idle per rank (in units of F) and "
+                    "peak stash vs the formulas", ("schedule", "step", "idle per rank", "formula", "peak stash",
+                                                   "formula", *(("weight versions", "formula") if verbose else ())),
+                    cells, text=0, caption=caption)
 
 
 def measured_table(rows: list[dict[str, Any]], clock: Clock = REPLAY, verbose: bool = True) -> Table:
     """(2): the real runs, last step, times on ``clock``, against the simulator and the formula fed with their
     durations; the weight versions each stage held with ``verbose``."""
-    table = Table(title=f"(2) the runtime, last step ({clock.label}): ms, idle per rank (mean of the ranks)",
-                  title_justify="left")
-    for col in ("schedule", "F / B / W", "idle", "sim.", "formula", "stash", "formula", *("versions",) * verbose):
-        table.add_column(col, justify="right")
+    cells = []
     for row in rows:
         formula = RANGE.get(row["kind"], "-") if row["formula"] is None else f"{1e3 * row['formula']:.0f}"
         durations = " / ".join(f"{1e3 * x:.1f}" for x in (row["F"], row["B"], row["W"]) if x is not None)
-        table.add_row(row["kind"], durations, *(f"{1e3 * np.mean(row[k]):.0f}" for k in ("idle", "sim_idle")),
-                      formula, *(_ints(row[k]) for k in ("peak", "formula_peak", "versions")[:2 + verbose]))
-    table.caption = ("F, B = I + W, W: medians per action; sim.: simulated with them; formula: with their means; "
-                     "stash: micro-batches")
-    return table
+        cells.append((row["kind"], durations, *(f"{1e3 * np.mean(row[k]):.0f}" for k in ("idle", "sim_idle")),
+                      formula, *(_ints(row[k]) for k in ("peak", "formula_peak", "versions")[:2 + verbose])))
+    return Table.of(f"(2) the runtime, last step ({clock.label}): ms, idle per rank (mean of the ranks)",
+                    ("schedule", "F / B / W", "idle", "sim.", "formula", "stash", "formula", *("versions",) * verbose),
+                    cells, text=0, caption="F, B = I + W, W: medians per action; sim.: simulated with them; formula: "
+                    "with their means; stash: micro-batches")
 
 
 def print_claims(console: Console, losses: dict[str, list[float]], seen: dict[str, dict], ref: list[float],
@@ -271,9 +258,7 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = Fa
             losses[kind], seen[kind] = result["losses"], result["seen"]
     if not lead:
         return
-    if clock.caveat(p):
-        console.print(f"[yellow]note:[/yellow] {clock.caveat(p)}: compare the sim. column with the formula.",
-                      highlight=False)
+    common.print_note(console, clock.caveat(p), ": compare the sim. column with the formula.")
     console.print(measured_table(rows, clock, verbose))
     print_claims(console, losses, seen, reference(steps), m)
     async_runs = [clock.of(OUT / f"{k}.json") for k in runs if k in ASYNC]
@@ -307,8 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    common.run_ranks(run, args.ranks, lambda p: check_ranks(p, args.microbatches), steps=args.steps,
-                     m=args.microbatches, clock=Clock.of_args(args), verbose=args.verbose)
+    common.run_lesson(run, args, lambda p: check_ranks(p, args.microbatches), m=args.microbatches)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,16 @@ def chimera_peak_stash(p: int, rank: int) -> int:
     return p // 2 + 1 + min(rank, p - 1 - rank)
 
 
+def stash_peaks(kind: str, p: int, m: int) -> list[int]:
+    """``peak_stash`` of every rank for any schedule the runtime runs with one chunk per rank (ZB-V: its
+    two): Chimera both directions' (``chimera_peak_stash``), PipeDream and PipeDream-2BW (``"2bw"``)
+    1F1B's, whose order they keep."""
+    one_of("stash_peaks", "kind", kind, RUNTIME_KINDS)
+    if kind == "chimera":
+        return [chimera_peak_stash(p, r) for r in range(p)]
+    return [peak_stash("1f1b" if kind in ("pipedream", "2bw") else kind, p, m, r) for r in range(p)]
+
+
 def chimera_bubble_time(p: int, forward: float, backward: float) -> float:
     """Chimera's idle time per rank in one step, ``(p - 2) F``, with the paper's equal slots (F = B);
     other costs no longer line the slots up and have no closed form here (``simulate_chimera`` them)."""
