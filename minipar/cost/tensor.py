@@ -31,6 +31,11 @@ Around the blocks: ``ln`` + ``3 S`` (the embedding's reduced output and position
 layer norm's output; ``S = A/t`` under sequence parallelism, ``A`` without), ``tp`` + ``2A`` (the
 embedding rows and their masked copy, every position); ``logits`` = logits and the loss's saved
 softmax ``2 s b V w / t``, its saved target indices and mask ``s b (8 + 1)`` and the loss ``w``.
+
+Recomputation (``minipar.recompute``; Korthikanti et al. 2022 Sec. 5; Chen et al. 2016 Sec. 3):
+"selective" drops the softmax term ``as^2 b / t``; "full" keeps ``S`` per layer (the block's input,
+counted as the previous block's output) and holds one layer's whole ``layer_terms`` more while that
+layer's backward runs (``recompute_working_bytes``). docs/formulas.md section 4 has the table.
 """
 
 from __future__ import annotations
