@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+RECOMPUTE = ("none", "selective", "full")  # activation recomputation: minipar.recompute runs them, cost prices them
+
 
 def whole(who: str, name: str, value: Any, least: int = 1) -> int:
     """``value`` as an int when it is a whole number (an int, not a bool) of at least ``least``."""

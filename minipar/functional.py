@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))  # a python float keeps float32 arrays float32
@@ -309,6 +308,8 @@ class _Attention(Function):
         q, k, v, p = ctx.saved
         n = ctx.n_heads
         if p is None:  # selective recomputation: the same numbers again, from the kept q and k
+            from minipar import trace  # here: "import minipar" loads the engine alone (tests/test_layering.py)
+
             with trace.span("R", args={"op": "attention"}):
                 p = _Attention.softmax(q, k, n, ctx.scale, ctx.causal)
         qh, kh, vh, gh = (_Attention.heads(x, n) for x in (q, k, v, g))

@@ -24,10 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from minipar import trace
 from minipar.autograd import Context, Function, Tensor, enable_grad
-from minipar.checks import one_of
-from minipar.cost.layout import RECOMPUTE
+from minipar.checks import RECOMPUTE, one_of
 
 __all__ = ["RECOMPUTE", "check_recompute", "checkpoint"]
 
@@ -50,6 +48,8 @@ class _Checkpoint(Function):
 
     @staticmethod
     def backward(ctx: Context, g: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        from minipar import trace  # here: "import minipar" loads the engine alone (tests/test_layering.py)
+
         needs = ctx.needs_input_grad[3:]
         with enable_grad(), trace.span("R", args=ctx.args or {}):  # the extra forward
             inputs = [Tensor(a, requires_grad=need) for a, need in zip(ctx.saved, needs, strict=True)]

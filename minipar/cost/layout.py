@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from minipar.checks import one_of, whole
+from minipar.checks import RECOMPUTE, one_of, whole
 from minipar.cost.cluster import Cluster
 from minipar.cost.pipeline import SCHEDULES
 
-RECOMPUTE = ("none", "selective", "full")
 UNEVEN = "layers="  # how Layout.check's uneven-split message starts
 
 
