@@ -90,7 +90,7 @@ sys.path.insert(0, str(ROOT))
 
 from minipar import trace as mtrace  # noqa: E402
 from minipar.parallel.pipeline import make_schedule, simulate  # noqa: E402
-from minipar.replay import cluster_named, replay  # noqa: E402
+from minipar.replay import cluster_named, earlier_steps, replay  # noqa: E402
 from viz import analysis  # noqa: E402
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -109,7 +109,7 @@ def record(what: str, kind: str, chunks: int, out: str) -> None:
 
     comm = world()
     if what == "pipeline":
-        _lesson("02_pipeline").train(comm, kind, chunks, steps=3, trace_path=out)
+        _lesson("02_pipeline").train(comm, kind, chunks, trace_path=out)
     else:
         ddp = _lesson("03_data_parallel")
         ddp.ddp_run(comm, "ring", 4, Path(out).parent)
@@ -129,9 +129,10 @@ def fb_bubble(trace: mtrace.Trace) -> float:
     return float(np.mean(analysis.bubble_fractions(mtrace.Trace(trace.meta, fb))))
 
 
-def cpu_simulated(trace: mtrace.Trace, kind: str, p: int, m: int, v: int) -> float:
-    """The simulator's bubble with the run's median CPU time per (virtual) stage for F and B."""
-    med = {op: [float(np.median([e.c1 - e.c0 for e in trace.select("compute", name=op, stage=s)]))
+def cpu_simulated(traces: list[mtrace.Trace], kind: str, p: int, m: int, v: int) -> float:
+    """The simulator's bubble with the run's median CPU time per (virtual) stage for F and B (over every
+    traced step: the replay pools the same spans)."""
+    med = {op: [float(np.median([e.c1 - e.c0 for t in traces for e in t.select("compute", name=op, stage=s)]))
                 for s in range(p * v)] for op in ("F", "B")}
     return simulate(make_schedule(kind, p, m, v), forward=med["F"], backward=med["B"]).bubble_fraction
 
@@ -151,8 +152,9 @@ def stability(runs: int, cluster: Any, folder: str) -> None:
             path = os.path.join(folder, f"{kind}{i}.json")
             run(4, "pipeline", kind, v, path)
             t = mtrace.load(path)
-            p, m = t.meta["p"], t.meta["m"]
-            rows.append((fb_bubble(t), fb_bubble(replay(t, cluster)), cpu_simulated(t, kind, p, m, v)))
+            p, m, earlier = t.meta["p"], t.meta["m"], earlier_steps(path, t)
+            rows.append((fb_bubble(t), fb_bubble(replay(t, cluster, samples=earlier)),
+                         cpu_simulated([t, *earlier], kind, p, m, v)))
             print(f"{kind:<12} {i:>3}  {rows[-1][0]:>11.1%}  {rows[-1][1]:>8.1%}  {rows[-1][2]:>19.1%}")
         wall, rep, sim = (np.array(c) for c in zip(*rows, strict=True))
         print(f"{kind:<12} spread: wall clock {100 * np.ptp(wall):.1f} points, replay {100 * np.ptp(rep):.1f} "
@@ -167,7 +169,7 @@ def faithfulness(runs: int, cluster: Any, folder: str) -> None:
             path = os.path.join(folder, f"{what}{i}.json")
             run(2, what, kind, 1, path)
             t = mtrace.load(path)
-            wall, rep = step_seconds(t), step_seconds(replay(t, cluster))
+            wall, rep = step_seconds(t), step_seconds(replay(t, cluster, samples=earlier_steps(path, t)))
             print(f"{what:<10} {i:>3}  {wall * 1e3:>8.2f}  {rep * 1e3:>11.2f}  {rep / wall:>15.2f}")
 
 

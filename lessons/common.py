@@ -25,7 +25,7 @@ from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
 from minipar.comm.startup import env_rank_size, outside_mpiexec_env
 from minipar.cost.cluster import Cluster
-from minipar.replay import ReplayError, check_replayable, cluster_named, replay
+from minipar.replay import ReplayError, check_replayable, cluster_named, earlier_steps, replay
 from minipar.trace import Trace, load
 from viz.width import Table, terminal_width
 
@@ -180,9 +180,9 @@ def _cluster_spec(spec: str) -> str:
 class Clock:
     """The times a lesson compares and draws. ``replay`` (the default): every recorded trace re-timed
     by ``minipar.replay`` on ``cluster`` (a preset or a ``minipar calibrate`` file): each span lasts its
-    CPU time, each rank has a core of its own, messages take the cluster's links, so the numbers mean
-    the same however many ranks share this machine. ``wall``: the times as recorded, which include
-    waiting for a core when ranks outnumber cores (``caveat``)."""
+    CPU time (repeats of the same work: their median), each rank has a core of its own, messages take
+    the cluster's links, so the numbers mean the same however many ranks share this machine. ``wall``:
+    the times as recorded, which include waiting for a core when ranks outnumber cores (``caveat``)."""
 
     kind: str = "replay"
     cluster_spec: str = "local"
@@ -233,8 +233,10 @@ REPLAY = Clock()  # the lessons' default: replayed on "local", this machine with
 
 @cache
 def _replayed(path: str, mtime_ns: int, clock: Clock) -> Trace:
-    """A trace file's replay, once per version of the file (lessons read a trace several times)."""
-    return clock.of(load(path))
+    """A trace file's replay, once per version of the file (lessons read a trace several times), its
+    span costs pooled with the run's earlier steps the trace lists (``replay.earlier_steps``)."""
+    trace = load(path)
+    return replay(trace, clock.cluster, samples=earlier_steps(path, trace)) if replayable(trace) else trace
 
 
 def replayable(trace: Trace) -> bool:

@@ -92,11 +92,11 @@ def _configure_view(p: argparse.ArgumentParser) -> None:
                    "infiniband, a100-selene, or a cluster file from 'minipar calibrate'")
 
 
-def _replayed(traces: list[Trace], clock: str | None, spec: str | None) -> list[Trace]:
+def _replayed(traces: list[Trace], paths: list[str], clock: str | None, spec: str | None) -> list[Trace]:
     """The traces on the clock ``view`` shows: replayed on ``spec`` (default local) with ``--clock replay``,
     and by default when a recorded trace has CPU times (else, or if it cannot be, as recorded, said
-    on stderr); a replay's output as it is."""
-    from minipar.replay import ReplayError, cluster_named, replay
+    on stderr), span costs pooled with the earlier steps each lists; a replay's output as it is."""
+    from minipar.replay import ReplayError, cluster_named, earlier_steps, replay
     from minipar.trace import has_cpu_times
 
     done = [t.meta.get("clock") == "replay" for t in traces]
@@ -105,10 +105,10 @@ def _replayed(traces: list[Trace], clock: str | None, spec: str | None) -> list[
     try:
         cluster = cluster_named(spec or "local")
         out = []
-        for t, was in zip(traces, done, strict=True):
+        for t, path, was in zip(traces, paths, done, strict=True):
             try:
-                out.append(replay(t, cluster) if not was and (clock == "replay" or clock is None and has_cpu_times(t))
-                           else t)
+                out.append(replay(t, cluster, samples=earlier_steps(path, t))
+                           if not was and (clock == "replay" or clock is None and has_cpu_times(t)) else t)
             except ReplayError as exc:
                 if clock == "replay":
                     raise
@@ -139,7 +139,7 @@ def _run_view(args: argparse.Namespace) -> int:
         traces = [load(path) for path in args.traces]
     except TraceError as exc:
         raise UsageError(str(exc)) from None
-    recorded, traces = traces, _replayed(traces, args.clock, args.cluster)
+    recorded, traces = traces, _replayed(traces, args.traces, args.clock, args.cluster)
     terminal = args.terminal or not (args.output or args.chrome)
     try:
         if args.output:  # a replay's timelines with a button for the recorded times
@@ -176,14 +176,15 @@ def _configure_replay(p: argparse.ArgumentParser) -> None:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from minipar.replay import ReplayError, cluster_named, replay
+    from minipar.replay import ReplayError, cluster_named, earlier_steps, replay
     from minipar.trace import TraceError, load, save
 
     _not_a_folder(args.trace)
     check_writable(args.output, "-o")
     try:
         cluster = cluster_named(args.cluster)
-        out = replay(load(args.trace), cluster, args.costs)
+        trace = load(args.trace)
+        out = replay(trace, cluster, args.costs, earlier_steps(args.trace, trace))
     except (TraceError, ReplayError) as exc:
         raise UsageError(str(exc)) from None
     try:

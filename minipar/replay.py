@@ -40,6 +40,7 @@ import heapq
 import os
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,7 +48,7 @@ from minipar.comm.base import COLL
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
 from minipar.cost.presets import NETWORKS
-from minipar.trace import Event, Trace, has_cpu_times
+from minipar.trace import Event, Trace, has_cpu_times, load
 
 NATIVE_AS = {"allreduce": "ring", "reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree",
              "reduce": "tree", "all_to_all": "pairwise", "barrier": "dissemination"}
@@ -151,19 +152,37 @@ def _work(e: Event) -> tuple[Any, ...]:
     return (e.rank, e.thread, e.name, e.stage, e.chunk, e.step, args)
 
 
-def median_scales(events: list[Event]) -> dict[int, float]:
-    """Event index -> median / own CPU time, for the compute spans whose work repeats (``_work``):
-    scaled by it, every repeat of the same work costs the median of their CPU times."""
-    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for i, e in enumerate(events):
-        if e.kind == "compute" and e.c0 is not None and e.c1 is not None and e.c1 > e.c0:
-            groups[_work(e)].append(i)
+def _cpu(e: Event) -> float | None:
+    """A compute span's CPU time, or None (no CPU times, or none spent)."""
+    if e.kind != "compute" or e.c0 is None or e.c1 is None or e.c1 <= e.c0:
+        return None
+    return e.c1 - e.c0
+
+
+def median_scales(events: list[Event], samples: Sequence[Trace] = ()) -> dict[int, float]:
+    """Event index -> median / own CPU time, for the compute spans whose work repeats (``_work``) in
+    ``events`` or in ``samples`` (the same run's earlier steps, ``earlier_steps``): scaled by it, every
+    repeat of the same work costs the median of their CPU times."""
+    groups: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+    for e in [*events, *(e for t in samples for e in t.events)]:
+        c = _cpu(e)
+        if c is not None:
+            groups[_work(e)].append(c)
     scale: dict[int, float] = {}
-    for idx in groups.values():
-        if len(idx) > 1:
-            mid = statistics.median(events[i].c1 - events[i].c0 for i in idx)  # type: ignore[operator]
-            scale.update((i, mid / (events[i].c1 - events[i].c0)) for i in idx)  # type: ignore[operator]
+    for i, e in enumerate(events):
+        c = _cpu(e)
+        if c is not None and len(repeats := groups[_work(e)]) > 1:
+            scale[i] = statistics.median(repeats) / c
     return scale
+
+
+def earlier_steps(path: str | os.PathLike[str], trace: Trace) -> list[Trace]:
+    """The traces of the same run's earlier steps that ``trace`` (read from ``path``) lists in
+    ``meta["earlier_steps"]`` (file names beside it; lessons 02 and 08 record the steps before the
+    last one so): a replay pools their spans into its medians. A listed file that is gone is skipped."""
+    folder = os.path.dirname(os.fspath(path))
+    names = trace.meta.get("earlier_steps") or []
+    return [load(os.path.join(folder, n)) for n in names if os.path.exists(os.path.join(folder, n))]
 
 
 def _program(events: list[Event], pts: list[_Point], stats: dict[str, int],
@@ -256,23 +275,25 @@ def reduces(op: str | None, algorithm: str | None, step: int | None, p: int) -> 
     return False
 
 
-def replay(trace: Trace, cluster: Cluster, costs: str = "median") -> Trace:
+def replay(trace: Trace, cluster: Cluster, costs: str = "median", samples: Sequence[Trace] = ()) -> Trace:
     """``trace`` re-timed on ``cluster`` (module docstring); ``ReplayError`` if it cannot be.
-    ``costs``: ``"median"`` (the default), every repeat of the same work (``median_scales``) lasts the
-    median of their CPU times; ``"cpu"``, each span its own CPU time."""
+    ``costs``: ``"median"`` (the default), every repeat of the same work (``median_scales``, pooled
+    with the spans of ``samples``: ``earlier_steps``) lasts the median of their CPU times; ``"cpu"``,
+    each span its own CPU time."""
     if costs not in COSTS:
         raise ReplayError(f"costs={costs!r}: choose one of {', '.join(COSTS)}")
     check_replayable(trace)
     events = trace.events
     stats = {"spans_without_cpu": 0}
-    scale = median_scales(events) if costs == "median" else {}
+    scale = median_scales(events, samples) if costs == "median" else {}
     lanes = {k: _program(events, pts, stats, scale) for k, pts in sorted(_points(events).items())}
     match, sizes = _match(events), _group_sizes(events)
     sim = _Sim(events, lanes, match, sizes, cluster)
     sim.run()
     meta = {**trace.meta, "clock": "replay", "cluster": cluster.name,
             "replay": {"from_clock": trace.meta.get("clock", "wall"), "cluster_source": cluster.source, **stats,
-                       "costs": costs, "label": f"replayed: one core per rank, network {cluster.name}"
+                       "costs": costs, "samples": len(samples) if costs == "median" else 0,
+                       "label": f"replayed: one core per rank, network {cluster.name}"
                        + (", span costs: own CPU time" if costs == "cpu" else "")}}
     return Trace(meta, sim.retimed(), trace.version)
 

@@ -9,7 +9,7 @@ import pytest
 from minipar import cli
 from minipar import trace as mtrace
 from minipar.cost.cluster import Cluster, Link
-from minipar.replay import ReplayError, median_scales, replay
+from minipar.replay import ReplayError, earlier_steps, median_scales, replay
 from minipar.trace import Event, Trace
 
 
@@ -73,4 +73,23 @@ def test_cli_replay_takes_the_costs(tmp_path, capsys) -> None:
         got = mtrace.load(out)
         assert got.meta["replay"]["costs"] == costs
         assert durations(got) == pytest.approx([2e-3, 2e-3] if costs == "median" else [1e-3, 3e-3])
+    capsys.readouterr()
+
+
+def test_the_earlier_steps_a_trace_lists_join_its_medians(tmp_path, capsys) -> None:
+    # the same forward in three steps: 1 and 2 ms in the two earlier traces, 6 ms in the last one;
+    # the last lists the earlier ones (and one that is gone, skipped): median 2 ms
+    for k, cpu in ((1, 1e-3), (2, 2e-3)):
+        step = Trace({"world_size": 1, "clock": "wall"}, [span("F", 0.0, cpu, stage=0)])
+        mtrace.save(step, tmp_path / f"t-step{k}.json")
+    meta = {"world_size": 1, "clock": "wall", "earlier_steps": ["t-step1.json", "t-step2.json", "t-step9.json"]}
+    last = Trace(meta, [span("F", 0.0, 6e-3, stage=0)])
+    mtrace.save(last, tmp_path / "t.json")
+    samples = earlier_steps(tmp_path / "t.json", last)
+    assert [s.events[0].c1 - s.events[0].c0 for s in samples] == pytest.approx([1e-3, 2e-3])
+    out = replay(last, free(), samples=samples)
+    assert durations(out) == pytest.approx([2e-3]) and out.meta["replay"]["samples"] == 2
+    assert durations(replay(last, free())) == pytest.approx([6e-3])  # alone: its own
+    assert cli.main(["replay", str(tmp_path / "t.json"), "--cluster", "local", "-o", str(tmp_path / "r.json")]) == 0
+    assert durations(mtrace.load(tmp_path / "r.json")) == pytest.approx([2e-3])
     capsys.readouterr()

@@ -1,6 +1,6 @@
 """Lesson 2: pipeline parallelism. One tiny GPT, four schedules, the bubble measured and predicted.
 
-    mpiexec -n 4 python lessons/02_pipeline/lesson.py [--steps 3] [--microbatches 8] [--verbose]
+    mpiexec -n 4 python lessons/02_pipeline/lesson.py [--steps 4] [--microbatches 8] [--verbose]
     python lessons/02_pipeline/lesson.py [--ranks 4]      # same, ranks as threads in one process
 
 The GPT's layers ([embed] + 8 blocks + [ln_f + head] = 10) are cut into consecutive stages, one
@@ -58,26 +58,36 @@ VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8
 BATCH, MICROBATCHES, CHUNKS = 32, 8, 2
 SCHEDULES = (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", CHUNKS))
 OUT = Path("runs/02_pipeline")
+TRACED = 3  # steps recorded: the last, and the ones before it that the replay's medians pool (``train``)
 
 
-def train(comm: Any, kind: str, chunks: int = 1, steps: int = 3, microbatches: int = MICROBATCHES,
+def train(comm: Any, kind: str, chunks: int = 1, steps: int = 4, microbatches: int = MICROBATCHES,
           trace_path: str | os.PathLike[str] | None = None, blocks: int = BLOCKS) -> dict[str, Any]:
     """Train the tiny GPT for ``steps`` steps with schedule ``kind``; the last step is recorded into
-    ``trace_path``. Returns (on every rank) the losses and this rank's peak stash."""
+    ``trace_path``, up to ``TRACED - 1`` steps before it (never the first: it warms up) into
+    ``<stem>-step<k>.json`` beside it, which the last lists in ``meta["earlier_steps"]``: a replay takes
+    each stage's F and B at the median of all of them (3 x m spans, not m). Returns (on every rank) the
+    losses and this rank's peak stash."""
     pipe = Pipeline(comm, gpt(VOCAB, SEQ, D_MODEL, HEADS, blocks, seed=0), kind, microbatches=microbatches,
                     chunks=chunks, layers=gpt_layer_counts(blocks, comm.size * chunks))
     opt = AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.0)
     stream = datasets.token_stream(20_000, VOCAB, seed=0)
+    config = {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "blocks": blocks, "batch": BATCH}
+    last = Path(trace_path) if trace_path is not None else None
+    earlier = {k: last.with_name(f"{last.stem}-step{k}.json") for k in range(max(1, steps - TRACED), steps - 1)
+               } if last is not None else {}
     losses = []
     for step in range(steps):
         x, y = datasets.lm_batch(stream, BATCH, SEQ, step=step)
-        if step < steps - 1:
-            losses.append(pipe.step(x, y, opt))
-            continue
-        config = {"vocab": VOCAB, "seq": SEQ, "d_model": D_MODEL, "blocks": blocks, "batch": BATCH}
         meta = pipe.trace_meta(boundary_bytes(len(x), microbatches)) | {"time_unit": "s", "step": step,
                                                                         "config": config}
-        with mtrace.record(trace_path, comm, **meta):
+        if step == steps - 1:
+            meta["earlier_steps"] = [e.name for e in earlier.values()]
+        path = last if step == steps - 1 else earlier.get(step)
+        if path is None:
+            losses.append(pipe.step(x, y, opt))
+            continue
+        with mtrace.record(path, comm, **meta):
             losses.append(pipe.step(x, y, opt))
     return {"losses": losses, "peak_stash": pipe.peak_stash,
             "stages": {s: st.layer_names for s, st in pipe.stages.items()}}
@@ -231,7 +241,7 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = Fa
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The lesson's arguments, every value checked before any work (``lessons.common.parse_lesson_args``)."""
-    parser = lesson_parser(__doc__, steps=3, ranks=4)
+    parser = lesson_parser(__doc__, steps=4, ranks=4)
     parser.add_argument("--microbatches", type=int_in(1, 1024), default=MICROBATCHES)
     return parse_lesson_args(parser, argv, lambda a: check_ranks(a.ranks, a.microbatches))
 

@@ -98,7 +98,8 @@ def train(comm: Any, mesh: dict[str, int] | None = None, steps: int = STEPS,
         comm.barrier()
         t0 = time.perf_counter()
         path = trace_path if step == steps - 1 else (earlier[step - 1] if 0 < step <= len(earlier) else None)
-        with mtrace.record(path, comm, **meta):
+        last = {"earlier_steps": [e.name for e in earlier]} if step == steps - 1 else {}  # pooled by the replay
+        with mtrace.record(path, comm, **meta, **last):
             mtrace.memory_states(model.state_bytes())  # held through the step (the report's peak adds activations)
             losses.append(model.forward_backward(x, y))  # samples them again when the optimizer step begins
             model.optimizer_step()
@@ -220,8 +221,9 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: common.Clock = commo
     common.print_note(console, clock.caveat(comm.size), "; the prediction has one core per rank.")
     pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
     if clock.kind == "replay":
-        replayed = replay(trace, cluster)
-        each = [step_seconds(replay(mtrace.load(p), cluster)) for p in res["earlier"]] + [step_seconds(replayed)]
+        steps = [*(mtrace.load(p) for p in res["earlier"]), trace]  # each replayed with the others' spans pooled
+        each = [step_seconds(replay(t, cluster, samples=[o for o in steps if o is not t])) for t in steps]
+        replayed = replay(trace, cluster, samples=steps[:-1])
         got = float(np.median(each))
         console.print(prediction_table(pred, got, cluster, clock.short, verbose))
         console.print(f"Replayed steps {', '.join(f'{t * 1e3:.1f}' for t in each)} ms (every step after the "
