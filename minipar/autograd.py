@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from minipar import residency
+
 ArrayLike = Any
 _seq = itertools.count()
 _mode = threading.local()  # grad mode is per thread: ranks of the threads backend are threads
@@ -155,6 +157,8 @@ class Tensor:
                 if node.is_leaf:
                     continue
             done: list[Tensor] = []
+            if residency.guards is not None:  # an offload wrapper lives: its parameters on the device
+                residency.check(node._parents)
             parent_grads = node._backward(g) if weights is None else weights.split(node, g)
             for p, pg in zip(node._parents, parent_grads, strict=True):
                 if not p.requires_grad or (weights is not None and weights.defers(p)):
@@ -418,6 +422,8 @@ class Function:
 
     @classmethod
     def apply(cls, *args: Any) -> Tensor:
+        if residency.guards is not None:  # an offload wrapper lives: its parameters on the device
+            residency.check(args)
         ctx = Context(tuple(isinstance(a, Tensor) and a.requires_grad for a in args))
         raw = [a.data if isinstance(a, Tensor) else a for a in args]
         with no_grad():

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from minipar import residency
 from minipar.autograd import Context, Function, Tensor
 
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))  # a python float keeps float32 arrays float32
@@ -224,6 +225,8 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 def embedding(weight: Tensor, idx: np.ndarray | Tensor) -> Tensor:
     """Rows of ``weight`` picked by integer ``idx``; gradients of repeated rows add up."""
     idx = np.asarray(idx.data if isinstance(idx, Tensor) else idx)
+    if residency.guards is not None:  # an offload wrapper lives: its parameters on the device
+        residency.check((weight,))
 
     def backward(g: np.ndarray) -> tuple[np.ndarray]:
         gw = np.zeros_like(weight.data)

@@ -11,6 +11,7 @@ import numpy as np
 
 from minipar import trace
 from minipar.cost.offload import transfer_seconds
+from minipar.residency import NotOnDevice
 from minipar.tiers.nvme import NvmeFiles, OnDisk, OnMove
 
 
@@ -34,10 +35,6 @@ class DeviceOutOfMemory(MemoryError):
             f"device out of memory: budget {budget} bytes, {held}, request {name!r}: {request} bytes; "
             f"the smallest budget that would have worked is {self.smallest_budget} bytes"
         )
-
-
-class NotOnDevice(ValueError):
-    """Compute asked for an array that is not resident on this ``Tiers``' device."""
 
 
 @dataclass(frozen=True)

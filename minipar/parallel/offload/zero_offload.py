@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import trace
+from minipar import residency, trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.comm.asyncwork import job_mark
@@ -114,10 +114,10 @@ class OffloadBucket:
 class ZeroOffload:
     """ZeRO-Offload of ``module`` over ``comm``, the device being ``tiers`` (every rank calls this).
 
-    Per step: ``loss = offload.loss(x, y)`` (or ``offload(x)``; both check that the parameters are
-    device-resident), ``offload.backward(loss)``, ``offload.step()``; ``flush()`` after the last step
-    with ``delayed_update`` applies the pending update; ``close()`` ends the background thread and
-    frees the device arrays.
+    Per step: ``loss = offload.loss(x, y)`` (or ``offload(x)``, or ``module.loss`` directly: every op
+    checks that the parameters it reads are device-resident, ``minipar.residency``),
+    ``offload.backward(loss)``, ``offload.step()``; ``flush()`` after the last step with ``delayed_update``
+    applies the pending update; ``close()`` ends the background thread and frees the device arrays.
     """
 
     def __init__(self, module: Module, comm: Communicator, tiers: Tiers, lr: float = 1e-3,
@@ -144,6 +144,7 @@ class ZeroOffload:
             p.register_hook(self._on_grad_ready)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-adam") if delayed_update else None
         self._pending: tuple[Future, trace.Recorder | None, dict[str, Any]] | None = None  # DPU's job
+        self._unguard = residency.guard(self, tiers, module.named_parameters(), "cpu")
         self._sample()
 
     @staticmethod
@@ -155,19 +156,13 @@ class ZeroOffload:
             raise DeviceOutOfMemory(tiers.device_budget, tiers.resident("device"), f"ZeroOffload ({parts})",
                                     need["total"])
 
-    # ---- device work ----------------------------------------------------------------------------
-    def _require(self) -> None:
-        """Every parameter must be (a view of) a device array: compute runs only there."""
-        self.tiers.require_device(*(p for b in self.buckets for p in b.params))
-
+    # ---- device work (every op checks its parameters are on the device: minipar.residency) ------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._require()
         with trace.span("F"):
             return self.module(*args, **kwargs)
 
     def loss(self, *args: Any) -> Tensor:
         """``module.loss(*args)`` on the device-resident parameters."""
-        self._require()
         with trace.span("F"):
             return self.module.loss(*args)
 
@@ -201,7 +196,6 @@ class ZeroOffload:
 
     def backward(self, loss: Tensor) -> None:
         """Backward from ``scale(loss)``; buckets offloaded as they fill, the incomplete ones at the end."""
-        self._require()
         with trace.span("B"):
             self.scale(loss).backward()
             for b in self.buckets[self._next:]:
@@ -304,6 +298,7 @@ class ZeroOffload:
             self._pool = None
         for name in [f"parameters/bucket{b.index}" for b in self.buckets] + ["gradient bucket"]:
             self.tiers.free(name)
+        self._unguard()
 
     def _sample(self) -> None:
         """A "cpu" memory sample: this rank's bytes in host memory now (the device samples itself)."""
