@@ -5,7 +5,7 @@
     minipar simulate chimera -p 4 -m 8                                two pipelines in opposite directions
 
 Kinds (``kinds()``): every generator in ``minipar.parallel.pipeline.GENERATORS`` (naive, GPipe, 1F1B,
-interleaved, ZB-H1, ZB-V, and any kind added there as docs/adding-a-paradigm.md says), the
+interleaved, ZB-H1, ZB-H2, ZB-V, and any kind added there as docs/adding-a-paradigm.md says), the
 asynchronous PipeDream and PipeDream-2BW (``asynchronous.py``: a stage's update ``U`` inside the step,
 taking no time here) and Chimera (``chimera.simulate_chimera``), in any case (``1F1B``, ``ZB-V``).
 
@@ -36,7 +36,7 @@ MAX_STAGES, MAX_MICROBATCHES, MAX_CHUNKS = 4096, 65536, 64
 MAX_ACTIONS = 1 << 18  # compute actions of one simulated step: -p 64 -m 512 1f1b is 65,536, ~2 s
 ASYNCHRONOUS = ("pipedream", "2bw")  # asynchronous.pipedream / pipedream_2bw: U actions, weight versions
 ALIASES = {"pipedream-2bw": "2bw"}
-ZERO_BUBBLE = ("zb-h1", "zb-v")  # F, I, W: their closed forms hold for F = I = W, i.e. backward = 2 forward
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-v")  # F, I, W: their closed forms hold for F = I = W, i.e. backward = 2 forward
 
 
 def kinds() -> tuple[str, ...]:
@@ -134,11 +134,11 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 
 def compute_actions(kind: str, p: int, m: int, v: int) -> int:
-    """Compute actions of one step: F and B of every (stage, micro-batch); ZB-H1 splits B into I and W,
+    """Compute actions of one step: F and B of every (stage, micro-batch); ZB-H1 and ZB-H2 split B into I and W,
     ZB-V too on two chunks per rank, PipeDream adds a U per backward, interleaved has v chunks."""
     from minipar.parallel.pipeline.generators import CHUNKED
 
-    return p * m * {"zb-h1": 3, "zb-v": 6, "pipedream": 3}.get(kind, 2) * (v if kind in CHUNKED else 1)
+    return p * m * {"zb-h1": 3, "zb-h2": 3, "zb-v": 6, "pipedream": 3}.get(kind, 2) * (v if kind in CHUNKED else 1)
 
 
 def _order_lines(order: dict[int, list[str]], shown: list[int], width: int) -> list[str]:

@@ -9,6 +9,10 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
 - ZB-H1 (Qi et al. 2024, Sec. 2.1): the backward split into I and W; ``bubble_time`` (p-1)(F + I - W)
   against 1F1B's (p-1)(F + I + W); every rank keeps ``min(p, m)`` micro-batches until their W, the
   most any 1F1B rank keeps (its first).
+- ZB-H2 (Qi et al. 2024, Sec. 3, Table 2): 2(p-r)-1 warm-up forwards on rank r (ZB-H1: p-r) and the W's
+  held back to the end; with F = I = W and m >= 2p - 1 no rank has a gap between its first and last
+  action (the paper's bubble (p-1)(F + I - 2W) = 0), a flushed step idles ``(p-1) F`` per rank at its
+  edges; every rank keeps ``min(2p - 1, m)`` micro-batches until their W (the paper's (2p-1) M_B).
 - ZB-V (Qi et al. 2024, Sec. 6): two chunks per rank in a V (stages r and 2p-1-r), F, I, W per chunk;
   with F = I = W and m >= 2p - 1 no rank has a gap between its first and last action (the paper's
   zero bubble), a flushed step idles ``(p-1) F`` per rank at its edges; every rank keeps
@@ -37,7 +41,7 @@ from numbers import Integral
 
 from minipar.checks import counts, index, number, one_of, whole, wholes
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 RUNTIME_KINDS = (*SCHEDULES, "chimera", "pipedream", "2bw")  # every schedule the runtime runs
 
 
@@ -55,19 +59,20 @@ def _chimera(who: str, p: int) -> None:
 def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
     """Idle share of the step for uniform stages with a backward twice a forward (Huang et al. 2018;
     Narayanan et al. 2021); ZB-H1 (m >= p) splits that backward into equal I and W halves:
-    ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``; ZB-V (F = I = W = 1 per
-    chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1. With fewer micro-batches the
+    ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``; ZB-H2 the same share for
+    m >= p (its step ends p - 1 after 3m; from m = 2p - 1 on without a gap inside any rank's work); ZB-V
+    (F = I = W = 1 per chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1. With fewer micro-batches the
     zero-bubble orders leave more gaps, which ``simulate`` measures (refused here)."""
     _check("bubble_fraction", kind, p=p, m=m, v=v)
     if kind == "naive":
         return (p - 1) / p
-    least = {"zb-h1": p, "zb-v": 2 * p - 1}.get(kind, 1)
+    least = {"zb-h1": p, "zb-h2": p, "zb-v": 2 * p - 1}.get(kind, 1)
     if m < least:
         raise ValueError(f"the {kind} bubble formula needs m >= {least} micro-batches (got m={m}); "
                          f"simulate(make_schedule({kind!r}, {p}, {m})) measures it")
     if kind == "zb-v":
         return (p - 1) / (6 * m + p - 1)
-    if kind == "zb-h1":
+    if kind in ("zb-h1", "zb-h2"):
         idle = bubble_time(kind, p, 1.0, 1.0, 1.0)
         return idle / (3 * m + idle)
     return (p - 1) / ((v if kind == "interleaved" else 1) * m + p - 1)
@@ -76,18 +81,19 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
 def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_grad: float) -> float:
     """Idle time of every rank in one step, for 1F1B and ZB-H1 with the backward split into the
     input-gradient part ``I`` and the weight-gradient part ``W`` (Qi et al. 2024, Table 2; m >= p):
-    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down. ZB-V (Sec. 6;
-    F, I, W of one chunk, m >= 2p - 1) only for F = I = W, where it is ``(p-1) F``: rank r waits r F's
-    for the first micro-batch and ends r F's after rank 0, with no gap in between (other costs leave
-    gaps in this fixed order that have no closed form here: simulate them)."""
-    one_of("bubble_time", "kind", kind, ("1f1b", "zb-h1", "zb-v"))
+    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down. ZB-H2 (Sec. 3,
+    m >= 2p - 1) and ZB-V (Sec. 6; F, I, W of one chunk, m >= 2p - 1) only for F = I = W, where it is
+    ``(p-1) F``: rank r waits r F's for the first micro-batch and ends r F's after rank 0, with no gap
+    in between (other costs leave gaps in these fixed orders that have no closed form here: simulate
+    them; the paper's ZB-H2 (p-1)(F + I - 2W) counts the gaps inside the parallelogram only)."""
+    one_of("bubble_time", "kind", kind, ("1f1b", "zb-h1", "zb-h2", "zb-v"))
     whole("bubble_time", "p", p)
     for name, value in (("forward", forward), ("input_grad", input_grad), ("weight_grad", weight_grad)):
         number("bubble_time", name, value)
-    if kind == "zb-v":
+    if kind in ("zb-h2", "zb-v"):
         if not (math.isclose(forward, input_grad) and math.isclose(forward, weight_grad)):
-            raise ValueError(f"ZB-V's bubble has a formula for F = I = W only (Qi et al. 2024, Sec. 6), got F "
-                             f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule('zb-v', p, m), "
+            raise ValueError(f"{kind.upper()}'s bubble has a formula for F = I = W only (Qi et al. 2024), got F "
+                             f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule({kind!r}, p, m), "
                              "forward=F, backward=I + W, weight=W) gives it for any costs")
         return (p - 1) * forward
     if kind == "zb-h1" and weight_grad > min(forward, input_grad):
@@ -105,7 +111,7 @@ def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
         return min(2 * p, 2 * m, m + rank + 1)
     if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
         return v * m if m == p else min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
-    return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m), "zb-h1": min(p, m)}[kind]
+    return {"naive": 1, "gpipe": m, "1f1b": min(p - rank, m), "zb-h1": min(p, m), "zb-h2": min(2 * p - 1, m)}[kind]
 
 
 def chimera_peak_stash(p: int, rank: int) -> int:
@@ -158,7 +164,8 @@ def bubble_formula(kind: str) -> str:
     """The bubble formula as text, for printing next to its value."""
     _check("bubble_formula", kind)
     return {"naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
-            "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)"}[kind]
+            "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)",
+            "zb-h2": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)"}[kind]
 
 
 def stage_owner(p: int, v: int = 1, kind: str = "interleaved") -> list[int]:

@@ -7,7 +7,7 @@ zero-bubble schedules (Qi et al. 2024).
 - ``schedule.py``: the action IR (``Action``, ``"1F3"``), ``Schedule``, parse/print, tables.
 - ``generators.py``: ``make_schedule(kind, stages, microbatches, chunks=1)``, ``GENERATORS`` (kind ->
   generator); naive, GPipe, 1F1B, interleaved.
-- ``zero_bubble.py``: ZB-H1 and ZB-V (backwards split into I and W, Qi et al. 2024).
+- ``zero_bubble.py``: ZB-H1, ZB-H2 and ZB-V (backwards split into I and W, Qi et al. 2024).
 - ``chimera.py``: Chimera (Li & Hoefler 2021): two pipelines in opposite directions on the same ranks,
   each stage's two replicas' gradients all-reduced.
 - ``asynchronous.py``: PipeDream (weight stashing, vertical sync; Narayanan et al. 2019) and

@@ -106,6 +106,7 @@ GENERATORS: dict[str, Callable[[int, int, int], dict[int, list[Action]]]] = {
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
     "interleaved": lambda p, m, v: interleaved(p, m, v),
     "zb-h1": lambda p, m, v: zero_bubble.zb_h1(p, m),
+    "zb-h2": lambda p, m, v: zero_bubble.zb_h2(p, m),
     "zb-v": lambda p, m, v: zero_bubble.zb_v(p, m),
 }
 KINDS = tuple(GENERATORS)

@@ -10,6 +10,7 @@ schedule   idle per rank          when                  (chunk-)micro-batches ke
 =========  =====================  ====================  ============================================
 1F1B       (p - 1)(F + I + W)     m >= p                min(p - r, m)
 ZB-H1      (p - 1)(F + I - W)     m >= p, W <= F        min(p, m) (1F1B's most, on every rank)
+ZB-H2      (p - 1) F              m >= 2p - 1, F=I=W    min(2p - 1, m) (the paper's (2p - 1) M_B)
 ZB-V       (p - 1) F              m >= 2p - 1, F=I=W    min(2p, 2m, m + r + 1) chunks (2p: p M_B)
 =========  =====================  ====================  ============================================
 
@@ -18,7 +19,9 @@ when F = I = W with 1F1B's peak memory p M_B, M_B one micro-batch's activations 
 chunks here. "Zero" counts the parallelogram: each rank computes without a gap from its first action
 to its last, rank r starting r F's late and ending r F's late, so with the optimizer step not
 synchronised across stages consecutive steps tile; a flushed step still idles (p - 1) F per rank at
-its edges. ZB-H1's first rank has a (p - 1)(F + I - W) gap inside its step, so its steps do not tile.)
+its edges. ZB-H1's first rank has a (p - 1)(F + I - W) gap inside its step, so its steps do not tile.
+ZB-H2 (Sec. 3, Table 2: bubble (p - 1)(F + I - 2W), 0 when F = I = W) is ZB-H1's parallelogram bought
+with memory: p - 1 more warm-up forwards on the first rank.)
 
 ``torch.distributed.pipelining`` defines both orders: ``ScheduleZBVZeroBubble`` is ``zb_v``, and
 ``ScheduleInterleavedZeroBubble`` (the paper's ZB1P) with one stage per rank is ``zb_h1`` (it has no
@@ -26,6 +29,8 @@ separate one-chunk ZB-H1 class); tests/test_zero_bubble.py compares them action 
 """
 
 from __future__ import annotations
+
+import heapq
 
 from .schedule import Action
 
@@ -96,4 +101,54 @@ def zb_v(p: int, m: int) -> dict[int, list[Action]]:
             order += [(a, "I", n - p + r + k), (a, "W", n - p + k)]
         order += [(b, "W", i) for i in range(n - r, n)] + [(a, "W", i) for i in range(n - r, n)]
         out[r] = [Action(s, op, i) for s, op, i in order if i < m]  # micro-batches past m dropped
+    return out
+
+
+def zb_h2(p: int, m: int) -> dict[int, list[Action]]:
+    """ZB-H2 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 3 and Figure 3 bottom): more
+    warm-up forwards than ZB-H1 fill the bubble before the first input gradient, and the W's held back
+    fill the cool-down, so the step becomes a parallelogram: with F = I = W and m >= 2p - 1 no rank has
+    a gap between its first action and its last (the paper's zero bubble), at the cost of 2p - 1
+    micro-batches kept until their W on every rank (the paper's (2p - 1) M_B, against 1F1B's p M_B).
+
+    The order is the one every rank follows when it plays the step in unit time (F = I = W = 1) and,
+    whenever it is free, takes the first of these that it can run (the authors' hand-made order,
+    ``Graph.manual_order`` in sail-sg/zero-bubble-pipeline-parallelism, is such a list schedule too):
+
+    1. ``I`` of its oldest micro-batch without one, once the next stage's ``I`` of it has ended (the
+       last stage: once its own ``F`` has);
+    2. ``F`` of the next micro-batch, once the previous stage's ``F`` of it has ended, if fewer than
+       2p - 1 micro-batches wait for their ``W``;
+    3. ``W`` of its oldest micro-batch whose ``I`` has run.
+
+    Rank r thus runs min(2(p - r) - 1, m) forwards before its first I (ZB-H1: p - r), then I's
+    alternating with F's and, once 2p - 1 micro-batches are held, with W's; the W's left over fill
+    the end. Any m >= 1 gives a runnable order; below m = 2p - 1 the first rank cannot fill its
+    warm-up and each rank's order has gaps (2p - 1 - m units at most, measured by ``simulate``)."""
+    cap = 2 * p - 1
+    f_end: list[list[int]] = [[] for _ in range(p)]  # f_end[r][k]: when F of micro-batch k ended on rank r
+    i_end: list[list[int]] = [[] for _ in range(p)]
+    done_w = [0] * p
+    out: dict[int, list[Action]] = {r: [] for r in range(p)}
+    awake = [(0, r) for r in range(p)]  # (time, rank): the rank is free then; a rank that must wait sleeps
+    queued = set(awake)  # until a neighbour's F or I ends, which wakes it
+    while awake:
+        t, r = heapq.heappop(awake)
+        nf, ni = len(f_end[r]), len(i_end[r])
+        if ni < nf and f_end[r][ni] <= t and (r == p - 1 or (len(i_end[r + 1]) > ni and i_end[r + 1][ni] <= t)):
+            op, k, wake = "I", ni, r - 1
+            i_end[r].append(t + 1)
+        elif nf < m and nf - done_w[r] < cap and (r == 0 or (len(f_end[r - 1]) > nf and f_end[r - 1][nf] <= t)):
+            op, k, wake = "F", nf, r + 1
+            f_end[r].append(t + 1)
+        elif done_w[r] < ni:
+            op, k, wake = "W", done_w[r], -1
+            done_w[r] += 1
+        else:
+            continue
+        out[r].append(Action(r, op, k))
+        for q in (r, wake) if 0 <= wake < p else (r,):
+            if (t + 1, q) not in queued:
+                queued.add((t + 1, q))
+                heapq.heappush(awake, (t + 1, q))
     return out
