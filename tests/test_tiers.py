@@ -211,13 +211,21 @@ def test_crash_mid_write_leaves_previous_file(tmp_path, monkeypatch):
                 fh.write(b"\x93NUMPY")
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr("minipar.tiers.nvme._write_file", half)
-        with pytest.raises(OSError) as info:
-            t.write_nvme("s", np.zeros(100)).result()
-        assert info.value.errno == errno.ENOSPC
-        assert str(info.value) == f"[Errno 28] NVMe write of 's' (800 bytes) to {d} failed: disk full (ENOSPC)"
-        np.testing.assert_array_equal(t.read_nvme("s").result(), np.arange(4.0))
-        assert len(os.listdir(d)) == 1
+        def short(path, array):  # numpy's tofile on a full disk: the header and 109 of 3200 data bytes
+            with open(path, "wb") as fh:
+                fh.write(b"\x93NUMPY" + bytes(122) + bytes(109))
+            raise OSError(f"{array.nbytes} requested and 109 written")
+
+        monkeypatch.setattr(os, "statvfs", lambda _: type("St", (), {"f_bavail": 3, "f_frsize": 4096}))
+        for write, array in ((half, np.zeros(100)), (short, np.zeros(400))):  # 128 header bytes + the data
+            monkeypatch.setattr("minipar.tiers.nvme._write_file", write)
+            with pytest.raises(OSError) as info:
+                t.write_nvme("s", array).result()
+            assert info.value.errno == errno.ENOSPC
+            assert str(info.value) == (f"[Errno 28] NVMe write of 's' failed, disk full: {d / 's.npy'} asked for "
+                                       f"{128 + array.nbytes} bytes, 12288 free")
+            np.testing.assert_array_equal(t.read_nvme("s").result(), np.arange(4.0))
+            assert os.listdir(d) == ["s.npy"]  # no temporary left: the previous file, whole
 
 
 def test_close_deletes_files_and_the_directory_it_made(tmp_path):

@@ -207,7 +207,8 @@ class Tiers:
         file is in place. With ``copy`` (default) the array is snapshotted now, so the caller may
         change it at once; without, it must stay unchanged until the future completes. Operations on
         one name run in the order submitted. A failed write (full disk, crash) leaves the previous
-        file intact and the future's exception names the directory and the bytes."""
+        file intact and the future's exception says why in one line (a full disk: the file, the bytes
+        it asked for and the bytes free)."""
         files = self._need_files()
         if self.on_device(array):
             raise NotOnDevice(f"{name!r}: write_nvme takes host arrays; copy it with to_cpu first")

@@ -4,7 +4,9 @@ et al. 2021, Sec. 6).
 
 - A write goes to a temporary file in the same directory, is flushed to the disk (``fsync``) and
   renamed over the name's file (``os.replace``, atomic on POSIX): a crash or a full disk mid-write
-  leaves the previous file of that name intact, and the failed write's temporary file is removed.
+  leaves the previous file of that name intact, and the failed write's temporary file is removed. A
+  full disk (``ENOSPC``, or numpy's short write) raises ``OSError(ENOSPC)`` in one line naming the
+  file, the bytes it asked for (header and data) and the bytes free (``os.statvfs``, after the removal).
 - Operations on one name run in the order they were submitted (each waits for the one before), so a
   read after a write returns what was written; different names proceed in parallel.
 - A name's file is ``<name>.npy`` with every character but ``A-Za-z0-9_.-`` (and a leading ``.``)
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import os
 import threading
 import urllib.parse
@@ -48,6 +51,24 @@ def _write_file(path: str, array: np.ndarray) -> None:
         np.save(fh, array, allow_pickle=False)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _disk_full(exc: OSError) -> bool:
+    """A write that found no room: ``ENOSPC``, or numpy's short write ("3280 requested and 109 written")."""
+    return exc.errno == errno.ENOSPC or (exc.errno is None and " requested and " in str(exc))
+
+
+def _file_bytes(array: np.ndarray) -> int:
+    """The bytes of ``array``'s ``.npy`` file: its header (as ``np.save`` writes it) and its data."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(array))
+    return len(buf.getvalue()) + array.nbytes
+
+
+def _free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still use on ``directory``'s filesystem (``os.statvfs``)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def _header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -219,8 +240,10 @@ class NvmeFiles:
                 os.replace(tmp, path)
             except OSError as exc:
                 _remove(tmp)
-                why = "disk full (ENOSPC)" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-                msg = f"NVMe write of {name!r} ({data.nbytes} bytes) to {self.directory} failed: {why}"
+                if _disk_full(exc):
+                    raise OSError(errno.ENOSPC, f"NVMe write of {name!r} failed, disk full: {path} asked for "
+                                  f"{_file_bytes(data)} bytes, {_free_bytes(self.directory)} free") from exc
+                msg = f"NVMe write of {name!r} ({data.nbytes} bytes) to {self.directory} failed: {exc.strerror or exc}"
                 raise (OSError(exc.errno, msg) if exc.errno is not None else OSError(msg)) from exc
             except BaseException:
                 _remove(tmp)
