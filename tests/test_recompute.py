@@ -157,6 +157,10 @@ def check_tp(c: dict, t: int, results: list[dict]) -> None:
                 assert_same(got[sp, mode], none)
             assert got[sp, "selective"]["sent"] == none["sent"]
             assert got[sp, "full"]["sent"] == {op: n + again.get(op, 0) for op, n in none["sent"].items()}
+            for mode in MODES:  # cost.tensor.expected_bytes prices the same bytes (lesson 04 prints them)
+                want = formulas.expected_bytes(t, c["batch"], c["seq"], c["d"], c["layers"], 8, sp, c["seq"],
+                                               recompute=mode)
+                assert got[sp, mode]["sent"] == want, (sp, mode)
             assert got[sp, "full"]["R"] == [(i, None) for i in layers]
             assert got[sp, "selective"]["R"] == [(None, "attention")] * c["layers"]
             want = formulas.activation_bytes(t, c["batch"], c["seq"], c["d"], c["heads"], c["ff"], c["layers"],

@@ -16,7 +16,9 @@
    all-gathers in backward that gather the kept sequence shards again for the weight gradients)
    and the bytes each rank sent, next to the formulas; activation bytes held per rank, measured
    from the autograd graph: one layer keeps Korthikanti et al.'s sbh (34/t + 5as/(ht)) without the
-   dropout terms, and the layer-norm region shrinks by exactly t under sequence parallelism.
+   dropout terms, and the layer-norm region shrinks by exactly t under sequence parallelism; with
+   recomputation (Sec. 5), selective drops the softmax term, full keeps each block's input and sends
+   its forward collectives again in backward (``minipar.recompute``).
 By default it prints the split's conclusion, one line on the losses, the bytes per rank per step and
 the activation bytes against the formulas, and the timeline of the traced step (two bands, no traffic
 table); ``--verbose`` adds the picture's table, the losses step by step, the collectives per block
@@ -197,6 +199,40 @@ def memory_table(peaks: dict[str, dict[str, int]], t: int, layers: int = LAYERS,
     return table
 
 
+def recompute_run(comm: Any, mode: str) -> dict[str, float]:
+    """One TP+SP step under recomputation ``mode`` (Korthikanti et al. 2022 Sec. 5), traced in memory: this
+    rank's activation bytes kept after the forward, bytes sent, CPU seconds of the forwards (F) and of the
+    forwards run again in backward (R)."""
+    model = TensorParallelGPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, comm, D_FF, sequence_parallel=True, seed=0,
+                              recompute=mode)
+    x, y = common.lm_batches(1, VOCAB, BATCH, SEQ)[0]
+    with mtrace.recording(comm.world_rank) as rec:
+        loss = model.loss(x, y)
+        kept = sum(model.meter.held.values())
+        loss.backward()
+        model.sync_grads()
+    cpu = {n: sum(e.c1 - e.c0 for e in rec.events if e.kind == "compute" and e.name == n) for n in ("F", "R")}
+    sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == comm.world_rank)
+    return {"kept": kept, "sent": sent, "F": cpu["F"], "R": cpu["R"]}
+
+
+def recompute_table(rows: dict[str, dict[str, float]], t: int) -> Table:
+    """Rank 0's activations and bytes per mode beside ``cost.tensor``'s, and the extra forward's CPU time."""
+    work = formulas.recompute_working_bytes(t, BATCH, SEQ, D_MODEL, HEADS, D_FF, 8, True)
+    table = Table(title=f"recomputation, TP+SP on {t} ranks, rank 0, one step: activations kept after the "
+                        "forward, bytes sent, the forward run again in backward (R) over the forward (F), CPU time",
+                  caption=f"full also holds one layer's working set, {work:,} B, while that layer's backward runs",
+                  title_justify="left", caption_justify="left")
+    for col in ("mode", "kept", "formula", "sent", "formula", "R / F"):
+        table.add_column(col, justify="right")
+    for mode, r in rows.items():
+        kept = formulas.activation_bytes(t, BATCH, SEQ, D_MODEL, HEADS, D_FF, LAYERS, VOCAB, 8, True, recompute=mode)
+        sent = formulas.expected_bytes(t, BATCH, SEQ, D_MODEL, LAYERS, 8, True, SEQ, recompute=mode)
+        table.add_row(mode, f"{r['kept']:,}", f"{sum(kept.values()):,}", f"{r['sent']:,}", f"{sum(sent.values()):,.0f}",
+                      f"{r['R'] / r['F']:.2f}")
+    return table
+
+
 def check_ranks(t: int) -> str | None:
     """What is wrong with ``t`` tensor-parallel ranks, or None: t must divide the heads, d_ff, the
     vocabulary and (for sequence parallelism) the sequence."""
@@ -220,6 +256,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
         console.print(picture_summary(picture), highlight=False)
     runs = {"tp": False, "tp_sp": True}
     results = {name: train(comm, sp, steps, OUT / f"{name}.json") for name, sp in runs.items()}
+    recomputed = {mode: recompute_run(comm, mode) for mode in ("none", "selective", "full")}
     if not lead:
         return
     console.rule(f"[bold]2. tiny GPT on {t} tensor-parallel ranks, {steps} AdamW steps")
@@ -240,6 +277,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
             console.print(traffic_table(traces[name], t, sp))
     console.print(totals_table(traces))
     console.print(memory_table({k: v["peak"] for k, v in results.items()}, t, verbose=verbose))
+    console.print(recompute_table(recomputed, t))
     console.rule(f"[bold]the last step with sequence parallelism ({clock.short}; F/B per block, opt)")
     common.finish([OUT / "tp.json", OUT / "tp_sp.json"], OUT / "report.html", console, timeline=traces["tp_sp"],
                   titles=["tensor parallel", "tensor + sequence parallel"], clock=clock, brief=not verbose)

@@ -72,12 +72,22 @@ def sequence_parallel_params(seq_len: int, d: int, n_layers: int) -> int:
 
 
 def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize: int = 8,
-                   sequence_parallel: bool = False, seq_len: int | None = None) -> dict[str, float]:
-    """Bytes each rank sends in one training step (forward, backward, ``sync_grads``), by op."""
+                   sequence_parallel: bool = False, seq_len: int | None = None,
+                   recompute: str = "none") -> dict[str, float]:
+    """Bytes each rank sends in one training step (forward, backward, ``sync_grads``), by op. Full
+    recomputation runs every block's forward again in its backward, collectives included (Megatron
+    does the same): ``collectives_per_block``'s forward calls once more per layer; selective
+    recomputes the attention core alone, which sends nothing."""
     wholes("expected_bytes", t=t, batch=batch, seq=seq, d=d, n_layers=n_layers, itemsize=itemsize)
     if seq_len is not None:
         whole("expected_bytes", "seq_len", seq_len)
+    one_of("expected_bytes", "recompute", recompute, RECOMPUTE)
     a = seq * batch * d * itemsize
+    if recompute == "full":
+        out = expected_bytes(t, batch, seq, d, n_layers, itemsize, sequence_parallel, seq_len)
+        for op, n in collectives_per_block(sequence_parallel)["forward"].items():
+            out[op] += n_layers * n * ring_bytes(op, a, t)
+        return out
     loss = 3 * ring_bytes("allreduce", seq * batch * itemsize, t)
     if not sequence_parallel:
         calls = 4 * n_layers + 2  # blocks (2 forward, 2 backward), embedding, head input
