@@ -1,7 +1,7 @@
 """ZB-H2 (issue 30): the order, its bubble and peak stash against the paper and the formulas, validation,
 and the runtime (threads, mpiexec) equal to one process.
 
-Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 3, Figure 3 bottom and Table 2: ZB-H2 runs
+Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2.2, Figure 3 bottom and Table 2: ZB-H2 runs
 more warm-up forwards than ZB-H1 and holds W's back to the end, so the step is a parallelogram: with
 F = I = W and m >= 2p - 1 micro-batches no rank has a gap between its first and its last action (the
 paper's bubble (p - 1)(F + I - 2W) = 0), at a peak of 2p - 1 micro-batches kept until their W (the
@@ -97,6 +97,23 @@ def test_zb_h2_zero_bubble_when_f_i_w_equal(p: int, extra: int, t: float) -> Non
     assert [sim.makespan, pipe_cost.bubble_time("zb-h2", p, t, t, t)] == pytest.approx([(3 * m + p - 1) * t, idle[0]])
 
 
+@budget(20)
+@given(p=st.integers(2, 6), extra=st.integers(0, 5), f=st.sampled_from([0.5, 1.0, 1.5, 2.0]),
+       i=st.sampled_from([0.5, 1.0, 1.5, 2.0]), share=st.sampled_from([0.25, 0.5, 0.75, 1.0]))
+@example(p=4, extra=1, f=1.0, i=1.5, share=0.5)  # F + I - 2W = 1.5 > F: the gap inside is the larger
+@example(p=4, extra=1, f=1.0, i=1.2, share=0.8)  # F + I - 2W = 0.6 < F
+def test_zb_h2_bubble_with_other_costs(p: int, extra: int, f: float, i: float, share: float) -> None:
+    """m >= 2p - 1, W <= F and W <= I (W = share x min(F, I)): the largest wait inside a rank's work is
+    the paper's ZB-H2 bubble (p - 1)(F + I - 2W) (0 when 2W >= F + I), and every rank idles (p - 1)
+    max(F, F + I - 2W) in the flushed step (its start r F late, or that wait, whichever is longer)."""
+    m, w = 2 * p - 1 + extra, share * min(f, i)
+    sim = simulate(make_schedule("zb-h2", p, m), forward=f, backward=i + w, weight=w)
+    assert max(_gaps(sim).values()) == pytest.approx((p - 1) * max(0.0, f + i - 2 * w), abs=1e-9)
+    idle = (p - 1) * max(f, f + i - 2 * w)
+    assert sim.idle == pytest.approx(dict.fromkeys(range(p), idle), abs=1e-9)
+    assert pipe_cost.bubble_time("zb-h2", p, f, i, w) == pytest.approx(idle, abs=1e-12)
+
+
 def test_zb_h2_against_zb_h1_p4_m8() -> None:
     """F = I = W = 1, p = 4, m = 8: the flushed steps are equally long (idle 3 per rank), but ZB-H1's
     first ranks idle inside their step ((p - 1)(F + I - W) = 3 on rank 0, Table 2) and ZB-H2's do not,
@@ -109,8 +126,8 @@ def test_zb_h2_against_zb_h1_p4_m8() -> None:
 
 
 def test_zb_h2_formulas_refuse_outside_their_range() -> None:
-    with pytest.raises(ValueError, match=r"ZB-H2's bubble has a formula for F = I = W only.*simulate"):
-        pipe_cost.bubble_time("zb-h2", 4, 1.0, 2.0, 1.0)
+    with pytest.raises(ValueError, match=r"ZB-H2's bubble formula holds for W <= F and W <= I.*simulate"):
+        pipe_cost.bubble_time("zb-h2", 4, 1.0, 2.0, 1.5)
     assert pipe_cost.bubble_formula("zb-h2") == "(p-1)/(3m+p-1)"
 
 

@@ -130,8 +130,8 @@ class Layout:
         if self.schedule not in modelled:
             out.append(f"schedule={self.schedule!r}: choose one of {modelled} (simulate other schedules with "
                        "minipar.parallel.pipeline.simulate)")
-        if self.schedule == "zb-h1" and self.microbatches < p:
-            out.append(f"zb-h1's bubble formula needs microbatches >= pp={p}, got {self.microbatches}")
+        if self.schedule in ("zb-h1", "zb-h2") and self.microbatches < p:
+            out.append(f"{self.schedule}'s bubble formula needs microbatches >= pp={p}, got {self.microbatches}")
         if v > 1 and self.schedule not in ("1f1b", "interleaved"):
             out.append(f"chunks={v} needs the interleaved schedule, got {self.schedule!r}")
         if v > 1 and p == 1:

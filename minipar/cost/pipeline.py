@@ -9,10 +9,11 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
 - ZB-H1 (Qi et al. 2024, Sec. 2.1): the backward split into I and W; ``bubble_time`` (p-1)(F + I - W)
   against 1F1B's (p-1)(F + I + W); every rank keeps ``min(p, m)`` micro-batches until their W, the
   most any 1F1B rank keeps (its first).
-- ZB-H2 (Qi et al. 2024, Sec. 3, Table 2): 2(p-r)-1 warm-up forwards on rank r (ZB-H1: p-r) and the W's
+- ZB-H2 (Qi et al. 2024, Sec. 2.2, Table 2): 2(p-r)-1 warm-up forwards on rank r (ZB-H1: p-r) and the W's
   held back to the end; with F = I = W and m >= 2p - 1 no rank has a gap between its first and last
   action (the paper's bubble (p-1)(F + I - 2W) = 0), a flushed step idles ``(p-1) F`` per rank at its
-  edges; every rank keeps ``min(2p - 1, m)`` micro-batches until their W (the paper's (2p-1) M_B).
+  edges (``(p-1) max(F, F + I - 2W)`` for W <= F, I); every rank keeps ``min(2p - 1, m)`` micro-batches
+  until their W (the paper's (2p-1) M_B).
 - ZB-V (Qi et al. 2024, Sec. 6): two chunks per rank in a V (stages r and 2p-1-r), F, I, W per chunk;
   with F = I = W and m >= 2p - 1 no rank has a gap between its first and last action (the paper's
   zero bubble), a flushed step idles ``(p-1) F`` per rank at its edges; every rank keeps
@@ -81,24 +82,29 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
 def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_grad: float) -> float:
     """Idle time of every rank in one step, for 1F1B and ZB-H1 with the backward split into the
     input-gradient part ``I`` and the weight-gradient part ``W`` (Qi et al. 2024, Table 2; m >= p):
-    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down. ZB-H2 (Sec. 3,
-    m >= 2p - 1) and ZB-V (Sec. 6; F, I, W of one chunk, m >= 2p - 1) only for F = I = W, where it is
-    ``(p-1) F``: rank r waits r F's for the first micro-batch and ends r F's after rank 0, with no gap
-    in between (other costs leave gaps in these fixed orders that have no closed form here: simulate
-    them; the paper's ZB-H2 (p-1)(F + I - 2W) counts the gaps inside the parallelogram only)."""
+    1F1B ``(p-1)(F + I + W)``, ZB-H1 ``(p-1)(F + I - W)``: the W's fill the cool-down. ZB-H2 (Sec. 2.2,
+    m >= 2p - 1, W <= F and W <= I): ``(p-1) max(F, F + I - 2W)``: rank r starts r F's late (the first
+    forward reaching it) and, when F + I > 2W, waits (p-1)(F + I - 2W) in all inside its work (the
+    paper's ZB-H2 bubble, 0 when F = I = W); the larger of the two is every rank's idle (held against
+    the simulator for random costs in tests/test_zb_h2.py). ZB-V (Sec. 6; F, I, W of one chunk,
+    m >= 2p - 1) only for F = I = W, where it is ``(p-1) F``: rank r waits r F's for the first
+    micro-batch and ends r F's after rank 0, with no gap in between (other costs leave gaps in this
+    fixed order that have no closed form here: simulate them)."""
     one_of("bubble_time", "kind", kind, ("1f1b", "zb-h1", "zb-h2", "zb-v"))
     whole("bubble_time", "p", p)
     for name, value in (("forward", forward), ("input_grad", input_grad), ("weight_grad", weight_grad)):
         number("bubble_time", name, value)
-    if kind in ("zb-h2", "zb-v"):
+    if kind == "zb-v":
         if not (math.isclose(forward, input_grad) and math.isclose(forward, weight_grad)):
-            raise ValueError(f"{kind.upper()}'s bubble has a formula for F = I = W only (Qi et al. 2024), got F "
-                             f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule({kind!r}, p, m), "
+            raise ValueError(f"ZB-V's bubble has a formula for F = I = W only (Qi et al. 2024, Sec. 6), got F "
+                             f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule('zb-v', p, m), "
                              "forward=F, backward=I + W, weight=W) gives it for any costs")
         return (p - 1) * forward
-    if kind == "zb-h1" and weight_grad > min(forward, input_grad):
-        raise ValueError(f"ZB-H1's (p-1)(F + I - W) holds for W <= F and W <= I (the paper's T_W < T_F < T_B), "
+    if kind in ("zb-h1", "zb-h2") and weight_grad > min(forward, input_grad):
+        raise ValueError(f"{kind.upper()}'s bubble formula holds for W <= F and W <= I (the paper's T_W < T_F < T_B), "
                          f"got F {forward}, I {input_grad}, W {weight_grad}; simulate it for other costs")
+    if kind == "zb-h2":
+        return (p - 1) * max(forward, forward + input_grad - 2 * weight_grad)
     sign = 1 if kind == "1f1b" else -1
     return (p - 1) * (forward + input_grad + sign * weight_grad)
 

@@ -5,14 +5,14 @@ weights' gradient, which nobody waits for), placed where 1F1B would idle.
 With F, I, W the times of one stage's (ZB-V: one chunk's) forward, input-gradient and weight-gradient
 backward (``minipar.cost.pipeline``; derivations in ``docs/formulas.md``, "Zero bubble"):
 
-=========  =====================  ====================  ============================================
-schedule   idle per rank          when                  (chunk-)micro-batches kept until W, rank r
-=========  =====================  ====================  ============================================
-1F1B       (p - 1)(F + I + W)     m >= p                min(p - r, m)
-ZB-H1      (p - 1)(F + I - W)     m >= p, W <= F        min(p, m) (1F1B's most, on every rank)
-ZB-H2      (p - 1) F              m >= 2p - 1, F=I=W    min(2p - 1, m) (the paper's (2p - 1) M_B)
-ZB-V       (p - 1) F              m >= 2p - 1, F=I=W    min(2p, 2m, m + r + 1) chunks (2p: p M_B)
-=========  =====================  ====================  ============================================
+=========  =========================  =================  ==========================================
+schedule   idle per rank              when               (chunk-)micro-batches kept until W, rank r
+=========  =========================  =================  ==========================================
+1F1B       (p - 1)(F + I + W)         m >= p             min(p - r, m)
+ZB-H1      (p - 1)(F + I - W)         m >= p, W <= F     min(p, m) (1F1B's most, on every rank)
+ZB-H2      (p - 1) max(F, F + I - 2W) m >= 2p - 1, W<=F  min(2p - 1, m) (the paper's (2p - 1) M_B)
+ZB-V       (p - 1) F                  m >= 2p - 1, F=I=W min(2p, 2m, m + r + 1) chunks (2p: p M_B)
+=========  =========================  =================  ==========================================
 
 (idle in one flushed step; the paper's Table 2 for 1F1B and ZB-H1, its Sec. 6 for ZB-V: zero bubble
 when F = I = W with 1F1B's peak memory p M_B, M_B one micro-batch's activations of a whole stage, two
@@ -20,8 +20,8 @@ chunks here. "Zero" counts the parallelogram: each rank computes without a gap f
 to its last, rank r starting r F's late and ending r F's late, so with the optimizer step not
 synchronised across stages consecutive steps tile; a flushed step still idles (p - 1) F per rank at
 its edges. ZB-H1's first rank has a (p - 1)(F + I - W) gap inside its step, so its steps do not tile.
-ZB-H2 (Sec. 3, Table 2: bubble (p - 1)(F + I - 2W), 0 when F = I = W) is ZB-H1's parallelogram bought
-with memory: p - 1 more warm-up forwards on the first rank.)
+ZB-H2 (Sec. 2.2) is the parallelogram bought with memory, p - 1 more warm-up forwards on the first
+rank than ZB-H1: its waits inside a rank's work add up to (p - 1)(F + I - 2W) at most, 0 when F = I = W.)
 
 ``torch.distributed.pipelining`` defines both orders: ``ScheduleZBVZeroBubble`` is ``zb_v``, and
 ``ScheduleInterleavedZeroBubble`` (the paper's ZB1P) with one stage per rank is ``zb_h1`` (it has no
@@ -105,7 +105,7 @@ def zb_v(p: int, m: int) -> dict[int, list[Action]]:
 
 
 def zb_h2(p: int, m: int) -> dict[int, list[Action]]:
-    """ZB-H2 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 3 and Figure 3 bottom): more
+    """ZB-H2 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 2.2 and Figure 3 bottom): more
     warm-up forwards than ZB-H1 fill the bubble before the first input gradient, and the W's held back
     fill the cool-down, so the step becomes a parallelogram: with F = I = W and m >= 2p - 1 no rank has
     a gap between its first action and its last (the paper's zero bubble), at the cost of 2p - 1
