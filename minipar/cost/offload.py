@@ -64,6 +64,32 @@ def zero_offload_bytes(params: int | Sequence[int], param_bytes: int = 2, grad_b
     return {"device->cpu": grad_bytes * shard, "cpu->device": param_bytes * shard}
 
 
+def zero_offload_device_need(groups: Sequence[int], dp: int = 1, itemsize: int = 2) -> dict[str, int]:
+    """Device bytes at ZeRO-Offload's peak on every rank (``minipar.parallel.offload.ZeroOffload``),
+    ``groups`` the buckets' parameter counts, each padded to ``L_b``, a multiple of ``dp``::
+
+        parameters       itemsize x sum L_b     every working parameter stays resident
+        gradient bucket  itemsize x max L_b     one bucket's gradients, reduce-scattered, then reused
+        upload           itemsize x max L_b/dp  one updated partition on its way up (freed at once)
+
+    and their ``total``: the smallest budget that trains (activations are not charged)."""
+    whole("zero_offload_device_need", "itemsize", itemsize)
+    padded = [s * dp for s in _shard_elements("zero_offload_device_need", groups, dp)]
+    need = {"parameters": itemsize * sum(padded), "gradient bucket": itemsize * max(padded),
+            "upload": itemsize * max(padded) // dp}
+    return {**need, "total": sum(need.values())}
+
+
+def zero_offload_reach(groups: Sequence[int], dp: int = 1, itemsize: int = 2, state_bytes: int = 16) -> float:
+    """Model states over the device bytes ZeRO-Offload needs: ``state_bytes x Psi / total`` (16 Psi in
+    mixed precision: fp16 parameters 2, fp16 gradients 2, fp32 master and moments 12). Always below
+    ``state_bytes / itemsize`` (8 in mixed precision): the device keeps every working parameter
+    (``itemsize`` of the ``state_bytes``), and besides them a bucket and an upload, so
+    ``reach = 8 Psi / (sum L_b + max L_b (1 + 1/dp))``, 8 only in the limit of buckets small
+    against the model (docs/formulas.md, section 7)."""
+    return state_bytes * sum(groups) / zero_offload_device_need(groups, dp, itemsize)["total"]
+
+
 # ---- ZeRO-Infinity (Rajbhandari et al. 2021, Sec. 5-6) -------------------------------------------------
 # bytes per element of a shard: the working parameters (and gradients), and what the step reads and
 # writes: fp64 the parameters are the master (8) and two fp64 moments (16); mixed the fp32 master (4)

@@ -61,6 +61,7 @@ from minipar import residency, trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.comm.asyncwork import job_mark
+from minipar.cost.offload import zero_offload_device_need
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
 from minipar.parallel.ddp import DEFAULT_BUCKET_CAP, bucket_assignment
@@ -83,13 +84,9 @@ def _groups(module: Module, bucket_cap_bytes: int) -> list[list[tuple[str, Param
 def offload_device_need(module: Module, world: int, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP) -> dict[str, int]:
     """Device bytes ``ZeroOffload`` holds at its peak on every rank: the padded working parameters of
     every bucket, the largest bucket's gradient buffer, the largest updated partition on its way up,
-    and their ``total`` (the smallest device budget that trains)."""
-    layouts = [layout_of(g, world) for g in _groups(module, bucket_cap_bytes)]
-    item = np.dtype(next(iter(module.parameters())).dtype).itemsize
-    need = {"parameters": item * sum(lay.padded for lay in layouts),
-            "gradient bucket": item * max(lay.padded for lay in layouts),
-            "upload": item * max(lay.shard_size for lay in layouts)}
-    return {**need, "total": sum(need.values())}
+    and their ``total`` (the smallest device budget that trains; ``cost.offload.zero_offload_device_need``)."""
+    groups = [sum(p.data.size for _, p in g) for g in _groups(module, bucket_cap_bytes)]
+    return zero_offload_device_need(groups, world, np.dtype(next(iter(module.parameters())).dtype).itemsize)
 
 
 class OffloadBucket:
