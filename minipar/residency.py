@@ -2,12 +2,13 @@
 one of its parameters first checks that the parameter is on the device (``minipar.tiers``).
 
 A wrapper registers its parameters with ``guard(owner, tiers, named, where)``: each parameter by name,
-the ``Tiers`` whose device it must be on, and ``where`` its values are when they are not there (the
-tier the error names). ``minipar.autograd`` calls ``check`` on a ``Function``'s arguments before its
-forward, on a node's inputs before its backward, and ``minipar.functional.embedding`` on its weight
-before the gather: a parameter that is not (a view of) a device array of its ``Tiers`` raises
-``NotOnDevice`` in one line naming it and its tier, before that op computes. So calling ``module.loss``
-directly, around the wrapper, is checked as the wrapper's own calls are.
+the ``Tiers`` whose device it must be on, and ``where`` its values are when they are not there (the tier
+the error names: ``ZeroOffload`` and ``ChunkManager`` "cpu", ``ZeroInfinity`` "nvme").
+``minipar.autograd`` calls ``check`` on a ``Function``'s arguments before its forward, on a node's
+inputs before its backward, and ``minipar.functional.embedding`` on its weight before the gather: a
+parameter that is not (a view of) a device array of its ``Tiers`` raises ``NotOnDevice`` in one line
+naming it and its tier, before that op computes. So calling ``module.loss`` directly, around the
+wrapper, is checked as the wrapper's own calls are.
 
 Cost: ``guards`` is None while no wrapper is registered, and autograd tests it before calling
 ``check``: an op with no offload pays one None test (``tests/test_residency.py`` runs a training step

@@ -5,6 +5,9 @@
   parameter is swapped for an empty host array, on which the op itself would fail (an ``IndexError``
   from the embedding's gather, a ``ValueError`` from the head's matmul): the residency error instead
   shows the check ran before the op computed. Backward checks too (a parameter swapped after forward).
+- ZeRO-Infinity and the chunks register theirs too: ``module.loss`` goes through their units (it
+  computes), an op on a parameter outside its unit names "nvme" (Infinity: the values are in files) or
+  "cpu" (the chunk the step left on the CPU).
 - ``close()`` unregisters: the registry is empty again and the model computes on host memory.
 - Nothing guarded: a training step (one process, and data parallel on two thread ranks) never calls
   the check (made to raise here): an op pays one None test.
@@ -18,10 +21,11 @@ from zero_helpers import batch, build, config
 
 from minipar import datasets, launch, residency
 from minipar import functional as F
+from minipar.autograd import Tensor
 from minipar.nn import MLP
 from minipar.optim import SGD, AdamW
 from minipar.parallel.ddp import DistributedDataParallel, train_step
-from minipar.parallel.offload import ZeroOffload
+from minipar.parallel.offload import ChunkManager, ZeroInfinity, ZeroOffload
 from minipar.tiers import NotOnDevice, Tiers
 
 C = config("offload", 1)
@@ -56,6 +60,33 @@ def test_module_loss_directly_checks_each_parameter_before_its_op(name: str) -> 
 def test_backward_checks_the_parameters_it_reads() -> None:
     msg = launch(swapped, 1, name="blocks.1.mlp.fc.weight", after_forward=True)[0]
     assert msg.startswith("parameter 'blocks.1.mlp.fc.weight' (float64[0]) is on the cpu") and "\n" not in msg
+
+
+def test_infinity_and_chunks_check_a_parameter_used_outside_its_unit(tmp_path) -> None:
+    x = Tensor(np.ones((1, 4)))
+
+    def infinity(comm) -> tuple[float, str]:
+        model = build(C)
+        inf = ZeroInfinity(model, comm, Tiers(1 << 20, str(tmp_path / "nvme")))
+        loss = float(model.loss(*batch(C, 0)).item())  # through its units: gathered, computed
+        try:
+            F.linear(x, model.head.weight)
+            msg = "computed"
+        except NotOnDevice as exc:
+            msg = str(exc)
+        inf.close()
+        return loss, msg
+
+    loss, msg = launch(infinity, 1)[0]
+    assert np.isfinite(loss) and msg.startswith("parameter 'head.weight' (float64[0]) is on the nvme, not resident")
+    c = config("chunks", 1, steps=1)
+    model = build(c)
+    cm = ChunkManager(model, Tiers(1 << 20), 64)
+    cm.backward(cm.loss(*batch(c, 0)))
+    cm.step()  # every chunk to the CPU
+    with pytest.raises(NotOnDevice, match=r"^parameter 'head.weight' \(float64\[4, 5\]\) is on the cpu, not"):
+        F.linear(x, model.head.weight)
+    cm.close()
 
 
 def test_close_unregisters_and_the_model_computes_on_host_memory() -> None:

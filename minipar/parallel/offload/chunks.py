@@ -89,7 +89,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import memory, trace
+from minipar import memory, residency, trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.functional import on_backward  # identity whose backward calls back: FSDP's unshard hook
@@ -161,6 +161,7 @@ class ChunkManager(Groups, LossScaling):
                           weight_decay)  # a rank whose owned chunks are all padding: an empty placeholder
         self.reduced: set[int] = set()  # groups whose gradients are reduce-scattered this iteration
         self._hooks = [s.param.register_hook(self._on_grad_ready) for s in self.slots]
+        self._unguard = residency.guard(self, tiers, named, "cpu")  # every op: its parameters on the device
         self._wrapped = self._owners(module)
         for m in self._wrapped:
             m.forward = self._wrap(m, m.forward)  # an instance attribute: the class's forward stays
@@ -207,7 +208,6 @@ class ChunkManager(Groups, LossScaling):
                 self._roots.extend(a for a in args if isinstance(a, Tensor))
             self._set(mine, State.COMPUTE)
             self._at(("pre-forward", id(m)), mine)
-            self.tiers.require_device(*(s.param for s in mine))
             out = forward(*args, **kwargs)
             self._set(mine, State.HOLD_AFTER_FWD)
             if self.warming_up:
@@ -220,7 +220,6 @@ class ChunkManager(Groups, LossScaling):
         todo = [s for s in mine if s.state is not State.HOLD_AFTER_BWD]
         self._set(todo, State.COMPUTE)
         self._at(("pre-backward", id(m)), todo)
-        self.tiers.require_device(*(s.param for s in todo))
 
     def _on_grad_ready(self, p: Tensor) -> None:
         """The gradient is complete: copy it into the tensor's own place in its chunk (on the device,
@@ -392,6 +391,7 @@ class ChunkManager(Groups, LossScaling):
             vars(m).pop("forward", None)
         for h in self._hooks:
             h.remove()
+        self._unguard()
         self._reserve(0)
         for chunk in self.chunks:
             if chunk.device is not None:

@@ -31,23 +31,21 @@ backward) plus the step's reads (fp64: param 8 + moments 16; mixed: master 4 + m
 NVMe the step's writes (fp64: 24; mixed: param 2 + master 4 + moments 8), CPU -> device ``2 p s``,
 device -> CPU ``p s``. A step skipped on an overflow reads and writes no state.
 
-The device budget is checked before anything is placed or written: below ``2 p max L_u`` bytes it
-raises ``DeviceOutOfMemory`` on every rank (same message, nothing sent, no file written). As in
-``ZeroOffload`` autograd's own arrays (activations, the per-parameter gradients before they are
-flattened) and the collectives' temporaries are not charged. The parameters are empty arrays
-outside their unit's forward and backward; compute checks that they are device-resident.
+The device budget is checked before anything is placed or written: below ``2 p max L_u`` bytes it raises
+``DeviceOutOfMemory`` on every rank (same message, nothing sent, no file written). Not charged, as in
+``ZeroOffload``: autograd's activations and per-parameter gradients (before they are flattened), the
+collectives' temporaries. Outside their unit's forward and backward the parameters are empty arrays, and
+every op checks that those it reads are on the device (``minipar.residency``; else "on the nvme").
 
-A step is atomic across files and ranks (``minipar.parallel.offload.commit``): every state file
-in two slots, ``unit<i>/<kind>.0`` and ``.1``, the step writes the other slot and one write of a
-manifest (48 bytes) commits it, once every rank's writes succeeded. A failed write (a full disk, a
-vanished directory) makes ``step`` raise the tiers' error, naming the file and the bytes, on every
-rank (the others: "... failed on another rank"); the object then still reads the previous step
-(counters unchanged; the step's gradients are gone). ``resume=True`` opens the state left in
-``tiers`` (same model, same N; a killed process's: ``Tiers(..., reopen=True)``). Cost: the files take
-twice the model states on disk, and each applied step writes the manifest's 48 bytes (cpu -> nvme,
-beyond ``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the
-manifest. A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk
-until the next applied step.
+A step is atomic across files and ranks (``minipar.parallel.offload.commit``): every state file in two slots,
+``unit<i>/<kind>.0`` and ``.1``, the step writes the other slot and one write of a manifest (48 bytes) commits
+it, once every rank's writes succeeded. A failed write (a full disk, a vanished directory) makes ``step`` raise
+the tiers' error, naming the file and the bytes, on every rank (the others: "... failed on another rank"); the
+object then still reads the previous step (counters unchanged; the step's gradients are gone). ``resume=True``
+opens the state left in ``tiers`` (same model, same N; a killed process's: ``Tiers(..., reopen=True)``). Cost:
+the files take twice the model states on disk, and each applied step writes the manifest's 48 bytes (cpu ->
+nvme, beyond ``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the manifest.
+A skipped step (fp16 overflow) writes nothing: its halved loss scale is not on disk until the next applied step.
 
 Trace: spans "F" (per unit), "B", "opt"; the tiers' "transfer" events, "device" and "nvme" memory
 samples, and a "cpu" sample (the gradient partitions) after each change of them.
@@ -61,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import trace
+from minipar import residency, trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.cost.offload import zero_infinity_device_need
@@ -135,6 +133,7 @@ class ZeroInfinity:
             self._open()
         else:
             self._write_initial_states(module.seed)
+        self._unguard = residency.guard(self, tiers, module.named_parameters(), "nvme")  # checked at every op
         for unit, (_, m) in zip(self.units, wrapped, strict=True):
             m.forward = self._wrap(unit, m.forward)
             for j, p in enumerate(unit.params):
@@ -262,7 +261,6 @@ class ZeroInfinity:
             self.tiers.free(unit.key("shard"))
         for p, view in zip(unit.params, unit.layout.views(unit.full), strict=True):
             p.data = view
-        self.tiers.require_device(*unit.params)
 
     def _release(self, unit: InfinityUnit) -> None:
         unit.empty_params()
@@ -408,10 +406,11 @@ class ZeroInfinity:
         return out
 
     def close(self) -> None:
-        """Wait for pending reads and remove this object's files (``Tiers.close`` removes the rest)."""
+        """Wait for pending reads, remove this object's files (``Tiers.close``: the rest), unguard."""
         self._discard_reads()
         for u in self.units:
             self._release(u)
         names = [self.key(u, k, slot) for u in self.units for k in self.kinds for slot in (0, 1)]
         for f in [self.tiers.delete_nvme(name) for name in [*names, "manifest"]]:
             f.result()
+        self._unguard()
