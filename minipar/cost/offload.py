@@ -87,6 +87,7 @@ def zero_offload_reach(groups: Sequence[int], dp: int = 1, itemsize: int = 2, st
     (``itemsize`` of the ``state_bytes``), and besides them a bucket and an upload, so
     ``reach = 8 Psi / (sum L_b + max L_b (1 + 1/dp))``, 8 only in the limit of buckets small
     against the model (docs/formulas.md, section 7)."""
+    whole("zero_offload_reach", "state_bytes", state_bytes)
     return state_bytes * sum(groups) / zero_offload_device_need(groups, dp, itemsize)["total"]
 
 
