@@ -7,7 +7,7 @@ A, B: the pieces after ``redistribute(A -> B)`` are the numpy slices of the orig
 partial pieces summing to it), ``to_global`` is the original, ``B -> A`` gives back A's pieces exactly
 (A without ``Partial``; with it, pieces that still sum to the original), and every rank's bytes on each
 axis, read from the trace, equal the formulas: on 1-D meshes from a table written here by hand in
-terms of the global bytes ``N``, on 2-D meshes ``cost.sharding.redistribute_bytes`` over ``plan``'s
+terms of the global bytes ``N``, on 2-D meshes ``cost.sharding.redistribute_bytes`` over ``greedy``'s
 steps, plus hand-computed 2-D cases. Drawn pairs also cover 3-D tensors on 2-D meshes and a 2 x 2 x 2
 mesh (three axes sharding one dimension). Values are small integers in float64, so every sum is exact.
 """
@@ -26,7 +26,7 @@ from minipar import trace
 from minipar.comm import launch
 from minipar.cost.sharding import redistribute_bytes
 from minipar.mesh import DeviceMesh, MeshShape
-from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, plan, redistribute
+from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, greedy, redistribute
 from minipar.sharding.redistribute import plan_text
 from minipar.testing import run_each
 
@@ -92,8 +92,8 @@ def run_pairs(comm, mesh_kw: dict, axes: tuple, shape: tuple, seed: int, pairs: 
         a, b = every[i]
         t = GlobalTensor(piece_of(x, degrees, coords, a, seed), shape, mesh, axes, a)
         with trace.recording(comm.world_rank) as rec:
-            u = redistribute(t, b)
-        back = redistribute(u, a)
+            u = redistribute(t, b, plan="greedy")
+        back = redistribute(u, a, plan="greedy")
         out.append({"a": a, "b": b, "src": t.local, "dst": u.local, "back": back.local,
                     "global": u.to_global(), "sent": sent_by_axis(rec.events, mesh),
                     "ops": collectives_run(rec.events, mesh)})
@@ -153,7 +153,7 @@ def check_pairs(results_by_rank: list[list[dict]], mesh_kw: dict, axes: tuple, s
         if not any(isinstance(p, Partial) for p in a):
             assert all(np.array_equal(r["back"], r["src"]) for r in rows), what
         assert all(np.array_equal(r["global"], x) for r in rows), what
-        steps = [(s.axis, str(s.src), str(s.dst)) for s in plan(a, b)]
+        steps = [(s.axis, str(s.src), str(s.dst)) for s in greedy(a, b)]
         for rank, row in enumerate(rows):
             coords = [mesh_shape.coords(rank)[ax] for ax in axes]
             degrees = [mesh_shape.degrees()[ax] for ax in axes]
@@ -161,7 +161,7 @@ def check_pairs(results_by_rank: list[list[dict]], mesh_kw: dict, axes: tuple, s
                 want = {axes[0]: hand_bytes_1d(a[0], b[0], x.nbytes, degrees[0])}
                 assert row["ops"] == [(axes[0], op) for op in hand_collective_1d(a[0], b[0])], (what, rank)
             else:
-                ops = [(axes[s.axis], s.collective) for s in plan(a, b) if s.collective not in ("slice", "zero")]
+                ops = [(axes[s.axis], s.collective) for s in greedy(a, b) if s.collective not in ("slice", "zero")]
                 assert row["ops"] == ops, (what, rank)
                 want = dict(zip(axes, redistribute_bytes(shape, 8, degrees, coords, [str(p) for p in a], steps),
                                 strict=True))
@@ -230,7 +230,7 @@ def run_hand(comm, a: tuple, b: tuple) -> tuple[dict, np.ndarray]:
     x = original((4, 8), 5)
     t = GlobalTensor(piece_of(x, [2, 2], [mesh.coords["dp"], mesh.coords["tp"]], a, 5), x.shape, mesh, ("dp", "tp"), a)
     with trace.recording(comm.world_rank) as rec:
-        u = redistribute(t, b)
+        u = redistribute(t, b, plan="greedy")
     return sent_by_axis(rec.events, mesh), u.to_global()
 
 

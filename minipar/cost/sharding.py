@@ -25,9 +25,17 @@ Bytes one rank sends, from ``minipar.cost.collectives`` (ring algorithms, pairwi
   ``p - 1`` sent: ``(p-1)/p n``.
 - slice, zeroing, identity: no message.
 
-A multi-axis redistribution is the sum over its steps (``minipar.sharding.plan``), each step's ``n``
-being the piece's size at that point: ``prod(shape) / prod(degrees of the axes then sharding)``
-elements (``redistribute_bytes``).
+A multi-axis redistribution is the sum over its steps (``minipar.sharding.plan.cheapest``, or
+``minipar.sharding.redistribute.greedy``), each step's ``n`` being the piece's size at that point:
+``prod(shape) / prod(degrees of the axes then sharding)`` elements (``redistribute_bytes``).
+
+Two-axis exchange (``minipar.sharding.plan.Exchange``): axes ``a`` and ``b`` both sharded before and
+after, the ``pa pb`` ranks of their flattened group holding the same block between them before and
+after. Each element of a rank's piece lies in exactly one member's new piece; the pairwise exchange
+sends every element whose new owner is another member, so a rank holding ``numel`` elements of which
+``kept`` lie in its own new piece sends ``(numel - kept) itemsize`` (``exchange_bytes``):
+``(q-1)/q n`` for ``[S(i), S(i)] -> [S(j), S(j)]`` (``q = pa pb``, ``kept = numel / q``), ``n`` or 0 for
+``[S(0), S(1)] -> [S(1), S(0)]`` (a tile goes whole to the transposed coordinates; the diagonal keeps it).
 """
 
 from __future__ import annotations
@@ -75,6 +83,16 @@ def step_bytes(src: str, dst: str, numel: int, itemsize: int, p: int, coord: int
     if how in ("allgather", "allgather+zero"):
         return int(ring_bytes("allgather", p * n, p))
     return (p - 1) * n // p  # all-to-all
+
+
+def exchange_bytes(numel: int, kept: int, itemsize: int) -> int:
+    """Bytes one rank sends in a two-axis exchange: its piece of ``numel`` elements but the ``kept``
+    ones that lie in its own new piece (module docstring)."""
+    wholes("exchange_bytes", least=0, numel=numel, kept=kept)
+    whole("exchange_bytes", "itemsize", itemsize)
+    if kept > numel:
+        raise ValueError(f"exchange_bytes: kept={kept} is more than the piece's numel={numel}")
+    return (numel - kept) * itemsize
 
 
 def redistribute_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], coords: Sequence[int],

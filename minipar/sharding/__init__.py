@@ -11,8 +11,11 @@ placements picks the collective on that axis's traced communicator.
 - ``tensor.py``: ``GlobalTensor`` (the rank's piece, the global shape, the mesh, the axes and one
   placement per axis), the layout checks (uneven splits are refused) and ``from_global`` /
   ``to_global`` for tests and examples.
-- ``redistribute.py``: ``redistribute(t, placements)``: single-axis steps (all-reduce, reduce-scatter,
-  all-gather, all-to-all, local slice, local zeroing) in a documented order; ``plan`` lists them.
+- ``plan.py``: the cheapest redistribution (``cheapest``): a shortest path over single-axis steps
+  (all-reduce, reduce-scatter, all-gather, all-to-all, local slice, local zeroing) and two-axis
+  exchanges, by the bytes of the busiest rank.
+- ``redistribute.py``: ``redistribute(t, placements)`` runs that plan (or, ``plan="greedy"``, the
+  single-axis steps in a documented fixed order that ``greedy`` lists).
 - ``propagate.py``: the rules of a matmul and of elementwise ops (OneFlow's SBP signatures, per mesh
   axis as GSPMD does) and the chooser of the cheapest legal strategy (bytes, then fewest changes).
 - ``ops.py``: every op the tiny GPT needs on global tensors (matmul, elementwise, unary, reductions,
@@ -26,8 +29,9 @@ placements picks the collective on that axis's traced communicator.
 from minipar.sharding import engine
 from minipar.sharding.ops import add, matmul, mul
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard
+from minipar.sharding.plan import Exchange, Step, cheapest
 from minipar.sharding.propagate import matmul_strategies
-from minipar.sharding.redistribute import Step, plan, redistribute, to_global
+from minipar.sharding.redistribute import greedy, redistribute, to_global
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 
 # PyTorch's ``t.backward()`` and DTensor's ``t.full_tensor()``: methods whose code sits in the layers
@@ -36,5 +40,5 @@ from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 GlobalTensor.backward = engine.backward  # type: ignore[attr-defined]
 GlobalTensor.to_global = to_global  # type: ignore[attr-defined]
 
-__all__ = ["GlobalTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "add", "check_layout",
-           "local_slices", "matmul", "matmul_strategies", "mul", "plan", "redistribute"]
+__all__ = ["Exchange", "GlobalTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "add", "cheapest",
+           "check_layout", "greedy", "local_slices", "matmul", "matmul_strategies", "mul", "redistribute"]

@@ -17,7 +17,7 @@ local ``A_piece @ B_piece`` is its piece of ``C`` with no message are (``matmul_
 with, for ``(..., m, k) @ (k, n)`` or batched operands of equal rank, a rule per batch dimension
 first (split alone in A, or alike in both). Any other pair is made legal by redistributing one or
 both inputs to a rule's pair first (``minipar.sharding.redistribute``); its cost is the bytes of
-those redistributions (``minipar.cost.sharding.redistribute_bytes`` over ``plan``'s steps).
+those redistributions (``minipar.sharding.plan.plan_bytes`` over the cheapest plan's moves).
 ``matmul_strategies`` lists every legal strategy with its cost; ``ops.matmul`` runs the cheapest. A
 rule whose pair would split a dimension unevenly (``k = 5`` on 2 ranks rules out ``S(1) x S(0)``) is
 not legal and is left out; ``B x B`` always is.
@@ -64,10 +64,9 @@ from typing import Any
 
 import numpy as np
 
-from minipar.cost.sharding import redistribute_bytes
 from minipar.mesh import MeshShape
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
-from minipar.sharding.redistribute import plan
+from minipar.sharding.plan import cheapest, plan_bytes
 from minipar.sharding.tensor import GlobalTensor, check_layout
 
 B, P = Replicate(), Partial()
@@ -104,10 +103,9 @@ def matmul_rules(ra: int, rb: int) -> list[tuple[tuple[Placement, ...], Placemen
 @functools.lru_cache(maxsize=4096)
 def _most_bytes(shape: tuple[int, ...], itemsize: int, degrees: tuple[int, ...], src: tuple[Placement, ...],
                 dst: tuple[Placement, ...]) -> tuple[int, ...]:
-    """The bytes each rank sends for ``src -> dst``, one entry per combination of coordinates."""
-    steps = [(s.axis, str(s.src), str(s.dst)) for s in plan(src, dst)]
-    return tuple(sum(redistribute_bytes(shape, itemsize, degrees, coords, [str(p) for p in src], steps))
-                 for coords in itertools.product(*[range(d) for d in degrees]))
+    """The bytes each rank sends for ``src -> dst`` (the cheapest plan, the one ``redistribute`` runs),
+    one entry per combination of coordinates."""
+    return plan_bytes(shape, itemsize, degrees, src, cheapest(shape, itemsize, degrees, src, dst)[0])
 
 
 @functools.lru_cache(maxsize=4096)

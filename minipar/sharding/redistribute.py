@@ -1,4 +1,4 @@
-"""Redistribution: from one list of placements to another, one mesh axis at a time.
+"""Redistribution: from one list of placements to another, one or two mesh axes at a time.
 
 A single-axis step changes the placement on one axis and runs (at most) one collective on that
 axis's communicator (``mesh[axis]``, whose rank ``i`` is the mesh coordinate ``i``), on this rank's
@@ -12,7 +12,7 @@ piece (``minipar.cost.sharding.TABLE``):
   full size instead: no message, the same memory; here the all-gather keeps every step one of the
   table's collectives.) ``P -> P``, ``B -> B``, ``S(i) -> S(i)``: nothing.
 
-Order of the steps (``plan``). With the tile order of ``tensor.py`` (an earlier axis cuts larger
+Order of the steps (``greedy``). With the tile order of ``tensor.py`` (an earlier axis cuts larger
 blocks), a step on axis ``k`` is a plain collective only when ``k`` is the last axis sharding the
 dimension it gathers, and the last axis sharding the dimension it splits once it has. For each
 dimension ``d`` the axes that shard it in both layouts as a common prefix (in axis order) are kept;
@@ -25,48 +25,35 @@ then
 2. from the first axis to the last, every axis still off its target moves there from ``B`` or ``P``
    (slice, zeroing, all-reduce or reduce-scatter), appending new shards after the kept ones.
 
-Every step's legality is checked as it runs (a planner mistake raises ``AssertionError``). The plan
-is simple, not the cheapest: it may gather a shard that a cleverer order would keep, and reduces
-partial sums after the gathers.
+Every step's legality is checked as it runs (a planner mistake raises ``AssertionError``). This plan
+(``redistribute(..., plan="greedy")``) is simple, not the cheapest: it may gather a shard that a
+cleverer order would keep, and reduces partial sums after the gathers. ``redistribute`` runs by
+default (``plan="cheapest"``) the plan of least bytes of ``minipar.sharding.plan``, which searches
+over these steps and two-axis exchanges: ``[S(0), S(1)] -> [S(1), S(0)]`` on 2 x 2 sends ``N/4`` per
+rank (off the diagonal) in one exchange where this plan sends ``N/2``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from minipar.cost.sharding import collective
 from minipar.sharding.placement import Placement, Replicate, Shard
-from minipar.sharding.tensor import GlobalTensor, check_layout
+from minipar.sharding.plan import Exchange, Move, Step, after_move, cheapest, legal, sharding_axes
+from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
+
+PLANS = ("cheapest", "greedy")
 
 
-@dataclass(frozen=True)
-class Step:
-    """Axis ``axis`` (an index into the tensor's ``axes``) goes from ``src`` to ``dst``."""
-
-    axis: int
-    src: Placement
-    dst: Placement
-
-    @property
-    def collective(self) -> str:
-        return collective(str(self.src), str(self.dst))
-
-
-def _sharding(dim: int, placements: Sequence[Placement]) -> list[int]:
-    return [k for k, p in enumerate(placements) if p == Shard(dim)]
-
-
-def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
+def greedy(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
     """The single-axis steps from ``src`` to ``dst`` (module docstring); validity of the placements
     themselves is ``check_layout``'s job."""
     cur, dst = list(src), list(dst)
     dims = {p.dim for p in [*cur, *dst] if isinstance(p, Shard)}
     keep: dict[int, list[int]] = {}
     for d in dims:
-        a, b = _sharding(d, cur), _sharding(d, dst)
+        a, b = sharding_axes(d, cur), sharding_axes(d, dst)
         i = 0
         while i < min(len(a), len(b)) and a[i] == b[i]:
             i += 1
@@ -77,8 +64,8 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
         if not isinstance(p, Shard) or k in keep[p.dim]:
             continue
         new: Placement = Replicate()
-        if isinstance(t, Shard) and t.dim != p.dim and _sharding(t.dim, cur) == keep[t.dim]:
-            first_new = [m for m in _sharding(t.dim, dst) if m not in keep[t.dim]][0]
+        if isinstance(t, Shard) and t.dim != p.dim and sharding_axes(t.dim, cur) == keep[t.dim]:
+            first_new = [m for m in sharding_axes(t.dim, dst) if m not in keep[t.dim]][0]
             new = t if first_new == k else new
         steps.append(Step(k, p, new))
         cur[k] = new
@@ -90,17 +77,9 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
 
 
 def plan_text(src: Sequence[Placement], dst: Sequence[Placement], name: str) -> list[str]:
-    """``plan(src, dst)`` for the tensor called ``name``, in words: one entry per step that does anything,
+    """``greedy(src, dst)`` for the tensor called ``name``, in words: one entry per step that does anything,
     its collective (``minipar.cost.sharding.collective``'s name, dashed) and the name: "reduce-scatter A"."""
-    return [f"{s.collective.replace('_', '-')} {name}" for s in plan(src, dst) if s.collective != "none"]
-
-
-def _check_legal(step: Step, cur: Sequence[Placement]) -> None:
-    k = step.axis
-    if isinstance(step.src, Shard) and step.src != step.dst:
-        assert _sharding(step.src.dim, cur)[-1] == k, (step, cur)
-    if isinstance(step.dst, Shard) and step.src != step.dst:
-        assert all(m < k for m in _sharding(step.dst.dim, cur)), (step, cur)
+    return [f"{s.collective.replace('_', '-')} {name}" for s in greedy(src, dst) if s.collective != "none"]
 
 
 def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
@@ -132,18 +111,70 @@ def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
     raise AssertionError(f"no single step {src} -> {dst} ({how})")
 
 
-def redistribute(t: GlobalTensor, placements: Sequence[Placement]) -> GlobalTensor:
-    """The same global tensor over the same axes with ``placements`` (one per axis). A list that does
-    not match the axes or splits a dimension unevenly raises ``ValueError`` on every rank before any
-    message. Where no step changes the piece (nothing to do, ``B -> P`` at coordinate 0) the result
-    shares the input's array, as DTensor returns the tensor itself: copy before writing into it."""
+def _exchange(local: np.ndarray, move: Exchange, cur: Sequence[Placement], t: GlobalTensor) -> np.ndarray:
+    """A two-axis exchange on this rank's piece: pairwise over the flattened group (member ``g`` at
+    coordinates ``divmod(g, pb)`` on the two axes), in step ``k`` sending to member ``g + k`` the part of
+    this piece its new piece holds and receiving from ``g - k``; empty parts are not sent."""
+    (a, b), new = move.axes, after_move(cur, move)
+    pb, q, me = t.degrees[b], t.degrees[a] * t.degrees[b], t.coords[a] * t.degrees[b] + t.coords[b]
+
+    def member(g: int) -> dict[str, int]:
+        return dict(t.mesh.coords, **dict(zip((t.axes[a], t.axes[b]), divmod(g, pb), strict=True)))
+
+    def piece(g: int, placements: Sequence[Placement]) -> tuple[slice, ...]:
+        coords = member(g)
+        return local_slices(t.shape, t.degrees, [coords[x] for x in t.axes], placements)
+
+    def part(have: tuple[slice, ...], want: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...] | None:
+        lo = [max(h.start, w.start) for h, w in zip(have, want, strict=True)]
+        hi = [min(h.stop, w.stop) for h, w in zip(have, want, strict=True)]
+        if any(x >= y for x, y in zip(lo, hi, strict=True)):
+            return None  # 0-d pieces have no dimension: the whole (empty) tuple
+        return tuple(slice(x - o.start, y - o.start) for x, y, o in zip(lo, hi, origin, strict=True))
+
+    mine, target = piece(me, cur), piece(me, new)
+    out = np.empty(tuple(s.stop - s.start for s in target), dtype=local.dtype)
+    own = part(mine, target, target)
+    if own is not None:
+        out[own] = local[part(mine, target, mine)]
+    world = t.mesh.comm
+    for k in range(1, q):
+        to, frm = (me + k) % q, (me - k) % q
+        send, recv = part(mine, piece(to, new), mine), part(piece(frm, cur), target, target)
+        rreq = None if recv is None else world.irecv(t.mesh.shape.rank_of(**member(frm)), op="all_to_all",
+                                                      algorithm="pairwise")
+        sreq = None if send is None else world.isend(np.ascontiguousarray(local[send]),
+                                                      t.mesh.shape.rank_of(**member(to)), op="all_to_all",
+                                                      algorithm="pairwise")
+        if rreq is not None:
+            assert recv is not None
+            out[recv] = rreq.wait()
+        if sreq is not None:
+            sreq.wait()
+    return out
+
+
+def redistribute(t: GlobalTensor, placements: Sequence[Placement], plan: str = "cheapest") -> GlobalTensor:
+    """The same global tensor over the same axes with ``placements`` (one per axis), by the moves of
+    ``minipar.sharding.plan.cheapest`` (``plan="cheapest"``) or this module's fixed order
+    (``plan="greedy"``). A list that does not match the axes or splits a dimension unevenly raises
+    ``ValueError`` on every rank before any message. Where no step changes the piece (nothing to do,
+    ``B -> P`` at coordinate 0) the result shares the input's array, as DTensor returns the tensor
+    itself: copy before writing into it."""
     placements = tuple(placements)
+    if plan not in PLANS:
+        raise ValueError(f"redistribute: plan={plan!r}; choose one of {PLANS}")
     check_layout(t.shape, t.mesh.shape, t.axes, placements)
-    local, cur = t.local, list(t.placements)
-    for step in plan(t.placements, placements):
-        _check_legal(step, cur)
-        local = _apply(local, step, t)
-        cur[step.axis] = step.dst
+    local, cur = t.local, t.placements
+    moves: Sequence[Move] = (greedy(cur, placements) if plan == "greedy" else
+                             cheapest(t.shape, local.dtype.itemsize, t.degrees, cur, placements)[0])
+    for move in moves:
+        if isinstance(move, Step):
+            assert legal(move, cur), (move, cur)
+            local = _apply(local, move, t)
+        else:
+            local = _exchange(local, move, cur, t)
+        cur = after_move(cur, move)
     return GlobalTensor(np.require(local, requirements="C"), t.shape, t.mesh, t.axes, placements)  # 0-d stays 0-d
 
 
