@@ -165,7 +165,11 @@ def device_summary(results: dict[str, Any], n: int) -> str:
             + f"); measured peak on rank 0 {res['peak']:,} bytes (<= budget: {res['peak'] <= res['budget']}). "
             f"ZeRO-2 would keep {states:,} bytes of model states on this device ({states / res['budget']:.2f}x "
             f"the budget). A budget one byte short raises on every rank ({len(set(results['oom']))} distinct "
-            f"message), before anything is placed: {results['oom'][0].split(':')[0]}.")
+            f"message), before anything is placed: {results['oom'][0].split(':')[0]}. ZeRO-Offload's reach (all "
+            f"model states over this need) is {formulas.zero_offload_reach(res['numels'], n, 8, 32):.2f}x here, "
+            "below 8x in mixed precision whatever the model: the device keeps every working parameter, a bucket "
+            "and an upload (cost.offload.zero_offload_reach; 7.40x at the bound tests/test_offload_bound.py "
+            "measures); ZeRO-Infinity and the chunks pass 8x: their parameters leave the device too.")
 
 
 def dpu_table(results: dict[str, Any], clock: common.Clock, verbose: bool) -> Table:
