@@ -20,8 +20,8 @@ sharded dimension divisible by its axes' degrees):
 bytes the busiest rank sends in that move (moves run one after another; a collective ends with its
 slowest rank), by Dijkstra's algorithm over layouts (at most ``(ndim + 2) ** axes`` of them); ties go
 to fewer moves, then to the first found, in a fixed order, so every rank finds the same plan.
-``redistribute.plan`` (the fixed order of earlier versions, ``plan="greedy"``) is one of the paths
-searched, so the cheapest never sends more.
+``redistribute.greedy`` (the fixed order of earlier versions, ``plan="greedy"``) is one of the paths
+searched, so the cheapest never costs more by this measure.
 """
 
 from __future__ import annotations
