@@ -33,8 +33,8 @@ from minipar.sharding.tensor import check_layout, local_slices
 from minipar.testing import run_each
 
 ONE = [Shard(0), Shard(1), Replicate(), Partial()]
-CASES = {"2x2": ({"dp": 2, "tp": 2}, ("dp", "tp"), (4, 8)), "2x2x2": ({"pp": 2, "dp": 2, "tp": 2}, ("pp", "dp", "tp"),
-                                                                    (8, 8))}
+CASES = {"2x2": ({"dp": 2, "tp": 2}, ("dp", "tp"), (4, 8)), "tp2xdp2": ({"dp": 2, "tp": 2}, ("tp", "dp"), (4, 8)),
+         "2x2x2": ({"pp": 2, "dp": 2, "tp": 2}, ("pp", "dp", "tp"), (8, 8))}
 
 
 DEPTH = {"2x2": 5, "2x2x2": 7}
@@ -203,9 +203,10 @@ def valid(case: str) -> list[int]:
     return [i for i, (a, b) in enumerate(pairs(len(axes))) if fits(shape, degrees, a) and fits(shape, degrees, b)]
 
 
-def test_every_pair_runs_as_planned_on_2x2_threads() -> None:
-    which = valid("2x2")
-    check_run(launch(run_moves, 4, "threads", "2x2", which, (4, 8), 3), "2x2", which, (4, 8), 3)
+@pytest.mark.parametrize("case", ["2x2", "tp2xdp2"])  # the tensor's axes in the mesh's order and reversed
+def test_every_pair_runs_as_planned_on_2x2_threads(case: str) -> None:
+    which = valid(case)
+    check_run(launch(run_moves, 4, "threads", case, which, (4, 8), 3), case, which, (4, 8), 3)
 
 
 @budget(3)
