@@ -10,6 +10,8 @@ move the W's into the holes 1F1B leaves. Idle per rank and peak stash (``minipar
 - 1F1B (Narayanan et al. 2021): B = I + W, idle (p - 1)(F + I + W), stash p - r; ZB-H1 (Qi et al.
   2024, Sec. 2.1, Fig. 3): 1F1B's order of F and I, rank r's last r W's in the cool-down: (p - 1)
   (F + I - W), a third of 1F1B's when F = I = W; stash p on every rank;
+- ZB-H2 (Sec. 2.2): rank r starts with 2(p - r) - 1 forwards, W's fill the rest: no gap inside a
+  rank's step once m >= 2p - 1, at a stash of min(2p - 1, m) micro-batches;
 - ZB-V (Sec. 6): two chunks per rank in a V: (p - 1) F when F = I = W; 2p chunk-micro-batches;
 - PipeDream (Narayanan et al. 2019) and PipeDream-2BW (2021), asynchronous: 1F1B's order with each
   stage's update (U) inside the step: p - r weight versions on stage r, resp. 2; their losses differ
@@ -51,10 +53,11 @@ from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8  # lesson 2's tiny GPT
 BATCH, MICROBATCHES, LR, STEPS = 32, 8, 3e-3, 2
-SYNC, ASYNC, CHIMERA = ("1f1b", "zb-h1", "zb-v"), ("pipedream", "2bw"), "chimera"
+SYNC, ASYNC, CHIMERA = ("1f1b", "zb-h1", "zb-h2", "zb-v"), ("pipedream", "2bw"), "chimera"
 BRIEF = ("1f1b", "zb-h1")  # run for real by default (the paper's Fig. 3 pair); --verbose: every schedule
 PAPER = "chimera, F = B = 1"  # Chimera with the paper's equal slots, where its formulas hold
-RANGE = {"zb-h1": "W<=F,I only", "zb-v": "F=I=W only", CHIMERA: "F=B only"}  # where the idle formula holds
+# where the idle formula holds
+RANGE = {"zb-h1": "W<=F,I only", "zb-h2": "m>=2p-1, W<=F,I", "zb-v": "F=I=W only", CHIMERA: "F=B only"}
 STASHING = {"pipedream": "forward and backward on the same version: weight stashing",
             "2bw": "a group of micro-batches on the version one update behind: the double buffer"}
 OPS = ("F", "B", "I", "W", "U")
