@@ -11,6 +11,8 @@ placements picks the collective on that axis's traced communicator.
 - ``tensor.py``: ``GlobalTensor`` (the rank's piece, the global shape, the mesh, the axes and one
   placement per axis), the layout checks (uneven splits are refused) and ``from_global`` /
   ``to_global`` for tests and examples.
+- ``agree.py``: the ranks' agreement on a tensor's mesh (by value), shape and placements, checked when
+  a tensor is made (one small untraced collective) and, in debug mode, before every op.
 - ``plan.py``: the cheapest redistribution (``cheapest``): a shortest path over single-axis steps
   (all-reduce, reduce-scatter, all-gather, all-to-all, local slice, local zeroing) and two-axis
   exchanges, by the bytes of the busiest rank.

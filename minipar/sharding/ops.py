@@ -43,7 +43,7 @@ import numpy as np
 
 from minipar import trace
 from minipar.functional import _gelu, _gelu_backward
-from minipar.sharding import propagate
+from minipar.sharding import agree, propagate
 from minipar.sharding.autograd import record, whole_sums
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 from minipar.sharding.redistribute import redistribute as _redistribute
@@ -61,7 +61,9 @@ def piece_shape(shape: Sequence[int], t: GlobalTensor, placements: Sequence[Plac
 def _run(name: str, inputs: Sequence[GlobalTensor], out_shape: Sequence[int], rules: Rules,
          local: Callable[..., np.ndarray], backward: Callable[..., Sequence[GlobalTensor | None]]) -> GlobalTensor:
     """The cheapest strategy's redistributions, ``local(moved_inputs, out_placements)`` on the pieces,
-    and the graph node whose gradient is ``backward(grad, out, *moved_inputs)``."""
+    and the graph node whose gradient is ``backward(grad, out, *moved_inputs)``. In debug mode the
+    ranks first check they run the same op on equal layouts (``agree.op``)."""
+    agree.op(name, inputs, f"output shape {tuple(out_shape)}")
     found = propagate.strategies(inputs, out_shape, rules)
     if not found:
         raise ValueError(f"{name}: no placement of the output {tuple(out_shape)} is legal on this mesh")

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from minipar.mesh import MeshShape
+from minipar.sharding import agree
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 from minipar.sharding.plan import cheapest, plan_bytes
 from minipar.sharding.tensor import GlobalTensor, check_layout
@@ -83,9 +84,7 @@ def check_matmul(a: GlobalTensor, b: GlobalTensor) -> tuple[int, ...]:
                          f"and {b.shape}")
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape} ({a.shape[-1]} != {b.shape[-2]})")
-    if a.mesh is not b.mesh or a.axes != b.axes:
-        raise ValueError(f"matmul: both tensors must be on the same mesh and axes, got {a.axes} and {b.axes}; "
-                         "redistribute one first")
+    agree.check_same("matmul", a, b)
     return (*a.shape[:-1], b.shape[-1])
 
 
@@ -172,9 +171,7 @@ def check_elementwise(op: str, x: GlobalTensor, y: GlobalTensor) -> tuple[int, .
         shape = tuple(int(n) for n in np.broadcast_shapes(x.shape, y.shape))
     except ValueError:
         raise ValueError(f"elementwise {op}: shapes {x.shape} and {y.shape} do not broadcast") from None
-    if x.mesh is not y.mesh or x.axes != y.axes:
-        raise ValueError(f"elementwise {op}: both tensors must be on the same mesh and axes, got {x.axes} and "
-                         f"{y.axes}; redistribute one first")
+    agree.check_same(f"elementwise {op}", x, y)
     return shape
 
 

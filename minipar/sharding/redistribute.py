@@ -39,7 +39,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minipar.sharding.placement import Placement, Replicate, Shard
+from minipar.sharding import agree
+from minipar.sharding.placement import Placement, Replicate, Shard, describe
 from minipar.sharding.plan import Exchange, Move, Step, after_move, cheapest, legal, sharding_axes
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 
@@ -165,6 +166,7 @@ def redistribute(t: GlobalTensor, placements: Sequence[Placement], plan: str = "
     if plan not in PLANS:
         raise ValueError(f"redistribute: plan={plan!r}; choose one of {PLANS}")
     check_layout(t.shape, t.mesh.shape, t.axes, placements)
+    agree.op("redistribute", [t], f"to {describe(placements)}, plan {plan}")  # debug mode only
     local, cur = t.local, t.placements
     moves: Sequence[Move] = (greedy(cur, placements) if plan == "greedy" else
                              cheapest(t.shape, local.dtype.itemsize, t.degrees, cur, placements)[0])

@@ -11,7 +11,9 @@ placement per axis. Each rank holds only its piece (``local``):
 
 Uneven splits are refused: a dimension that its axes' degrees do not divide raises ``ValueError``,
 as does a placement list that does not match the axes. The checks depend only on the arguments every
-rank passes alike, so every rank raises the same message before any message is sent.
+rank passes alike, so every rank raises the same message before any message is sent. Whether they
+did pass the same is checked when a tensor is made: ranks holding another mesh, shape or placements
+all raise one ``ValueError`` naming them (``agree.py``; one small untraced collective per tensor).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from minipar.mesh import AXES, DeviceMesh, MeshShape
+from minipar.sharding import agree
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 
 
@@ -79,6 +82,7 @@ class GlobalTensor:
         self.shape = tuple(int(n) for n in shape)
         self.mesh, self.axes, self.placements = mesh, tuple(axes), tuple(placements)
         check_layout(self.shape, mesh.shape, self.axes, self.placements)
+        agree.tensor(self)  # one small control-plane collective: every rank holds this layout (agree.py)
         want = tuple(s.stop - s.start for s in local_slices(self.shape, self.degrees, self.coords, self.placements))
         local = np.asarray(local)
         if local.shape != want:
