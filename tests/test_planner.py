@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -57,17 +58,18 @@ def test_layer_costs_and_an_embedding_heavy_split() -> None:
 
 
 def _independent_search(model: ModelSpec, gpus: int, cluster: Cluster, batch: int) -> float:
-    """The fastest fitting step by trying every degree tuple and option, letting predict refuse."""
+    """The fastest fitting step by trying every degree tuple, option and schedule the planner tries
+    (1F1B, ZB-H1), letting predict refuse."""
     best = float("inf")
     for tp, sp, pp in itertools.product(range(1, gpus + 1), repeat=3):
         if gpus % (tp * sp * pp) or tp > cluster.gpus_per_node:
             continue
-        for v, b, z, r, seqp in itertools.product(range(1, model.layers + 1), (1, 2, 4, 8, 16), (0, 1, 2, 3),
-                                                  ("none", "selective", "full"), (False, True)):
+        for v, b, z, r, seqp, k in itertools.product(range(1, model.layers + 1), (1, 2, 4, 8, 16), (0, 1, 2, 3),
+                                                     ("none", "selective", "full"), (False, True), ("1f1b", "zb-h1")):
             if z >= 2 and pp > 1:  # DeepSpeed refuses ZeRO-2/3 with pipelining
                 continue
             lay = Layout(dp=gpus // (tp * sp * pp), tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=batch,
-                         chunks=v, recompute=r, sequence_parallel=seqp)
+                         chunks=v, recompute=r, sequence_parallel=seqp, schedule=k)
             try:
                 p = predict(model, lay, cluster, uneven_stages=True)
             except ValueError:
@@ -192,8 +194,38 @@ def test_plan_tries_uneven_stages() -> None:
     ranked = plan(model, 2, TOY, global_batch=4, top=10_000)
     uneven = [c for c in ranked if c.layout.pp == 2]
     assert uneven and all(c.label().endswith(" uneven") for c in uneven)
-    c = next(c for c in uneven if (c.layout.micro_batch, c.layout.zero, c.layout.recompute) == (1, 0, "none"))
+    c = next(c for c in uneven if (c.layout.micro_batch, c.layout.zero, c.layout.recompute, c.layout.schedule)
+             == (1, 0, "none", "1f1b"))
     # stage 0: embedding + 2 blocks, 1F1B holds min(p, m) = 2 micro-batches of its 2 blocks
     emb, block, per_layer = V * h + s * h, 12 * h * h + 13 * h, s * h * (34 + 5 * s / h)
     assert c.prediction.memory["total"] == pytest.approx(16 * (emb + 2 * block) + 2 * 2 * per_layer)
     assert "uneven stages (blocks per stage 2,1)" in c.why()
+
+
+def test_zero_bubble_wins_a_deep_pipeline_with_few_micro_batches() -> None:
+    """16 layers on 8 GPUs that hold little: ZB-H1's bubble (p-1)/(3m+p-1) beats 1F1B's (p-1)/(m+p-1)
+    at the same layout, and the planner ranks a zero-bubble layout first."""
+    model = ModelSpec(layers=16, hidden=256, heads=4, seq=64, vocab=256)
+    best = plan(model, 8, TOY, global_batch=8, top=3)[0]
+    assert best.layout.schedule == "zb-h1" and best.layout.pp > 1 and " zb-h1 " in best.label()
+    same = predict(model, best.layout, TOY, uneven_stages=True)
+    one_f1b = predict(model, replace(best.layout, schedule="1f1b"), TOY, uneven_stages=True)
+    assert same.step_seconds == best.prediction.step_seconds < one_f1b.step_seconds
+    p, m = best.layout.pp, best.layout.microbatches
+    assert same.bubble_seconds == pytest.approx(same.compute_seconds * (p - 1) / (3 * m))
+    assert one_f1b.bubble_seconds == pytest.approx(one_f1b.compute_seconds * (p - 1) / m)
+    with_h2 = plan(model, 8, TOY, global_batch=8, top=10_000, schedules=("1f1b", "zb-h1", "zb-h2"))
+    h2 = [c for c in with_h2 if c.layout.schedule == "zb-h2"]
+    assert h2 and with_h2[0].layout.schedule == "zb-h1"  # equal bubble, 2p - 1 stashed: never ahead
+    found = layouts(model, 8, TOY, global_batch=8)
+    assert {lay.schedule for lay in found if lay.pp == 1 or lay.chunks > 1} == {"1f1b"}
+    assert all(lay.microbatches >= lay.pp for lay in found if lay.schedule == "zb-h1")
+
+
+def test_no_layout_splits_heads_and_hidden_must_divide() -> None:
+    model = ModelSpec(layers=4, hidden=96, heads=6, seq=16, vocab=64)
+    found = layouts(model, 8, TOY, global_batch=16)
+    assert found and {lay.tp for lay in found} == {1, 2}  # 4 does not divide 6 heads
+    assert all(model.heads % (lay.tp * lay.sp) == 0 for lay in found)
+    with pytest.raises(ValueError, match=r"^hidden=100 is not divisible by heads=7: .*choose heads dividing 100$"):
+        plan(ModelSpec(layers=4, hidden=100, heads=7, seq=16, vocab=64), 8, TOY, global_batch=16)

@@ -1,16 +1,23 @@
 """Choose a layout: enumerate every way to split a GPT over ``gpus`` GPUs, keep those that fit in
 memory, rank them by predicted step time (``minipar.cost.perf.predict``), and say why each wins.
 
-- ``plan``: every (dp, tp, pp, sp, chunks, micro-batch, ZeRO stage, recomputation, Megatron-SP)
-  with ``dp tp pp sp = gpus`` that ``Layout.check`` accepts, tensor parallelism kept inside a node
-  (``tp <= gpus_per_node``: its all-reduces sit on the critical path, Narayanan et al. 2021 Sec.
-  3.3, Takeaway #1); fastest first. ZeRO-2 and ZeRO-3 only with ``pp = 1``: DeepSpeed's pipeline
-  engine refuses them ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
-  ``deepspeed/runtime/pipe/engine.py``: gradients accumulate over the micro-batches, which a
-  sharded gradient would reduce-scatter every one of) and Megatron-LM's distributed optimizer
-  shards only the optimizer state. A ``pp`` not dividing the layers is tried with ``v = 1`` and
-  uneven stages (``perf.stage_blocks``, cut by ``stages.partition_layers``). A plan is a ranking of
-  *predictions*: its first row is the model's opinion, as good as the terms of ``perf``.
+- ``plan``: every (dp, tp, pp, sp, chunks, schedule, micro-batch, ZeRO stage, recomputation,
+  Megatron-SP) with ``dp tp pp sp = gpus`` that ``Layout.check`` accepts (so ``tp`` divides the
+  heads), tensor parallelism kept inside a node (``tp <= gpus_per_node``: its all-reduces sit on
+  the critical path, Narayanan et al. 2021 Sec. 3.3, Takeaway #1); fastest first. ZeRO-2 and
+  ZeRO-3 only with ``pp = 1``: DeepSpeed's pipeline engine refuses them ("ZeRO-2 and ZeRO-3 are
+  incompatible with pipeline parallelism", ``deepspeed/runtime/pipe/engine.py``: gradients
+  accumulate over the micro-batches, which a sharded gradient would reduce-scatter every one of)
+  and Megatron-LM's distributed optimizer shards only the optimizer state. A ``pp`` not dividing
+  the layers is tried with ``v = 1`` and uneven stages (``perf.stage_blocks``, cut by
+  ``stages.partition_layers``). Schedules: 1F1B (interleaved when ``v > 1``) and, with ``pp > 1``
+  and ``v = 1``, the zero-bubble ZB-H1 (Qi et al. 2024; ``perf`` prices it by
+  ``pipeline.bubble_fraction`` and ``peak_stash``: ``p`` micro-batches stashed on every stage).
+  ZB-H2 only when asked (``schedules``): with F = I = W, as ``perf`` has them, its bubble equals
+  ZB-H1's and it stashes ``2p - 1``, so it would only repeat ZB-H1's rows with more memory; ZB-V
+  is not in ``perf``'s model (``Layout.check``). A model whose
+  hidden size the heads do not divide is refused. A plan is a ranking of *predictions*: its first
+  row is the model's opinion, as good as the terms of ``perf``.
 - ``NoFit``: raised when no layout fits, naming what the least hungry layout lacks (bytes, GiB).
 """
 
@@ -28,6 +35,8 @@ from minipar.cost.perf import GiB, Prediction, memory_bytes, predict, stage_bloc
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: Table 1's small rows (Narayanan et al. 2021, run_table_1.sh)
 ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 with pp = 1 only (module docstring)
 RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")  # the zero-bubble ones with pp > 1 and v = 1 (module docstring)
+TRIED = ("1f1b", "zb-h1")  # zb-h2 prices as zb-h1 with more memory: never first (module docstring)
 
 
 @dataclass
@@ -41,7 +50,8 @@ class Candidate:
     def label(self) -> str:
         lay = self.layout
         extra = (" SP" if lay.sequence_parallel else "") + (" uneven" if _uneven(self.prediction) else "")
-        return (f"dp{lay.dp} tp{lay.tp} pp{lay.pp} sp{lay.sp} v{lay.chunks} b{lay.micro_batch} "
+        kind = f" {lay.kind}" if lay.pp > 1 else ""
+        return (f"dp{lay.dp} tp{lay.tp} pp{lay.pp}{kind} sp{lay.sp} v{lay.chunks} b{lay.micro_batch} "
                 f"zero{lay.zero} {lay.recompute}{extra}")
 
     def notes(self) -> str:
@@ -111,10 +121,15 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
             micro_batches: Sequence[int] = MICRO_BATCHES, zero_stages: Sequence[int] = ZERO_STAGES,
-            recompute: Sequence[str] = RECOMPUTE) -> list[Layout]:
+            recompute: Sequence[str] = RECOMPUTE, schedules: Sequence[str] = TRIED) -> list[Layout]:
     """Every layout of ``gpus`` GPUs ``Layout.check`` accepts, with ``tp`` inside a node, ZeRO-2/3
-    only without pipelining; a ``pp`` not dividing the layers with ``v = 1`` (uneven stages)."""
+    only without pipelining; a ``pp`` not dividing the layers with ``v = 1`` (uneven stages); the
+    zero-bubble ``schedules`` with ``pp > 1`` and ``v = 1``. ``ValueError`` when the heads do not
+    divide the hidden size."""
     check_specs("layouts", model=model, cluster=cluster)
+    if model.hidden % model.heads:
+        raise ValueError(f"hidden={model.hidden} is not divisible by heads={model.heads}: each head takes "
+                         f"hidden/heads features; choose heads dividing {model.hidden}")
     whole("layouts", "gpus", gpus)
     whole("layouts", "global_batch", global_batch)
     for b in micro_batches:
@@ -123,6 +138,8 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
         one_of("layouts", "a ZeRO stage in zero_stages", z, ZERO_STAGES)
     for r in recompute:
         one_of("layouts", "a mode in recompute", r, RECOMPUTE)
+    for k in schedules:
+        one_of("layouts", "a schedule in schedules", k, SCHEDULES)
     out = []
     for tp in _divisors(gpus):
         if tp > cluster.gpus_per_node:
@@ -131,11 +148,13 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
             for pp in _divisors(gpus // (tp * sp)):
                 dp = gpus // (tp * sp * pp)
                 chunks = [1] if pp == 1 or model.layers % pp else _divisors(model.layers // pp)
+                runs = [(v, "1f1b") for v in chunks if "1f1b" in schedules]
+                runs += [(1, k) for k in schedules if k != "1f1b" and pp > 1]
                 stages = [z for z in zero_stages if pp == 1 or z < 2]
-                for v, b, z, r, seqp in itertools.product(chunks, micro_batches, stages, recompute,
-                                                          (False, True) if tp > 1 else (False,)):
+                for (v, k), b, z, r, seqp in itertools.product(runs, micro_batches, stages, recompute,
+                                                               (False, True) if tp > 1 else (False,)):
                     lay = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=global_batch,
-                                 chunks=v, recompute=r, sequence_parallel=seqp)
+                                 chunks=v, recompute=r, sequence_parallel=seqp, schedule=k)
                     if not [q for q in lay.check(model) if not (v == 1 and q.startswith(UNEVEN))]:
                         out.append(lay)
     return out
@@ -143,11 +162,11 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
 
 def plan(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
          micro_batches: Sequence[int] = MICRO_BATCHES, zero_stages: Sequence[int] = ZERO_STAGES,
-         recompute: Sequence[str] = RECOMPUTE, top: int = 5) -> list[Candidate]:
+         recompute: Sequence[str] = RECOMPUTE, top: int = 5, schedules: Sequence[str] = TRIED) -> list[Candidate]:
     """The ``top`` fastest layouts that fit, fastest first (ties: less memory first); ``NoFit``
     (a ``ValueError``) naming the shortfall when none fits, ``ValueError`` when none is valid."""
     whole("plan", "top", top)
-    valid = layouts(model, gpus, cluster, global_batch, micro_batches, zero_stages, recompute)
+    valid = layouts(model, gpus, cluster, global_batch, micro_batches, zero_stages, recompute, schedules)
     if not valid:
         raise ValueError(f"no layout of {gpus} GPUs can run {model.name or 'the model'} with global batch "
                          f"{global_batch}: check that the batch is divisible by dp x micro-batch for some dp "
