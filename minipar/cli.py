@@ -10,6 +10,7 @@
     minipar simulate KIND ...                                         any kind the runtime has, any case (--help)
     minipar calibrate -n 4 -o cluster.json [--backend mpi|threads] [--quick]   this machine as a cluster file
     minipar plan --model gpt3-175b --gpus 3072 [--preset a100-selene | --cluster FILE] [--zero 0 1]   fastest first
+    minipar plan --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 51200 --gpus 64   any GPT
     minipar run --elastic -n 3 [--max-restarts K] [--min-ranks M] [--attempt-timeout S] script.py [args]
 
 Bad input (a missing, truncated or corrupt trace, a folder instead of a trace, a newer format, an
@@ -30,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from minipar import cli_simulate
+from minipar import cli_plan, cli_simulate
 from minipar.cli_args import UsageError, check_width, check_writable
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 EXAMPLE_TRACE = "runs/02_pipeline/1f1b.json"
 MAX_RANKS = 1024  # processes or threads started on this machine (calibrate, run)
-MAX_GPUS = 65536  # plan: the planner tries every divisor of --gpus (O(gpus) each)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -228,65 +228,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_plan(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a model preset: gpt3-175b, narayanan-1.7b ... narayanan-1t")
-    p.add_argument("--gpus", type=int, required=True, help="how many GPUs to split the model over")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--cluster", metavar="FILE", help="a cluster file (JSON, minipar.cost.cluster)")
-    where.add_argument("--preset", default="a100-selene", help="a cluster preset (default a100-selene)")
-    p.add_argument("--global-batch", type=int, default=1536, help="sequences per step (default 1536)")
-    p.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
-    p.add_argument("--zero", type=int, nargs="+", choices=range(4), default=[0, 1, 2, 3], metavar="STAGE",
-                   help="ZeRO stages to try (default 0 1 2 3; 2 and 3 only with pp = 1, as DeepSpeed requires)")
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from minipar.cost.cluster import Cluster
-    from minipar.cost.planner import NoFit, plan
-    from minipar.cost.presets import CLUSTERS, MODELS
-
-    if args.model not in MODELS:
-        raise UsageError(f"no model preset {args.model!r}; choose one of {', '.join(MODELS)}")
-    for option, value, most in (("--gpus", args.gpus, MAX_GPUS), ("--top", args.top, 1000),
-                                ("--global-batch", args.global_batch, 10**8)):
-        if not 1 <= value <= most:
-            raise UsageError(f"{option} must be between 1 and {most:,}, got {value}")
-    if args.cluster:
-        try:
-            cluster = Cluster.load(args.cluster)
-        except (OSError, ValueError) as exc:
-            raise UsageError(str(exc)) from None
-    elif args.preset in CLUSTERS:
-        cluster = CLUSTERS[args.preset]
-    else:
-        raise UsageError(f"no cluster preset {args.preset!r}; choose one of {', '.join(CLUSTERS)} or --cluster FILE")
-    model = MODELS[args.model]
-    try:
-        ranked = plan(model, args.gpus, cluster, args.global_batch, zero_stages=tuple(sorted(set(args.zero))),
-                      top=args.top)
-    except NoFit as exc:
-        print(f"minipar: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    table = Table(title=f"{model.name}: {args.gpus} GPUs on {cluster.name}, global batch {args.global_batch}")
-    for col in ("dp", "tp", "pp", "sp", "v", "b", "zero", "recompute", "step s", "TFLOP/s/GPU", "memory GiB", "why"):
-        table.add_column(col, justify="left" if col in ("recompute", "why") else "right")
-    for c in ranked:
-        lay, pr = c.layout, c.prediction
-        pp = str(lay.pp) + (" uneven" if c.label().endswith(" uneven") else "")
-        table.add_row(str(lay.dp), str(lay.tp), pp, str(lay.sp), str(lay.chunks), str(lay.micro_batch),
-                      str(lay.zero), lay.recompute + (" +SP" if lay.sequence_parallel else ""),
-                      f"{pr.step_seconds:.2f}", f"{pr.tflops_per_gpu:.0f}", f"{pr.memory['total'] / 2**30:.1f}",
-                      c.why())
-    Console(width=200).print(table)
-    print(ranked[0].prediction.explain())
-    return 0
-
-
 def _configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--ranks", type=int, required=True, help="ranks of the first run")
     p.add_argument("--elastic", action="store_true", help="restart with the survivors when ranks are lost")
@@ -332,8 +273,8 @@ COMMANDS: dict[str, Command] = {
                  cli_simulate.configure, cli_simulate.run),
     "calibrate": ("measure this machine's alpha, beta, gamma and FLOP/s; write a cluster file",
                   _configure_calibrate, _run_calibrate),
-    "plan": ("rank hybrid layouts (dp tp pp sp, ZeRO, recomputation) of a model on a cluster by predicted step time",
-             _configure_plan, _run_plan),
+    "plan": ("rank layouts (dp tp pp sp, schedule, ZeRO, recomputation) of a GPT on a cluster by predicted step time",
+             cli_plan.configure, cli_plan.run),
     "run": ("run a script under mpiexec; --elastic restarts it with the surviving ranks after a loss",
             _configure_run, _run_run),
 }
