@@ -4,12 +4,15 @@ A ``GlobalTensor`` is made by every rank of its mesh with arguments that should 
 rank that passes other placements, another shape or another mesh would compute on a piece that does
 not fit its peers' and return a wrong result without any error. So:
 
-- ``tensor(t)`` runs ALWAYS when a ``GlobalTensor`` is made (``GlobalTensor.__init__``): one
-  ``allgather_object`` of an 8-byte digest of the mesh, axes, shape and placements over the mesh's
-  communicator. Cost: one small control-plane collective per construction (on threads a shared-memory
-  rendezvous; under MPI ``gather_object`` and ``broadcast_object``: ``2 (P - 1)`` pickled messages of
-  a few dozen bytes). Control-plane messages are not traced (``comm/base.py``), so traces, byte
-  counts and the lessons' formulas are unchanged.
+- ``tensor(t)`` runs ALWAYS when a caller makes a ``GlobalTensor`` (its constructor, ``from_global``,
+  ``zeros``, ``ops.constant``): one ``allgather_object`` of an 8-byte digest of the mesh, axes, shape
+  and placements over the mesh's communicator. Cost: one small control-plane collective per tensor
+  made (on threads a shared-memory rendezvous; under MPI ``gather_object`` then ``broadcast_object``:
+  ``2 (P - 1)`` pickled messages of a few dozen bytes). Control-plane messages are not traced
+  (``comm/base.py``), so traces, byte counts and the lessons' formulas are unchanged. The ops' results
+  and gradients skip it (``check=False``): their layout follows from checked inputs on every rank
+  alike. Measured on one Megatron block's forward and backward (tp = 4 threads, wall clock): 5 checks
+  (the caller's tensors) where checking every result would be 214, about 95 ms against 62 ms.
 - ``op(name, inputs, ...)`` runs before the first message of every op and of ``redistribute`` when the
   communicator is in debug mode (``MINIPAR_DEBUG=1``, ``watchdog.debug_enabled``): the op's name, its
   arguments and each input's layout, digested the same way (one more such collective per op).

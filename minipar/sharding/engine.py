@@ -36,7 +36,7 @@ def backward(out: GlobalTensor, grad: GlobalTensor | None = None) -> None:
     if grad is None:
         seed = grad_placements(out)
         like = GlobalTensor.empty_like(out, seed)
-        grad = GlobalTensor(np.ones_like(like.local), out.shape, out.mesh, out.axes, seed)
+        grad = GlobalTensor(np.ones_like(like.local), out.shape, out.mesh, out.axes, seed, check=False)
     if grad.shape != out.shape:
         raise ValueError(f"backward: gradient of shape {grad.shape} for a tensor of shape {out.shape}")
     grads: dict[int, GlobalTensor] = {id(out): grad}
@@ -47,7 +47,7 @@ def backward(out: GlobalTensor, grad: GlobalTensor | None = None) -> None:
                 continue
             if t.backward_fn is None:  # a leaf: its own placements; a copy (g may be another's, or the caller's)
                 g = ops.redistribute(g if t.grad is None else ops.add(t.grad, g), grad_placements(t), "gradient")
-                t.grad = GlobalTensor(g.local.copy(), g.shape, g.mesh, g.axes, g.placements)
+                t.grad = GlobalTensor(g.local.copy(), g.shape, g.mesh, g.axes, g.placements, check=False)
                 continue
             if not t.passes_gradient:
                 g = ops.redistribute(g, reduced(t, g), "gradient")

@@ -12,8 +12,8 @@ placement per axis. Each rank holds only its piece (``local``):
 Uneven splits are refused: a dimension that its axes' degrees do not divide raises ``ValueError``,
 as does a placement list that does not match the axes. The checks depend only on the arguments every
 rank passes alike, so every rank raises the same message before any message is sent. Whether they
-did pass the same is checked when a tensor is made: ranks holding another mesh, shape or placements
-all raise one ``ValueError`` naming them (``agree.py``; one small untraced collective per tensor).
+did pass the same is checked when a caller makes a tensor: ranks holding another mesh, shape or
+placements all raise one ``ValueError`` naming them (``agree.py``; one small untraced collective).
 """
 
 from __future__ import annotations
@@ -75,14 +75,19 @@ class GlobalTensor:
     """This rank's piece of a tensor of global ``shape`` over ``mesh``'s ``axes`` with ``placements``
     (one per axis). ``local`` must have the piece's shape (module docstring). ``t.backward(grad=None)``
     (``engine.backward``) and ``t.to_global()`` (``redistribute.to_global``) are bound by the package's
-    ``__init__``: their code sits in the layers above this one."""
+    ``__init__``: their code sits in the layers above this one.
+
+    Every rank of the mesh makes the tensor with equal arguments, and checks it (``agree.tensor``: one
+    small untraced collective). The ops' results and gradients pass ``check=False``: their layout
+    follows from checked inputs on every rank alike (in debug mode each op is checked instead)."""
 
     def __init__(self, local: np.ndarray, shape: Sequence[int], mesh: DeviceMesh, axes: Sequence[str],
-                 placements: Sequence[Placement]) -> None:
+                 placements: Sequence[Placement], *, check: bool = True) -> None:
         self.shape = tuple(int(n) for n in shape)
         self.mesh, self.axes, self.placements = mesh, tuple(axes), tuple(placements)
         check_layout(self.shape, mesh.shape, self.axes, self.placements)
-        agree.tensor(self)  # one small control-plane collective: every rank holds this layout (agree.py)
+        if check:
+            agree.tensor(self)  # one small control-plane collective: every rank holds this layout (agree.py)
         want = tuple(s.stop - s.start for s in local_slices(self.shape, self.degrees, self.coords, self.placements))
         local = np.asarray(local)
         if local.shape != want:
