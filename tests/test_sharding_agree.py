@@ -77,9 +77,12 @@ def count_agreements(comm) -> tuple[int, int, int]:
     return made, calls[0], sum(e.kind == "comm" for e in rec.events)
 
 
-def test_the_check_costs_one_untraced_collective_per_tensor_made() -> None:
-    """One allgather_object per GlobalTensor a caller makes (a, b), none of it in the trace."""
-    assert launch(count_agreements, 4, "threads") == [(1, 2, 0)] * 4
+@pytest.mark.parametrize(("debug", "want"), [("0", 2), ("1", 3)])
+def test_the_check_costs_one_untraced_collective_per_tensor_made(monkeypatch, debug: str, want: int) -> None:
+    """One allgather_object per GlobalTensor a caller makes (a, b), one more per op in debug mode (the
+    matmul), none of it in the trace."""
+    monkeypatch.setenv("MINIPAR_DEBUG", debug)
+    assert launch(count_agreements, 4, "threads") == [(1, want, 0)] * 4
 
 
 def equal_meshes(comm) -> tuple[bool, bool]:
