@@ -8,7 +8,8 @@ not fit its peers' and return a wrong result without any error. So:
   ``zeros``, ``ops.constant``): one ``allgather_object`` of an 8-byte digest of the mesh, axes, shape
   and placements over the mesh's communicator. Cost: one small control-plane collective per tensor
   made (on threads a shared-memory rendezvous; under MPI ``gather_object`` then ``broadcast_object``:
-  ``2 (P - 1)`` pickled messages of a few dozen bytes). Control-plane messages are not traced
+  ``2 (P - 1)`` pickled messages of a few dozen bytes; wall clock on a 2-core machine, 4 ranks:
+  about 0.37 ms per tensor on threads, 0.57 ms under ``mpiexec``). Control-plane messages are not traced
   (``comm/base.py``), so traces, byte counts and the lessons' formulas are unchanged. The ops' results
   and gradients skip it (``check=False``): their layout follows from checked inputs on every rank
   alike. Measured on one Megatron block's forward and backward (tp = 4 threads, wall clock): 5 checks
@@ -23,7 +24,9 @@ the ranks of each distinct value of what differs. The digest is ``hashlib.blake2
 text, equal across processes (Python's ``hash`` of a string is salted per process).
 
 Meshes are compared by value: their degrees and the world ranks of their communicator in rank order
-(``same_mesh``); two equal but distinct ``DeviceMesh`` objects hold tensors that ops may combine.
+(``mesh_difference``); two equal but distinct ``DeviceMesh`` objects hold tensors that ops may combine.
+The comparison spans every rank of the mesh, also along axes a tensor is not laid out on: replicas
+(a tensor over ``tp`` on a ``dp x tp`` mesh) make it with the same shape and placements too.
 """
 
 from __future__ import annotations
