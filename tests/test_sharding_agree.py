@@ -11,11 +11,22 @@ from minipar import trace
 from minipar.comm import launch
 from minipar.mesh import DeviceMesh
 from minipar.sharding import GlobalTensor, Replicate, Shard, matmul
-from minipar.sharding.ops import add
+from minipar.sharding.ops import add, embedding
 from minipar.testing import run_each
 
 B, S0, S1 = Replicate(), Shard(0), Shard(1)
 PLACEMENTS = "GlobalTensor: ranks disagree on placements: ranks 0, 2 [S(0), B]; ranks 1, 3 [B, B]"
+
+
+def outcome(comm, fn) -> tuple[str, int]:
+    """``fn()``'s ValueError (or "no error") and how many traced messages this rank saw meanwhile."""
+    with trace.recording(comm.world_rank) as rec:
+        try:
+            fn()
+            msg = "no error"
+        except ValueError as exc:
+            msg = str(exc)
+    return msg, sum(e.kind == "comm" for e in rec.events)
 
 
 def make_disagreeing(comm, what: str) -> tuple[str, int]:
@@ -27,13 +38,7 @@ def make_disagreeing(comm, what: str) -> tuple[str, int]:
         placements = [B, B] if odd else placements
     elif what == "shape":
         shape = (8, 4) if odd else shape
-    with trace.recording(comm.world_rank) as rec:
-        try:
-            GlobalTensor.zeros(shape, mesh, ("dp", "tp"), placements)
-            msg = "no error"
-        except ValueError as exc:
-            msg = str(exc)
-    return msg, sum(e.kind == "comm" for e in rec.events)
+    return outcome(comm, lambda: GlobalTensor.zeros(shape, mesh, ("dp", "tp"), placements))
 
 
 @pytest.mark.parametrize(("what", "want"), [
@@ -98,43 +103,46 @@ def test_equal_but_distinct_meshes_are_accepted() -> None:
     assert launch(equal_meshes, 4, "threads") == [(True, True)] * 4
 
 
-def different_meshes(comm) -> tuple[str, int]:
-    m1, m2 = DeviceMesh(comm, tp=4), DeviceMesh(comm, dp=2, tp=2)
-    a = GlobalTensor.from_global(np.ones((4, 8)), m1, ("tp",), [B])
-    b = GlobalTensor.from_global(np.ones((8, 4)), m2, ("tp",), [B])
-    with trace.recording(comm.world_rank) as rec, pytest.raises(ValueError) as err:
-        matmul(a, b)
-    return str(err.value), sum(e.kind == "comm" for e in rec.events)
+def mixed(comm, case: str) -> tuple[str, int]:
+    """Two tensors an op may not combine: on meshes of other values (a matmul), or over other axes (an
+    embedding of ids on dp in a table on tp: before the check each rank held a wrong piece)."""
+    if case == "meshes":
+        m1, m2 = DeviceMesh(comm, tp=4), DeviceMesh(comm, dp=2, tp=2)
+        a = GlobalTensor.from_global(np.ones((4, 8)), m1, ("tp",), [B])
+        b = GlobalTensor.from_global(np.ones((8, 4)), m2, ("tp",), [B])
+        return outcome(comm, lambda: matmul(a, b))
+    mesh = DeviceMesh(comm, dp=2, tp=2)
+    table = GlobalTensor.from_global(np.arange(32.0).reshape(8, 4), mesh, ("tp",), [S0])
+    ids = GlobalTensor.from_global(np.array([1, 5, 7, 2]), mesh, ("dp",), [S0])
+    return outcome(comm, lambda: embedding(table, ids))
 
 
-def test_distinct_meshes_are_refused_saying_what_differs() -> None:
-    want = ("matmul: the tensors are on different meshes (tp=4 on ranks [0, 1, 2, 3] vs dp=2 x tp=2 on ranks "
-            "[0, 1, 2, 3]); make both on one mesh")
-    assert launch(different_meshes, 4, "threads") == [(want, 0)] * 4
+@pytest.mark.parametrize(("case", "want"), [
+    ("meshes", "matmul: the tensors are on different meshes (tp=4 on ranks [0, 1, 2, 3] vs dp=2 x tp=2 on ranks "
+               "[0, 1, 2, 3]); make both on one mesh"),
+    ("axes", "embedding: both tensors must be on the same mesh and axes, got ('tp',) and ('dp',); "
+             "lay both out over the same axes"),
+])
+def test_distinct_meshes_or_axes_are_refused_saying_what_differs(case: str, want: str) -> None:
+    assert launch(mixed, 4, "threads", case) == [(want, 0)] * 4
 
 
-def op_on_diverged(comm, first: Shard) -> tuple[str, int]:
-    """A bug simulated past the constructor: ranks 1 and 3 rewrite their ``a`` to be replicated. With
-    ``a`` S(0) ranks 0 and 2 would all-gather ``b`` (S(0) x B -> S(0)) while 1 and 3 send nothing."""
+def op_on_diverged(comm) -> tuple[str, int]:
+    """A bug simulated past the constructor: ranks 1 and 3 rewrite their ``a`` to be replicated. Ranks
+    0 and 2 would then all-gather ``b`` (S(0) x B -> S(0)) while 1 and 3 send nothing (a hang)."""
     mesh = DeviceMesh(comm, tp=4)
     x = np.arange(32.0).reshape(4, 8)
-    a = GlobalTensor.from_global(x, mesh, ("tp",), [first])
+    a = GlobalTensor.from_global(x, mesh, ("tp",), [S0])
     b = GlobalTensor.from_global(np.ones((8, 4)), mesh, ("tp",), [S0])
     if comm.rank % 2:
         a.placements, a.local = (B,), x
-    with trace.recording(comm.world_rank) as rec:
-        try:
-            matmul(a, b)
-            msg = "no error"
-        except ValueError as exc:
-            msg = str(exc)
-    return msg, sum(e.kind == "comm" for e in rec.events)
+    return outcome(comm, lambda: matmul(a, b))
 
 
 def test_debug_mode_refuses_an_op_on_diverged_placements_before_any_message(monkeypatch) -> None:
     monkeypatch.setenv("MINIPAR_DEBUG", "1")
     want = "matmul: ranks disagree on input 0 placements: ranks 0, 2 [S(0)]; ranks 1, 3 [B]"
-    assert launch(op_on_diverged, 4, "threads", S0) == [(want, 0)] * 4
+    assert launch(op_on_diverged, 4, "threads") == [(want, 0)] * 4
 
 
 def test_disagreement_under_mpiexec() -> None:

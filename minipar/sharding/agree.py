@@ -60,7 +60,7 @@ def check_same(what: str, x: Any, y: Any) -> None:
         raise ValueError(f"{what}: the tensors are on different meshes ({differ}); make both on one mesh")
     if x.axes != y.axes:
         raise ValueError(f"{what}: both tensors must be on the same mesh and axes, got {x.axes} and {y.axes}; "
-                         "redistribute one first")
+                         "lay both out over the same axes")
 
 
 def layout(t: Any, prefix: str = "") -> dict[str, str]:

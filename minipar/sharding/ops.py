@@ -346,6 +346,7 @@ def embedding(table: GlobalTensor, ids: GlobalTensor) -> GlobalTensor:
     docstring). Ids out of range are refused on every rank before any message of the lookup: replicated
     ids are checked by each rank alike; split ones by each rank on its piece, the ranks then agreeing
     by a one-number all-reduce (the only message, and only when the ids are split)."""
+    agree.check_same("embedding", table, ids)
     rows, width = table.shape
     n = len(ids.shape)
     if not np.issubdtype(ids.local.dtype, np.integer) or any(isinstance(p, Partial) for p in ids.placements):
