@@ -145,6 +145,19 @@ def test_debug_mode_refuses_an_op_on_diverged_placements_before_any_message(monk
     assert launch(op_on_diverged, 4, "threads") == [(want, 0)] * 4
 
 
+def different_ops(comm) -> tuple[str, int]:
+    """Ranks 0, 2 multiply (all-gathering ``b``); ranks 1, 3 add (no message)."""
+    mesh = DeviceMesh(comm, tp=4)
+    a, b = (GlobalTensor.from_global(np.eye(4), mesh, ("tp",), [S0]) for _ in range(2))
+    return outcome(comm, lambda: (add if comm.rank % 2 else matmul)(a, b))
+
+
+def test_debug_mode_refuses_ranks_in_different_ops_with_one_line(monkeypatch) -> None:
+    monkeypatch.setenv("MINIPAR_DEBUG", "1")
+    want = "sharding ops: ranks disagree on op: ranks 0, 2 matmul; ranks 1, 3 add"
+    assert launch(different_ops, 4, "threads") == [(want, 0)] * 4
+
+
 def test_disagreement_under_mpiexec() -> None:
     """Separate processes: equal layouts give equal digests (no salted hash), unequal ones the same line."""
     cases = [{"what": "placements"}, {"what": "nothing"}]

@@ -82,11 +82,13 @@ def _ranks(ranks: Sequence[int]) -> str:
 def disagreement(what: str, table: Sequence[dict[str, str]], world: Sequence[int]) -> str:
     """The one-line error for the fields of ``table`` (one dict by rank, ranks named by ``world``)
     that are not equal on every rank: the ranks holding each distinct value."""
-    keys = [k for k in table[0] if any(row.get(k) != table[0][k] for row in table)]
-    keys = keys or sorted({k for row in table for k in row})
-    groups: dict[tuple[str | None, ...], list[int]] = {}
+    every = list(dict.fromkeys(k for row in table for k in row))  # in order; an op may have more inputs
+    keys = [k for k in every if any(row.get(k) != table[0].get(k) for row in table)]
+    if "op" in keys:  # ranks in different ops: no one op's name starts the line
+        what = "sharding ops"
+    groups: dict[tuple[str, ...], list[int]] = {}
     for r, row in zip(world, table, strict=True):
-        groups.setdefault(tuple(row.get(k) for k in keys), []).append(r)
+        groups.setdefault(tuple(row.get(k, "(none)") for k in keys), []).append(r)
     held = "; ".join(f"{_ranks(rs)} " + ", ".join(str(v) for v in vals) for vals, rs in groups.items())
     return f"{what}: ranks disagree on {' and '.join(keys)}: {held}"
 
