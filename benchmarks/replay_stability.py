@@ -90,7 +90,8 @@ sys.path.insert(0, str(ROOT))
 
 from minipar import trace as mtrace  # noqa: E402
 from minipar.parallel.pipeline import make_schedule, simulate  # noqa: E402
-from minipar.replay import cluster_named, earlier_steps, replay  # noqa: E402
+from minipar.replay import cluster_named, replay  # noqa: E402
+from minipar.span_costs import earlier_steps  # noqa: E402
 from viz import analysis  # noqa: E402
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")

@@ -25,7 +25,8 @@ from minipar.comm import launch, world
 from minipar.comm.mpi import under_mpiexec
 from minipar.comm.startup import env_rank_size, outside_mpiexec_env
 from minipar.cost.cluster import Cluster
-from minipar.replay import ReplayError, check_replayable, cluster_named, earlier_steps, replay
+from minipar.replay import ReplayError, check_replayable, cluster_named, replay
+from minipar.span_costs import earlier_steps
 from minipar.trace import Trace, load
 from viz.width import Table, terminal_width
 

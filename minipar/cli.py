@@ -96,7 +96,8 @@ def _replayed(traces: list[Trace], paths: list[str], clock: str | None, spec: st
     """The traces on the clock ``view`` shows: replayed on ``spec`` (default local) with ``--clock replay``,
     and by default when a recorded trace has CPU times (else, or if it cannot be, as recorded, said
     on stderr), span costs pooled with the earlier steps each lists; a replay's output as it is."""
-    from minipar.replay import ReplayError, cluster_named, earlier_steps, replay
+    from minipar.replay import ReplayError, cluster_named, replay
+    from minipar.span_costs import earlier_steps
     from minipar.trace import has_cpu_times
 
     done = [t.meta.get("clock") == "replay" for t in traces]
@@ -176,7 +177,8 @@ def _configure_replay(p: argparse.ArgumentParser) -> None:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from minipar.replay import ReplayError, cluster_named, earlier_steps, replay
+    from minipar.replay import ReplayError, cluster_named, replay
+    from minipar.span_costs import earlier_steps
     from minipar.trace import TraceError, load, save
 
     _not_a_folder(args.trace)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import os
-import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +47,8 @@ from minipar.comm.base import COLL
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
 from minipar.cost.presets import NETWORKS
-from minipar.trace import Event, Trace, has_cpu_times, load
+from minipar.span_costs import COSTS, median_scales
+from minipar.trace import Event, Trace, has_cpu_times
 
 NATIVE_AS = {"allreduce": "ring", "reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree",
              "reduce": "tree", "all_to_all": "pairwise", "barrier": "dissemination"}
@@ -139,50 +139,6 @@ def _points(events: list[Event]) -> dict[tuple[int, int], list[_Point]]:
 def _coll_key(e: Event) -> tuple[Any, ...] | None:
     """The collective call a message belongs to (None: a point-to-point message)."""
     return (e.cid, e.op, e.algorithm) if e.tag is not None and e.tag >> 22 == COLL else None
-
-
-COSTS = ("median", "cpu")  # what a compute span lasts (``replay``'s ``costs``)
-REPEAT_ARGS = ("iteration", "action")  # span args that number a repeat of the same work, not the work
-
-
-def _work(e: Event) -> tuple[Any, ...]:
-    """What identifies a compute span's work: its rank, thread, name, stage, chunk, step and args but
-    those that number a repeat (``REPEAT_ARGS``; the micro-batch is not part of it either)."""
-    args = tuple(sorted((k, repr(v)) for k, v in e.args.items() if k not in REPEAT_ARGS))
-    return (e.rank, e.thread, e.name, e.stage, e.chunk, e.step, args)
-
-
-def _cpu(e: Event) -> float | None:
-    """A compute span's CPU time, or None (no CPU times, or none spent)."""
-    if e.kind != "compute" or e.c0 is None or e.c1 is None or e.c1 <= e.c0:
-        return None
-    return e.c1 - e.c0
-
-
-def median_scales(events: list[Event], samples: Sequence[Trace] = ()) -> dict[int, float]:
-    """Event index -> median / own CPU time, for the compute spans whose work repeats (``_work``) in
-    ``events`` or in ``samples`` (the same run's earlier steps, ``earlier_steps``): scaled by it, every
-    repeat of the same work costs the median of their CPU times."""
-    groups: dict[tuple[Any, ...], list[float]] = defaultdict(list)
-    for e in [*events, *(e for t in samples for e in t.events)]:
-        c = _cpu(e)
-        if c is not None:
-            groups[_work(e)].append(c)
-    scale: dict[int, float] = {}
-    for i, e in enumerate(events):
-        c = _cpu(e)
-        if c is not None and len(repeats := groups[_work(e)]) > 1:
-            scale[i] = statistics.median(repeats) / c
-    return scale
-
-
-def earlier_steps(path: str | os.PathLike[str], trace: Trace) -> list[Trace]:
-    """The traces of the same run's earlier steps that ``trace`` (read from ``path``) lists in
-    ``meta["earlier_steps"]`` (file names beside it; lessons 02 and 08 record the steps before the
-    last one so): a replay pools their spans into its medians. A listed file that is gone is skipped."""
-    folder = os.path.dirname(os.fspath(path))
-    names = trace.meta.get("earlier_steps") or []
-    return [load(os.path.join(folder, n)) for n in names if os.path.exists(os.path.join(folder, n))]
 
 
 def _program(events: list[Event], pts: list[_Point], stats: dict[str, int],

@@ -9,7 +9,8 @@ import pytest
 from minipar import cli
 from minipar import trace as mtrace
 from minipar.cost.cluster import Cluster, Link
-from minipar.replay import ReplayError, earlier_steps, median_scales, replay
+from minipar.replay import ReplayError, replay
+from minipar.span_costs import earlier_steps, median_scales
 from minipar.trace import Event, Trace
 
 
