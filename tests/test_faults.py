@@ -75,13 +75,9 @@ def test_heartbeat_period_and_waiting_until_every_peer_was_heard() -> None:
     assert Detector(0, [1], 0.5).period == 0.1
     det = Detector(0, [1, 2], 0.5)
     det.heard(1)
-    t0 = time.monotonic()
-    det.wait_heard(limit=0.05)  # peer 2 never heard: the limit ends the wait
-    assert time.monotonic() - t0 >= 0.05
+    assert det.wait_heard(limit=0.05) is False  # peer 2 never heard: the limit ends the wait
     det.heard(2)
-    t0 = time.monotonic()
-    det.wait_heard(limit=5.0)  # both heard: returns at once
-    assert time.monotonic() - t0 < 5.0 and det.met == {1, 2}
+    assert det.wait_heard(limit=5.0) is True and det.met == {1, 2}  # both heard
 
 
 def test_detection_window_is_the_deadline_give_or_take_a_heartbeat_period() -> None:

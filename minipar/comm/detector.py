@@ -133,12 +133,14 @@ class Detector:
         """Seconds between heartbeats (``heartbeat_period``)."""
         return heartbeat_period(self.deadline)
 
-    def wait_heard(self, limit: float = 5.0) -> None:
+    def wait_heard(self, limit: float = 5.0) -> bool:
         """Wait (at most ``limit`` s) until every peer has been heard once: a peer never heard gets twice
-        the deadline (it may still be starting), so a detection measured after this is the steady state's."""
+        the deadline (it may still be starting), so a detection measured after this is the steady state's.
+        Whether every peer was heard."""
         end = time.monotonic() + limit
         while len(self.met) < len(self.last) and time.monotonic() < end:
             time.sleep(0.01)
+        return len(self.met) >= len(self.last)
 
     def heard(self, peer: int, when: float | None = None) -> None:
         when = time.monotonic() if when is None else when
