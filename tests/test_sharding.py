@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from refusals import refusal
 from strategies import budget
 
 from minipar import trace
@@ -260,13 +261,7 @@ BAD = [
 
 def run_bad(comm, i: int) -> tuple[str, int]:
     mesh = DeviceMesh(comm, dp=2, tp=2)
-    with trace.recording(comm.world_rank) as rec:
-        try:
-            BAD[i][0](mesh)
-            msg = "no error"
-        except ValueError as exc:
-            msg = str(exc)
-    return msg, sum(e.kind == "comm" for e in rec.events)
+    return refusal(comm, lambda: BAD[i][0](mesh))
 
 
 @pytest.mark.parametrize("i", range(len(BAD)), ids=[n[:30] for _, n in BAD])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from refusals import refusal
 
 from minipar import trace
 from minipar.comm import launch
@@ -18,17 +19,6 @@ B, S0, S1 = Replicate(), Shard(0), Shard(1)
 PLACEMENTS = "GlobalTensor: ranks disagree on placements: ranks 0, 2 [S(0), B]; ranks 1, 3 [B, B]"
 
 
-def outcome(comm, fn) -> tuple[str, int]:
-    """``fn()``'s ValueError (or "no error") and how many traced messages this rank saw meanwhile."""
-    with trace.recording(comm.world_rank) as rec:
-        try:
-            fn()
-            msg = "no error"
-        except ValueError as exc:
-            msg = str(exc)
-    return msg, sum(e.kind == "comm" for e in rec.events)
-
-
 def make_disagreeing(comm, what: str) -> tuple[str, int]:
     """Ranks with tp coordinate 0 (world 0, 2) pass one layout, the others another."""
     mesh = DeviceMesh(comm, dp=2, tp=2)
@@ -38,7 +28,7 @@ def make_disagreeing(comm, what: str) -> tuple[str, int]:
         placements = [B, B] if odd else placements
     elif what == "shape":
         shape = (8, 4) if odd else shape
-    return outcome(comm, lambda: GlobalTensor.zeros(shape, mesh, ("dp", "tp"), placements))
+    return refusal(comm, lambda: GlobalTensor.zeros(shape, mesh, ("dp", "tp"), placements))
 
 
 @pytest.mark.parametrize(("what", "want"), [
@@ -110,11 +100,11 @@ def mixed(comm, case: str) -> tuple[str, int]:
         m1, m2 = DeviceMesh(comm, tp=4), DeviceMesh(comm, dp=2, tp=2)
         a = GlobalTensor.from_global(np.ones((4, 8)), m1, ("tp",), [B])
         b = GlobalTensor.from_global(np.ones((8, 4)), m2, ("tp",), [B])
-        return outcome(comm, lambda: matmul(a, b))
+        return refusal(comm, lambda: matmul(a, b))
     mesh = DeviceMesh(comm, dp=2, tp=2)
     table = GlobalTensor.from_global(np.arange(32.0).reshape(8, 4), mesh, ("tp",), [S0])
     ids = GlobalTensor.from_global(np.array([1, 5, 7, 2]), mesh, ("dp",), [S0])
-    return outcome(comm, lambda: embedding(table, ids))
+    return refusal(comm, lambda: embedding(table, ids))
 
 
 @pytest.mark.parametrize(("case", "want"), [
@@ -136,7 +126,7 @@ def op_on_diverged(comm) -> tuple[str, int]:
     b = GlobalTensor.from_global(np.ones((8, 4)), mesh, ("tp",), [S0])
     if comm.rank % 2:
         a.placements, a.local = (B,), x
-    return outcome(comm, lambda: matmul(a, b))
+    return refusal(comm, lambda: matmul(a, b))
 
 
 def test_debug_mode_refuses_an_op_on_diverged_placements_before_any_message(monkeypatch) -> None:
@@ -149,7 +139,7 @@ def different_ops(comm) -> tuple[str, int]:
     """Ranks 0, 2 multiply (all-gathering ``b``); ranks 1, 3 add (no message)."""
     mesh = DeviceMesh(comm, tp=4)
     a, b = (GlobalTensor.from_global(np.eye(4), mesh, ("tp",), [S0]) for _ in range(2))
-    return outcome(comm, lambda: (add if comm.rank % 2 else matmul)(a, b))
+    return refusal(comm, lambda: (add if comm.rank % 2 else matmul)(a, b))
 
 
 def test_debug_mode_refuses_ranks_in_different_ops_with_one_line(monkeypatch) -> None:

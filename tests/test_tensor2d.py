@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from refusals import refusal
 from strategies import budget
 
 from minipar import trace
@@ -216,13 +217,7 @@ def refusals(comm, world_ok: bool) -> list[tuple[str, int]]:
     out = []
 
     def attempt(fn) -> None:
-        with trace.recording(comm.rank) as rec:
-            try:
-                fn()
-                msg = "accepted"
-            except ValueError as e:
-                msg = str(e)
-        out.append((msg, sum(1 for e in rec.events if e.kind == "comm")))
+        out.append(refusal(comm, fn, "accepted"))
 
     if not world_ok:
         attempt(lambda: grid_2d(comm))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import example, given
+from refusals import refusal
 from strategies import budget, mpi_jobs, tp_configs
 from tolerances import assert_close_after_adamw
 from tp_helpers import TOL, batch, cols, rand, rows, summarise
@@ -294,16 +295,14 @@ def bad_run(comm) -> dict:
     out = {}
     for name, (over, _) in BAD.items():
         c = {"vocab": 8, "seq": 4, "d": 8, "heads": 2, "ff": 8, "sp": False, "tp": None, "token": 0, **over}
-        with trace.recording(comm.world_rank) as rec:
-            try:
-                model = TensorParallelGPT(c["vocab"], 4, c["d"], c["heads"], 1, comm, c["ff"],
-                                          sequence_parallel=c["sp"], tp=c["tp"])
-                x = np.full((1, c["seq"]), c["token"])
-                model.loss(x, x)
-                msg = "accepted"
-            except ValueError as exc:
-                msg = str(exc)
-        out[name] = (msg, sum(e.kind == "comm" for e in rec.events))
+
+        def build_and_run(c: dict = c) -> None:
+            model = TensorParallelGPT(c["vocab"], 4, c["d"], c["heads"], 1, comm, c["ff"],
+                                      sequence_parallel=c["sp"], tp=c["tp"])
+            x = np.full((1, c["seq"]), c["token"])
+            model.loss(x, x)
+
+        out[name] = refusal(comm, build_and_run, "accepted")
     return out
 
 
