@@ -221,9 +221,9 @@ def run(comm: Any, steps: int, mesh: dict[str, int], clock: common.Clock = commo
     common.print_note(console, clock.caveat(comm.size), "; the prediction has one core per rank.")
     pred = perf.predict(tiny_spec(), tiny_perf_layout(mesh), cluster)
     if clock.kind == "replay":
-        steps = [*(mtrace.load(p) for p in res["earlier"]), trace]  # each replayed with the others' spans pooled
-        each = [step_seconds(replay(t, cluster, samples=[o for o in steps if o is not t])) for t in steps]
-        replayed = replay(trace, cluster, samples=steps[:-1])
+        traced = [*(mtrace.load(p) for p in res["earlier"]), trace]  # each replayed with the others' spans pooled
+        replays = [replay(t, cluster, samples=[o for o in traced if o is not t]) for t in traced]
+        each, replayed = [step_seconds(r) for r in replays], replays[-1]
         got = float(np.median(each))
         console.print(prediction_table(pred, got, cluster, clock.short, verbose))
         console.print(f"Replayed steps {', '.join(f'{t * 1e3:.1f}' for t in each)} ms (every step after the "
