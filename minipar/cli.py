@@ -174,6 +174,9 @@ def _configure_replay(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="JSON", required=True, help="write the replayed trace here")
     p.add_argument("--costs", choices=("median", "cpu"), default="median",
                    help="a compute span lasts the median CPU time of the repeats of its work (default) or its own")
+    p.add_argument("--host", action="store_true",
+                   help="replay the ranks as this machine ran them: a rank's threads (the collectives' worker "
+                        "too) share its one core, and their CPU time outside spans counts")
 
 
 def _run_replay(args: argparse.Namespace) -> int:
@@ -186,7 +189,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     try:
         cluster = cluster_named(args.cluster)
         trace = load(args.trace)
-        out = replay(trace, cluster, args.costs, earlier_steps(args.trace, trace))
+        out = replay(trace, cluster, args.costs, earlier_steps(args.trace, trace), host=args.host)
     except (TraceError, ReplayError) as exc:
         raise UsageError(str(exc)) from None
     try:

@@ -27,7 +27,11 @@ events in the order they happened on it (docs/formulas.md, section 11, has the r
 - a non-blocking collective's job starts on its worker thread when posted and after the worker's
   previous job; the caller's wait ends when the job has;
 - memory samples, marks and transfers keep their place between their thread's neighbours, by
-  wall-clock fraction.
+  wall-clock fraction;
+- with ``host=True`` the ranks replay as this machine ran them: a thread's CPU time outside spans
+  and waits is compute too (the collectives' worker's posting, testing and adding), and all threads
+  of a rank share its one core, first come first served (the worker then delays the compute it
+  overlaps, as it does here; without it the worker is a GPU's communication engine).
 
 The result has the trace format, ``meta["clock"] = "replay"`` and ``meta["cluster"]``, so every viewer
 reads it. Only the viewer, the lessons and the CLI import this module. Cost: O(E log E), E events.
@@ -142,9 +146,10 @@ def _coll_key(e: Event) -> tuple[Any, ...] | None:
 
 
 def _program(events: list[Event], pts: list[_Point], stats: dict[str, int],
-             scale: dict[int, float]) -> list[tuple[str, Any]]:
+             scale: dict[int, float], host: bool = False) -> list[tuple[str, Any]]:
     """A thread's ops: ``("compute", seconds)`` between its points (module docstring), then the point;
-    CPU time inside a span is scaled by the innermost open span's ``scale`` (1 if it has none)."""
+    CPU time inside a span is scaled by the innermost open span's ``scale`` (1 if it has none).
+    ``host``: the CPU time outside spans (but not in waits) is compute too."""
     ops: list[tuple[str, Any]] = []
     open_spans: dict[int, bool] = {}  # span index -> has CPU times
     waiting = 0
@@ -154,9 +159,12 @@ def _program(events: list[Event], pts: list[_Point], stats: dict[str, int],
             ops.append(("anchor", p))
             continue
         e = events[p.i]
-        if prev is not None and open_spans and not waiting:
+        if host and prev is not None and not open_spans and not waiting:
+            if p.cpu is not None and prev.cpu is not None and p.cpu > prev.cpu:
+                ops.append(("compute", p.cpu - prev.cpu))
+        elif prev is not None and open_spans and not waiting:
             pe = events[prev.i]
-            gap = prev.what == "done" and p.what == "post" and _is_message(e) and _is_message(pe) \
+            gap = not host and prev.what == "done" and p.what == "post" and _is_message(e) and _is_message(pe) \
                 and _coll_key(e) is not None and _coll_key(e) == _coll_key(pe) \
                 and (e.step or 0) > (pe.step or 0)  # between one call's steps (a new call starts again at 0)
             cpu_ok = all(open_spans.values()) and p.cpu is not None and prev.cpu is not None
@@ -231,26 +239,31 @@ def reduces(op: str | None, algorithm: str | None, step: int | None, p: int) -> 
     return False
 
 
-def replay(trace: Trace, cluster: Cluster, costs: str = "median", samples: Sequence[Trace] = ()) -> Trace:
+def replay(trace: Trace, cluster: Cluster, costs: str = "median", samples: Sequence[Trace] = (),
+           host: bool = False) -> Trace:
     """``trace`` re-timed on ``cluster`` (module docstring); ``ReplayError`` if it cannot be.
     ``costs``: ``"median"`` (the default), every repeat of the same work (``median_scales``, pooled
     with the spans of ``samples``: ``earlier_steps``) lasts the median of their CPU times; ``"cpu"``,
-    each span its own CPU time."""
+    each span its own CPU time. ``host``: the rank as this machine ran it, all its threads on its one
+    core and their CPU time outside spans charged too (the non-blocking collectives' worker's
+    posting, testing and adding: LogP's overhead o, Culler et al. 1993); by default only spans take
+    a core's time and every thread has its own, as a GPU's communication engine beside its compute."""
     if costs not in COSTS:
         raise ReplayError(f"costs={costs!r}: choose one of {', '.join(COSTS)}")
     check_replayable(trace)
     events = trace.events
     stats = {"spans_without_cpu": 0}
     scale = median_scales(events, samples) if costs == "median" else {}
-    lanes = {k: _program(events, pts, stats, scale) for k, pts in sorted(_points(events).items())}
+    lanes = {k: _program(events, pts, stats, scale, host) for k, pts in sorted(_points(events).items())}
     match, sizes = _match(events), _group_sizes(events)
-    sim = _Sim(events, lanes, match, sizes, cluster)
+    sim = _Sim(events, lanes, match, sizes, cluster, host)
     sim.run()
     meta = {**trace.meta, "clock": "replay", "cluster": cluster.name,
             "replay": {"from_clock": trace.meta.get("clock", "wall"), "cluster_source": cluster.source, **stats,
-                       "costs": costs, "samples": len(samples) if costs == "median" else 0,
+                       "costs": costs, "samples": len(samples) if costs == "median" else 0, "host": host,
                        "label": f"replayed: one core per rank, network {cluster.name}"
-                       + (", span costs: own CPU time" if costs == "cpu" else "")}}
+                       + (", span costs: own CPU time" if costs == "cpu" else "")
+                       + (", every thread's CPU on it" if host else "")}}
     return Trace(meta, sim.retimed(), trace.version)
 
 
@@ -259,8 +272,11 @@ class _Sim:
     clock runs its next op, so messages take the ports in the order of their posting times."""
 
     def __init__(self, events: list[Event], lanes: dict[tuple[int, int], list[tuple[str, Any]]],
-                 match: dict[int, int], sizes: dict[tuple[Any, int], int], cluster: Cluster) -> None:
+                 match: dict[int, int], sizes: dict[tuple[Any, int], int], cluster: Cluster,
+                 host: bool = False) -> None:
         self.events, self.lanes, self.match, self.sizes, self.cluster = events, lanes, match, sizes, cluster
+        self.host = host
+        self.core: dict[int, float] = defaultdict(float)  # rank -> its one core free at (host)
         self.clock = dict.fromkeys(lanes, 0.0)
         self.pc = dict.fromkeys(lanes, 0)
         self.reached: dict[tuple[int, str], float] = {}  # (event, what) -> replay time reached
@@ -322,7 +338,11 @@ class _Sim:
         t = self.clock[lane]
         woken: list[tuple[int, int]] = []
         if what == "compute":
-            self.clock[lane] = t + arg
+            if self.host:  # the rank's threads share its core: the first to come runs
+                t = self.core[lane[0]] = max(t, self.core[lane[0]]) + arg
+            else:
+                t += arg
+            self.clock[lane] = t
         elif what != "anchor":
             e = self.events[arg.i]
             self.reached.setdefault((arg.i, what), t)
@@ -338,7 +358,8 @@ class _Sim:
                     self._block(("msg", sent), lane)
                     return None
                 t = max(t, self.arrival[sent])
-                if _coll_key(e) and reduces(e.op, e.algorithm, e.step, self.sizes.get((e.cid, e.rank), 1)):
+                if _coll_key(e) and not self.host \
+                        and reduces(e.op, e.algorithm, e.step, self.sizes.get((e.cid, e.rank), 1)):  # host: in CPU
                     t += (e.nbytes or 0) * self.cluster.gamma
             elif what == "native":
                 t, woken = self._native(arg.i, lane, t)

@@ -94,3 +94,40 @@ def test_the_earlier_steps_a_trace_lists_join_its_medians(tmp_path, capsys) -> N
     assert cli.main(["replay", str(tmp_path / "t.json"), "--cluster", "local", "-o", str(tmp_path / "r.json")]) == 0
     assert durations(mtrace.load(tmp_path / "r.json")) == pytest.approx([2e-3])
     capsys.readouterr()
+
+
+def mark(name: str, t: float, cpu: float, thread: int | None = None) -> Event:
+    return Event(0, "mark", name, t, t, c0=cpu, thread=thread, args={"cid": "w", "job": 0})
+
+
+def test_host_puts_the_worker_on_the_ranks_core_and_charges_cpu_outside_spans(tmp_path, capsys) -> None:
+    # the rank: F (2 ms of CPU), posts a job, G (2 ms), waits for it, then opt (1 ms); its worker thread
+    # takes the job and spends 4 ms of CPU on it outside any span (posting, testing, adding)
+    events = [Event(0, "compute", "F", 0.000, 0.003, c0=0.000, c1=0.002),
+              mark("async posted", 0.003, 0.002),
+              Event(0, "compute", "G", 0.004, 0.007, c0=0.002, c1=0.004),
+              mark("async wait", 0.008, 0.004),
+              Event(0, "compute", "opt", 0.020, 0.022, c0=0.004, c1=0.005),
+              mark("async start", 0.0035, 0.100, thread=1), mark("async end", 0.019, 0.104, thread=1)]
+    trace = Trace({"world_size": 1, "clock": "wall"}, events)
+    ends = {e.name: round(e.t1, 9) for e in replay(trace, free()).events}
+    assert (ends["G"], ends["async end"], ends["opt"]) == pytest.approx((4e-3, 2e-3, 5e-3))  # worker: own core
+    out = replay(trace, free(), host=True)
+    ends = {e.name: round(e.t1, 9) for e in out.events}
+    # the job arrives at 2 ms, between F and G: the worker's 4 ms take the core first (ties go to the
+    # thread the replay reaches first), G runs after them (6-8 ms), the wait ends at once, opt 8-9 ms
+    assert (ends["G"], ends["async end"], ends["opt"]) == pytest.approx((8e-3, 6e-3, 9e-3))
+    assert out.meta["replay"]["host"] is True and out.meta["replay"]["label"].endswith("every thread's CPU on it")
+    # CPU outside spans counts on the host: 1 ms between G and the wait, replayed on the main thread
+    gap = [*events[:3], mark("async wait", 0.008, 0.005), replace_cpu(events[4], 0.005), *events[5:]]
+    ends = {e.name: round(e.t1, 9) for e in replay(Trace(trace.meta, gap), free(), host=True).events}
+    assert (ends["async end"], ends["opt"]) == pytest.approx((6e-3, 10e-3))  # the 1 ms after G: 8-9 ms
+    mtrace.save(trace, tmp_path / "t.json")
+    assert cli.main(["replay", str(tmp_path / "t.json"), "--cluster", "local", "--host", "-o",
+                     str(tmp_path / "h.json")]) == 0
+    assert mtrace.load(tmp_path / "h.json").meta["replay"]["host"] is True
+    capsys.readouterr()
+
+
+def replace_cpu(e: Event, c0: float) -> Event:
+    return Event(e.rank, e.kind, e.name, e.t0, e.t1, c0=c0, c1=c0 + (e.c1 - e.c0))
