@@ -110,7 +110,11 @@ def test_activations_follow_korthikanti() -> None:
     assert act(tp=4) == pytest.approx(L * sbh * (10 + 24 / 4 + 5 * a * s / (h * 4)))
     assert act(tp=4, sequence_parallel=True) == pytest.approx(L * sbh * (34 / 4 + 5 * a * s / (h * 4)))
     assert act(tp=4, sequence_parallel=True, recompute="selective") == pytest.approx(L * sbh * 34 / 4)
-    assert act(recompute="full") == pytest.approx(L * 2 * sbh)
+    # full: the block inputs 2 s b h per layer, plus one layer's whole working set while its backward
+    # runs (Chen et al. 2016, Sec. 3): s b h (34 + 5 a s / h) once
+    assert act(recompute="full") == pytest.approx(L * 2 * sbh + sbh * (34 + 5 * a * s / h))
+    assert act(tp=4, sequence_parallel=True, recompute="full") == pytest.approx(
+        L * 2 * sbh / 4 + sbh * (34 / 4 + 5 * a * s / (h * 4)))
     assert act(sp=4) == pytest.approx(L * sbh * (34 + 5 * a * s / h) / 4)
     # 1F1B, p = 4, m = 8: the first stage holds 4 micro-batches of L/4 layers: L layers' worth
     one = L * sbh * (34 + 5 * a * s / h)
@@ -119,6 +123,35 @@ def test_activations_follow_korthikanti() -> None:
     # interleaved, v = 2: (1 + (p-1)/(p v)) = 1 + 3/8 times that (Korthikanti et al. Sec. 4.2.3)
     mem = predict(model, Layout(pp=4, chunks=2, micro_batch=b, global_batch=8 * b), TOY).memory["activations"]
     assert mem == pytest.approx(one * (1 + 3 / 8))
+
+
+def test_perf_activations_are_cost_tensor_terms_with_dropout() -> None:
+    """One home for the activation terms: perf's per-layer bytes equal ``cost.tensor.layer_terms``
+    with dropout's four terms (1-byte masks), and without them equal minipar's own model (no
+    dropout): the paper's count less ``as^2 b + 2 as^2 b`` (the softmax's mask and dropped output)
+    and the two ``sbh`` masks, for w = 2 as the paper and w = 8 as minipar's float64 GPT."""
+    from minipar.cost.perf import activation_bytes_per_layer
+    from minipar.cost.tensor import layer_terms
+
+    s, b, h, a, f = 256, 2, 128, 8, 512
+    for w in (2, 8):
+        model = ModelSpec(layers=4, hidden=h, heads=a, seq=s, vocab=512, ffn=f, bytes_per_number=w)
+        for t, sp, mode in [(1, False, "none"), (4, False, "none"), (4, True, "none"), (2, True, "selective"),
+                            (2, False, "full"), (4, True, "full")]:
+            lay = Layout(tp=t, sequence_parallel=sp, micro_batch=b, global_batch=b, recompute=mode)
+            # by hand: words of w bytes, then 1-byte masks (softmax mask a s^2 b / t, two s b h masks)
+            shard = s * b * h // (t if sp else 1)
+            if mode == "full":
+                want = shard * w
+            else:
+                soft = 0 if mode == "selective" else b * a // t * s * s
+                words = 4 * shard + 4 * s * b * h // t + 2 * s * b * f // t + 2 * soft  # + softmax, its dropout
+                want = words * w + soft + 2 * shard
+            assert activation_bytes_per_layer(model, lay) == want, (w, t, sp, mode)
+            bare = sum(layer_terms(t, b, s, h, a, f, w, sp, mode).values())
+            soft = 0 if mode != "none" else b * a // t * s * s
+            drop = 0 if mode == "full" else soft * (1 + w) + 2 * shard
+            assert bare == want - drop, (w, t, sp, mode)
 
 
 def test_step_time_by_hand_tp_and_pipeline() -> None:

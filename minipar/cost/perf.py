@@ -76,7 +76,7 @@ from minipar.cost.layout import UNEVEN, Layout, ModelSpec, check_specs
 from minipar.cost.overhead import optimizer_seconds, parameter_tensors, stage_collectives, stage_ops
 from minipar.cost.pipeline import bubble_fraction, peak_stash
 from minipar.cost.stages import uneven_stage_blocks
-from minipar.cost.tensor import collectives_per_block
+from minipar.cost.tensor import collectives_per_block, layer_terms, recompute_working_bytes
 from minipar.cost.zero import zero_model_states
 
 OVERLAPPED_REGATHERS = 2  # Megatron-SP's backward all-gathers hidden behind the input-gradient GEMM
@@ -155,22 +155,24 @@ def _optimizer_bytes(w: int) -> int:
     return 12 if w == 2 else 2 * w
 
 
+def _layer_terms(model: ModelSpec, layout: Layout, recompute: str) -> float:
+    """``tensor.layer_terms`` of a Megatron GPT (dropout's masks included) for this layout, summed,
+    over ``u`` (Ulysses splits the sequence, and the attention core by heads)."""
+    terms = layer_terms(layout.tp, layout.micro_batch, model.seq, model.hidden, model.heads, model.ffn,
+                        model.bytes_per_number, layout.sequence_parallel, recompute, dropout=True)
+    return sum(terms.values()) / layout.sp
+
+
 def activation_bytes_per_layer(model: ModelSpec, layout: Layout) -> float:
-    """Korthikanti et al. 2022 (Sec. 4.1-4.2, Sec. 5) bytes one layer keeps for one micro-batch,
-    generalised to MLP width ``f``: outside the tensor-parallel regions ``10 s b h`` (two layer-norm
+    """Bytes one layer keeps for one micro-batch: ``tensor.layer_terms`` with dropout (Korthikanti
+    et al. 2022, Sec. 4.1-4.2, Sec. 5, generalised to MLP width ``f`` and ``w`` bytes per number;
+    masks 1 byte): outside the tensor-parallel regions ``10 s b h`` for ``w = 2`` (two layer-norm
     inputs, the q k v and fc inputs, two dropout masks), inside ``8 s b h + 4 s b f + 5 a s^2 b``,
-    the latter over ``t``; with SP all over ``t``; Ulysses over ``u``; ``w / 2`` for other widths."""
+    the latter over ``t``; with SP all over ``t``; Ulysses over ``u``. Selective recomputation drops
+    the ``5 a s^2 b``, full keeps the block's input (``recompute_working_bytes`` more, one layer at a
+    time: ``memory_bytes``)."""
     check_specs("activation_bytes_per_layer", model=model, layout=layout)
-    s, b, h, a, f = model.seq, layout.micro_batch, model.hidden, model.heads, model.ffn
-    t, u = layout.tp, layout.sp
-    scale = model.bytes_per_number / 2
-    if layout.recompute == "full":
-        per = 2 * s * b * h / (t if layout.sequence_parallel else 1)
-        return per * scale / u
-    scores = 0 if layout.recompute == "selective" else 5 * a * s * s * b
-    inside = (8 * s * b * h + 4 * s * b * f + scores) / t
-    outside = 10 * s * b * h / (t if layout.sequence_parallel else 1)
-    return (inside + outside) * scale / u
+    return _layer_terms(model, layout, layout.recompute)
 
 
 def memory_traffic_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -181,11 +183,19 @@ def memory_traffic_bytes(model: ModelSpec, layout: Layout) -> float:
     and read in the backward: 4 moves; recomputation writes again what it recomputes (everything
     with full, the ``5 a s^2 b`` scores with selective): one more move of those."""
     check_specs("memory_traffic_bytes", model=model, layout=layout)
-    kept = activation_bytes_per_layer(model, Layout(tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch,
-                                                    sequence_parallel=layout.sequence_parallel))
-    scores = 5 * model.heads * model.seq**2 * layout.micro_batch / (layout.tp * layout.sp)
-    again = {"none": 0.0, "selective": scores * model.bytes_per_number / 2, "full": kept}[layout.recompute]
-    return 4 * kept + again
+    kept = _layer_terms(model, layout, "none")
+    again = {"none": 0.0, "selective": kept - _layer_terms(model, layout, "selective"), "full": kept}
+    return 4 * kept + again[layout.recompute]
+
+
+def _working_bytes(model: ModelSpec, layout: Layout) -> float:
+    """What full recomputation holds on top of the kept inputs while one layer's backward runs: that
+    layer's whole working set for one micro-batch (``tensor.recompute_working_bytes`` with dropout's
+    masks, over ``u``); 0 for the other modes."""
+    if layout.recompute != "full":
+        return 0.0
+    return recompute_working_bytes(layout.tp, layout.micro_batch, model.seq, model.hidden, model.heads, model.ffn,
+                                   model.bytes_per_number, layout.sequence_parallel, dropout=True) / layout.sp
 
 
 def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
@@ -196,6 +206,7 @@ def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
     w, k, d, z = model.bytes_per_number, _optimizer_bytes(model.bytes_per_number), layout.dp * layout.sp, layout.zero
     p, v, m = layout.pp, layout.chunks, layout.microbatches
     per_layer = activation_bytes_per_layer(model, layout)
+    working = _working_bytes(model, layout)
     stages = _stage_parameters(model, layout)
     blocks = stage_blocks(model, layout) if len(stages) == p else [-(-model.layers // p)]
     best: dict[str, float] = {}
@@ -204,7 +215,7 @@ def memory_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
         states = {"parameters": w * psi / (d if z >= 3 else 1), "gradients": w * psi / (d if z >= 2 else 1),
                   "optimizer": k * psi / (d if z >= 1 else 1)}
         assert abs(sum(states.values()) - zero_model_states(psi, z, d, k, w, w)) <= 1e-6 * sum(states.values())
-        out = {**states, "activations": peak_stash(layout.kind, p, m, rank, v) * n / v * per_layer}
+        out = {**states, "activations": peak_stash(layout.kind, p, m, rank, v) * n / v * per_layer + working}
         out["total"] = sum(out.values())
         if out["total"] > best.get("total", -1.0):
             best = out

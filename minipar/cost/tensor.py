@@ -119,16 +119,21 @@ def block_parameters(t: int, d: int, d_ff: int) -> int:
 
 
 def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
-                sequence_parallel: bool = False, recompute: str = "none") -> dict[str, int]:
+                sequence_parallel: bool = False, recompute: str = "none", dropout: bool = False) -> dict[str, int]:
     """Bytes one transformer layer keeps for backward on each rank, term by term: Korthikanti et al.
     2022 Sec. 4.1 without the dropout terms (module docstring), in the order a block makes them.
-    ``recompute`` (Korthikanti et al. Sec. 5): "selective" drops the softmax term, "full" keeps the
-    block's input alone (minipar counts a block's output, the next one's input, as for "none"), and
-    ``recompute_working_bytes`` more while the layer's backward runs. Refuses head counts ``t`` does
-    not divide, as Megatron does."""
+    ``dropout=True`` (a GPT with dropout, as the paper's and Megatron-LM's; not minipar's ``nn.GPT``)
+    adds the paper's four: the softmax's 1-byte mask and its dropped output (``itemsize``), the 1-byte
+    masks after attention and after the MLP; with ``itemsize=2`` the sum is the paper's ``sbh (34 +
+    5as/h)`` (``10 + 24/t``, ``34/t`` with t and SP) per layer, what ``cost.perf`` charges.
+    ``recompute`` (Korthikanti et al. Sec. 5): "selective" drops the softmax terms (``5as^2b`` with
+    dropout), "full" keeps the block's input alone (minipar counts a block's output, the next one's
+    input, as for "none"), and ``recompute_working_bytes`` more while the layer's backward runs.
+    Refuses head counts ``t`` does not divide, as Megatron does."""
     _megatron("layer_terms", t, n_heads, d, d_ff)
     wholes("layer_terms", batch=batch, seq=seq, itemsize=itemsize)
     one_of("layer_terms", "recompute", recompute, RECOMPUTE)
+    one_of("layer_terms", "dropout", dropout, (False, True))
     n, w = seq * batch, itemsize
     shard = n * d * w // t if sequence_parallel else n * d * w  # the layer-norm region's tensors
     if recompute == "full":
@@ -139,17 +144,22 @@ def layer_terms(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, i
              "softmax": batch * (n_heads // t) * seq * seq * w, "attention output (proj input)": local,
              "residual 1 (ln2 input)": shard, "ln2 output (fc input)": shard,
              "gelu input": hidden, "gelu output (proj input)": hidden, "residual 2 (next ln1 input)": shard}
+    if dropout:  # 1-byte masks; the dropped softmax has the activations' itemsize (Korthikanti et al. 4.1)
+        scores = batch * (n_heads // t) * seq * seq
+        terms.update({"softmax dropout mask": scores, "softmax dropout output": scores * w,
+                      "attention dropout mask": shard // w, "mlp dropout mask": shard // w})
     if recompute == "selective":
-        del terms["softmax"]
+        for key in ("softmax", "softmax dropout mask", "softmax dropout output"):
+            terms.pop(key, None)
     return terms
 
 
 def recompute_working_bytes(t: int, batch: int, seq: int, d: int, n_heads: int, d_ff: int, itemsize: int = 8,
-                            sequence_parallel: bool = False) -> int:
+                            sequence_parallel: bool = False, dropout: bool = False) -> int:
     """Bytes one layer's recomputed forward holds while its backward runs under full recomputation
     (Chen et al. 2016, Sec. 3): the whole ``layer_terms`` of no recomputation, its output included
     (a fresh copy of the block's output, not the one kept)."""
-    return sum(layer_terms(t, batch, seq, d, n_heads, d_ff, itemsize, sequence_parallel).values())
+    return sum(layer_terms(t, batch, seq, d, n_heads, d_ff, itemsize, sequence_parallel, dropout=dropout).values())
 
 
 LN_TERMS = ("ln1 output (q k v input)", "residual 1 (ln2 input)", "ln2 output (fc input)",
