@@ -225,7 +225,6 @@ BAD = [
     (config({"pp": 2}, vocab=12, token_vocab=16), "must lie in [0, 12)"),  # on every rank, not one stage
     (config({"dp": 2}, sp_method="foo"), "sp_method='foo'"),
     (config({"pp": 2}, layer_counts=(3, 2)), "layers=[3, 2] (per virtual stage, counting the embedding"),
-    (config({"pp": 2, "tp": 2}, schedule="zb-h1"), "schedule='zb-h1' splits each backward into I and W"),
 ]
 
 

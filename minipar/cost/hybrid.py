@@ -187,6 +187,22 @@ def _replica_bytes(c: TinyLayout, rank: int) -> tuple[str, int]:
     return axis, zero.zero_traffic_bytes([numel], c.zero_stage, n, c.itemsize, me)  # one bucket: tiny models
 
 
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules whose backward is I then W (zero bubble)
+
+
+def w_regather_bytes(c: TinyLayout, rank: int) -> int:
+    """Bytes ``rank`` sends inside its W actions in one step: under Megatron-SP with a zero-bubble
+    schedule, the re-gathers of the column-parallel inputs (q k v's and fc's per block, the head's),
+    which W runs (``tensor.layers``). Each is a ring all-gather of the sequence shard, ``(t-1)`` shards
+    of ``S/t b d e`` bytes, once per micro-batch; every other W is local, so 0 otherwise. These bytes
+    are part of ``traffic_by_axis``'s ``tp`` (the same re-gathers, moved from B to W)."""
+    _rank("w_regather_bytes", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
+    if not (c.sequence_parallel and c.tp > 1 and c.schedule in SPLIT_BACKWARD):
+        return 0
+    gathers = sum(2 * blocks + head for _, blocks, head in c.stages_of(c.coords(rank)["pp"]))
+    return c.microbatches * gathers * (c.tp - 1) * (c.seq // c.tp) * c.micro_batch * c.d * c.itemsize
+
+
 def traffic_by_axis(c: TinyLayout, rank: int) -> dict[str, int]:
     """Bytes ``rank`` sends in one step, by the mesh axes its messages cross (module docstring)."""
     _rank("traffic_by_axis", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")

@@ -15,6 +15,12 @@ replicated it, once::
          slice: one ring all-reduce of the flat gradients (DDP), or ZeRO stage 1's reduce-scatter
          before the step and all-gather after it (Megatron-LM's distributed optimizer)
 
+Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V: a backward split into I and W, ``split_backward``) run with
+tp and sp > 1 too: each parallel op's collective runs once, in I with the input's gradient (``f``'s
+all-reduce, the reduce-scatters, ``g-bar``'s and Ulysses' gradient exchanges, Ring Attention's
+hand-offs), and W is local but for Megatron-SP's re-gather of the column-parallel inputs, which runs
+inside W where the schedule places it (``tensor.layers``; ``cost.hybrid.w_regather_bytes``).
+
 Gradients are reduced after the last micro-batch's backward, as Megatron-LM does under pipelining
 (DDP's per-bucket overlap would fire once per micro-batch). ZeRO stages 2 and 3 are refused with
 pipelining, as DeepSpeed refuses them: they reduce or gather per micro-batch. ``nn.GPT`` has no
@@ -58,9 +64,6 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
     if recompute == "selective" and sp > 1:
         problems.append("recompute='selective' drops minipar's attention softmax; the sequence-parallel attentions "
                         "keep their own: use 'full' or sp = 1")
-    if recompute == "full" and str(schedule).lower().startswith("zb"):
-        problems.append(f"recompute='full' runs a block's whole backward, weight gradients included, inside its "
-                        f"recomputation: schedule={schedule!r} would have no W left to place; use another schedule")
 
     def collect(check: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -78,14 +81,15 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
         problems.append(f"Megatron-SP splits the sequence of {seq_len} over tp={tp}: use a multiple of {tp}")
     if sp > 1:
         collect(check_sequence_config, mesh["sp"], seq_len, n_heads, d_model, sp_method, ulysses)
-    if str(schedule).lower().startswith("zb") and (tp > 1 or sp > 1):
-        problems.append(f"schedule={schedule!r} splits each backward into I and W, but the tensor- and "
-                        "sequence-parallel ops communicate inside their backward and would communicate again in "
-                        "W (twice their backward traffic); use it with tp = sp = 1, or another schedule")
     if sp_method not in SP_METHODS:
         problems.append(f"sp_method={sp_method!r}; choose one of {SP_METHODS}")
     try:
-        stages = make_schedule(schedule, pp, microbatches, chunks).virtual_stages
+        sched = make_schedule(schedule, pp, microbatches, chunks)
+        stages = sched.virtual_stages
+        if recompute == "full" and any(a.op == "W" for acts in sched.values() for a in acts):
+            problems.append(f"recompute='full' runs a block's whole backward, weight gradients included, inside "
+                            f"its recomputation: schedule={schedule!r} would have no W left to place; use another "
+                            "schedule")
     except ValueError as exc:
         problems.append(str(exc))
         stages = pp

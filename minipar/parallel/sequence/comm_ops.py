@@ -84,13 +84,15 @@ class linear_seq_to_heads(Function):  # a q, k or v projection fused with Ulysse
     """``seq_to_heads(x W + b)``: the projection of this rank's positions, sent to the ranks owning
     its heads. Keeps ``x`` (the layer norm's output, kept anyway) and the weight, not the projection
     before the all-to-all, which nothing in backward needs (PyTorch frees such a tensor; here it is
-    never a node). Backward: the gradient's all-to-all back, then the linear's two GEMMs."""
+    never a node). Backward: the gradient's all-to-all back, then the linear's two GEMMs; split
+(zero bubble's I and W, ``minipar.split_backward``), I runs the all-to-all and the input's GEMM and
+keeps the gradient it brought back, which W multiplies by ``x`` without sending anything."""
 
     @staticmethod
     def forward(ctx: Context, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
                 comm: Communicator) -> np.ndarray:
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.comm = comm
         y = x.reshape(-1, x.shape[-1]) @ weight
         if bias is not None:
             y += bias
@@ -99,9 +101,15 @@ class linear_seq_to_heads(Function):  # a q, k or v projection fused with Ulysse
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
         x, weight = ctx.saved
-        g = _heads_to_seq(grad, ctx.comm)
-        rows, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, weight.shape[1])
-        return ((g @ weight.T).reshape(x.shape), rows.T @ g, g.sum(axis=0) if ctx.has_bias else None, None)
+        want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        g = ctx.__dict__.pop("grad_seq", None)  # all-to-all'd by this op's I for its W
+        if g is None:
+            g = _heads_to_seq(grad, ctx.comm).reshape(-1, weight.shape[1])
+        if not (want_w or want_b):
+            ctx.grad_seq = g  # I of a split backward (zero bubble): its W reads it, sending nothing
+        rows = x.reshape(-1, x.shape[-1])
+        return ((g @ weight.T).reshape(x.shape) if want_x else None, rows.T @ g if want_w else None,
+                g.sum(axis=0) if want_b else None, None)
 
 
 def pass_on(comm: Communicator, array: np.ndarray, tag: int, op: str, step: int, block: int) -> Both:

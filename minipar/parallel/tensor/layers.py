@@ -15,6 +15,18 @@ and ``RowParallelMatmul`` (multiply, leave the region, add the bias and the resi
 row-parallel linear followed by bias-dropout-add, without dropout). Each keeps only its input for
 backward, which is what Korthikanti et al. 2022 (Sec. 4.1) count.
 
+Split backward (zero bubble, ``minipar.split_backward``; Qi et al. 2024, Sec. 2): asked for the
+input's gradient alone (``I``), a linear runs the input-gradient GEMM and the collective that goes
+with it (``f``'s all-reduce, the sequence-parallel reduce-scatter, ``g-bar``'s all-gather of the
+gradient); asked for the weights' alone (``W``), it runs ``X^T dY`` and ``sum dY``, local, except
+that under sequence parallelism the column-parallel input is gathered again inside ``W``: the
+re-gather Megatron-LM runs in backward anyway, now a communication of its own that the schedule
+places with its ``W`` (a ``re-gather`` mark inside the ``W`` span; ``cost.hybrid.w_regather_bytes``).
+Re-gathering rather than keeping the gathered input keeps the activations a W waits with at the
+sequence shard, ``1/t`` of the gathered input. The row-parallel linear keeps the gradient ``g-bar``
+gathered in ``I`` for its ``W`` (Megatron's zero-bubble ``WeightGradStore`` keeps ``grad_output``):
+gathering it again would cost a second all-gather. Each collective runs once per backward either way.
+
 Every sharded weight is a ``Parameter`` with ``full_shape`` and ``shard``, so each rank generates
 only its slice of the single-process initialisation: the model starts identical.
 ``gather_state_dict`` / ``gather_grads`` put the shards back together (all-gathers).
@@ -30,6 +42,7 @@ from minipar import functional as F
 from minipar import trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.nn import Module, Parameter
+from minipar.parallel.tensor import fp8 as tp_fp8
 from minipar.parallel.tensor.comm_ops import ALGORITHM, exit_region, gather_last
 
 
@@ -54,7 +67,7 @@ class ColumnParallelMatmul(Function):
 
     Keeps only ``x``: under sequence parallelism the sequence shard, not the gathered ``X``. Backward
     gathers it again for the weight gradient, as Korthikanti et al. 2022 (Sec. 4.2.2) and Megatron-LM
-    do ("an extra all-gather" in backward, marked ``re-gather`` in the trace). Backward:
+    do ("an extra all-gather" in backward, marked ``re-gather`` in the trace; split, in W). Backward:
     ``dA_i = X^T dY_i``, ``db_i = sum dY_i``, ``dX = sum_i dY_i A_i^T``, then all-reduced (``f``'s
     backward) or reduce-scattered (``g``'s) to the shape of ``x``.
     Call as ``apply(x, comm, sequence_parallel, A_1, .., A_n, b_1, .., b_n)`` (a bias may be None).
@@ -64,7 +77,7 @@ class ColumnParallelMatmul(Function):
     def forward(ctx: Context, x: np.ndarray, comm: Any, sequence_parallel: bool, *params: Any) -> np.ndarray:
         n = len(params) // 2
         weights, biases = params[:n], params[n:]
-        ctx.comm, ctx.sp, ctx.weights, ctx.has_bias = comm, sequence_parallel, weights, [b is not None for b in biases]
+        ctx.comm, ctx.sp, ctx.weights = comm, sequence_parallel, weights
         ctx.save_for_backward(x)
         whole = comm.allgather(x, algorithm=ALGORITHM) if sequence_parallel else x
         outs = [whole @ w if b is None else whole @ w + b for w, b in zip(weights, biases, strict=True)]
@@ -73,17 +86,25 @@ class ColumnParallelMatmul(Function):
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
         (x,) = ctx.saved
-        if ctx.sp:
-            trace.mark("re-gather", nbytes=x.nbytes)
-            whole = ctx.comm.allgather(x, algorithm=ALGORITHM)
-        else:
-            whole = x
+        n, needs = len(ctx.weights), ctx.needs_input_grad  # I, W or both (module docstring)
+        want_x, want_w, want_b = needs[0], needs[3:3 + n], needs[3 + n:]
+        whole = None
+        if any(want_w) or any(want_b):
+            if ctx.sp:
+                trace.mark("re-gather", nbytes=x.nbytes)
+            whole = ctx.comm.allgather(x, algorithm=ALGORITHM) if ctx.sp else x
         edges = np.cumsum([w.shape[1] for w in ctx.weights])[:-1]
-        d_weights, d_biases, dx = [], [], np.zeros(whole.shape, dtype=grad.dtype)
-        for w, g, has_bias in zip(ctx.weights, np.split(grad, edges, axis=-1), ctx.has_bias, strict=True):
-            d_weights.append(_rows(whole).T @ _rows(g))
-            d_biases.append(_rows(g).sum(axis=0) if has_bias else None)
-            dx += g @ w.T
+        d_weights, d_biases = [None] * n, [None] * n
+        dx = np.zeros((x.shape[0] * ctx.comm.size if ctx.sp else x.shape[0], *x.shape[1:]), dtype=grad.dtype)
+        for i, (w, g) in enumerate(zip(ctx.weights, np.split(grad, edges, axis=-1), strict=True)):
+            if want_w[i]:
+                d_weights[i] = _rows(whole).T @ _rows(g)
+            if want_b[i]:
+                d_biases[i] = _rows(g).sum(axis=0)
+            if want_x:
+                dx += g @ w.T
+        if not want_x:
+            return (None, None, None, *d_weights, *d_biases)
         if ctx.sp:
             dx = ctx.comm.reduce_scatter(dx, op="sum", algorithm=ALGORITHM)
         else:
@@ -100,7 +121,7 @@ class RowParallelMatmul(Function):
 
     Keeps only ``x`` (the partial sum and the reduced output are not kept). Backward: ``g-bar``'s
     all-gather of the gradient (identity for ``g``), then ``dA_r = X_r^T dY``, ``dX_r = dY A_r^T``;
-    ``db = sum dY`` and ``d residual = dY`` on this rank's rows.
+    ``db = sum dY`` and ``d residual = dY`` on this rank's rows. Split, I gathers and keeps ``dY`` for W.
     Call as ``apply(x, comm, sequence_parallel, A_r, b_or_None, residual_or_None)``.
     """
 
@@ -108,7 +129,6 @@ class RowParallelMatmul(Function):
     def forward(ctx: Context, x: np.ndarray, comm: Any, sequence_parallel: bool, weight: np.ndarray,
                 bias: np.ndarray | None, residual: np.ndarray | None) -> np.ndarray:
         ctx.comm, ctx.sp, ctx.weight = comm, sequence_parallel, weight
-        ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
         ctx.save_for_backward(x)
         partial = x @ weight
         if sequence_parallel:
@@ -123,10 +143,14 @@ class RowParallelMatmul(Function):
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
         (x,) = ctx.saved
-        whole = ctx.comm.allgather(grad, algorithm=ALGORITHM) if ctx.sp else grad
-        d_bias = _rows(grad).sum(axis=0) if ctx.has_bias else None
-        return (whole @ ctx.weight.T, None, None, _rows(x).T @ _rows(whole), d_bias,
-                grad if ctx.has_residual else None)
+        want_x, want_w, want_b, want_r = (ctx.needs_input_grad[i] for i in (0, 3, 4, 5))  # I, W or both
+        whole = ctx.__dict__.pop("grad_whole", None)  # gathered by this op's I for its W
+        if whole is None:
+            whole = ctx.comm.allgather(grad, algorithm=ALGORITHM) if ctx.sp else grad
+        if ctx.sp and not want_w:
+            ctx.grad_whole = whole  # I of a split backward: W reads it (a frozen weight: freed with the graph)
+        return (whole @ ctx.weight.T if want_x else None, None, None, _rows(x).T @ _rows(whole) if want_w else None,
+                _rows(grad).sum(axis=0) if want_b else None, grad if want_r else None)
 
 
 class ColumnParallelLinear(Module):
@@ -137,7 +161,10 @@ class ColumnParallelLinear(Module):
     when ``gather_output`` (one all-gather along the last axis); one ``ColumnParallelMatmul``.
     ``column_parallel(x, [q, k, v])`` enters once for several linears.
     Cost per rank: ``in * out / t`` weights, ``2 m in out / t`` flops for ``m`` rows.
+    ``fp8``: an ``fp8.Fp8Meta`` (``fp8.enable``) runs the GEMMs in FP8 (``tp_fp8.column``).
     """
+
+    fp8: Any = None
 
     def __init__(self, in_features: int, out_features: int, comm: Any, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
@@ -160,6 +187,8 @@ class ColumnParallelLinear(Module):
 def column_parallel(x: Tensor, linears: list[ColumnParallelLinear]) -> Tensor:
     """``[lin(x) for lin in linears]`` concatenated on the last axis, entering the region once."""
     first = linears[0]
+    if first.fp8 is not None:
+        return tp_fp8.column(x, linears)
     return ColumnParallelMatmul.apply(x, first.comm, first.sequence_parallel, *(lin.weight for lin in linears),
                                       *(lin.bias for lin in linears))
 
@@ -172,7 +201,10 @@ class RowParallelLinear(Module):
     the reduce-scatter (each rank keeps its sequence shard); ``forward(x, residual)`` adds the bias
     and the residual in the same op (``RowParallelMatmul``). The bias is replicated; under sequence
     parallelism each rank sees only its shard's gradient of it, so ``grad_sync_params`` names it.
+    ``fp8``: an ``fp8.Fp8Meta`` (``fp8.enable``) runs the GEMM in FP8 (``tp_fp8.row``).
     """
+
+    fp8: Any = None
 
     def __init__(self, in_features: int, out_features: int, comm: Any, bias: bool = True,
                  sequence_parallel: bool = False, dtype: Any = np.float64) -> None:
@@ -185,6 +217,8 @@ class RowParallelLinear(Module):
         self.bias = Parameter((out_features,), ("uniform", bound), dtype) if bias else None
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self.fp8 is not None:
+            return tp_fp8.row(self, x, residual)
         return RowParallelMatmul.apply(x, self.comm, self.sequence_parallel, self.weight, self.bias, residual)
 
     def grad_sync_params(self) -> list[Parameter]:
