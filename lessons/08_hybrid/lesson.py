@@ -13,6 +13,7 @@ all-reduces inside every layer (Shoeybi et al. 2019), pp the activations between
 point, dp the gradients once per step (one ring all-reduce of the rank's slice). The model is
 ``minipar.parallel.hybrid.HybridGPT``; its bytes per axis per rank are ``minipar.cost.hybrid``,
 its step time on a cluster ``minipar.cost.perf.predict``, the layout search ``minipar.cost.planner``.
+Zero-bubble schedules run on any mesh: W is local but for Megatron-SP's re-gather (``cost.hybrid``).
 
 Printed: 1. the mesh's sub-communicators (``--verbose``: every rank's coordinates and what it holds:
 its stage's layers, its tp slice of the weights, its replica's rows, its parameters vs
