@@ -7,7 +7,8 @@ al. 2021, Tesseract) and 3-D (Bian et al. 2021).
 
 1. The seed's 4x5 @ 5x8 matmul on 2 ranks under every pair of placements S(0), S(1), B, P: what the
    chooser (``minipar.sharding.propagate``) moves A and B to, C's placement, the bytes one rank sends
-   (``minipar.cost.sharding`` vs the trace), C vs numpy; splitting k = 5 in two is refused.
+   (``minipar.cost.sharding`` vs the trace), C vs numpy; splitting k = 5 in two is refused. Then one op
+   ahead against the whole chain (``minipar.sharding.chain``): X[S(1)] @ W[B] then gelu, both run.
 2. Megatron in annotations: ``minipar.sharding.nn.Block`` with only its weights placed (fc, q, k, v
    by columns, the second linears by rows) beside the hand-written ``parallel.tensor.ParallelBlock``:
    outputs, gradients and bytes equal; where propagation put the collectives.
@@ -35,12 +36,13 @@ from minipar.cost import tensor as cost1d
 from minipar.cost import tensor2p5d as cost2p5d
 from minipar.cost import tensor3d as cost3d
 from minipar.cost.sharding import collective
+from minipar.functional import _gelu
 from minipar.memory import activation_bytes, seq_mark
 from minipar.mesh import DeviceMesh
 from minipar.parallel.tensor.model import ParallelBlock
 from minipar.parallel.tensor.tp2p5d import Block2p5D, block_2p5d, grid_2p5d
 from minipar.parallel.tensor.tp3d import Block3D, cube_3d, input_piece
-from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, ops
+from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, chain, ops
 from minipar.sharding import nn as snn
 from minipar.sharding.placement import describe
 from minipar.sharding.propagate import matmul_strategies
@@ -101,6 +103,25 @@ def seed_figure(rows: list[dict[str, Any]]) -> go.Figure:
                          f"the seed's {M}x{K} @ {K}x{N} matmul on 2 ranks: bytes one rank sends to make each pair of "
                          "placements legal (label: cost.sharding's prediction)", "bytes sent per rank",
                          "A's placement x B's placement -> C's")
+
+
+CHAIN_X, CHAIN_W = (32, 16), (16, 128)  # X[S(1)] @ W[B] then gelu
+
+
+def chain_run(mesh: DeviceMesh) -> dict[str, tuple[int, int, bool]]:
+    """X[S(1)] @ W[B] then gelu on the ``tp`` axis, planned one op ahead (the ops' chooser) and over the
+    whole chain (dynamic programming): (predicted, measured bytes one rank sends, output equals numpy)."""
+    rng = np.random.default_rng(1)
+    x, w = rng.normal(size=CHAIN_X), rng.normal(size=CHAIN_W)
+    gx = GlobalTensor.from_global(x, mesh, ("tp",), [Shard(1)])
+    links = [chain.Link("matmul", (GlobalTensor.from_global(w, mesh, ("tp",), [B]),)), chain.Link("gelu")]
+    out = {}
+    for how, plan in (("greedy", chain.greedy(gx, links)), ("chain", chain.plan(gx, links))):
+        with trace.recording(mesh.rank) as rec:
+            y = chain.run(gx, links, plan)
+        out[how] = (plan.total, int(sum(sent_by_op(rec.events, mesh.rank).values())),
+                    bool(np.allclose(y.to_global(), _gelu(x @ w), rtol=1e-12, atol=1e-12)))
+    return out
 
 
 # ---- 2. Megatron in annotations ----------------------------------------------------------------------------
@@ -250,6 +271,7 @@ def run(comm: Any, clock: Clock = REPLAY, verbose: bool = False) -> None:
     out = make_console()
     OUT.mkdir(parents=True, exist_ok=True)
     rows = seed_run(DeviceMesh(comm, dp=comm.size // 2, tp=2))
+    ahead = chain_run(DeviceMesh(comm, dp=comm.size // 2, tp=2))
     res2 = annotated(comm)
     res3 = three_ways(comm, OUT)
     if comm.rank != 0:
@@ -263,6 +285,12 @@ def run(comm: Any, clock: Clock = REPLAY, verbose: bool = False) -> None:
               f"{len(rows) - len(done)} split k = {K} over 2 ranks and are refused before any message. "
               + ("Every product equals numpy's and every measured byte count the prediction." if good else
                  "[red]a product or a byte count differs (run with --verbose)[/red]"), highlight=False)
+    (g, g_sent, g_ok), (c, c_sent, c_ok) = ahead["greedy"], ahead["chain"]
+    out.print(f"One op ahead or the whole chain: X[S(1)] @ W[B] then gelu, X {CHAIN_X[0]}x{CHAIN_X[1]}, W "
+              f"{CHAIN_W[0]}x{CHAIN_W[1]}. The ops' chooser leaves C partial and reduce-scatters it for gelu: {g:,} "
+              f"bytes per rank; dynamic programming over the chain moves X to rows first: {c:,}. "
+              + ("Both sent as predicted, both equal numpy's." if (g, c) == (g_sent, c_sent) and g_ok and c_ok
+                 else "[red]a byte count or an output differs[/red]"), highlight=False)
     out.rule(f"[bold]2. Megatron as annotations, t = {comm.size}")
     ok2 = print_annotated(res2, comm.size, out) if verbose else all(
         sum(x.values()) == annotated_formula(comm.size) for x in res2["bytes"])
