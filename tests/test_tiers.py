@@ -206,24 +206,28 @@ def test_crash_mid_write_leaves_previous_file(tmp_path, monkeypatch):
         np.testing.assert_array_equal(t.read_nvme("s").result(), np.arange(4.0))
         assert len(os.listdir(d)) == 1  # the temporary file is gone
 
-        def half(path, array):  # a write that dies half-way through the temporary file
+        def half(path, head, raw):  # a write that dies half-way through the temporary file
             with open(path, "wb") as fh:
-                fh.write(b"\x93NUMPY")
+                fh.write(head[:6])
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        def short(path, array):  # numpy's tofile on a full disk: the header and 109 of 3200 data bytes
-            with open(path, "wb") as fh:
-                fh.write(b"\x93NUMPY" + bytes(122) + bytes(109))
-            raise OSError(f"{array.nbytes} requested and 109 written")
+        def no_room(fd, offset, length):  # the preallocation finds no room: nothing written
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(os, "statvfs", lambda _: type("St", (), {"f_bavail": 3, "f_frsize": 4096}))
-        for write, array in ((half, np.zeros(100)), (short, np.zeros(400))):  # 128 header bytes + the data
-            monkeypatch.setattr("minipar.tiers.nvme._write_file", write)
+        def failed(target: str, fn) -> OSError:  # the write's error with ``target`` patched, 12288 bytes free
+            monkeypatch.setattr(os, "statvfs", lambda _: type("St", (), {"f_bavail": 3, "f_frsize": 4096}))
+            monkeypatch.setattr(target, fn)
             with pytest.raises(OSError) as info:
                 t.write_nvme("s", array).result()
-            assert info.value.errno == errno.ENOSPC
-            assert str(info.value) == (f"[Errno 28] NVMe write of 's' failed, disk full: {d / 's.npy'} asked for "
-                                       f"{128 + array.nbytes} bytes, 12288 free")
+            monkeypatch.undo()
+            return info.value
+
+        for array in (np.zeros(100), np.zeros(1000)):  # a page of header + the data padded to pages
+            info, real = failed("minipar.tiers.nvme._write_file", half), failed("os.posix_fallocate", no_room)
+            want = f"[Errno 28] NVMe write of 's' failed, disk full: {d / 's.npy'} asked for " \
+                   f"{4096 + -(-array.nbytes // 4096) * 4096} bytes, 12288 free"
+            assert info.errno == real.errno == errno.ENOSPC
+            assert str(info) == str(real) == want
             np.testing.assert_array_equal(t.read_nvme("s").result(), np.arange(4.0))
             assert os.listdir(d) == ["s.npy"]  # no temporary left: the previous file, whole
 
@@ -376,11 +380,66 @@ def test_reopen_refuses_truncated_unreadable_and_missing(tmp_path):
     t.write_nvme("w", np.arange(10.0)).result()
     t.close(delete=False)
     path = d / "w.npy"
-    size = path.stat().st_size
-    os.truncate(path, size - 8)
+    assert path.stat().st_size == 2 * 4096  # a page of header, the data padded to a page
+    os.truncate(path, 4096 + 72)
     with pytest.raises(OSError, match=rf"NVMe file {path} is truncated: 72 of 80 array bytes on disk"):
         Tiers(0, d, reopen=True)
     path.write_bytes(b"junk")
     with pytest.raises(OSError, match=rf"NVMe file {path} is unreadable"):
         Tiers(0, d, reopen=True)
     assert os.listdir(d) == ["w.npy"]  # a refused directory is left as it was
+
+
+def test_files_are_page_aligned_npy_and_writes_in_place_keep_the_file(tmp_path):
+    d = tmp_path / "nv"
+    a = np.arange(1000, dtype=np.float32)  # 4000 bytes: one page of data, padded
+    with Tiers(0, d) as t, trace.recording(0) as rec:
+        t.write_nvme("a", a).result()
+        path = d / "a.npy"
+        inode = path.stat().st_ino
+        assert path.stat().st_size == 2 * 4096
+        np.testing.assert_array_equal(np.load(path), a)  # np.load reads it: the header is padded, not changed
+        t.write_nvme("a", a * 2, in_place=True).result()  # same dtype and shape: into the file
+        assert path.stat().st_ino == inode and t._files._unsynced == {str(path)}
+        t.sync_nvme()
+        assert t._files._unsynced == set()
+        t.write_nvme("a", np.ones(3), in_place=True).result()  # another shape: a new file, atomically
+        assert path.stat().st_ino != inode
+        np.testing.assert_array_equal(t.read_nvme("a").result(), np.ones(3))
+        got = t.read_nvme("a").result()
+        assert got.ctypes.data % 4096 == 0  # read into page-aligned memory
+    writes = [e.args.get("synced", False) for e in rec.events if e.kind == "transfer" and e.args["dst"] == "nvme"]
+    assert writes == [True, False, True]
+
+
+def test_a_failed_write_in_place_leaves_a_torn_file_that_reads_refuse(tmp_path, monkeypatch):
+    with Tiers(0, tmp_path) as t:
+        t.write_nvme("s", np.arange(4.0)).result()
+
+        def dies(path, fd, offset, raw):
+            raise OSError(errno.EIO, "killed")
+
+        monkeypatch.setattr("minipar.tiers.nvme._write_into", dies)
+        with pytest.raises(OSError, match=r"write of 's' in place \(32 bytes\) to .*s.npy failed part-way: killed"):
+            t.write_nvme("s", np.zeros(4), in_place=True).result()
+        monkeypatch.undo()
+        with pytest.raises(OSError, match=r"s.npy of 's' is torn: its last write in place failed part-way"):
+            t.read_nvme("s").result()
+        t.write_nvme("s", np.full(4, 5.0), in_place=True).result()  # a whole write mends it
+        np.testing.assert_array_equal(t.read_nvme("s").result(), np.full(4, 5.0))
+
+
+def test_open_file_falls_back_without_o_direct(tmp_path, monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, mode=0o777):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with Tiers(0, tmp_path) as t:
+        t.write_nvme("a", np.arange(5000.0)).result()
+        t.write_nvme("a", np.arange(5000.0) + 1, in_place=True).result()
+        np.testing.assert_array_equal(t.read_nvme("a").result(), np.arange(5000.0) + 1)
+        assert [direct for _, direct in t._files._disk.fds.values()] == [False]

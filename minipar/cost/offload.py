@@ -1,11 +1,14 @@
 """Offload: the time of a move between memory tiers, and ZeRO-Offload's bytes per step.
 
 **Moves between tiers** (``transfer_seconds``). minipar has no accelerator; the device is a byte
-budget (``minipar.tiers``) and a move between tiers is modelled as ``nbytes / bandwidth`` of the
-link it crosses: host <-> device over PCIe (``pcie``, both directions), host -> NVMe at
-``nvme_write``, NVMe -> host at ``nvme_read``. A move between the device and NVMe is staged through
-host memory (as in ZeRO-Infinity, Rajbhandari et al. 2021, Sec. 6): the two links one after the other.
-No latency term: the tensors moved are large.
+budget (``minipar.tiers``) and a move between tiers is modelled per request as a latency plus
+``nbytes / bandwidth`` of the link it crosses (Hockney's alpha-beta line, as for a message):
+host <-> device over PCIe (``pcie``, both directions), host -> NVMe at ``nvme_write``, NVMe -> host
+at ``nvme_read``, and a synced write (the NVMe tier's atomic write: a new file, ``fdatasync``, a
+rename) adds ``nvme_sync``. A move between the device and NVMe is staged through host memory (as in
+ZeRO-Infinity, Rajbhandari et al. 2021, Sec. 6): the two links one after the other. The rates are
+typical figures with no latency unless measured on the machine (``minipar.tiers.rates.measure``:
+``minipar calibrate``, lesson 7), where the latency is what a small request (64 KiB) is made of.
 
 **ZeRO-Offload** (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training").
 Forward and backward run on the device with fp16 parameters; the fp16 gradients go down to the CPU,
@@ -30,11 +33,16 @@ class Rates(Protocol):
     pcie: float
     nvme_read: float
     nvme_write: float
+    pcie_latency: float
+    nvme_read_latency: float
+    nvme_write_latency: float
+    nvme_sync: float
 
 
-def transfer_seconds(nbytes: int, src: str, dst: str, bandwidth: Rates) -> float:
+def transfer_seconds(nbytes: int, src: str, dst: str, bandwidth: Rates, synced: bool = False) -> float:
     """Modelled seconds to move ``nbytes`` from tier ``src`` to tier ``dst`` (``"cpu"``, ``"device"``,
-    ``"nvme"``) at ``bandwidth``'s rates in bytes/s; 0 within one tier."""
+    ``"nvme"``) at ``bandwidth``'s rates (bytes/s) and latencies (seconds per request); 0 within one
+    tier. ``synced``: a write to NVMe made durable and atomic on its own (adds ``nvme_sync``)."""
     for name, tier in (("src", src), ("dst", dst)):
         if tier not in TIERS:
             raise ValueError(f"transfer_seconds: {name}: unknown tier {tier!r}; tiers are {TIERS}")
@@ -42,10 +50,13 @@ def transfer_seconds(nbytes: int, src: str, dst: str, bandwidth: Rates) -> float
     if src == dst:
         return 0.0
     if "nvme" in (src, dst) and "device" in (src, dst):  # staged through host memory
-        return transfer_seconds(nbytes, src, "cpu", bandwidth) + transfer_seconds(nbytes, "cpu", dst, bandwidth)
+        return (transfer_seconds(nbytes, src, "cpu", bandwidth)
+                + transfer_seconds(nbytes, "cpu", dst, bandwidth, synced))
     if "device" in (src, dst):
-        return nbytes / bandwidth.pcie
-    return nbytes / (bandwidth.nvme_write if dst == "nvme" else bandwidth.nvme_read)
+        return bandwidth.pcie_latency + nbytes / bandwidth.pcie
+    if dst == "nvme":
+        return bandwidth.nvme_write_latency + nbytes / bandwidth.nvme_write + (bandwidth.nvme_sync if synced else 0.0)
+    return bandwidth.nvme_read_latency + nbytes / bandwidth.nvme_read
 
 
 def zero_offload_bytes(params: int | Sequence[int], param_bytes: int = 2, grad_bytes: int = 2,

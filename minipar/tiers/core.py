@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ import numpy as np
 from minipar import trace
 from minipar.cost.offload import transfer_seconds
 from minipar.residency import NotOnDevice
+from minipar.tiers.files import aligned_copy
 from minipar.tiers.nvme import NvmeFiles, OnDisk, OnMove
 
 
@@ -39,15 +42,46 @@ class DeviceOutOfMemory(MemoryError):
 
 @dataclass(frozen=True)
 class Bandwidth:
-    """Bytes per second of each link: host <-> device (``pcie``), NVMe reads and writes."""
+    """Bytes per second of each link, host <-> device (``pcie``), NVMe reads and writes, and seconds per
+    request beside them (``*_latency``; ``nvme_sync``: what a synced, atomic write adds: a new file,
+    ``fdatasync``, a rename). The defaults are typical PCIe 4 and NVMe figures, not measured, with no
+    latency; ``minipar.tiers.rates.measure`` fits them on this machine, ``save`` / ``load`` keep them."""
 
     pcie: float = 16e9
     nvme_read: float = 3e9
     nvme_write: float = 2e9
+    pcie_latency: float = 0.0
+    nvme_read_latency: float = 0.0
+    nvme_write_latency: float = 0.0
+    nvme_sync: float = 0.0
+    source: str = "typical PCIe 4 and NVMe figures (not measured)"
 
-    def seconds(self, src: str, dst: str, nbytes: int) -> float:
+    def seconds(self, src: str, dst: str, nbytes: int, synced: bool = False) -> float:
         """Modelled time to move ``nbytes`` from tier ``src`` to ``dst`` (see ``transfer_seconds``)."""
-        return transfer_seconds(nbytes, src, dst, self)
+        return transfer_seconds(nbytes, src, dst, self, synced)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write these rates as JSON, whole or not at all (a temporary file renamed over ``path``)."""
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(asdict(self), fh, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Bandwidth:
+        """The rates ``save`` wrote; ``ValueError`` in one line naming the file and what is wrong."""
+        with open(path) as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"tier rates file {path}: not JSON ({exc})") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) - names:
+            raise ValueError(f"tier rates file {path}: expected an object with fields {sorted(names)}")
+        bad = [k for k, v in data.items() if k != "source" and not (isinstance(v, (int, float)) and v >= 0)]
+        if bad:
+            raise ValueError(f"tier rates file {path}: {', '.join(bad)} must be numbers >= 0")
+        return cls(**data)
 
 
 class Tiers:
@@ -61,7 +95,7 @@ class Tiers:
     them (intact, for inspection)."""
 
     def __init__(self, device_budget: int, nvme_dir: str | None = None, bandwidth: Bandwidth = Bandwidth(),
-                 workers: int = 2, reopen: bool = False) -> None:
+                 workers: int = 4, reopen: bool = False) -> None:
         if device_budget < 0:
             raise ValueError(f"device_budget must be >= 0, got {device_budget}")
         self.device_budget = int(device_budget)
@@ -195,26 +229,33 @@ class Tiers:
             rec.add("memory", "device", t, t, nbytes=used)
 
     def _transfer(self, rec: trace.Recorder | None, name: str, src: str, dst: str, nbytes: int,
-                  t0: float, t1: float) -> None:
+                  t0: float, t1: float, synced: bool = False) -> None:
         if rec is not None:
-            rec.add("transfer", name, t0, t1, nbytes=int(nbytes),
-                    args={"src": src, "dst": dst, "modelled_s": self.bandwidth.seconds(src, dst, nbytes)})
+            args = {"src": src, "dst": dst, "modelled_s": self.bandwidth.seconds(src, dst, nbytes, synced)}
+            rec.add("transfer", name, t0, t1, nbytes=int(nbytes), args={**args, "synced": True} if synced else args)
 
     # ---- NVMe ------------------------------------------------------------------------------
 
-    def write_nvme(self, name: str, array: np.ndarray, copy: bool = True) -> Future[None]:
+    def write_nvme(self, name: str, array: np.ndarray, copy: bool = True, in_place: bool = False) -> Future[None]:
         """Write host ``array`` to ``name``'s file in the background; the future completes when the
-        file is in place. With ``copy`` (default) the array is snapshotted now, so the caller may
-        change it at once; without, it must stay unchanged until the future completes. Operations on
-        one name run in the order submitted. A failed write (full disk, crash) leaves the previous
-        file intact and the future's exception says why in one line (a full disk: the file, the bytes
-        it asked for and the bytes free)."""
+        file is in place. With ``copy`` (default) the array is snapshotted now (into page-aligned
+        memory, written from there), so the caller may change it at once; without, it must stay
+        unchanged until the future completes. Operations on one name run in the order submitted.
+        A write is atomic and flushed: a failed one (full disk, crash) leaves the previous file intact
+        and the future's exception says why in one line (a full disk: the file, the bytes it asked
+        for and the bytes free). ``in_place``: written into the name's file when it holds an array
+        of the same dtype and shape, not flushed until ``sync_nvme``, and not atomic (see
+        ``minipar.tiers.nvme``): for state that a later atomic write commits."""
         files = self._need_files()
         if self.on_device(array):
             raise NotOnDevice(f"{name!r}: write_nvme takes host arrays; copy it with to_cpu first")
-        data = np.array(array, copy=True) if copy else np.asarray(array)
+        data, raw = aligned_copy(np.asarray(array)) if copy else (np.asarray(array), None)
         rec = trace.current()
-        return files.write(name, data, self._mover(rec), self._disk_sampler(rec), trace.now)
+        return files.write(name, data, self._mover(rec), self._disk_sampler(rec), trace.now, in_place, raw)
+
+    def sync_nvme(self) -> None:
+        """Wait for every NVMe operation and flush the files written in place since the last call."""
+        self._need_files().sync()
 
     def read_nvme(self, name: str) -> Future[np.ndarray]:
         """Read ``name``'s file into a new host array in the background (after any I/O on ``name``
@@ -250,8 +291,8 @@ class Tiers:
 
     def _mover(self, rec: trace.Recorder | None) -> OnMove:
         """Records a move on ``rec`` (captured on the caller's thread: the I/O threads have no recorder)."""
-        def on_move(name: str, src: str, dst: str, nbytes: int, t0: float, t1: float) -> None:
-            self._transfer(rec, name, src, dst, nbytes, t0, t1)
+        def on_move(name: str, src: str, dst: str, nbytes: int, t0: float, t1: float, synced: bool) -> None:
+            self._transfer(rec, name, src, dst, nbytes, t0, t1, synced)
         return on_move
 
     @staticmethod

@@ -1,17 +1,23 @@
-"""The NVMe tier: one ``.npy`` file per tensor name under a directory, read and written for real by a
-thread pool so that disk I/O overlaps compute (ZeRO-Infinity's prefetch and write-back; Rajbhandari
-et al. 2021, Sec. 6).
+"""The NVMe tier: one preallocated, page-aligned ``.npy`` file per tensor name under a directory
+(``minipar.tiers.files``), read and written in place with ``os.preadv`` / ``os.pwrite`` from
+page-aligned memory, ``O_DIRECT`` where the filesystem allows it, by a thread pool, several requests
+in flight, so that disk I/O overlaps compute (ZeRO-Infinity's prefetch and write-back, DeepNVMe;
+Rajbhandari et al. 2021, Sec. 6).
 
-- A write goes to a temporary file in the same directory, is flushed to the disk (``fsync``) and
-  renamed over the name's file (``os.replace``, atomic on POSIX): a crash or a full disk mid-write
-  leaves the previous file of that name intact, and the failed write's temporary file is removed. A
-  full disk (``ENOSPC``, or numpy's short write) raises ``OSError(ENOSPC)`` in one line naming the
-  file, the bytes it asked for (header and data) and the bytes free (``os.statvfs``, after the removal).
+- A write (default) is atomic: a new file in the same directory, preallocated (``posix_fallocate``:
+  a full disk fails there, before any data), written, flushed (``fdatasync``) and renamed over the
+  name's file (``os.replace``): a crash or a full disk mid-write leaves the previous file of that name
+  intact, and the failed write's temporary file is removed. A full disk raises ``OSError(ENOSPC)`` in
+  one line naming the file, the bytes it asked for (header and data, each padded to a page) and the
+  bytes free (``os.statvfs``, after the removal).
+- ``in_place=True``: the data written into the name's existing file at once (same dtype and shape;
+  otherwise an atomic write makes the file), not flushed: what a step that rewrites its state does.
+  Not atomic: a failed or killed one leaves the file part old, part new (a read of it then refuses,
+  until a write succeeds), so callers write in place only where a later atomic write commits the
+  result (``parallel.offload.commit``: two slots and a manifest). ``sync`` flushes the files written
+  in place since the last ``sync`` (``fdatasync`` each) before such a commit.
 - Operations on one name run in the order they were submitted (each waits for the one before), so a
   read after a write returns what was written; different names proceed in parallel.
-- A name's file is ``<name>.npy`` with every character but ``A-Za-z0-9_.-`` (and a leading ``.``)
-  escaped as ``%XX`` of its UTF-8 bytes, so the name is read back from the file name; a name whose
-  escaped form is longer than ``LONG`` characters is cut and marked ``~<sha1 of the name>``.
 - The directory is made if missing. ``close`` waits for pending I/O, removes the files written (and
   the directory if this made it and it is empty); so does a finalizer at interpreter exit or garbage
   collection if ``close`` was never called. ``close(delete=False)`` keeps them.
@@ -26,11 +32,8 @@ et al. 2021, Sec. 6).
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
 import os
 import threading
-import urllib.parse
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,100 +41,54 @@ from typing import Any
 
 import numpy as np
 
-from minipar.npy import HEADER
+from minipar.tiers.files import (
+    LONG,
+    Layout,
+    check_file,
+    data_bytes,
+    file_name,
+    layout_of,
+    name_of,
+    open_file,
+    page_aligned,
+)
 
-# (name, src, dst, nbytes, t0, t1) -> None: how a move is recorded; (bytes on disk, t) -> None: a sample
-OnMove = Callable[[str, str, str, int, float, float], None]
+__all__ = ["LONG", "NvmeFiles", "file_name", "name_of"]
+
+# (name, src, dst, nbytes, t0, t1, synced) -> None: how a move is recorded; (bytes on disk, t) -> None: a sample
+OnMove = Callable[[str, str, str, int, float, float, bool], None]
 OnDisk = Callable[[int, float], None]
 
 
-def _write_file(path: str, array: np.ndarray) -> None:
-    """Write ``array`` as ``.npy`` at ``path`` and flush it to the disk."""
-    with open(path, "wb") as fh:
-        np.save(fh, array, allow_pickle=False)
-        fh.flush()
-        os.fsync(fh.fileno())
+def _pwrite_all(fd: int, raw: np.ndarray, offset: int) -> None:
+    view, done = memoryview(raw), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _disk_full(exc: OSError) -> bool:
-    """A write that found no room: ``ENOSPC``, or numpy's short write ("3280 requested and 109 written")."""
-    return exc.errno == errno.ENOSPC or (exc.errno is None and " requested and " in str(exc))
+def _write_file(path: str, head: bytes, raw: np.ndarray) -> None:
+    """A new file at ``path``: preallocated, ``head`` then ``raw`` (whole pages), flushed to the disk."""
+    fd, _ = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.posix_fallocate(fd, 0, len(head) + len(raw))
+        page = page_aligned(len(head))
+        page[:] = np.frombuffer(head, np.uint8)
+        _pwrite_all(fd, page, 0)
+        _pwrite_all(fd, raw, len(head))
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
-def _file_bytes(array: np.ndarray) -> int:
-    """The bytes of ``array``'s ``.npy`` file: its header (as ``np.save`` writes it) and its data."""
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(array))
-    return len(buf.getvalue()) + array.nbytes
+def _write_into(path: str, fd: int, offset: int, raw: np.ndarray) -> None:
+    """``raw`` (whole pages) written into ``path``'s data at ``offset`` through ``fd``, not flushed."""
+    _pwrite_all(fd, raw, offset)
 
 
 def _free_bytes(directory: str) -> int:
     """Bytes an unprivileged writer may still use on ``directory``'s filesystem (``os.statvfs``)."""
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
-
-
-def _header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """(shape, fortran order, dtype) of the ``.npy`` file open in ``fh``, left at its data."""
-    with HEADER:  # minipar.npy: ``ast`` is not thread-safe in CPython 3.11
-        version = np.lib.format.read_magic(fh)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-            np.lib.format.read_array_header_2_0
-        return read_header(fh)
-
-
-def _read_file(path: str) -> np.ndarray:
-    """A ``.npy`` file's array: the header parsed under a lock (the I/O threads read at once), the
-    data read without it."""
-    with open(path, "rb") as fh:
-        shape, fortran, dtype = _header(fh)
-        count = int(np.prod(shape, dtype=np.int64))
-        data = np.fromfile(fh, dtype=dtype, count=count)
-    if data.size != count:
-        raise OSError(f"{path}: {data.size} of {count} elements on disk (a truncated file)")
-    return data.reshape(shape, order="F" if fortran else "C")
-
-
-LONG = 200  # longest escaped name kept whole in a file name (a file name has at most 255 bytes)
-
-
-def file_name(name: str) -> str:
-    """The file name of ``name`` (see the module docstring)."""
-    if not name:
-        raise ValueError("an NVMe name must not be empty")
-    enc = urllib.parse.quote(name, safe="").replace("~", "%7E")
-    if enc.startswith("."):
-        enc = "%2E" + enc[1:]
-    if len(enc) > LONG:
-        enc = f"{enc[:LONG - 41]}~{hashlib.sha1(name.encode()).hexdigest()}"
-    return enc + ".npy"
-
-
-def name_of(fname: str) -> str | None:
-    """The name whose file is ``fname``; None for a cut (``~``) name or a file this tier does not name."""
-    if not fname.endswith(".npy") or "~" in fname:
-        return None
-    try:
-        name = urllib.parse.unquote(fname[:-4], errors="strict")
-    except UnicodeDecodeError:
-        return None
-    return name if name and file_name(name) == fname else None
-
-
-def check_file(path: str) -> int:
-    """The array bytes of the ``.npy`` file at ``path``; ``OSError`` naming it if its header is
-    unreadable or its size is not the header's plus the array's."""
-    try:
-        with open(path, "rb") as fh:
-            shape, _, dtype = _header(fh)
-            start = fh.tell()
-        size = os.path.getsize(path)
-    except (OSError, ValueError) as exc:
-        raise OSError(f"NVMe file {path} is unreadable: {exc}") from exc
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if size != start + nbytes:
-        raise OSError(f"NVMe file {path} is truncated: {size - start} of {nbytes} array bytes on disk")
-    return nbytes
 
 
 def _remove(path: str) -> None:
@@ -146,12 +103,23 @@ class _Disk:
 
     def __init__(self, directory: str, made: bool) -> None:
         self.directory, self.made = directory, made
-        self.files: dict[str, int] = {}  # name -> array bytes in its file
+        self.files: dict[str, Layout] = {}  # name -> its file's layout
         self.paths: dict[str, str] = {}
-        self.cut: dict[str, int] = {}  # reopened files of cut names, not named yet: path -> array bytes
+        self.cut: dict[str, Layout] = {}  # reopened files of cut names, not named yet: path -> layout
+        self.fds: dict[str, tuple[int, bool]] = {}  # path -> (open descriptor, O_DIRECT)
         self.keep = False  # a reopened directory: the finalizer removes nothing
 
+    def close_fd(self, path: str) -> None:
+        fd = self.fds.pop(path, None)
+        if fd is not None:
+            os.close(fd[0])
+
+    def close_fds(self) -> None:
+        for path in list(self.fds):
+            self.close_fd(path)
+
     def cleanup(self) -> None:
+        self.close_fds()
         if self.keep:
             return
         for path in list(self.cut):
@@ -169,7 +137,7 @@ class NvmeFiles:
     """Files under ``directory`` read and written by ``workers`` threads; ``reopen`` registers the
     files already there (``stale``: the temporaries found). See the module docstring."""
 
-    def __init__(self, directory: str | os.PathLike[str], workers: int = 2, reopen: bool = False) -> None:
+    def __init__(self, directory: str | os.PathLike[str], workers: int = 4, reopen: bool = False) -> None:
         d = os.path.abspath(os.fspath(directory))
         made = False
         if reopen and not os.path.isdir(d):
@@ -192,6 +160,8 @@ class NvmeFiles:
             self._register()
         self._lock = threading.Lock()
         self._pending: dict[str, Future[Any]] = {}  # the last operation submitted per name, until it is done
+        self._torn: set[str] = set()  # names whose in-place write failed part-way
+        self._unsynced: set[str] = set()  # paths written in place since the last sync
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minipar-nvme")
         self._finalizer = weakref.finalize(self, _Disk.cleanup, self._disk)
         self.closed = False
@@ -205,12 +175,12 @@ class NvmeFiles:
             if fname.startswith(".") and ".npy.tmp" in fname:
                 self.stale.append(fname)
             elif fname.endswith(".npy") and not fname.startswith(".") and os.path.isfile(path):
-                nbytes = check_file(path)
+                layout = check_file(path)
                 name = name_of(fname)
                 if name is None:
-                    disk.cut[path] = nbytes
+                    disk.cut[path] = layout
                 else:
-                    disk.files[name], disk.paths[name] = nbytes, path
+                    disk.files[name], disk.paths[name] = layout, path
 
     def _named(self, name: str, path: str) -> None:
         """A reopened file of a cut name, named now (call under the lock)."""
@@ -221,56 +191,99 @@ class NvmeFiles:
     def resident(self) -> dict[str, int]:
         """Array bytes in each name's file (a reopened cut name's once an operation named it)."""
         with self._lock:
-            return dict(self._disk.files)
+            return {k: v.nbytes for k, v in self._disk.files.items()}
 
     def path(self, name: str) -> str:
         """The file of ``name`` (see the module docstring; distinct names, distinct files)."""
         return os.path.join(self.directory, file_name(name))
 
-    def write(self, name: str, data: np.ndarray, on_move: OnMove, on_disk: OnDisk, now: Callable[[], float]
-              ) -> Future[None]:
-        """Write ``data`` (left unchanged until the future completes) to ``name``'s file."""
+    def _fd(self, path: str, layout: Layout) -> tuple[int, bool]:
+        """The open descriptor of ``path`` (``O_DIRECT`` when its data is page-aligned)."""
+        if path not in self._disk.fds:
+            self._disk.fds[path] = open_file(path, os.O_RDWR, direct=layout.aligned)
+        return self._disk.fds[path]
+
+    def write(self, name: str, data: np.ndarray, on_move: OnMove, on_disk: OnDisk, now: Callable[[], float],
+              in_place: bool = False, raw: np.ndarray | None = None) -> Future[None]:
+        """Write ``data`` (left unchanged until the future completes) to ``name``'s file, atomically or
+        (``in_place``, when its file has ``data``'s layout) into it. ``raw``: ``data``'s bytes already
+        page-aligned in whole pages (``files.aligned_copy``), else they are copied so if need be."""
         path = self.path(name)
 
         def job() -> None:
             t0 = now()
-            tmp = os.path.join(self.directory, f".{os.path.basename(path)}.tmp{os.getpid()}-{threading.get_ident()}")
-            try:
-                _write_file(tmp, data)
-                os.replace(tmp, path)
-            except OSError as exc:
-                _remove(tmp)
-                if _disk_full(exc):
-                    raise OSError(errno.ENOSPC, f"NVMe write of {name!r} failed, disk full: {path} asked for "
-                                  f"{_file_bytes(data)} bytes, {_free_bytes(self.directory)} free") from exc
-                msg = f"NVMe write of {name!r} ({data.nbytes} bytes) to {self.directory} failed: {exc.strerror or exc}"
-                raise (OSError(exc.errno, msg) if exc.errno is not None else OSError(msg)) from exc
-            except BaseException:
-                _remove(tmp)
-                raise
+            layout, head = layout_of(data)
+            data_raw = raw if raw is not None else data_bytes(data, layout)
+            with self._lock:
+                self._named(name, path)
+                same = self._disk.files.get(name) == layout
+            if in_place and same:
+                self._in_place(name, path, layout, data_raw)
+            else:
+                self._atomic(name, path, layout, head, data_raw)
             t1 = now()
             with self._lock:
                 self._disk.cut.pop(path, None)
-                self._disk.files[name] = data.nbytes
-                self._disk.paths[name] = path
-                total = sum(self._disk.files.values())
-            on_move(name, "cpu", "nvme", data.nbytes, t0, t1)
+                self._disk.files[name], self._disk.paths[name] = layout, path
+                total = sum(v.nbytes for v in self._disk.files.values())
+            on_move(name, "cpu", "nvme", data.nbytes, t0, t1, not (in_place and same))
             on_disk(total, t1)
 
         return self._submit(name, job)
 
+    def _in_place(self, name: str, path: str, layout: Layout, raw: np.ndarray) -> None:
+        try:
+            _write_into(path, self._fd(path, layout)[0], layout.offset, raw)
+        except OSError as exc:
+            self._torn.add(name)
+            raise OSError(exc.errno, f"NVMe write of {name!r} in place ({layout.nbytes} bytes) to {path} failed "
+                          f"part-way: {exc.strerror or exc}") from exc
+        self._torn.discard(name)
+        with self._lock:
+            self._unsynced.add(path)
+
+    def _atomic(self, name: str, path: str, layout: Layout, head: bytes, raw: np.ndarray) -> None:
+        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.tmp{os.getpid()}-{threading.get_ident()}")
+        try:
+            _write_file(tmp, head, raw)
+            self._disk.close_fd(path)  # the descriptor of the file the rename replaces
+            os.replace(tmp, path)
+        except OSError as exc:
+            _remove(tmp)
+            if exc.errno == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, f"NVMe write of {name!r} failed, disk full: {path} asked for "
+                              f"{layout.file_bytes} bytes, {_free_bytes(self.directory)} free") from exc
+            msg = f"NVMe write of {name!r} ({layout.nbytes} bytes) to {self.directory} failed: {exc.strerror or exc}"
+            raise OSError(exc.errno, msg) from exc
+        except BaseException:
+            _remove(tmp)
+            raise
+        self._torn.discard(name)
+        with self._lock:
+            self._unsynced.discard(path)
+
     def read(self, name: str, on_move: OnMove, now: Callable[[], float]) -> Future[np.ndarray]:
-        """Read ``name``'s file into a new array."""
+        """Read ``name``'s file into a new (page-aligned) array."""
         path = self.path(name)
 
         def job() -> np.ndarray:
             with self._lock:
                 self._named(name, path)
-            if name not in self._disk.files:
+                layout = self._disk.files.get(name)
+            if layout is None:
                 raise KeyError(f"{name!r} has no NVMe file in {self.directory} (written: {sorted(self._disk.files)})")
+            if name in self._torn:
+                raise OSError(errno.EIO, f"NVMe file {path} of {name!r} is torn: its last write in place failed "
+                              "part-way; write it again")
             t0 = now()
-            out = _read_file(path)
-            on_move(name, "nvme", "cpu", out.nbytes, t0, now())
+            fd, direct = self._fd(path, layout)
+            raw = page_aligned(layout.nbytes)
+            want = len(raw) if direct else layout.nbytes
+            got = os.preadv(fd, [memoryview(raw)[:want]], layout.offset) if want else 0
+            if got < layout.nbytes:
+                raise OSError(f"{path}: {got} of {layout.nbytes} array bytes on disk (a truncated file)")
+            out = layout.array(raw)
+            on_move(name, "nvme", "cpu", out.nbytes, t0, now(), False)
             return out
 
         return self._submit(name, job)
@@ -280,15 +293,33 @@ class NvmeFiles:
         path = self.path(name)
 
         def job() -> None:
+            self._disk.close_fd(path)
             _remove(path)
+            self._torn.discard(name)
             with self._lock:
+                self._unsynced.discard(path)
                 self._disk.cut.pop(path, None)
                 self._disk.files.pop(name, None)
                 self._disk.paths.pop(name, None)
-                total = sum(self._disk.files.values())
+                total = sum(v.nbytes for v in self._disk.files.values())
             on_disk(total, now())
 
         return self._submit(name, job)
+
+    def sync(self) -> None:
+        """Wait for every operation, then flush the files written in place since the last ``sync`` to
+        the disk (``fdatasync`` each); ``OSError`` in one line naming a file that failed."""
+        self.wait()
+        with self._lock:
+            paths, self._unsynced = sorted(self._unsynced), set()
+        for path in paths:
+            fd = self._disk.fds.get(path)
+            if fd is None:
+                continue
+            try:
+                os.fdatasync(fd[0])
+            except OSError as exc:
+                raise OSError(exc.errno, f"NVMe sync of {path} failed: {exc.strerror or exc}") from exc
 
     def wait(self) -> None:
         """Block until every submitted operation has finished (errors stay on their futures)."""
@@ -316,6 +347,7 @@ class NvmeFiles:
             self._disk.keep = False
             self._finalizer()
         else:
+            self._disk.close_fds()
             self._finalizer.detach()
 
     def _submit(self, name: str, job: Callable[[], Any]) -> Future[Any]:

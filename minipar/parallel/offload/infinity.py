@@ -38,10 +38,12 @@ collectives' temporaries. Outside their unit's forward and backward the paramete
 every op checks that those it reads are on the device (``minipar.residency``; else "on the nvme").
 
 A step is atomic across files and ranks (``minipar.parallel.offload.commit``): every state file in two slots,
-``unit<i>/<kind>.0`` and ``.1``, the step writes the other slot and one write of a manifest (48 bytes) commits
-it, once every rank's writes succeeded. A failed write (a full disk, a vanished directory) makes ``step`` raise
-the tiers' error, naming the file and the bytes, on every rank (the others: "... failed on another rank"); the
-object then still reads the previous step (counters unchanged; the step's gradients are gone). ``resume=True``
+``unit<i>/<kind>.0`` and ``.1``, the step writes the other slot (in place into its preallocated files after
+the first time, ``Tiers.write_nvme(in_place=True)``, flushed by ``sync_nvme``) and one atomic write of a
+manifest (48 bytes) commits it, once every rank's writes succeeded. A failed write (a full disk: with the
+files preallocated, only the manifest's new file can find none; a vanished directory) makes ``step`` raise
+the tiers' error, naming the file and the bytes, on every rank (the others: "... failed on another rank");
+the object then still reads the previous step (counters unchanged; the step's gradients are gone). ``resume=True``
 opens the state left in ``tiers`` (same model, same N; a killed process's: ``Tiers(..., reopen=True)``). Cost:
 the files take twice the model states on disk, and each applied step writes the manifest's 48 bytes (cpu ->
 nvme, beyond ``zero_infinity_bytes``); the current slot is kept in memory, so reads do not reread the manifest.
@@ -353,8 +355,8 @@ class ZeroInfinity:
                 self._adam.update(master, grad, {"step": self.steps_applied, "exp_avg": m, "exp_avg_sq": v})
                 if self.precision == "mixed":
                     writes.append(self.tiers.write_nvme(self.key(u, "param", new), master.astype(self.dtype),
-                                                        copy=False))
-                writes += [self.tiers.write_nvme(self.key(u, k, new), a, copy=False)
+                                                        copy=False, in_place=True))
+                writes += [self.tiers.write_nvme(self.key(u, k, new), a, copy=False, in_place=True)
                            for k, a in zip(kinds, (master, m, v), strict=True)]
         finally:
             for u in self.units:
@@ -362,8 +364,9 @@ class ZeroInfinity:
             for f in [f for fs in reads.values() for f in fs]:
                 f.exception()
             errors = [e for e in (w.exception() for w in writes) if e is not None]  # waits for every write
-        if errors:  # the failed files keep their previous contents, the other slot the previous step
+        if errors:  # the other slot keeps the previous step (this one's files may be torn: never read)
             raise errors[0]
+        self.tiers.sync_nvme()  # this slot on the disk before the manifest names it
 
     def _overflow(self) -> bool:
         """Mixed precision: does any rank's float16 gradient partition hold an inf or a nan (one
