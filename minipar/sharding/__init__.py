@@ -20,6 +20,8 @@ placements picks the collective on that axis's traced communicator.
   single-axis steps in a documented fixed order that ``greedy`` lists).
 - ``propagate.py``: the rules of a matmul and of elementwise ops (OneFlow's SBP signatures, per mesh
   axis as GSPMD does) and the chooser of the cheapest legal strategy (bytes, then fewest changes).
+- ``chain.py``: whole-chain propagation: the strategies of a chain of ops of least total bytes, by
+  dynamic programming over the chain (``plan``), beside the ops' one-op-ahead choices (``greedy``).
 - ``ops.py``: every op the tiny GPT needs on global tensors (matmul, elementwise, unary, reductions,
   softmax, logsumexp, reshape, transpose, embedding), each propagated and differentiable.
 - ``autograd.py``: the graph the ops record and the rules of gradients' placements (where partial
