@@ -36,7 +36,7 @@ MAX_STAGES, MAX_MICROBATCHES, MAX_CHUNKS = 4096, 65536, 64
 MAX_ACTIONS = 1 << 18  # compute actions of one simulated step: -p 64 -m 512 1f1b is 65,536, ~2 s
 ASYNCHRONOUS = ("pipedream", "2bw")  # asynchronous.pipedream / pipedream_2bw: U actions, weight versions
 ALIASES = {"pipedream-2bw": "2bw"}
-ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-v")  # F, I, W: their closed forms hold for F = I = W, i.e. backward = 2 forward
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-v", "dualpipev")  # F, I, W: closed forms for F = I = W (backward = 2 forward)
 
 
 def kinds() -> tuple[str, ...]:
@@ -135,8 +135,12 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 def compute_actions(kind: str, p: int, m: int, v: int) -> int:
     """Compute actions of one step: F and B of every (stage, micro-batch); ZB-H1 and ZB-H2 split B into I and W,
-    ZB-V too on two chunks per rank, PipeDream adds a U per backward, interleaved has v chunks."""
+    ZB-V too on two chunks per rank, PipeDream adds a U per backward, interleaved has v chunks; DualPipeV's
+    two chunks split 2p - 1 - r backwards on rank r (``dualpipe.py``'s steps 3, 6 and 7)."""
     from minipar.parallel.pipeline.generators import CHUNKED
+
+    if kind == "dualpipev":
+        return 4 * p * m + p * (3 * p - 1) // 2
 
     return p * m * {"zb-h1": 3, "zb-h2": 3, "zb-v": 6, "pipedream": 3}.get(kind, 2) * (v if kind in CHUNKED else 1)
 

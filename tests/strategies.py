@@ -97,12 +97,14 @@ def ddp_configs(draw: st.DrawFn, world: int) -> dict:
 @st.composite
 def pipeline_configs(draw: st.DrawFn, p: int | None = None, kind: str | None = None) -> dict:
     """One pipeline run on ``p`` ranks (2-4 when not given): a schedule kind, ``m`` micro-batches (a
-    multiple of ``p`` for interleaved, with ``v`` = 2-3 chunks; zb-v: its ``v`` = 2, any m), 1-2 layers
+    multiple of ``p`` for interleaved, with ``v`` = 2-3 chunks; zb-v: its ``v`` = 2, any m; dualpipev: v = 2,
+    m = 2p..3p), 1-2 layers
     per stage (given or split by the runtime), an MLP (``widths``) or a tiny GPT, seed and optimizer."""
     p = draw(st.integers(2, 4)) if p is None else p
     kind = draw(st.sampled_from(KINDS)) if kind is None else kind
     v = draw(st.integers(2, 3)) if kind == "interleaved" else FIXED_CHUNKS.get(kind, 1)
     m = p * draw(st.integers(1, 2)) if kind == "interleaved" else draw(st.integers(1, 2 * p))
+    m = draw(st.integers(2 * p, 3 * p)) if kind == "dualpipev" else m  # it needs m >= 2p
     counts = draw(st.lists(st.integers(1, 2), min_size=p * v, max_size=p * v))
     return {"kind": kind, "m": m, "v": v, "model": draw(st.sampled_from(["mlp", "gpt"])), "counts": counts,
             "given_counts": draw(st.booleans()), "mb_size": draw(st.integers(1, 2)),

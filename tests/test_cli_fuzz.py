@@ -117,7 +117,7 @@ def test_help_lists_every_kind_and_each_runs(capsys):
     text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse may wrap at "zb-h1"
     for kind in kinds():
         assert kind in text
-        sizes = {"2bw": ["-m", "4"], "chimera": ["-m", "2"]}.get(kind, ["-m", "2"])
+        sizes = {"2bw": ["-m", "4"], "chimera": ["-m", "2"], "dualpipev": ["-m", "4"]}.get(kind, ["-m", "2"])
         assert main(["simulate", kind.upper(), "-p", "2", *sizes, "--width", "60"]) == 0, capsys.readouterr().err
     assert {"chimera", "pipedream", "2bw", "zb-v", "interleaved"} <= set(kinds())
 

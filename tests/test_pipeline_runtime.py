@@ -141,7 +141,7 @@ def pipeline_run(comm, cfgs: list[dict]) -> list[dict]:
 def placement(cfg: dict, p: int, s: int) -> tuple[int, int]:
     """(rank, chunk) of stage s: rank s mod p, chunk s // p; ZB-V's V: rank r holds stages r (chunk 0)
     and 2p - 1 - r (chunk 1)."""
-    if cfg["kind"] == "zb-v":
+    if cfg["kind"] in ("zb-v", "dualpipev"):
         return (s, 0) if s < p else (2 * p - 1 - s, 1)
     return s % p, s // p
 
@@ -221,6 +221,10 @@ def check(cfg: dict, results: list[list[dict]], index: int = 0) -> None:
         assert max(held) > 0 and held[-1] == 0
     stages = p * cfg["v"]  # one span per compute action: F, and B (or I and W for a split backward)
     every = sorted(s for r in range(p) for s in results[r][index]["spans"] if s[0] in "FBIW")
+    if cfg["kind"] == "dualpipev":  # B for some backwards, I and W for others (dualpipe.py): as its order says
+        order = make_schedule("dualpipev", p, cfg["m"]).values()
+        assert every == sorted([(a.op, a.stage, a.microbatch) for acts in order for a in acts] * STEPS)
+        return
     backward = ("I", "W") if cfg["kind"].startswith("zb") else ("B",)
     assert every == sorted((op, s, i) for op in ("F", *backward) for s in range(stages) for i in range(cfg["m"])
                            for _ in range(STEPS))
@@ -240,6 +244,7 @@ def config(kind: str, p: int, m: int, v: int = 1, model: str = "mlp", counts: li
 @given(cfg=pipeline_configs())
 @example(cfg=config("1f1b", 3, 7, counts=[1, 2, 1]))
 @example(cfg=config("interleaved", 2, 4, v=2, model="gpt", opt="adamw"))
+@example(cfg=config("dualpipev", 2, 5, v=2, model="gpt", opt="adamw"))
 def test_every_schedule_equals_single_process_on_threads(cfg):
     p = len(cfg["counts"]) // cfg["v"]
     check(cfg, testing.run(pipeline_run, p, "threads", cfgs=[cfg]))
@@ -250,7 +255,8 @@ def test_every_schedule_equals_single_process_on_threads(cfg):
 @given(job=mpi_jobs(lambda p: pipeline_configs(p=p), min_size=2, max_size=4))
 @example(job=(4, [config("1f1b", 4, 8, model="gpt", opt="adamw"), config("interleaved", 4, 8, v=2),
                   config("gpipe", 4, 3, counts=[2, 1, 1, 2]), config("naive", 4, 2, model="gpt")]))
-@example(job=(3, [config("interleaved", 3, 6, v=2, model="gpt"), config("1f1b", 3, 5, opt="adamw")]))
+@example(job=(3, [config("interleaved", 3, 6, v=2, model="gpt"), config("1f1b", 3, 5, opt="adamw"),
+                  config("dualpipev", 3, 6, v=2, model="gpt", opt="adamw")]))
 def test_every_schedule_equals_single_process_under_mpiexec(job):
     """One mpiexec job runs a drawn list of configurations (any schedule kinds) on p ranks."""
     p, cfgs = job

@@ -100,7 +100,7 @@ def test_action_round_trip(stage, op, mb, peer):
 @example(kind="1f1b", p=4, k=3, lowered=True)  # m = 12 > p: warm-up, steady state and cool-down
 @example(kind="interleaved", p=3, k=2, lowered=True)
 def test_schedule_round_trip(kind, p, k, lowered):
-    sched = make_schedule(kind, p, p * k, chunks=2 if kind == "interleaved" else 1)
+    sched = make_schedule(kind, p, p * k * (2 if kind == "dualpipev" else 1), chunks=2 if kind == "interleaved" else 1)
     if lowered:
         sched = lower(sched)
     text = format_schedule(sched)

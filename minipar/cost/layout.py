@@ -126,7 +126,7 @@ class Layout:
         if self.global_batch % (self.dp * self.micro_batch):
             out.append(f"global_batch={self.global_batch} is not divisible by dp x micro_batch="
                        f"{self.dp * self.micro_batch}: change the batch, dp or micro_batch")
-        modelled = tuple(k for k in SCHEDULES if k != "zb-v")  # ZB-V's V placement is not in this model
+        modelled = tuple(k for k in SCHEDULES if k not in ("zb-v", "dualpipev"))  # their V placement is not modelled
         if self.schedule not in modelled:
             out.append(f"schedule={self.schedule!r}: choose one of {modelled} (simulate other schedules with "
                        "minipar.parallel.pipeline.simulate)")

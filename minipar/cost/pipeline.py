@@ -18,6 +18,12 @@ Uniform stages, ``p`` ranks, ``m`` micro-batches, ``v`` model chunks per rank (v
   with F = I = W and m >= 2p - 1 no rank has a gap between its first and last action (the paper's
   zero bubble), a flushed step idles ``(p-1) F`` per rank at its edges; every rank keeps
   ``min(2p, 2m, m + r + 1)`` chunk-micro-batches until their W, 2p = the paper's p M_B, 1F1B's.
+- DualPipeV (DeepSeek-AI 2024, DeepSeek-V3 report Sec. 3.2.1 and Table 2, DualPipe's README for the V): ZB-V's
+  placement, m >= 2p; run as its order (each overlapped pair's forward then backward) a flushed step idles
+  ``(p-1) F`` per rank when F = I = W, ZB-V's; with each pair one unit of time F&B that waits for both
+  its inputs (``simulate.simulate_overlapped``) the busiest rank idles ``(p-1)(F&B + B - 3W)``
+  (``dualpipe_bubble_time``, the report's formula with PP = 2p stages; exact for F = I, W <= F); every
+  rank keeps ``2p + 1`` chunk-micro-batches (the report's PP + 1), one copy of the parameters.
 - ``peak_stash``: micro-batches whose activations rank ``r`` holds at once: naive 1, GPipe ``m``,
   1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunk-micro-batches
   (Megatron-LM's warm-up count ``2 (p - r - 1) + (v - 1) p`` forwards, plus the one in flight; with
@@ -42,7 +48,7 @@ from numbers import Integral
 
 from minipar.checks import counts, index, number, one_of, whole, wholes
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 RUNTIME_KINDS = (*SCHEDULES, "chimera", "pipedream", "2bw")  # every schedule the runtime runs
 
 
@@ -62,16 +68,17 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float:
     Narayanan et al. 2021); ZB-H1 (m >= p) splits that backward into equal I and W halves:
     ``bubble_time`` over ``m (F + I + W)`` plus it, ``(p-1) / (3m + p - 1)``; ZB-H2 the same share for
     m >= p (its step ends p - 1 after 3m; from m = 2p - 1 on without a gap inside any rank's work); ZB-V
-    (F = I = W = 1 per chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1. With fewer micro-batches the
+    (F = I = W = 1 per chunk, a rank's work 6m) ``(p-1) / (6m + p - 1)`` for m >= 2p - 1, DualPipeV's order the
+    same for m >= 2p (each overlapped pair run as its F then its B). With fewer micro-batches the
     zero-bubble orders leave more gaps, which ``simulate`` measures (refused here)."""
     _check("bubble_fraction", kind, p=p, m=m, v=v)
     if kind == "naive":
         return (p - 1) / p
-    least = {"zb-h1": p, "zb-h2": p, "zb-v": 2 * p - 1}.get(kind, 1)
+    least = {"zb-h1": p, "zb-h2": p, "zb-v": 2 * p - 1, "dualpipev": 2 * p}.get(kind, 1)
     if m < least:
         raise ValueError(f"the {kind} bubble formula needs m >= {least} micro-batches (got m={m}); "
                          f"simulate(make_schedule({kind!r}, {p}, {m})) measures it")
-    if kind == "zb-v":
+    if kind in ("zb-v", "dualpipev"):
         return (p - 1) / (6 * m + p - 1)
     if kind in ("zb-h1", "zb-h2"):
         idle = bubble_time(kind, p, 1.0, 1.0, 1.0)
@@ -89,16 +96,18 @@ def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_gra
     the simulator for random costs in tests/test_zb_h2.py). ZB-V (Sec. 6; F, I, W of one chunk,
     m >= 2p - 1) only for F = I = W, where it is ``(p-1) F``: rank r waits r F's for the first
     micro-batch and ends r F's after rank 0, with no gap in between (other costs leave gaps in this
-    fixed order that have no closed form here: simulate them)."""
-    one_of("bubble_time", "kind", kind, ("1f1b", "zb-h1", "zb-h2", "zb-v"))
+    fixed order that have no closed form here: simulate them). DualPipeV run as its order (each overlapped
+    pair's forward, then its backward; m >= 2p) the same, ``(p-1) F`` for F = I = W
+    (``dualpipe_bubble_time`` for the pairs overlapped)."""
+    one_of("bubble_time", "kind", kind, ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"))
     whole("bubble_time", "p", p)
     for name, value in (("forward", forward), ("input_grad", input_grad), ("weight_grad", weight_grad)):
         number("bubble_time", name, value)
-    if kind == "zb-v":
+    if kind in ("zb-v", "dualpipev"):
         if not (math.isclose(forward, input_grad) and math.isclose(forward, weight_grad)):
-            raise ValueError(f"ZB-V's bubble has a formula for F = I = W only (Qi et al. 2024, Sec. 6), got F "
-                             f"{forward}, I {input_grad}, W {weight_grad}; simulate(make_schedule('zb-v', p, m), "
-                             "forward=F, backward=I + W, weight=W) gives it for any costs")
+            raise ValueError(f"{kind}'s bubble has a formula for F = I = W only, got F {forward}, I {input_grad}, "
+                             f"W {weight_grad}; simulate(make_schedule({kind!r}, p, m), forward=F, backward=I + W, "
+                             "weight=W) gives it for any costs")
         return (p - 1) * forward
     if kind in ("zb-h1", "zb-h2") and weight_grad > min(forward, input_grad):
         raise ValueError(f"{kind.upper()}'s bubble formula holds for W <= F and W <= I (the paper's T_W < T_F < T_B), "
@@ -109,10 +118,33 @@ def bubble_time(kind: str, p: int, forward: float, input_grad: float, weight_gra
     return (p - 1) * (forward + input_grad + sign * weight_grad)
 
 
+def dualpipe_bubble_time(p: int, forward: float, backward: float, weight: float, overlap: float) -> float:
+    """DualPipeV's idle time on its busiest rank in one step, ``(p-1)(F&B + B - 3W)``: the DeepSeek-V3
+    report's DualPipe bubble (Table 2, with PP = 2p stages; DualPipe's README gives DualPipeV the same),
+    F, B, W one chunk's forward, full backward and weight-gradient backward, ``overlap`` = F&B the time
+    of an overlapped forward-and-backward pair, between max(F, B) and F + B. It equals
+    ``simulate.simulate_overlapped``'s largest idle exactly when a chunk's forward equals its
+    input-gradient backward (F = B - W) and W <= F (the report's setting; tests/test_dualpipev.py);
+    other costs are refused (simulate them)."""
+    whole("dualpipe_bubble_time", "p", p)
+    for name, value in (("forward", forward), ("backward", backward), ("weight", weight), ("overlap", overlap)):
+        number("dualpipe_bubble_time", name, value)
+    if not (math.isclose(forward, backward - weight) and weight <= forward
+            and max(forward, backward) <= overlap <= forward + backward):
+        raise ValueError(f"dualpipe_bubble_time: the formula holds for F = B - W, W <= F and max(F, B) <= F&B <= "
+                         f"F + B, got F {forward}, B {backward}, W {weight}, F&B {overlap}; "
+                         "simulate.simulate_overlapped(p, m, F, B, W, F&B) gives it for any costs")
+    return (p - 1) * (overlap + backward - 3 * weight)
+
+
 def peak_stash(kind: str, p: int, m: int, rank: int, v: int = 1) -> int:
-    """Micro-batches (interleaved, ZB-V: chunk-micro-batches) stashed at once on ``rank``."""
+    """Micro-batches (interleaved, ZB-V, DualPipeV: chunk-micro-batches) stashed at once on ``rank``."""
     _check("peak_stash", kind, p=p, m=m, v=v)
     index("peak_stash", "rank", rank, p, "ranks")
+    if kind == "dualpipev":  # the report's PP + 1: 2p - 1 forwards of chunk a, then F_b, then a pair's F
+        if m < 2 * p:
+            raise ValueError(f"peak_stash: dualpipev needs m >= 2p = {2 * p} micro-batches, got m={m}")
+        return 2 * p + 1
     if kind == "zb-v":  # its two chunks whatever v says; 2p (m >= 2p - 1) = p whole stages = 1F1B's first rank
         return min(2 * p, 2 * m, m + rank + 1)
     if kind == "interleaved":  # m == p: every forward runs first (Megatron-LM's "all warm-up")
@@ -171,15 +203,16 @@ def bubble_formula(kind: str) -> str:
     _check("bubble_formula", kind)
     return {"naive": "(p-1)/p", "gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
             "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)",
-            "zb-h2": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)"}[kind]
+            "zb-h2": "(p-1)/(3m+p-1)", "zb-v": "(p-1)/(6m+p-1)", "dualpipev": "(p-1)/(6m+p-1)"}[kind]
 
 
 def stage_owner(p: int, v: int = 1, kind: str = "interleaved") -> list[int]:
     """Rank of each virtual stage: stage ``s`` on rank ``s mod p`` (``p v`` stages, interleaved), or
-    ZB-V's V (``kind="zb-v"``, 2p stages): stage ``s`` on rank ``s`` for ``s < p``, else ``2p - 1 - s``."""
-    one_of("stage_owner", "kind", kind, ("interleaved", "zb-v"))
+    ZB-V's V (``kind="zb-v"`` or ``"dualpipev"``, 2p stages): stage ``s`` on rank ``s`` for ``s < p``, else
+    ``2p - 1 - s``."""
+    one_of("stage_owner", "kind", kind, ("interleaved", "zb-v", "dualpipev"))
     wholes("stage_owner", p=p, v=v)
-    if kind == "zb-v":
+    if kind in ("zb-v", "dualpipev"):
         return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
     return [s % p for s in range(p * v)]
 

@@ -8,6 +8,7 @@ zero-bubble schedules (Qi et al. 2024).
 - ``generators.py``: ``make_schedule(kind, stages, microbatches, chunks=1)``, ``GENERATORS`` (kind ->
   generator); naive, GPipe, 1F1B, interleaved.
 - ``zero_bubble.py``: ZB-H1, ZB-H2 and ZB-V (backwards split into I and W, Qi et al. 2024).
+- ``dualpipe.py``: DualPipeV (DeepSeek-V3's DualPipe folded into ZB-V's V; PyTorch's ``ScheduleDualPipeV`` order).
 - ``chimera.py``: Chimera (Li & Hoefler 2021): two pipelines in opposite directions on the same ranks,
   each stage's two replicas' gradients all-reduced.
 - ``asynchronous.py``: PipeDream (weight stashing, vertical sync; Narayanan et al. 2019) and

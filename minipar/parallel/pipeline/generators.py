@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import zero_bubble
+from . import dualpipe, zero_bubble
 from .schedule import Action, Schedule, bwd, fwd
 
 
@@ -108,10 +108,11 @@ GENERATORS: dict[str, Callable[[int, int, int], dict[int, list[Action]]]] = {
     "zb-h1": lambda p, m, v: zero_bubble.zb_h1(p, m),
     "zb-h2": lambda p, m, v: zero_bubble.zb_h2(p, m),
     "zb-v": lambda p, m, v: zero_bubble.zb_v(p, m),
+    "dualpipev": lambda p, m, v: dualpipe.dualpipe_v(p, m),
 }
 KINDS = tuple(GENERATORS)
 CHUNKED = ("interleaved",)  # kinds that take chunks=v > 1
-FIXED_CHUNKS = {"zb-v": 2}  # kinds whose placement fixes v (chunks=1, the default, means that v)
+FIXED_CHUNKS = {"zb-v": 2, "dualpipev": 2}  # kinds whose placement fixes v (chunks=1, the default, means that v)
 
 
 def _check_int(name: str, value: object, hint: str) -> int:
@@ -124,7 +125,7 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
     """``{rank: [action, ...]}`` for ``kind`` in ``KINDS`` ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", ...).
 
     ``stages`` is the number of pipeline ranks p, ``microbatches`` is m, ``chunks`` is v (model
-    chunks per rank: interleaved; zb-v has 2, given 1 or 2). Bad configurations raise ``ValueError``
+    chunks per rank: interleaved; zb-v and dualpipev have 2, given 1 or 2). Bad configurations raise ``ValueError``
     saying what to change.
     """
     kind_l = kind.lower() if isinstance(kind, str) else kind

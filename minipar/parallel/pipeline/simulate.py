@@ -36,9 +36,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from minipar.checks import number
 from minipar.trace import Event, Trace, save
 
+from . import dualpipe
 from .asynchronous import has_updates, peak_versions
 from .schedule import Action, Schedule
 from .validate import as_schedule, counterpart_key, validate_and_order
@@ -76,7 +79,8 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
              forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
              latency: float = 0.0, trace_path: str | os.PathLike[str] | None = None,
              activation_bytes: int = 1, message_bytes: int = 0,
-             weight: float | Sequence[float] | None = None, update: float | Sequence[float] = 0.0) -> SimResult:
+             weight: float | Sequence[float] | None = None, update: float | Sequence[float] = 0.0,
+             durations: Mapping[tuple[int, int], float] | None = None) -> SimResult:
     """Simulate ``schedule`` (validated first: raises ``ScheduleError`` if it cannot run).
 
     ``forward``/``backward``: time of one action, one number or a list per (virtual) stage.
@@ -85,8 +89,10 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
     backward GEMMs cost the same: Qi et al. 2024 Sec. 2 count T_B = T_W for them).
     ``latency``: time from posting a send to its arrival. ``activation_bytes``: bytes per stashed
     micro-batch in the memory events (1 = count micro-batches). ``message_bytes``: ``nbytes`` of
-    each comm event. ``update``: time of a ``U`` (a stage's optimizer update), default 0. Writes the
-    trace to ``trace_path`` when given."""
+    each comm event. ``update``: time of a ``U`` (a stage's optimizer update), default 0.
+    ``durations``: ``{(rank, step of the lowered program): time}`` for single compute actions whose
+    time differs from their op's (DualPipeV's overlapped F&B pairs, ``simulate_overlapped``).
+    Writes the trace to ``trace_path`` when given."""
     sched = as_schedule(schedule)
     program, order = validate_and_order(sched)  # the order validation found: every receive after its send
     n_stages = program.virtual_stages
@@ -115,7 +121,7 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
         where = {"stage": a.stage, "microbatch": a.microbatch, "chunk": chunk_of.get(a.stage, 0)}
         if a.is_compute:
             t0 = clock[r]
-            t1 = t0 + duration[a.op][a.stage]
+            t1 = t0 + (duration[a.op][a.stage] if durations is None else durations.get((r, i), duration[a.op][a.stage]))
             clock[r] = t1
             busy[r] += t1 - t0
             events.append(Event(r, "compute", a.op, t0, t1, args={"action": text}, **where))
@@ -153,3 +159,18 @@ def simulate(schedule: Mapping[int, Sequence[Action | str]] | Sequence[Sequence[
         save(trace, trace_path)
     versions = peak_versions(program, "stash") if has_updates(program) else {}
     return SimResult(makespan, fraction, ratio, idle, busy, peak, trace, program, versions)
+
+
+def simulate_overlapped(p: int, m: int, forward: float, backward: float, weight: float, overlap: float,
+                        **options: Any) -> SimResult:
+    """``simulate`` DualPipeV's ``dualpipe.overlapped_program`` with each overlapped pair taking ``overlap`` (the
+    report's F&B: between max(F, B), full overlap, and F + B, none) and every other action its own time
+    (F, B, I = B - W, W of one chunk). ``options`` go to ``simulate`` (latency, trace_path, ...)."""
+    for name, value in (("forward", forward), ("backward", backward), ("weight", weight), ("overlap", overlap)):
+        number("simulate_overlapped", name, value)
+    if not max(forward, backward) <= overlap <= forward + backward:
+        raise ValueError(f"simulate_overlapped: overlap={overlap} (an overlapped forward and backward) must "
+                         f"lie between max(F, B) = {max(forward, backward)} and F + B = {forward + backward}")
+    program, firsts = dualpipe.overlapped_pairs(p, m)
+    durations = dict.fromkeys(firsts, overlap - backward)  # then the B: the pair ends F&B after it began
+    return simulate(program, forward, backward, weight=weight, durations=durations, **options)
