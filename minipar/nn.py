@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from minipar import fp8
 from minipar import functional as F
 from minipar.autograd import Tensor
 from minipar.recompute import check_recompute, checkpoint
@@ -246,8 +247,11 @@ class ModuleList(Module):
 class Linear(Module):
     """``y = x @ weight + bias`` with ``weight`` of shape ``(in_features, out_features)``.
 
-    Initialised like PyTorch's ``nn.Linear``: uniform in +-1/sqrt(in_features).
+    Initialised like PyTorch's ``nn.Linear``: uniform in +-1/sqrt(in_features). ``fp8``: an
+    ``fp8.Fp8Meta`` (set by ``fp8.enable``) runs the product with FP8 operands.
     """
+
+    fp8: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: Any = np.float64) -> None:
         bound = 1.0 / np.sqrt(in_features)
@@ -255,6 +259,8 @@ class Linear(Module):
         self.bias = Parameter((out_features,), ("uniform", bound), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 is not None:
+            return fp8.linear(x, self.weight, self.bias, self.fp8)
         return F.linear(x, self.weight, self.bias)
 
 
