@@ -1,5 +1,6 @@
-"""Zero bubble with tensor and sequence parallelism (issue 30, item 3): HybridGPT under ZB-H1, ZB-H2 and
-ZB-V with tp or sp > 1 equals one process, and each parallel op's collective runs once per backward.
+"""Zero bubble with tensor and sequence parallelism (issue 30, item 3): HybridGPT under ZB-H1, ZB-H2,
+ZB-V and DualPipeV with tp or sp > 1 equals one process; each parallel op's collective runs once per
+backward.
 
 Property: for every drawn pp = 2 mesh with tensor (Megatron, Megatron-SP) or sequence parallelism
 (Ulysses, Ring Attention, USP) and a zero-bubble schedule, two AdamW steps give the single-process
@@ -25,8 +26,9 @@ from test_hybrid import STEPS, check_hybrid, config, hybrid_run, layout_of
 
 from minipar import nn, trace
 from minipar.autograd import Tensor
-from minipar.cost.hybrid import w_regather_bytes
+from minipar.cost.hybrid import split_backwards, w_regather_bytes
 from minipar.mesh import MeshShape
+from minipar.parallel.pipeline import make_schedule
 from minipar.parallel.sequence.comm_ops import linear_seq_to_heads
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from minipar.split_backward import WeightGradients
@@ -39,6 +41,9 @@ EXAMPLES = [
     config({"pp": 2, "dp": 2, "tp": 2}, schedule="zb-h2", microbatches=3, batch=6, sequence_parallel=True),
     config({"pp": 2, "sp": 2}, schedule="zb-v", chunks=2, microbatches=3, batch=6, sp_method="ring", zigzag=True),
     config({"pp": 2, "sp": 4}, schedule="zb-h1", sp_method="hybrid", ulysses=2),
+    config({"pp": 2, "dp": 2, "tp": 2}, schedule="dualpipev", chunks=2, microbatches=4, batch=8,
+           sequence_parallel=True),
+    config({"pp": 2, "sp": 2}, schedule="dualpipev", chunks=2, microbatches=5, batch=5, sp_method="ulysses"),
 ]
 
 
@@ -49,8 +54,9 @@ def zb_configs(draw: st.DrawFn, world: int) -> dict:
     inner = draw(st.sampled_from(["tp", "sp"]))
     k = draw(st.sampled_from([2, 4] if world == 8 else [2]))
     degrees = {"pp": 2, "dp": world // (2 * k), inner: k}
-    schedule = draw(st.sampled_from(["zb-h1", "zb-h2", "zb-v"]))
-    chunks, m = (2 if schedule == "zb-v" else 1), draw(st.integers(1, 3))
+    schedule = draw(st.sampled_from(["zb-h1", "zb-h2", "zb-v", "dualpipev"]))
+    chunks = 2 if schedule in ("zb-v", "dualpipev") else 1
+    m = draw(st.integers(4, 5) if schedule == "dualpipev" else st.integers(1, 3))  # DualPipeV: m >= 2p
     heads = k * draw(st.integers(1, 2))
     method = draw(st.sampled_from(["ulysses", "ring"] + (["hybrid"] if k == 4 else []))) if inner == "sp" else "ulysses"
     return config(degrees, vocab=k * draw(st.integers(3, 5)), seq=2 * k, d=heads * draw(st.sampled_from([2, 4])),
@@ -63,20 +69,19 @@ def zb_configs(draw: st.DrawFn, world: int) -> dict:
 
 def check_w(c: dict, path: str) -> None:
     """Per rank: bytes sent inside W spans equal ``w_regather_bytes`` (all-gathers only); every
-    re-gather mark is inside a W span."""
+    re-gather mark is inside a W span, or a B span (DualPipeV's full backwards), never in I."""
     events, layout = trace.load(path).events, layout_of(c)
     for r in range(MeshShape(**c["degrees"]).size):
         mine = [e for e in events if e.rank == r]
-        ws = [(e.t0, e.t1) for e in mine if e.kind == "compute" and e.name == "W"]
 
-        def in_w(e: trace.Event, ws: list = ws) -> bool:
-            return any(t0 <= e.t0 <= t1 for t0, t1 in ws)
+        def inside(e: trace.Event, names: str, mine: list = mine) -> bool:
+            return any(s.kind == "compute" and s.name in names and s.t0 <= e.t0 <= s.t1 for s in mine)
 
-        sent = [e for e in mine if e.kind == "comm" and e.src == r and in_w(e)]
+        sent = [e for e in mine if e.kind == "comm" and e.src == r and inside(e, "W")]
         assert sum(e.nbytes for e in sent) == STEPS * w_regather_bytes(layout, r), r
         assert {e.op for e in sent} <= {"allgather"}, r
         marks = [e for e in mine if e.kind == "mark" and e.name == "re-gather"]
-        assert all(in_w(e) for e in marks), r
+        assert all(inside(e, "WB") for e in marks), r
         assert bool(marks) == (layout.sequence_parallel and layout.tp > 1), r
 
 
@@ -92,6 +97,8 @@ def check(c: dict, results: list[dict], path: str) -> None:
 @example(c=EXAMPLES[2])
 @example(c=EXAMPLES[3])
 @example(c=EXAMPLES[4])
+@example(c=EXAMPLES[5])
+@example(c=EXAMPLES[6])
 def test_zero_bubble_with_tp_and_sp_equals_single_process_threads(c: dict, tmp_path_factory) -> None:
     path = str(tmp_path_factory.mktemp("zb") / "t.json")
     check(c, run(hybrid_run, MeshShape(**c["degrees"]).size, "threads", comm_timeout=60, c=c, path=path), path)
@@ -103,7 +110,7 @@ def test_zero_bubble_with_tp_and_sp_equals_single_process_threads(c: dict, tmp_p
 @given(drawn=st.lists(zb_configs(8), min_size=1, max_size=1))
 def test_zero_bubble_pp2_tp2_dp2_mpiexec(drawn: list[dict], tmp_path_factory) -> None:
     tmp = str(tmp_path_factory.mktemp("zb8"))
-    cs = [*EXAMPLES[:3], *drawn]
+    cs = [*EXAMPLES[:3], EXAMPLES[5], *drawn]
     jobs = [{"c": c, "path": os.path.join(tmp, f"t{i}.json")} for i, c in enumerate(cs)]
     for job, results in zip(jobs, run_each(hybrid_run, 8, jobs, timeout=300, comm_timeout=60), strict=True):
         check(job["c"], results, job["path"])
@@ -116,7 +123,23 @@ def test_w_regather_bytes_by_hand() -> None:
     layout = layout_of(EXAMPLES[2])
     assert [w_regather_bytes(layout, r) for r in range(8)] == [3 * 4 * 512] * 4 + [3 * 5 * 512] * 4
     assert w_regather_bytes(layout_of({**EXAMPLES[2], "schedule": "1f1b"}), 0) == 0
+    # DualPipeV, p = 2, m = 4, b = 1: stages 0 | 1 | 2 | 3 on pp ranks 0 1 1 0 hold embedding + block |
+    # block | block | block + head and split 2 | 1 | 1 | 1 backwards: pp rank 0 2 x 2 + 1 x 3 re-gathers,
+    # pp rank 1 1 x 2 + 1 x 2, each of 512 bytes
+    assert [w_regather_bytes(layout_of(EXAMPLES[5]), r) for r in (0, 4)] == [7 * 512, 4 * 512]
     assert w_regather_bytes(layout_of(EXAMPLES[0]), 0) == 0
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_split_backwards_counts_the_schedules_w_actions(p: int) -> None:
+    """``split_backwards`` (a formula per schedule) equals the W actions of each stage in the schedule
+    the runtime runs, for every stage and several m."""
+    for kind in ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"):
+        for m in range(2 * p, 2 * p + 3):
+            sched = make_schedule(kind, p, m)
+            ws = [sum(a.op == "W" and a.stage == s for acts in sched.values() for a in acts)
+                  for s in range(sched.virtual_stages)]
+            assert [split_backwards(kind, p, m, s) for s in range(sched.virtual_stages)] == ws, (kind, m)
 
 
 # ---- one layer: I then W -----------------------------------------------------------------------------

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.checks import index
+from minipar.checks import index, one_of, whole, wholes
 from minipar.cost import sequence, zero
 from minipar.cost.collectives import allreduce_bytes, ring_bytes, tree_broadcast_bytes
-from minipar.cost.pipeline import peak_stash, send_bytes, stage_owner
+from minipar.cost.pipeline import SCHEDULES, peak_stash, send_bytes, stage_owner
 from minipar.cost.tensor import collectives_per_block, layer_terms
+
+V_SHAPED = ("zb-v", "dualpipev")  # schedules placing 2p stages in a V (pipeline.stage_owner)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class TinyLayout:
 
     def owner(self) -> list[int]:
         """The pipeline rank of each virtual stage (``pipeline.stage_owner``)."""
-        return stage_owner(self.pp, self.chunks, "zb-v" if self.schedule == "zb-v" else "interleaved")
+        return stage_owner(self.pp, self.chunks, self.schedule if self.schedule in V_SHAPED else "interleaved")
 
     def coords(self, rank: int) -> dict[str, int]:
         """The (pp, dp, sp, tp) coordinates of ``rank`` on the mesh (pp outermost, tp innermost)."""
@@ -187,20 +189,40 @@ def _replica_bytes(c: TinyLayout, rank: int) -> tuple[str, int]:
     return axis, zero.zero_traffic_bytes([numel], c.zero_stage, n, c.itemsize, me)  # one bucket: tiny models
 
 
-SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")  # schedules whose backward is I then W (zero bubble)
+def split_backwards(kind: str, p: int, m: int, stage: int) -> int:
+    """Micro-batches whose backward on virtual ``stage`` is split into I and W in one step: all ``m``
+    under ZB-H1, ZB-H2 and ZB-V; under DualPipeV (``pipeline.dualpipe``'s steps 3, 6 and 7), on rank r
+    with a = r going down and b = 2p - 1 - r coming back, the p - 1 - r I's of its warm-up (b) and of its
+    cool-down (a), plus the split ones among its r + 1 full-or-split pairs: ``ceil((r + 1) / 2)`` of
+    stage a's and, when r is even, one fewer of b's; none under the other schedules."""
+    one_of("split_backwards", "kind", kind, SCHEDULES)
+    wholes("split_backwards", p=p, m=m)
+    if kind in V_SHAPED:
+        index("split_backwards", "stage", stage, 2 * p, "virtual stages of the V")
+    else:
+        whole("split_backwards", "stage", stage, least=0)
+    if kind in ("zb-h1", "zb-h2", "zb-v"):
+        return m
+    if kind != "dualpipev":
+        return 0
+    r = stage if stage < p else 2 * p - 1 - stage
+    return p - 1 - r + (r + 2) // 2 - (stage >= p and r % 2 == 0)
 
 
 def w_regather_bytes(c: TinyLayout, rank: int) -> int:
-    """Bytes ``rank`` sends inside its W actions in one step: under Megatron-SP with a zero-bubble
-    schedule, the re-gathers of the column-parallel inputs (q k v's and fc's per block, the head's),
-    which W runs (``tensor.layers``). Each is a ring all-gather of the sequence shard, ``(t-1)`` shards
-    of ``S/t b d e`` bytes, once per micro-batch; every other W is local, so 0 otherwise. These bytes
-    are part of ``traffic_by_axis``'s ``tp`` (the same re-gathers, moved from B to W)."""
+    """Bytes ``rank`` sends inside its W actions in one step: under Megatron-SP, the re-gathers of the
+    column-parallel inputs (q k v's and fc's per block, the head's), which a split backward runs in W
+    (``tensor.layers``). Each is a ring all-gather of the sequence shard, ``(t-1)`` shards of ``S/t b d
+    e`` bytes, once per split backward of the stage (``split_backwards``); every other W is local, so 0
+    without Megatron-SP. These bytes are part of ``traffic_by_axis``'s ``tp`` (moved from B to W)."""
     _rank("w_regather_bytes", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
-    if not (c.sequence_parallel and c.tp > 1 and c.schedule in SPLIT_BACKWARD):
+    if not (c.sequence_parallel and c.tp > 1):
         return 0
-    gathers = sum(2 * blocks + head for _, blocks, head in c.stages_of(c.coords(rank)["pp"]))
-    return c.microbatches * gathers * (c.tp - 1) * (c.seq // c.tp) * c.micro_batch * c.d * c.itemsize
+    pp_i, owner, total = c.coords(rank)["pp"], c.owner(), 0
+    stages = [s for s in range(len(owner)) if owner[s] == pp_i]
+    for s, (_, blocks, head) in zip(stages, c.stages_of(pp_i), strict=True):
+        total += split_backwards(c.schedule, c.pp, c.microbatches, s) * (2 * blocks + head)
+    return total * (c.tp - 1) * (c.seq // c.tp) * c.micro_batch * c.d * c.itemsize
 
 
 def traffic_by_axis(c: TinyLayout, rank: int) -> dict[str, int]:

@@ -15,11 +15,12 @@ replicated it, once::
          slice: one ring all-reduce of the flat gradients (DDP), or ZeRO stage 1's reduce-scatter
          before the step and all-gather after it (Megatron-LM's distributed optimizer)
 
-Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V: a backward split into I and W, ``split_backward``) run with
-tp and sp > 1 too: each parallel op's collective runs once, in I with the input's gradient (``f``'s
-all-reduce, the reduce-scatters, ``g-bar``'s and Ulysses' gradient exchanges, Ring Attention's
-hand-offs), and W is local but for Megatron-SP's re-gather of the column-parallel inputs, which runs
-inside W where the schedule places it (``tensor.layers``; ``cost.hybrid.w_regather_bytes``).
+Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V, DualPipeV: backwards split into I and W,
+``split_backward``) run with tp and sp > 1 too: each parallel op's collective runs once, in I with
+the input's gradient (``f``'s all-reduce, the reduce-scatters, ``g-bar``'s and Ulysses' gradient
+exchanges, Ring Attention's hand-offs), and W is local but for Megatron-SP's re-gather of the
+column-parallel inputs, which runs inside W where the schedule places it (``tensor.layers``;
+``cost.hybrid.w_regather_bytes``).
 
 Gradients are reduced after the last micro-batch's backward, as Megatron-LM does under pipelining
 (DDP's per-bucket overlap would fire once per micro-batch). ZeRO stages 2 and 3 are refused with
