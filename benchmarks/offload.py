@@ -61,59 +61,71 @@ from minipar.parallel.ddp import local_batch
 from minipar.parallel.offload import ZeroOffload, offload_device_need
 from minipar.parallel.zero import ZeroDataParallel
 from minipar.tiers import Tiers
+from minipar.tiers.files import aligned_empty
+from minipar.tiers.rates import disk_seconds
 
 
 # ---- NVMe ---------------------------------------------------------------------------------------------
-def plain_write(directory: Path, arrays: list[np.ndarray]) -> None:
-    for i, a in enumerate(arrays):
-        with open(directory / f"plain{i}.npy", "wb") as fh:
-            np.save(fh, a, allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-
-def plain_read(directory: Path, count: int) -> list[np.ndarray]:
-    return [np.load(directory / f"plain{i}.npy", allow_pickle=False) for i in range(count)]
-
-
-def tier_write(tiers: Tiers, arrays: list[np.ndarray]) -> None:
-    for f in [tiers.write_nvme(f"t{i}", a) for i, a in enumerate(arrays)]:
-        f.result()
-
-
-def tier_read(tiers: Tiers, count: int) -> list[np.ndarray]:
-    return [f.result() for f in [tiers.read_nvme(f"t{i}") for i in range(count)]]
-
-
-def seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
+def tier_round(tiers: Tiers, arrays: list[np.ndarray], into: list[np.ndarray]) -> tuple[float, float]:
+    """Seconds to write every array in place (then ``sync_nvme``) and to read every one back into
+    ``into``, all submitted at once (the pool keeps ``--workers`` requests in flight); checked."""
     t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+    for f in [tiers.write_nvme(f"t{i}", a, copy=False, in_place=True) for i, a in enumerate(arrays)]:
+        f.result()
+    tiers.sync_nvme()
+    t1 = time.perf_counter()
+    for f in [tiers.read_nvme(f"t{i}", out=b) for i, b in enumerate(into)]:
+        f.result()
+    t2 = time.perf_counter()
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, into, strict=True))
+    return t1 - t0, t2 - t1
 
 
-def nvme(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Seconds per round of each of the four operations; the read-back checked bit for bit."""
+def nvme(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
+    """Per request size: seconds per round of the disk's own and the tier's writes and reads, taking
+    turns (the first of each pair alternating round by round)."""
     directory = Path(args.dir) / f"pid{os.getpid()}"
     directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(args.tensor_mib * 2**18).astype(np.float32) for _ in range(args.tensors)]
-    out: dict[str, list[float]] = {k: [] for k in ("tier write", "plain write", "tier read", "plain read")}
+    out: dict[int, dict[str, list[float]]] = {}
     try:
-        with Tiers(0, directory / "tier", workers=args.workers) as tiers:
-            for r in range(args.rounds + 1):  # round 0 warms up
-                runs = {"tier write": lambda: tier_write(tiers, arrays),
-                        "plain write": lambda: plain_write(directory, arrays),
-                        "tier read": lambda: tier_read(tiers, len(arrays)),
-                        "plain read": lambda: plain_read(directory, len(arrays))}
-                for name, fn in runs.items():
-                    t, got = seconds(fn)
-                    if got is not None:
-                        assert all(np.array_equal(a, b) for a, b in zip(arrays, got, strict=True)), name
-                    if r:
-                        out[name].append(t)
+        for size in (args.small_kib << 10, args.large_mib << 20):
+            count = max(2, (args.span_mib << 20) // size)
+            arrays = [aligned_empty((size // 4,)) for _ in range(count)]  # DeepNVMe's pinned buffers
+            into = [aligned_empty((size // 4,)) for _ in range(count)]
+            for i, a in enumerate(arrays):
+                a[:] = np.random.default_rng(i).standard_normal(a.size)
+            times: dict[str, list[float]] = {k: [] for k in ("disk write", "tier write", "disk read", "tier read")}
+            with Tiers(0, directory / f"tier{size}", workers=args.workers) as tiers:
+                tier_round(tiers, arrays, into)  # makes the files (atomic writes); every timed write is in place
+                for r in range(args.rounds):
+                    if r % 2:
+                        tier = tier_round(tiers, arrays, into)
+                    disk = disk_seconds(str(directory), size, count)[:2]
+                    if not r % 2:
+                        tier = tier_round(tiers, arrays, into)
+                    for who, (w, rd) in (("disk", disk), ("tier", tier)):
+                        times[f"{who} write"].append(w)
+                        times[f"{who} read"].append(rd)
+            out[size] = times
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return out
+
+
+def print_nvme(io: dict[int, dict[str, list[float]]], args: argparse.Namespace) -> None:
+    print(f"NVMe tier vs the disk's own requests under {args.dir} ({args.workers} I/O threads; the disk: one "
+          f"request at a time, O_DIRECT), median MB/s of {args.rounds} rounds taking turns; load {load()}")
+    for size, times in io.items():
+        count = max(2, (args.span_mib << 20) // size)
+        rate = {k: count * size / statistics.median(v) / 1e6 for k, v in times.items()}
+        what = f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
+        for op in ("write", "read"):
+            print(f"  {what:>7} x {count:<4} {op:5}  tier {rate[f'tier {op}']:7.0f}   disk {rate[f'disk {op}']:7.0f}   "
+                  f"tier / disk {rate[f'tier {op}'] / rate[f'disk {op}']:4.0%}")
+
+
+def load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 # ---- step time ------------------------------------------------------------------------------------------
@@ -150,9 +162,11 @@ def timed(comm: Communicator, step: Callable[[int], None], i: int, step_block: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="runs/bench_offload", help="directory on the disk to measure")
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--tensor-mib", type=int, default=4)
-    ap.add_argument("--workers", type=int, default=2, help="the NVMe tier's I/O threads")
+    ap.add_argument("--small-kib", type=int, default=64, help="the small request size")
+    ap.add_argument("--large-mib", type=int, default=16, help="the large request size")
+    ap.add_argument("--span-mib", type=int, default=32, help="bytes per round and size")
+    ap.add_argument("--workers", type=int, default=8, help="the NVMe tier's I/O threads")
+    ap.add_argument("--nvme-only", action="store_true", help="the NVMe comparison alone (one process)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -163,6 +177,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block", type=int, default=3, help="steps timed together per configuration and round")
     args = ap.parse_args()
+    if args.nvme_only:
+        print_nvme(nvme(args), args)
+        return
 
     def body(comm: Communicator) -> None:
         io = nvme(args) if comm.rank == 0 else None
@@ -177,13 +194,7 @@ def main() -> None:
                     times[k].append(t)
         if comm.rank or io is None:
             return
-        total = args.tensors * args.tensor_mib * 2**20
-        print(f"NVMe tier vs plain np.save + fsync / np.load: {args.tensors} x {args.tensor_mib} MiB float32 under "
-              f"{args.dir} ({args.workers} I/O threads), median of {args.rounds} rounds")
-        rate = {k: total / statistics.median(v) / 1e6 for k, v in io.items()}
-        for op in ("write", "read"):
-            print(f"  {op:5}  tier {rate[f'tier {op}']:8.0f} MB/s   plain {rate[f'plain {op}']:8.0f} MB/s   "
-                  f"tier / plain {rate[f'tier {op}'] / rate[f'plain {op}']:.2f}x")
+        print_nvme(io, args)
         psi = GPT(args.vocab, args.seq, args.d_model, args.heads, args.layers).num_parameters()
         base = statistics.median(times[kinds[0]])
         print(f"step time, GPT d_model={args.d_model}, {args.layers} layers, float64, Psi = {psi:,}, "

@@ -20,6 +20,7 @@ from minipar.autograd import Tensor
 from minipar.chrome import to_chrome
 from minipar.cost import transfer_seconds, zero_offload_bytes
 from minipar.tiers import Bandwidth, DeviceOutOfMemory, NotOnDevice, Tiers
+from minipar.tiers.files import aligned_empty
 from minipar.tiers.nvme import LONG, file_name, name_of
 
 
@@ -443,3 +444,17 @@ def test_open_file_falls_back_without_o_direct(tmp_path, monkeypatch):
         t.write_nvme("a", np.arange(5000.0) + 1, in_place=True).result()
         np.testing.assert_array_equal(t.read_nvme("a").result(), np.arange(5000.0) + 1)
         assert [direct for _, direct in t._files._disk.fds.values()] == [False]
+
+
+def test_read_into_a_buffer_in_place_or_by_copy(tmp_path):
+    a = np.arange(3000, dtype=np.float32).reshape(3, 1000)
+    with Tiers(0, tmp_path) as t:
+        t.write_nvme("a", a).result()
+        into = aligned_empty((3, 1000), np.float32)
+        assert t.read_nvme("a", out=into).result() is into and into.ctypes.data % 4096 == 0
+        plain = np.zeros((3, 1000), np.float32)  # not page-aligned memory: read, then copied in
+        assert t.read_nvme("a", out=plain).result() is plain
+        np.testing.assert_array_equal(into, a)
+        np.testing.assert_array_equal(plain, a)
+        with pytest.raises(ValueError, match=r"out is float64\[3, 1000\], the file holds float32\[3, 1000\]"):
+            t.read_nvme("a", out=np.zeros((3, 1000))).result()

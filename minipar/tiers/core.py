@@ -257,10 +257,14 @@ class Tiers:
         """Wait for every NVMe operation and flush the files written in place since the last call."""
         self._need_files().sync()
 
-    def read_nvme(self, name: str) -> Future[np.ndarray]:
+    def read_nvme(self, name: str, out: np.ndarray | None = None) -> Future[np.ndarray]:
         """Read ``name``'s file into a new host array in the background (after any I/O on ``name``
-        submitted before); the future's result is the array, bit-exact as written."""
-        return self._need_files().read(name, self._mover(trace.current()), trace.now)
+        submitted before); the future's result is the array, bit-exact as written. ``out``: read into
+        this array instead (its dtype and shape; in place, without a copy, when made by
+        ``minipar.tiers.files.aligned_empty``)."""
+        if out is not None and self.on_device(out):
+            raise NotOnDevice(f"{name!r}: read_nvme reads into host arrays, not device memory")
+        return self._need_files().read(name, self._mover(trace.current()), trace.now, out)
 
     def delete_nvme(self, name: str) -> Future[None]:
         """Remove ``name``'s file in the background (after pending I/O on it)."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import struct
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,10 +68,10 @@ class Layout:
     dtype: np.dtype
     shape: tuple[int, ...]
     fortran: bool
+    nbytes: int = field(init=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
     @property
     def aligned(self) -> bool:
@@ -98,15 +99,37 @@ def layout_of(array: np.ndarray) -> tuple[Layout, bytes]:
     return Layout(offset, array.dtype, tuple(array.shape), fortran), head + b"\n"
 
 
+def padded(array: np.ndarray) -> np.ndarray | None:
+    """``array``'s memory (contiguous) as a uint8 array of whole pages when it starts on a page and the
+    allocation it lies in extends to the next page boundary past it (``page_aligned`` memory); else None."""
+    if not (array.flags.c_contiguous or array.flags.f_contiguous) or array.ctypes.data % PAGE:
+        return None
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    start = array.ctypes.data - root.ctypes.data
+    if not root.flags.c_contiguous or start < 0 or start + round_up(array.nbytes) > root.nbytes:
+        return None
+    return root.reshape(-1).view(np.uint8)[start:start + round_up(array.nbytes)]
+
+
 def data_bytes(array: np.ndarray, layout: Layout) -> np.ndarray:
     """``array``'s bytes in its layout's order as a page-aligned uint8 array of whole pages: ``array``'s
-    own memory when it is one already, else a copy."""
+    own memory when it lies in ``page_aligned`` memory (``padded``), else a copy."""
+    own = padded(array)
+    if own is not None:
+        return own
     flat = np.ravel(array, order="F" if layout.fortran else "C").view(np.uint8)
-    if flat.ctypes.data % PAGE == 0 and flat.size % PAGE == 0 and flat.size:
-        return flat
     out = page_aligned(flat.size)
     out[:flat.size] = flat
     return out
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` (zeros) in ``page_aligned`` memory: written from and read into
+    by the NVMe tier without a copy (DeepNVMe's pinned buffers)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    return page_aligned(nbytes)[:nbytes].view(dtype).reshape(shape)
 
 
 def aligned_copy(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

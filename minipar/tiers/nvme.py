@@ -15,7 +15,7 @@ Rajbhandari et al. 2021, Sec. 6).
   Not atomic: a failed or killed one leaves the file part old, part new (a read of it then refuses,
   until a write succeeds), so callers write in place only where a later atomic write commits the
   result (``parallel.offload.commit``: two slots and a manifest). ``sync`` flushes the files written
-  in place since the last ``sync`` (``fdatasync`` each) before such a commit.
+  in place since the last ``sync`` before such a commit (one ``syncfs``: a cache flush for them all).
 - Operations on one name run in the order they were submitted (each waits for the one before), so a
   read after a write returns what was written; different names proceed in parallel.
 - The directory is made if missing. ``close`` waits for pending I/O, removes the files written (and
@@ -31,6 +31,7 @@ Rajbhandari et al. 2021, Sec. 6).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -50,6 +51,7 @@ from minipar.tiers.files import (
     layout_of,
     name_of,
     open_file,
+    padded,
     page_aligned,
 )
 
@@ -85,6 +87,17 @@ def _write_into(path: str, fd: int, offset: int, raw: np.ndarray) -> None:
     _pwrite_all(fd, raw, offset)
 
 
+def _syncfs() -> Callable[[int], int] | None:
+    """The C library's ``syncfs(fd)`` (Linux), or None."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _syncfs()
+
+
 def _free_bytes(directory: str) -> int:
     """Bytes an unprivileged writer may still use on ``directory``'s filesystem (``os.statvfs``)."""
     st = os.statvfs(directory)
@@ -104,6 +117,7 @@ class _Disk:
     def __init__(self, directory: str, made: bool) -> None:
         self.directory, self.made = directory, made
         self.files: dict[str, Layout] = {}  # name -> its file's layout
+        self.total = 0  # array bytes in the files of ``files``
         self.paths: dict[str, str] = {}
         self.cut: dict[str, Layout] = {}  # reopened files of cut names, not named yet: path -> layout
         self.fds: dict[str, tuple[int, bool]] = {}  # path -> (open descriptor, O_DIRECT)
@@ -129,6 +143,7 @@ class _Disk:
             _remove(path)
         self.files.clear()
         self.paths.clear()
+        self.total = 0
         if self.made and os.path.isdir(self.directory) and not os.listdir(self.directory):
             os.rmdir(self.directory)
 
@@ -181,12 +196,14 @@ class NvmeFiles:
                     disk.cut[path] = layout
                 else:
                     disk.files[name], disk.paths[name] = layout, path
+                    disk.total += layout.nbytes
 
     def _named(self, name: str, path: str) -> None:
         """A reopened file of a cut name, named now (call under the lock)."""
         if path in self._disk.cut:
             self._disk.files[name] = self._disk.cut.pop(path)
             self._disk.paths[name] = path
+            self._disk.total += self._disk.files[name].nbytes
 
     def resident(self) -> dict[str, int]:
         """Array bytes in each name's file (a reopened cut name's once an operation named it)."""
@@ -224,8 +241,10 @@ class NvmeFiles:
             t1 = now()
             with self._lock:
                 self._disk.cut.pop(path, None)
+                old = self._disk.files.get(name)
                 self._disk.files[name], self._disk.paths[name] = layout, path
-                total = sum(v.nbytes for v in self._disk.files.values())
+                self._disk.total += layout.nbytes - (0 if old is None else old.nbytes)
+                total = self._disk.total
             on_move(name, "cpu", "nvme", data.nbytes, t0, t1, not (in_place and same))
             on_disk(total, t1)
 
@@ -262,8 +281,10 @@ class NvmeFiles:
         with self._lock:
             self._unsynced.discard(path)
 
-    def read(self, name: str, on_move: OnMove, now: Callable[[], float]) -> Future[np.ndarray]:
-        """Read ``name``'s file into a new (page-aligned) array."""
+    def read(self, name: str, on_move: OnMove, now: Callable[[], float], out: np.ndarray | None = None
+             ) -> Future[np.ndarray]:
+        """Read ``name``'s file into a new page-aligned array, or into ``out`` (its dtype and shape; without a
+        copy when it lies in page-aligned memory, ``files.aligned_empty``)."""
         path = self.path(name)
 
         def job() -> np.ndarray:
@@ -275,16 +296,23 @@ class NvmeFiles:
             if name in self._torn:
                 raise OSError(errno.EIO, f"NVMe file {path} of {name!r} is torn: its last write in place failed "
                               "part-way; write it again")
+            if out is not None and (out.dtype != layout.dtype or out.shape != layout.shape):
+                raise ValueError(f"read_nvme({name!r}, out=): out is {out.dtype}{list(out.shape)}, the file holds "
+                                 f"{layout.dtype}{list(layout.shape)}")
             t0 = now()
             fd, direct = self._fd(path, layout)
-            raw = page_aligned(layout.nbytes)
+            own = None if out is None or layout.fortran != (out.flags.f_contiguous and not out.flags.c_contiguous) \
+                else padded(out)
+            raw = own if own is not None else page_aligned(layout.nbytes)
             want = len(raw) if direct else layout.nbytes
             got = os.preadv(fd, [memoryview(raw)[:want]], layout.offset) if want else 0
             if got < layout.nbytes:
                 raise OSError(f"{path}: {got} of {layout.nbytes} array bytes on disk (a truncated file)")
-            out = layout.array(raw)
-            on_move(name, "nvme", "cpu", out.nbytes, t0, now(), False)
-            return out
+            result = layout.array(raw) if out is None else out
+            if out is not None and own is None:
+                np.copyto(out, layout.array(raw))
+            on_move(name, "nvme", "cpu", layout.nbytes, t0, now(), False)
+            return result
 
         return self._submit(name, job)
 
@@ -299,27 +327,35 @@ class NvmeFiles:
             with self._lock:
                 self._unsynced.discard(path)
                 self._disk.cut.pop(path, None)
-                self._disk.files.pop(name, None)
+                old = self._disk.files.pop(name, None)
                 self._disk.paths.pop(name, None)
-                total = sum(v.nbytes for v in self._disk.files.values())
+                self._disk.total -= 0 if old is None else old.nbytes
+                total = self._disk.total
             on_disk(total, now())
 
         return self._submit(name, job)
 
     def sync(self) -> None:
         """Wait for every operation, then flush the files written in place since the last ``sync`` to
-        the disk (``fdatasync`` each); ``OSError`` in one line naming a file that failed."""
+        the disk: one ``syncfs`` of their filesystem where the C library has it (one cache flush for
+        them all), else ``fdatasync`` each; ``OSError`` in one line naming what failed."""
         self.wait()
         with self._lock:
             paths, self._unsynced = sorted(self._unsynced), set()
-        for path in paths:
-            fd = self._disk.fds.get(path)
-            if fd is None:
-                continue
-            try:
-                os.fdatasync(fd[0])
-            except OSError as exc:
-                raise OSError(exc.errno, f"NVMe sync of {path} failed: {exc.strerror or exc}") from exc
+        fds = [self._disk.fds[p][0] for p in paths if p in self._disk.fds]
+        if not fds:
+            return
+        try:
+            if _SYNCFS is not None:
+                if _SYNCFS(fds[0]) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err))
+            else:
+                for fd in fds:
+                    os.fdatasync(fd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"NVMe sync of {len(fds)} files in {self.directory} failed: "
+                          f"{exc.strerror or exc}") from exc
 
     def wait(self) -> None:
         """Block until every submitted operation has finished (errors stay on their futures)."""
