@@ -30,7 +30,10 @@ for ``K < 2^17``. The GEMM's output is then cast once to the model's dtype: an f
 exact product rounded once to fp32, an ideal fp32 accumulator (hardware rounds along the way, and
 Hopper's FP8 accumulation keeps ~14 bits, DeepSeek-V3 Sec. 3.3.2; not modelled). Being exact, the
 sums do not depend on their order, so a tensor-parallel layer equals the single-process layer
-bit for bit (``parallel/tensor/fp8.py``).
+bit for bit (``parallel/tensor/fp8.py``). The backward's e5m2 x e4m3 sums and block-scaled sums are
+exact while one dot's products span fewer than ``53 - 8 - log2 K`` binades; wider, they round and
+two orders of summation differ by at most ``2 gamma_K sum |p|`` (``tests/test_fp8.py``), which the
+rounding to fp32 hides but at ties.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def check_equal(results: list[list[dict]]) -> None:
 def mlp_config(t: int) -> st.SearchStrategy:
     return st.fixed_dictionaries({
         "recipe": st.sampled_from(sorted(RECIPES)), "sp": st.booleans(), "seq": st.sampled_from([t, 2 * t]),
-        "d": st.sampled_from([4, 8]), "ff": st.sampled_from([4, 8]), "dtype": st.sampled_from(["float32", "float64"]),
+        "d": st.sampled_from([4, 8]), "ff": st.sampled_from([4, 8]), "dtype": st.just("float32"),
         "spread": st.sampled_from([1.0, 1e3]), "seed": st.integers(0, 99)})
 
 
@@ -161,6 +161,8 @@ EXAMPLES = [{"recipe": r, "sp": sp, "seq": 4, "d": 8, "ff": 4, "dtype": "float32
             for r in RECIPES for sp in (False, True)]
 
 
+# float32 models: every sum of FP8 products rounded once to fp32 is the same number however the sum was split
+# (a float64 model keeps the float64 sums, which a wide spread of magnitudes can make inexact: the bound below)
 @budget(4)
 @given(t=st.sampled_from([2, 4]), data=st.data())
 @example(t=2, data=None)
@@ -216,6 +218,28 @@ def test_without_the_amax_all_reduce_the_shards_scale_differently():
             assert r["local scale"] > r["reduced scale"] and not np.array_equal(r["local"], r["one"])
 
 
+def test_a_split_float64_sum_of_wide_ranged_products_stays_within_its_bound():
+    """Where a dot's FP8 products span more binades than float64 holds (block scales far apart;
+    e5m2's 31 binades times e4m3's 17, plus 8 bits and log2 K, is more than 53), the sums round,
+    and summing per shard then over ranks (row parallel, or column parallel's dX) may round
+    differently. Each order is within gamma_K sum |p| of the exact sum (Higham, "Accuracy and
+    Stability of Numerical Algorithms", Sec. 3.1; gamma_K = K u / (1 - K u), u = 2^-53), so two
+    orders differ by at most 2 gamma_K sum |p|."""
+    meta = fp8.Fp8Meta(fp8.BlockScaling(block=4))
+    s = 3 * 2.0 ** -35  # 0.75 of half an ulp of 2^20: lost when added to 2^20 alone, not in pairs
+    row = np.zeros(16)
+    row[[0, 4, 12]] = s, 2.0 ** 20, s  # three 1 x 4 tiles, three scales
+    rng = np.random.default_rng(7)
+    wide = rng.normal(size=(5, 16)) * 2.0 ** rng.integers(-30, 1, (5, 16))
+    dy = fp8.dequantise(*meta.quantise("dy", np.vstack([row, wide])))
+    w = fp8.dequantise(*meta.quantise("w", np.ones((8, 16))))
+    assert (s + 2.0 ** 20) + s != (s + s) + 2.0 ** 20  # the order matters for these products
+    one = dy @ w.T
+    split = sum(dy[:, r:r + 4] @ w[:, r:r + 4].T for r in range(0, 16, 4))  # 4 ranks' partial dX, summed
+    k, u = 16, 2.0 ** -53
+    assert np.all(np.abs(split - one) <= 2 * (k * u / (1 - k * u)) * (np.abs(dy) @ np.abs(w).T))
+
+
 # ---- a short training run ------------------------------------------------------------------------------
 def losses(recipe: fp8.Recipe | None, steps: int = 40) -> np.ndarray:
     """A tiny GPT's training losses (float32 parameters, AdamW) on a Markov-chain token stream."""
@@ -244,3 +268,39 @@ def test_fp8_loss_curve_stays_within_0_02_of_fp32():
     for recipe in (fp8.DelayedScaling(), fp8.BlockScaling(16)):
         gap = np.abs(losses(recipe) - ref)
         assert 1e-4 < gap.max() < 0.02, (recipe, gap.max())  # FP8 changes the numbers, by little
+
+
+def gpt_step(comm, sp: bool, recipe: str) -> dict:
+    """One FP8 step's loss and gradients of ``TensorParallelGPT`` and of ``GPT``, both float32."""
+    from minipar.nn import GPT
+    from minipar.parallel.tensor import TensorParallelGPT, gather_grads, sync_sequence_parallel_grads
+
+    kw = {"vocab_size": 16, "seq_len": 8, "d_model": 16, "n_heads": 4, "n_layers": 2, "seed": 0, "dtype": np.float32}
+    recipe = fp8.BlockScaling(8) if recipe == "block" else fp8.DelayedScaling()
+    one = fp8.enable(GPT(**kw), recipe)
+    par = fp8.enable(TensorParallelGPT(comm=comm, sequence_parallel=sp, **kw), recipe)
+    idx, targets = np.random.default_rng(0).integers(0, 16, (2, 2, 8))
+    out = {}
+    for name, model in [("one", one), ("par", par)]:
+        loss = model.loss(idx, targets)
+        loss.backward()
+        if name == "par":
+            sync_sequence_parallel_grads(model, comm)
+        grads = gather_grads(model, comm) if name == "par" else {n: p.grad for n, p in model.named_parameters()}
+        out[name] = {"loss": loss.data, **grads}
+    return out
+
+
+@pytest.mark.parametrize(("sp", "recipe"), [(False, "delayed"), (True, "delayed"), (True, "block")])
+def test_tensor_parallel_gpt_fp8_step(sp: bool, recipe: str):
+    """A whole GPT: the loss and every FP8 linear's weight gradient equal one process bit for bit.
+    The rest (biases, layer norms, embeddings, the full-precision head) are float32 sums over rows
+    taken in another order and layout, as without FP8 (``test_tensor_parallel``): within 1e-5
+    relative, 1e-6 absolute (the key bias's gradient is zero but for rounding: ~1e-10)."""
+    for r in run(gpt_step, 2, sp=sp, recipe=recipe):
+        one, par = r["one"], r["par"]
+        for name in one:
+            if name == "loss" or (name.endswith(".weight") and (".attn." in name or ".mlp." in name)):
+                np.testing.assert_array_equal(par[name], one[name], err_msg=name)
+            else:
+                np.testing.assert_allclose(par[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -1,5 +1,6 @@
 """FP8 matmuls in Megatron's column- and row-parallel linears (``minipar.fp8`` for the formats,
-scales and recipes), equal bit for bit to the single-process ``nn.Linear`` with the same recipe.
+scales and recipes), equal bit for bit to the single-process ``nn.Linear`` with the same recipe
+(fp32 models; ``minipar.fp8`` says when float64 sums round).
 
 Why they are equal: every rank casts its operands with the single-process scales (a sharded
 tensor's amax is all-reduced, op max, over the tensor-parallel group under ``DelayedScaling``, as
@@ -19,6 +20,8 @@ bytes: the price of exact sums in this emulation; hardware reduces bf16 or fp32 
 all-reduce of one number per sharded tensor per step under ``DelayedScaling``. The linears are not
 fused with the region's entry and exit here (``layers.ColumnParallelMatmul``): each runs as
 ``Fp8Matmul`` between ``f`` (or the sequence all-gather) and ``g`` (or the reduce-scatter).
+Fused q, k, v: their three ``dX`` are summed in float64 and rounded once here, each rounded then
+summed in ``nn``; the GPT's weight gradients still agree exactly (``tests/test_fp8.py``).
 """
 
 from __future__ import annotations
