@@ -36,10 +36,10 @@ def test_a_custom_model_is_planned(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_pipelined_plan_shows_its_schedule(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--model", "narayanan-18b", "--gpus", "64", "--global-batch", "128", "--top", "1"]) == 0
+    assert main(["plan", "--model", "narayanan-18b", "--gpus", "16", "--global-batch", "64", "--zero", "0", "1",
+                 "--top", "1"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("│"))
-    first = plan(MODELS["narayanan-18b"], 64,
-                 CLUSTERS["a100-selene"], 128, top=1)[0]
+    first = plan(MODELS["narayanan-18b"], 16, CLUSTERS["a100-selene"], 64, top=1, zero_stages=(0, 1))[0]
     assert first.layout.schedule == "zb-h1" and [c.strip() for c in row.strip("│").split("│")][3] == "zb-h1"
 
 

@@ -15,8 +15,9 @@ link's ``alpha``, and the optimizer's ``tensor_seconds`` per parameter tensor an
 section 8). They are 0 for the published GPU clusters: there kernels run on the device and such
 costs hide behind them.
 
-A cluster file is JSON with every field of ``Cluster``; ``source`` and the five overheads may be
-left out (a file written before the overheads existed loads with them 0); a missing or unknown
+A cluster file is JSON with every field of ``Cluster``; ``source``, the five overheads and the GEMM
+shape model (``gemm_sms``, ``gemm_curve``: ``minipar.cost.gemm``) may be left out (a file written
+before they existed loads with them 0 and empty); a missing or unknown
 field is refused with the list of what to add or remove.
 """
 
@@ -29,6 +30,20 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 OVERHEADS = ("op_seconds", "call_seconds", "message_seconds", "tensor_seconds", "optimizer_gamma")  # default 0
+GEMM = ("gemm_sms", "gemm_curve")  # default 0 and (): every matmul at ``efficiency``
+
+def _gemm_curve(points: Any, problems: list[str]) -> tuple[tuple[float, float], ...]:
+    """A cluster file's ``gemm_curve``: ``[[side, rate], ...]``, sides increasing, every number finite
+    and > 0; a problem appended otherwise (and ``()`` returned)."""
+    ok = isinstance(points, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, int | float) and not isinstance(v, bool)
+                                                    and math.isfinite(v) and v > 0 for v in p) for p in points)
+    if ok and all(a[0] < b[0] for a, b in zip(points, points[1:])):
+        return tuple((float(a), float(b)) for a, b in points)
+    problems.append(f"gemm_curve must be [[side, relative rate], ...] with sides increasing and every number "
+                    f"finite and > 0, got {points!r}")
+    return ()
+
 
 @dataclass(frozen=True)
 class Link:
@@ -63,6 +78,8 @@ class Cluster:
     message_seconds: float = 0.0
     tensor_seconds: float = 0.0
     optimizer_gamma: float = 0.0
+    gemm_sms: int = 0  # > 0: GEMMs run in waves of 256 x 128 tiles on this many SMs (``cost.gemm``)
+    gemm_curve: tuple[tuple[float, float], ...] = ()  # measured (square side, relative rate) (``cost.gemm``)
 
     @property
     def flops(self) -> float:
@@ -85,7 +102,7 @@ class Cluster:
         or unknown field, a value of the wrong type, not finite, or out of range)."""
         problems = []
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - {"source", *OVERHEADS} - data.keys())
+        missing = sorted(names - {"source", *OVERHEADS, *GEMM} - data.keys())
         unknown = sorted(data.keys() - names)
         if missing:
             problems.append(f"missing fields {missing}")
@@ -117,6 +134,10 @@ class Cluster:
         for key in ("gamma", *OVERHEADS):
             if key in data:
                 number(key, data[key], 0, False)
+        sms = data.get("gemm_sms", 0)
+        if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+            problems.append(f"gemm_sms must be a whole number >= 0, got {sms!r}")
+        curve = _gemm_curve(data.get("gemm_curve", []), problems)
         if "name" in data and not isinstance(data["name"], str):
             problems.append(f"name must be a string, got {data['name']!r}")
         if problems:
@@ -124,7 +145,8 @@ class Cluster:
         return cls(name=data["name"], gpus_per_node=gpus, peak_flops=float(data["peak_flops"]),
                    efficiency=float(data["efficiency"]), memory_bytes=float(data["memory_bytes"]),
                    intra=links["intra"], inter=links["inter"], gamma=float(data["gamma"]),
-                   source=str(data.get("source", "")), **{k: float(data.get(k, 0.0)) for k in OVERHEADS})
+                   source=str(data.get("source", "")), **{k: float(data.get(k, 0.0)) for k in OVERHEADS},
+                   gemm_sms=sms, gemm_curve=curve)
 
     @classmethod
     def load(cls, path: str) -> Cluster:

@@ -87,6 +87,7 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    overlap_grad_reduce: bool = False  # Megatron-LM's --overlap-grad-reduce: the dp reduction behind the backward
 
     @property
     def world(self) -> int:
@@ -146,6 +147,8 @@ class Layout:
                        f"seq={model.seq}; choose tp dividing the sequence length or turn it off")
         if self.zero not in (0, 1, 2, 3):
             out.append(f"zero={self.zero!r}: choose a ZeRO stage 0..3")
+        if self.overlap_grad_reduce not in (False, True):
+            out.append(f"overlap_grad_reduce={self.overlap_grad_reduce!r}: choose True or False")
         if self.recompute not in RECOMPUTE:
             out.append(f"recompute={self.recompute!r}: choose one of {RECOMPUTE}")
         return out

@@ -40,6 +40,10 @@ rank, ``m = B / (d b)`` micro-batches per step.
   not overlapped (Narayanan et al. 2021, Sec. 3: the all-reduce runs at the end of the batch);
   ZeRO-2 reduce-scatters every micro-batch and ZeRO-3 also all-gathers the parameters twice per
   micro-batch (Rajbhandari et al. 2020, Sec. 7.2); the planner pairs them with ``pp = 1`` only.
+  ``overlap_grad_reduce`` (Megatron-LM's ``--overlap-grad-reduce``, PyTorch DDP's buckets): the
+  reduction runs behind the last micro-batch's backward on the slowest stage, exposed ``max(0,
+  collective - backward)``; ZeRO-1's reduce-scatter so, its all-gather after; ZeRO-2 each
+  micro-batch's reduce-scatter behind its backward; ZeRO-3 the forward's gather behind the forward.
 - Memory per GPU: model states of the largest pipeline stage's parameters over ``t``, per ZeRO
   stage (Rajbhandari et al. 2020, Sec. 3.1 and 5: ``w + w + K`` bytes per parameter, K = 12 with
   mixed-precision Adam, ``2 w`` (Adam's m and v) otherwise); activations per layer by Korthikanti
@@ -70,6 +74,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minipar.checks import one_of, whole
+from minipar.cost import gemm
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
 from minipar.cost.layout import UNEVEN, Layout, ModelSpec, check_specs
@@ -239,12 +244,16 @@ def group_link(cluster: Cluster, span: int, world: int) -> Link:
     return cluster.intra if world <= g or (span <= g and g % span == 0) else cluster.inter
 
 
-def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str, float]:
+def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster,
+                 hidden: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
     """Exposed communication seconds per step on each mesh axis (module docstring); each transfer
     between stages and each gradient-sync collective also costs ``call_seconds`` and each of their
     steps ``message_seconds`` of CPU (the stages' own collectives' is their work's:
-    ``overhead.stage_collectives``)."""
+    ``overhead.stage_collectives``). ``hidden``: the forward and backward seconds of one
+    micro-batch on the slowest stage, behind which ``layout.overlap_grad_reduce`` runs the
+    data-parallel collectives (``exposed = max(0, collective - compute)``)."""
     check_specs("comm_seconds", model=model, layout=layout, cluster=cluster)
+    under_f, under_b = hidden if layout.overlap_grad_reduce else (0.0, 0.0)
     t, u, d, p, v, m = layout.tp, layout.sp, layout.dp, layout.pp, layout.chunks, layout.microbatches
     w, b, h, world = model.bytes_per_number, layout.micro_batch, model.hidden, layout.world
     layers_here = max(stage_blocks(model, layout))  # on the pipeline rank with the most blocks (all its chunks)
@@ -274,8 +283,18 @@ def comm_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> dict[str
         n, link = d * u, group_link(cluster, t * u * d, world)
         ar, rs, ag = (collective_time(op, "ring", grads, n, link.alpha + o, link.beta, cluster.gamma) + call
                       for op in ("allreduce", "reduce_scatter", "allgather"))
-        out["dp"] = {0: ar, 1: ar, 2: m * rs + ag, 3: m * (2 * ag + rs)}[layout.zero]
+        # overlapped (Megatron-LM's --overlap-grad-reduce, FSDP's prefetch): the all-reduce (ZeRO-1: its
+        # reduce-scatter) behind the last micro-batch's backward; ZeRO-2 each micro-batch's reduce-scatter
+        # behind its backward; ZeRO-3 the forward's gather behind the forward, the backward's and the
+        # reduce-scatter behind the backward
+        zero1 = _exposed(rs, under_b) + ag if layout.overlap_grad_reduce else ar
+        out["dp"] = {0: _exposed(ar, under_b), 1: zero1, 2: m * _exposed(rs, under_b) + ag,
+                     3: m * (_exposed(ag, under_f) + _exposed(ag + rs, under_b))}[layout.zero]
     return out
+
+
+def _exposed(collective: float, compute: float) -> float:
+    return max(0.0, collective - compute)
 
 
 def optimizer_step_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
@@ -311,16 +330,16 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
         problems = [q for q in problems if not q.startswith(UNEVEN)]
     if problems:
         raise ValueError(f"predict: layout {layout} cannot run {model.name or 'the model'}: " + "; ".join(problems))
-    t, u, p, v, m = layout.tp, layout.sp, layout.pp, layout.chunks, layout.microbatches
+    u, p, v, m = layout.sp, layout.pp, layout.chunks, layout.microbatches
     tokens = layout.micro_batch * model.seq
     block = model.layer_flops(tokens) * (4 if layout.recompute == "full" else 3)
     if layout.recompute == "selective":
         block += 4.0 * tokens * model.seq * model.hidden
     # a byte moved costs gamma / 3: reducing a byte (gamma) reads two and writes one
     bound = memory_traffic_bytes(model, layout) * cluster.gamma / 3
-    flops = cluster.peak_flops * cluster.efficiency
-    layer = block / (t * u) / flops + bound
-    head = 3 * model.head_flops(tokens) / (t * u) / flops
+    # each matmul at peak x efficiency x its shape's share (cost.gemm: tile and wave quantization)
+    layer = gemm.block_seconds(model, layout, cluster) + bound
+    head = sum(gemm.training_seconds(cluster, gemm.head_gemm(model, layout)))
     # Megatron's even split (or uneven_stages' cut), the logits on the last stage: the slowest stage
     # paces the pipeline; its autograd ops and message steps cost CPU on top (overhead.py)
     blocks = stage_blocks(model, layout)
@@ -332,7 +351,8 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
     compute = m * times[slow]
     phi = bubble_fraction(layout.kind, p, m, v)
     bubble = compute * phi / (1 - phi)
-    comm = comm_seconds(model, layout, cluster)
+    fwd = times[slow] * model.layer_flops(tokens) / block  # the first forward's share of a micro-batch's work
+    comm = comm_seconds(model, layout, cluster, (fwd, times[slow] - fwd))
     optimizer = optimizer_step_seconds(model, layout, cluster)
     step = compute + bubble + sum(comm.values()) + optimizer
     world = layout.world

@@ -15,7 +15,9 @@ memory, rank them by predicted step time (``minipar.cost.perf.predict``), and sa
   ``pipeline.bubble_fraction`` and ``peak_stash``: ``p`` micro-batches stashed on every stage).
   ZB-H2 only when asked (``schedules``): with F = I = W, as ``perf`` has them, its bubble equals
   ZB-H1's and it stashes ``2p - 1``, so it would only repeat ZB-H1's rows with more memory; ZB-V
-  is not in ``perf``'s model (``Layout.check``). A model whose
+  is not in ``perf``'s model (``Layout.check``). Every layout overlaps the data-parallel reduction
+  with the backward (``overlap_grad_reduce``, Megatron-LM's ``--overlap-grad-reduce``: never slower,
+  so not a choice to search). A model whose
   hidden size the heads do not divide is refused. A plan is a ranking of *predictions*: its first
   row is the model's opinion, as good as the terms of ``perf``.
 - ``NoFit``: raised when no layout fits, naming what the least hungry layout lacks (bytes, GiB).
@@ -154,7 +156,8 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
                 for (v, k), b, z, r, seqp in itertools.product(runs, micro_batches, stages, recompute,
                                                                (False, True) if tp > 1 else (False,)):
                     lay = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=global_batch,
-                                 chunks=v, recompute=r, sequence_parallel=seqp, schedule=k)
+                                 chunks=v, recompute=r, sequence_parallel=seqp, schedule=k,
+                                 overlap_grad_reduce=True)
                     if not [q for q in lay.check(model) if not (v == 1 and q.startswith(UNEVEN))]:
                         out.append(lay)
     return out

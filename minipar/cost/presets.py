@@ -65,11 +65,15 @@ MODELS: dict[str, ModelSpec] = {
     **{f"narayanan-{row[0].lower()}": narayanan_row(row[0])[0] for row in NARAYANAN_TABLE_1},
 }
 
-# The efficiency: the fraction of the bf16 peak Megatron-LM's step sustains in its matmuls, measured
-# on Table 1's smallest row (1.7B on 32 GPUs, 137 TFLOP/s per GPU = 44% of peak) with this model's
-# communication for that row taken out: calibrate_efficiency(*narayanan_row("1.7B")[:2],
-# cluster, 137) with this cluster gives 0.5933 (tests/test_cost_perf.py checks it).
-SELENE_EFFICIENCY = 0.5933
+# The efficiency: the fraction of the bf16 peak Megatron-LM's step sustains in its large matmuls,
+# measured on Table 1's smallest row (1.7B on 32 GPUs, 137 TFLOP/s per GPU = 44% of peak) with this
+# model's communication and its GEMMs' tile and wave quantization (cost.gemm, A100_SMS) for that row
+# taken out: calibrate_efficiency(*narayanan_row("1.7B")[:2], cluster, 137) with this cluster gives
+# 0.6358 (tests/test_cost_perf.py checks it; 0.5933 before the quantization was modelled).
+SELENE_EFFICIENCY = 0.6358
+# Streaming multiprocessors of an A100: GEMM tiles run in waves of 108 (NVIDIA, "Matrix Multiplication
+# Background User's Guide", DU-09799-001, Sec. 3.2: "an NVIDIA A100 GPU has 108 SMs", one 256 x 128 tile each)
+A100_SMS = 108
 
 # An "80 GB" A100 holds 80 GiB: nvidia-smi reports its memory total as 81920 MiB, not 80e9 bytes (74.5
 # GiB). What PyTorch can allocate is a little less (the CUDA context and the driver keep some): the
@@ -79,7 +83,7 @@ A100_80GB_BYTES = 80 * 2**30
 CLUSTERS: dict[str, Cluster] = {
     "a100-selene": Cluster(
         name="a100-selene", gpus_per_node=8, peak_flops=312e12, efficiency=SELENE_EFFICIENCY,
-        memory_bytes=A100_80GB_BYTES,
+        memory_bytes=A100_80GB_BYTES, gemm_sms=A100_SMS,
         intra=Link(alpha=5.7e-6, beta=1 / 300e9), inter=Link(alpha=6.6e-6, beta=1 / 25e9),
         gamma=1.5e-12,
         source=("Narayanan et al. 2021 Sec. 5 (Selene: DGX A100, 8 x 80 GB A100 per node, NVLink/NVSwitch, "
@@ -88,7 +92,8 @@ CLUSTERS: dict[str, Cluster] = {
                 "HBM2e 2039 GB/s, gamma = 3 bytes moved "
                 "per byte reduced / 2039 GB/s); inter beta: one 200 Gb/s HDR port per GPU = 25 GB/s; alpha: "
                 "NCCL's ring/Simple per-step latencies (src/graph/tuning.cc hwLat: NVLink 5.7 us, network "
-                "6.6 us); efficiency calibrated on Table 1's 1.7B row (presets.SELENE_EFFICIENCY)"),
+                "6.6 us); efficiency calibrated on Table 1's 1.7B row (presets.SELENE_EFFICIENCY); GEMM tiles "
+                "in waves of 108 SMs (NVIDIA Matrix Multiplication Background guide, Sec. 3.2; minipar.cost.gemm)"),
     ),
 }
 
