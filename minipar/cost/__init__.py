@@ -10,6 +10,8 @@
   score buffer, causal score blocks per ring rank, activation bytes of one block, gradient sync.
 - ``zero.py``: ZeRO stages 0-3 and FSDP: model states per rank (the paper's Table 1, and exactly for
   the flat padded shards), bytes sent per step, gathered units alive at once.
+- ``precision.py``: bytes per parameter of fp32, fp16 + loss scale, bf16 (gradients reduced in bf16 or
+  fp32) and FP8 training, and the gradient all-reduce's bytes.
 - ``offload.py``: the modelled time of a move between memory tiers; ZeRO-Offload's bytes per step.
 - ``cluster.py``: a cluster (FLOP/s, memory, alpha-beta links inside and across nodes, gamma, CPU overheads)
   and its file.

@@ -1,0 +1,58 @@
+"""Bytes per parameter of each way of training in reduced precision: the model states a rank keeps
+(data parallelism, nothing partitioned; ZeRO divides them as ``zero.py`` says) and the bytes of the
+gradient all-reduce. Derivations in ``docs/formulas.md``, section "Precision".
+
+    recipe                 working   grads   master   m + v   FP8 copy   reduce (bytes / element)
+    fp32                      4        4        -        8        -          4
+    fp16 + loss scale         2        2        4        8        -          2   (ZeRO's K = 12)
+    bf16                      2        2        4        8        -          2
+    bf16, fp32 reduce         2        4        4        8        -          4   (Megatron's fp32 main grads)
+    fp8 (+ bf16)              2        2        4        8        1          2
+
+fp16 and bf16 cost the same bytes; bf16 has fp32's exponent range, so it needs no loss scale
+(lesson 11 shows why). Reducing bf16 gradients in fp32 (PyTorch FSDP's ``MixedPrecision
+(reduce_dtype=float32)``, Megatron's ``--accumulate-allreduce-grads-in-fp32``) keeps them in 4 bytes
+and sends 4 bytes an element. FP8 training (Transformer Engine; ``minipar.fp8``) keeps the bf16
+recipe's states and adds the e4m3 copy of every weight cast once per step (1 byte; Hopper also
+keeps its transpose, one more byte, not counted): FP8 speeds up the GEMMs and shrinks the saved
+activations (1 byte each instead of 2), not the per-parameter state, and the gradients are still
+reduced in bf16. The all-reduce sends ``2 (N-1)/N`` elements per parameter on a ring
+(``collectives.allreduce_bytes``).
+"""
+
+from __future__ import annotations
+
+from minipar.cost.collectives import allreduce_bytes
+from minipar.cost.zero import BYTES_PER_ELEMENT
+
+RECIPES = ("fp32", "fp16 + loss scale", "bf16", "bf16, fp32 reduce", "fp8")
+_MIXED = BYTES_PER_ELEMENT["mixed"]  # fp16 (and bf16): parameters 2, gradients 2, m + v 8, master 4
+
+
+def _check(who: str, recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"{who}: recipe={recipe!r}; choose one of {RECIPES}")
+
+
+def state_bytes(recipe: str) -> dict[str, int]:
+    """Bytes per parameter of each model state under ``recipe`` (module docstring's table)."""
+    _check("state_bytes", recipe)
+    if recipe == "fp32":
+        return {"parameters": 4, "gradients": 4, "optimizer state": 8}  # AdamW updates the parameters in place
+    out = dict(_MIXED)
+    if recipe == "bf16, fp32 reduce":
+        out["gradients"] = 4
+    if recipe == "fp8":
+        out["fp8 weights"] = 1
+    return out
+
+
+def reduce_itemsize(recipe: str) -> int:
+    """Bytes per element of the gradient all-reduce under ``recipe``."""
+    _check("reduce_itemsize", recipe)
+    return state_bytes(recipe)["gradients"]
+
+
+def allreduce_bytes_per_step(recipe: str, params: int, dp: int, rank: int = 0) -> int:
+    """Bytes ``rank`` sends in one ring all-reduce of ``params`` gradients over ``dp`` ranks."""
+    return allreduce_bytes(params, reduce_itemsize(recipe), dp, rank, "ring")
