@@ -38,7 +38,11 @@ each is a warm-up and dropped; medians over repetitions and ranks):
 3. Peak: one rank alone on large square matmuls (the others wait); ``efficiency`` = the shared
    per-rank GPT-shape rate of 2. / that peak, so ``Cluster.flops`` (peak x efficiency) is the
    per-rank rate under sharing, what a local run achieves. (Should the shared rate beat the solo
-   one, as it can when ranks <= cores, the peak is raised to it: efficiency 1.)
+   one, as it can when ranks <= cores, the peak is raised to it: efficiency 1.) Also timed alone:
+   square matmuls of sides ``GEMM_SIDES`` up to that peak's, their rates over the peak's rate written
+   as ``Cluster.gemm_curve`` (``minipar.cost.gemm``: a matmul's share of ``efficiency`` by its shape);
+   ``efficiency`` then leaves the GPT shapes' share out (``shape_free_efficiency``), so that its
+   matmuls priced through the curve take what they measured.
 
 ``rates.compute_rates(comm, gpt)`` measures 2. in each thread's CPU time instead: the rates of one
 core per rank, as a replay (``minipar.replay``) charges compute, for ``perf.predict`` to be held
@@ -68,11 +72,13 @@ import numpy as np
 
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
+from minipar.cost.gemm import curve_efficiency
 from minipar.rates import (
     GPT,
     Rates,
     add_gamma,
     fit_line,
+    gpt_matmul_shapes,
     matmul_flops,
     matmul_times,
     measure_rates,
@@ -112,7 +118,9 @@ class Measurements:
                 ("gamma", bandwidth(c.gamma), f"1 / gamma, a GPT step's memory-bound work (np.add alone: "
                  f"{1 / self.add_gamma / 1e9:.1f} GB/s, all-reduce residual: {bandwidth(self.reduce_gamma)})"),
                 ("GFLOP/s per rank", f"{c.flops / 1e9:.2f}",
-                 f"all {self.ranks} ranks at once; one alone: {self.matmul_solo / 1e9:.2f}"),
+                 f"all {self.ranks} ranks at once, large matmuls (the GPT's shapes: {r.flops / 1e9:.2f}); one "
+                 f"alone: {self.matmul_solo / 1e9:.2f}; by side "
+                 + ", ".join(f"{n:g}: {e:.2f}" for n, e in c.gemm_curve)),
                 ("per op", f"{c.op_seconds * 1e6:.1f} us", f"an autograd op's overhead, forward and backward (the "
                  f"hybrid GPT's spans: {r.step_seconds[0] * 1e3:.2f} ms tiny, {r.step_seconds[1] * 1e3:.2f} ms)"),
                 ("optimizer", f"{c.tensor_seconds * 1e6:.1f} us", f"per parameter tensor, and "
@@ -220,18 +228,20 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
     rates = measure_rates(comm, gpt, repeats, "wall")
     gamma = max(rates.gamma, floor)
     comm.barrier()
-    square_shape = [(square, square, square)]
-    solo = matmul_times(square_shape, max(3, repeats // 2), seed=0) if comm.rank == 0 else []
+    sweep = gemm_sweep((*(n for n in GEMM_SIDES if n < square), square), max(3, repeats // 2)) \
+        if comm.rank == 0 else {}
     comm.barrier()
     busy, wall = busy_cpu_seconds() - busy0, time.perf_counter() - wall0
     own = comm.gather_object(time.process_time() - own0)  # threads: each is the whole process's
     if comm.rank != 0:
         return None
     others = max(0.0, busy - (own[0] if comm.backend == "threads" else sum(own))) / wall
-    solo_rate = matmul_flops(square_shape) / float(np.median(solo))
+    solo_rate = sweep[square]
     peak = max(solo_rate, rates.flops)
+    curve = tuple((float(n), r / solo_rate) for n, r in sorted(sweep.items()))
     cluster = Cluster(name=f"this machine ({socket.gethostname()}), {p} ranks, {comm.backend}", gpus_per_node=p,
-                      peak_flops=peak, efficiency=rates.flops / peak, memory_bytes=memtotal_bytes() / p, intra=link,
+                      peak_flops=peak, efficiency=shape_free_efficiency(rates.flops, peak, curve, gpt),
+                      gemm_curve=curve, memory_bytes=memtotal_bytes() / p, intra=link,
                       inter=link, gamma=gamma, op_seconds=rates.op_seconds, tensor_seconds=rates.tensor_seconds,
                       optimizer_gamma=rates.optimizer_gamma,
                       source=f"minipar calibrate {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
@@ -243,6 +253,30 @@ def measure(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10,
         if not math.isfinite(v):
             raise ValueError(f"calibrate: a non-finite measurement ({v}); rerun on a quieter machine")
     return Measurements(p, comm.backend, exchange, allreduce, floor, reduce_gamma, rates, solo_rate, cluster, others)
+
+
+# --- GEMM efficiency against the matmul's shape (cost.gemm's gemm_curve) ---------------------------------
+GEMM_SIDES = (16, 32, 64, 128, 256)  # square matmuls timed below ``square`` (rank 0 alone)
+
+
+def gemm_sweep(sides: Sequence[int], repeats: int) -> dict[int, float]:
+    """FLOP/s of square float64 matmuls of each side, this rank alone (medians of ``repeats`` timings,
+    each of at least ``2^21`` multiply-adds: a small side's timing holds many matmuls)."""
+    out = {}
+    for n in sides:
+        shapes = [(n, n, n)] * max(1, 2**21 // n**3)
+        out[n] = matmul_flops(shapes) / float(np.median(matmul_times(shapes, repeats, seed=0)))
+    return out
+
+
+def shape_free_efficiency(rate: float, peak: float, curve: Sequence[tuple[float, float]],
+                          gpt: dict[str, int]) -> float:
+    """``efficiency`` with the shapes' share taken out: the GPT's matmuls (``gpt_matmul_shapes``),
+    each at ``peak x efficiency x curve(its shape)``, take as long as at the measured ``rate``:
+    ``rate sum(F_i / c_i) / (peak sum F_i)`` (at most 1)."""
+    shapes = gpt_matmul_shapes(gpt["batch"] * gpt["seq"], gpt["d_model"], gpt["vocab"], gpt.get("d_ff"))
+    weighted = sum(matmul_flops([s]) / curve_efficiency(*s, curve) for s in shapes)
+    return min(1.0, rate * weighted / (peak * matmul_flops(shapes)))
 
 
 def calibrate(comm: Any, sizes: Sequence[int] = SIZES, repeats: int = 10, **kwargs: Any) -> Cluster | None:

@@ -27,6 +27,7 @@ from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.presets import NETWORKS
 from minipar.rates import (
+    GPT,
     Rates,
     compute_rates,
     fit_optimizer,
@@ -190,8 +191,23 @@ def test_calibrate_two_thread_ranks(tmp_path):
     c = m0.cluster
     _check_cluster(c, 2, "threads")
     assert c.flops == pytest.approx(c.peak_flops * c.efficiency, rel=1e-12)
-    assert c.flops == pytest.approx(m0.rates.flops, rel=1e-12)  # the shared rate is the achievable one
     assert c.peak_flops == max(m0.matmul_solo, m0.rates.flops)
+    # the curve: square sides up to the solo peak's, rates relative to it; the GPT's matmuls priced at
+    # peak x efficiency x the curve at their side (m k n)^(1/3) take what they measured, the shared rate
+    sides = [n for n, _ in c.gemm_curve]
+    assert sides == [16.0, 32.0, 64.0, 128.0, 256.0, 384.0] and c.gemm_curve[-1][1] == 1.0
+    shapes = gpt_matmul_shapes(GPT["batch"] * GPT["seq"], GPT["d_model"], GPT["vocab"])
+    logs = [math.log(n) for n in sides]
+
+    def share(m: int, k: int, n: int) -> float:
+        x = min(max(math.log(m * k * n) / 3, logs[0]), logs[-1])
+        i = max(j for j in range(len(logs) - 1) if logs[j] <= x)
+        (a, ea), (b, eb) = (logs[i], c.gemm_curve[i][1]), (logs[i + 1], c.gemm_curve[i + 1][1])
+        return ea + (eb - ea) * (x - a) / (b - a)
+
+    priced = sum(matmul_flops([s]) / (c.flops * share(*s)) for s in shapes)
+    if c.efficiency < 1:
+        assert priced == pytest.approx(matmul_flops(shapes) / m0.rates.flops, rel=1e-9)
     assert [n for n, _ in m0.exchange] == list(QUICK["sizes"])
     assert c.gamma == max(m0.rates.gamma, m0.add_gamma)
     assert (c.op_seconds, c.tensor_seconds, c.optimizer_gamma) == (m0.rates.op_seconds, m0.rates.tensor_seconds,
