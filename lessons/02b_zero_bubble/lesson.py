@@ -13,6 +13,8 @@ move the W's into the holes 1F1B leaves. Idle per rank and peak stash (``minipar
 - ZB-H2 (Sec. 2.2): rank r starts with 2(p - r) - 1 forwards, W's fill the rest: no gap inside a
   rank's step once m >= 2p - 1, at a stash of min(2p - 1, m) micro-batches;
 - ZB-V (Sec. 6): two chunks per rank in a V: (p - 1) F when F = I = W; 2p chunk-micro-batches;
+- DualPipeV (DeepSeek-V3 report 2024; m >= 2p): ZB-V's V in DualPipe's order, each overlapped pair
+  run F then B: (p - 1) F when F = I = W; 2p + 1 chunk-micro-batches (the report's PP + 1);
 - PipeDream (Narayanan et al. 2019) and PipeDream-2BW (2021), asynchronous: 1F1B's order with each
   stage's update (U) inside the step: p - r weight versions on stage r, resp. 2; their losses differ
   from one process's by design (tests/test_pipedream.py holds them to the same stale versions);
@@ -53,11 +55,12 @@ from viz.width import Table
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 32, 32, 64, 4, 8  # lesson 2's tiny GPT
 BATCH, MICROBATCHES, LR, STEPS = 32, 8, 3e-3, 2
-SYNC, ASYNC, CHIMERA = ("1f1b", "zb-h1", "zb-h2", "zb-v"), ("pipedream", "2bw"), "chimera"
+SYNC, ASYNC, CHIMERA = ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"), ("pipedream", "2bw"), "chimera"
 BRIEF = ("1f1b", "zb-h1")  # run for real by default (the paper's Fig. 3 pair); --verbose: every schedule
 PAPER = "chimera, F = B = 1"  # Chimera with the paper's equal slots, where its formulas hold
 # where the idle formula holds
-RANGE = {"zb-h1": "W<=F,I only", "zb-h2": "m>=2p-1, W<=F,I", "zb-v": "F=I=W only", CHIMERA: "F=B only"}
+RANGE = {"zb-h1": "W<=F,I only", "zb-h2": "m>=2p-1, W<=F,I", "zb-v": "F=I=W only", "dualpipev": "F=I=W only",
+         CHIMERA: "F=B only"}
 STASHING = {"pipedream": "forward and backward on the same version: weight stashing",
             "2bw": "a group of micro-batches on the version one update behind: the double buffer"}
 OPS = ("F", "B", "I", "W", "U")
@@ -188,7 +191,7 @@ def unit_table(rows: list[dict[str, Any]], p: int, verbose: bool) -> Table:
         cells.append((row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else ""), f"{row['makespan']:g}",
                       " ".join(f"{x:g}" for x in row["idle"]), formula, _ints(row["peak"]), _ints(row["formula_peak"]),
                       *((_ints(row["versions"]), _ints(row["formula_versions"])) if verbose else ())))
-    caption = "stash: micro-batches held from F to W (B); ZB-V: half-size chunk ones" + (
+    caption = "stash: micro-batches held from F to W (B); ZB-V, DualPipeV: half-size chunks" + (
         "; Chimera: both directions'; versions: PipeDream p - r, 2BW 2, synchronous 1" if verbose else "")
     return Table.of(f"(1) simulated with unit costs F = I = W = 1 (B = 2), p = {p}: idle per rank (in units of F) and "
                     "peak stash vs the formulas", ("schedule", "step", "idle per rank", "formula", "peak stash",
@@ -241,7 +244,8 @@ def run(comm: Any, steps: int, m: int, clock: Clock = REPLAY, verbose: bool = Fa
     from viz.terminal import print_timeline
 
     console, p, lead = make_console(), comm.size, comm.rank == 0
-    kinds = [*SYNC, *ASYNC, *[CHIMERA] * (p % 2 == 0 and m % p == 0)]  # Chimera: chimera.check_config
+    kinds = [*(k for k in SYNC if k != "dualpipev" or m >= 2 * p), *ASYNC,  # DualPipeV needs m >= 2p
+             *[CHIMERA] * (p % 2 == 0 and m % p == 0)]  # Chimera: chimera.check_config
     runs = kinds if verbose else list(BRIEF)
     if lead:
         (OUT / "simulated").mkdir(parents=True, exist_ok=True)
