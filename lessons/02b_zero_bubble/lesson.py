@@ -188,10 +188,10 @@ def unit_table(rows: list[dict[str, Any]], p: int, verbose: bool) -> Table:
     cells = []
     for row in rows:
         formula = RANGE.get(row["kind"].split(",")[0], "-") if row["formula"] is None else f"{row['formula']:g}"
-        cells.append((row["kind"] + (f" ({row['v']} chunks)" if row["v"] > 1 else ""), f"{row['makespan']:g}",
+        cells.append((row["kind"] + (f" (v={row['v']})" if row["v"] > 1 else ""), f"{row['makespan']:g}",
                       " ".join(f"{x:g}" for x in row["idle"]), formula, _ints(row["peak"]), _ints(row["formula_peak"]),
                       *((_ints(row["versions"]), _ints(row["formula_versions"])) if verbose else ())))
-    caption = "stash: micro-batches held from F to W (B); ZB-V, DualPipeV: half-size chunks" + (
+    caption = "stash: micro-batches held from F to W (B); v=2: two half-size chunks per rank" + (
         "; Chimera: both directions'; versions: PipeDream p - r, 2BW 2, synchronous 1" if verbose else "")
     return Table.of(f"(1) simulated with unit costs F = I = W = 1 (B = 2), p = {p}: idle per rank (in units of F) and "
                     "peak stash vs the formulas", ("schedule", "step", "idle per rank", "formula", "peak stash",
