@@ -40,7 +40,7 @@ def test_a_pipelined_plan_shows_its_schedule(capsys: pytest.CaptureFixture[str])
                  "--top", "1"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("│"))
     first = plan(MODELS["narayanan-18b"], 16, CLUSTERS["a100-selene"], 64, top=1, zero_stages=(0, 1))[0]
-    assert first.layout.schedule == "zb-h1" and [c.strip() for c in row.strip("│").split("│")][3] == "zb-h1"
+    assert first.layout.schedule == "zb-v" and [c.strip() for c in row.strip("│").split("│")][3] == "zb-v"
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -59,13 +59,14 @@ def test_layer_costs_and_an_embedding_heavy_split() -> None:
 
 def _independent_search(model: ModelSpec, gpus: int, cluster: Cluster, batch: int) -> float:
     """The fastest fitting step by trying every degree tuple, option and schedule the planner tries
-    (1F1B, ZB-H1), letting predict refuse."""
+    (1F1B, ZB-H1, ZB-V, DualPipeV), letting predict refuse."""
     best = float("inf")
     for tp, sp, pp in itertools.product(range(1, gpus + 1), repeat=3):
         if gpus % (tp * sp * pp) or tp > cluster.gpus_per_node:
             continue
         for v, b, z, r, seqp, k in itertools.product(range(1, model.layers + 1), (1, 2, 4, 8, 16), (0, 1, 2, 3),
-                                                     ("none", "selective", "full"), (False, True), ("1f1b", "zb-h1")):
+                                                     ("none", "selective", "full"), (False, True),
+                                                     ("1f1b", "zb-h1", "zb-v", "dualpipev")):
             if z >= 2 and pp > 1:  # DeepSpeed refuses ZeRO-2/3 with pipelining
                 continue
             lay = Layout(dp=gpus // (tp * sp * pp), tp=tp, pp=pp, sp=sp, zero=z, micro_batch=b, global_batch=batch,
@@ -227,7 +228,8 @@ def test_zero_bubble_wins_a_deep_pipeline_with_few_micro_batches() -> None:
     h2 = [c for c in with_h2 if c.layout.schedule == "zb-h2"]
     assert h2 and with_h2[0].layout.schedule == "zb-h1"  # equal bubble, 2p - 1 stashed: never ahead
     found = layouts(model, 8, TOY, global_batch=8)
-    assert {lay.schedule for lay in found if lay.pp == 1 or lay.chunks > 1} == {"1f1b"}
+    assert {lay.schedule for lay in found if lay.pp == 1} == {"1f1b"}
+    assert {lay.schedule for lay in found if lay.chunks > 1} == {"1f1b", "zb-v", "dualpipev"}  # V: chunks 2
     assert all(lay.microbatches >= lay.pp for lay in found if lay.schedule == "zb-h1")
 
 

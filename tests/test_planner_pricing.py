@@ -136,3 +136,50 @@ def test_cluster_files_carry_the_gemm_model(tmp_path) -> None:
         Cluster.from_dict({**data, "gemm_curve": [[64, 1.0], [16, 0.5]]})
     with pytest.raises(ValueError, match="gemm_sms must be a whole number >= 0, got -1"):
         Cluster.from_dict({**data, "gemm_sms": -1})
+
+
+def test_v_shaped_schedules_by_hand() -> None:
+    """ZB-V and DualPipeV on p = 2 ranks, 8 layers (2 per virtual stage), m = 4 micro-batches, no
+    communication cost: rank 0 holds stages 0 and 3, so the embedding and the head; its work per
+    micro-batch is 4 blocks and the logits; idle (p-1)/(6m) of it (Qi et al. 2024, Sec. 6, F = I =
+    W); it stashes 2p = 4 chunk-micro-batches of 2 layers (ZB-V), 2p + 1 = 5 (DualPipeV)."""
+    h, s, V = 32, 8, 40
+    model = ModelSpec(layers=8, hidden=h, heads=2, seq=s, vocab=V)
+    free = replace(SLOW, intra=Link(0.0, 0.0), inter=Link(0.0, 0.0), memory_bytes=1e12)
+    block = 3 * s * (8 * h * h + 4 * h * 4 * h + 4 * s * h)
+    work = (4 * block + 3 * 2 * s * h * V) / 1e9
+    per_layer = s * h * (34 + 5 * 2 * s / h)
+    psi = 4 * (12 * h * h + 13 * h) + (V * h + s * h) + (2 * h + h * V)  # 4 blocks, embedding, head
+    for kind, stash in (("zb-v", 4), ("dualpipev", 5)):
+        lay = Layout(pp=2, chunks=2, schedule=kind, global_batch=4)
+        assert lay.check(model) == [] and lay.kind == kind
+        p = predict(model, lay, free)
+        assert p.compute_seconds == pytest.approx(4 * work, rel=1e-12)
+        assert p.bubble_seconds == pytest.approx(4 * work * 1 / (6 * 4), rel=1e-12)
+        assert p.memory["activations"] == pytest.approx(stash * 2 * per_layer, rel=1e-12)
+        assert p.memory["parameters"] == pytest.approx(2 * psi, rel=1e-12)
+
+
+def test_v_shaped_schedules_are_refused_where_they_cannot_run() -> None:
+    model = ModelSpec(layers=8, hidden=32, heads=2, seq=8, vocab=40)
+    assert Layout(pp=2, chunks=1, schedule="zb-v", global_batch=4).check(model) == [
+        "zb-v places two chunks per rank in a V: chunks must be 2, got 1"]
+    assert Layout(pp=2, chunks=2, schedule="dualpipev", global_batch=3).check(model) == [
+        "dualpipev's bubble formula needs microbatches >= 4, got 3"]
+    assert Layout(pp=2, chunks=2, schedule="zb-v", global_batch=4).check(replace(model, layers=6))[0].startswith(
+        "layers=6 is not divisible by pp x chunks=4")
+
+
+def test_the_planner_tries_the_v_shapes() -> None:
+    from minipar.cost.planner import layouts, plan
+
+    model = ModelSpec(layers=8, hidden=64, heads=4, seq=16, vocab=64)
+    found = layouts(model, 4, SLOW, global_batch=16)
+    v = [lay for lay in found if lay.schedule in ("zb-v", "dualpipev")]
+    assert {(lay.pp, lay.chunks) for lay in v} == {(2, 2), (4, 2)}  # 2p divides 8 layers
+    assert all(lay.microbatches >= 2 * lay.pp - (lay.schedule == "zb-v") for lay in v)
+    ranked = plan(model, 4, SLOW, global_batch=16, top=10_000, zero_stages=(0, 1))
+    order = [c.layout for c in ranked]
+    for lay in v:  # DualPipeV ties ZB-V's step with one more chunk stashed: right after it
+        if lay.schedule == "dualpipev" and replace(lay, schedule="zb-v") in order:
+            assert order.index(replace(lay, schedule="zb-v")) < order.index(lay)

@@ -15,6 +15,7 @@ from minipar.cost.cluster import Cluster
 from minipar.cost.pipeline import SCHEDULES
 
 UNEVEN = "layers="  # how Layout.check's uneven-split message starts
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V: rank r holds stages r and 2p - 1 - r
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ class Layout:
 
     @property
     def kind(self) -> str:
-        """The schedule the bubble and stash formulas use (``interleaved`` whenever chunks > 1)."""
-        return "interleaved" if self.chunks > 1 else self.schedule
+        """The schedule the bubble and stash formulas use (``interleaved`` whenever chunks > 1, but for
+        the V-shaped ZB-V and DualPipeV, whose two chunks are the V's)."""
+        return "interleaved" if self.chunks > 1 and self.schedule not in V_SHAPED else self.schedule
 
     def check(self, model: ModelSpec) -> list[str]:
         """Every reason this layout cannot run ``model``, each saying what to change."""
@@ -127,17 +129,19 @@ class Layout:
         if self.global_batch % (self.dp * self.micro_batch):
             out.append(f"global_batch={self.global_batch} is not divisible by dp x micro_batch="
                        f"{self.dp * self.micro_batch}: change the batch, dp or micro_batch")
-        modelled = tuple(k for k in SCHEDULES if k not in ("zb-v", "dualpipev"))  # their V placement is not modelled
-        if self.schedule not in modelled:
-            out.append(f"schedule={self.schedule!r}: choose one of {modelled} (simulate other schedules with "
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule={self.schedule!r}: choose one of {SCHEDULES} (simulate other schedules with "
                        "minipar.parallel.pipeline.simulate)")
-        if self.schedule in ("zb-h1", "zb-h2") and self.microbatches < p:
-            out.append(f"{self.schedule}'s bubble formula needs microbatches >= pp={p}, got {self.microbatches}")
-        if v > 1 and self.schedule not in ("1f1b", "interleaved"):
+        least = {"zb-h1": p, "zb-h2": p, "zb-v": 2 * p - 1, "dualpipev": 2 * p}.get(self.schedule, 0)
+        if self.microbatches < least:
+            out.append(f"{self.schedule}'s bubble formula needs microbatches >= {least}, got {self.microbatches}")
+        if self.schedule in V_SHAPED and v != 2:
+            out.append(f"{self.schedule} places two chunks per rank in a V: chunks must be 2, got {v}")
+        if v > 1 and self.schedule not in ("1f1b", "interleaved", *V_SHAPED):
             out.append(f"chunks={v} needs the interleaved schedule, got {self.schedule!r}")
         if v > 1 and p == 1:
             out.append(f"chunks={v} interleaves pipeline stages: needs pp > 1 (or chunks=1)")
-        if v > 1 and self.microbatches % p:
+        if v > 1 and self.microbatches % p and self.schedule not in V_SHAPED:
             out.append(f"the interleaved schedule needs microbatches ({self.microbatches}) divisible by pp={p}: "
                        f"change the batch or micro_batch")
         if self.sequence_parallel and t == 1:

@@ -77,7 +77,7 @@ from minipar.checks import one_of, whole
 from minipar.cost import gemm
 from minipar.cost.cluster import Cluster, Link
 from minipar.cost.collectives import collective_time
-from minipar.cost.layout import UNEVEN, Layout, ModelSpec, check_specs
+from minipar.cost.layout import UNEVEN, V_SHAPED, Layout, ModelSpec, check_specs
 from minipar.cost.overhead import optimizer_seconds, parameter_tensors, stage_collectives, stage_ops
 from minipar.cost.pipeline import bubble_fraction, peak_stash
 from minipar.cost.stages import uneven_stage_blocks
@@ -148,10 +148,16 @@ def _stage_parameters(model: ModelSpec, layout: Layout) -> list[int]:
         return [model.parameters]
     h, blocks = model.hidden, stage_blocks(model, layout)
     first, last = model.vocab * h + model.seq * h, 2 * h + h * model.vocab
-    if model.layers % layout.pp == 0 or layout.chunks > 1:
-        return [blocks[0] * model.block_parameters + max(first, last)]
+    if model.layers % layout.pp == 0 or layout.chunks > 1:  # a V's rank 0 holds the first and last stages
+        ends = first + last if layout.schedule in V_SHAPED else max(first, last)
+        return [blocks[0] * model.block_parameters + ends]
     ends = [first] + [0] * (layout.pp - 2) + [last]
     return [n * model.block_parameters + e for n, e in zip(blocks, ends)]
+
+
+def _head_rank(layout: Layout) -> int:
+    """The pipeline rank holding the head: the last, or the first in a V (stage 2p - 1 on rank 0)."""
+    return 0 if layout.schedule in V_SHAPED else layout.pp - 1
 
 
 def _optimizer_bytes(w: int) -> int:
@@ -302,13 +308,13 @@ def optimizer_step_seconds(model: ModelSpec, layout: Layout, cluster: Cluster) -
     and ``w + w + K`` bytes per parameter of its shard (over ``t``, and ``d u`` with ZeRO, which
     updates one flat shard)."""
     check_specs("optimizer_step_seconds", model=model, layout=layout, cluster=cluster)
-    blocks, p, h, w = stage_blocks(model, layout), layout.pp, model.hidden, model.bytes_per_number
+    blocks, h, w = stage_blocks(model, layout), model.hidden, model.bytes_per_number
     first, last = model.vocab * h + model.seq * h, 2 * h + h * model.vocab
     shard = layout.tp * (layout.dp * layout.sp if layout.zero else 1)
     slowest = 0.0
     for i, n in enumerate(blocks):
-        params = n * model.block_parameters + (first if i == 0 else 0) + (last if i == p - 1 else 0)
-        tensors = 1 if layout.zero else parameter_tensors(n, i == 0, i == p - 1)
+        params = n * model.block_parameters + (first if i == 0 else 0) + (last if i == _head_rank(layout) else 0)
+        tensors = 1 if layout.zero else parameter_tensors(n, i == 0, i == _head_rank(layout))
         nbytes = (2 * w + _optimizer_bytes(w)) * params / shard
         slowest = max(slowest, optimizer_seconds(tensors, nbytes, cluster))
     return slowest
@@ -346,7 +352,7 @@ def predict(model: ModelSpec, layout: Layout, cluster: Cluster, uneven_stages: b
     ops = stage_ops(blocks, u > 1, layout.recompute)
     cpu = [k * cluster.op_seconds + calls * cluster.call_seconds + steps * cluster.message_seconds
            for k, (calls, steps) in zip(ops, stage_collectives(blocks, layout))]
-    times = [n * layer + c + (head if i == p - 1 else 0.0) for i, (n, c) in enumerate(zip(blocks, cpu))]
+    times = [n * layer + c + (head if i == _head_rank(layout) else 0.0) for i, (n, c) in enumerate(zip(blocks, cpu))]
     slow = times.index(max(times))
     compute = m * times[slow]
     phi = bubble_fraction(layout.kind, p, m, v)

@@ -14,8 +14,14 @@ memory, rank them by predicted step time (``minipar.cost.perf.predict``), and sa
   and ``v = 1``, the zero-bubble ZB-H1 (Qi et al. 2024; ``perf`` prices it by
   ``pipeline.bubble_fraction`` and ``peak_stash``: ``p`` micro-batches stashed on every stage).
   ZB-H2 only when asked (``schedules``): with F = I = W, as ``perf`` has them, its bubble equals
-  ZB-H1's and it stashes ``2p - 1``, so it would only repeat ZB-H1's rows with more memory; ZB-V
-  is not in ``perf``'s model (``Layout.check``). Every layout overlaps the data-parallel reduction
+  ZB-H1's and it stashes ``2p - 1``, so it would only repeat ZB-H1's rows with more memory. The
+  V-shaped ZB-V (Qi et al. 2024, Sec. 6) and DualPipeV (DeepSeek-V3's DualPipe folded in a V) with
+  ``pp > 1`` and ``2p`` dividing the layers: two chunks per rank (``chunks = 2``), stages ``r`` and
+  ``2p - 1 - r`` on rank ``r``, so rank 0 holds the embedding and the head; bubble ``(p-1)/(6m)`` of
+  the busy time (``pipeline.bubble_fraction``), ``2p`` (ZB-V) and ``2p + 1`` (DualPipeV)
+  chunk-micro-batches stashed. DualPipeV is priced as its order: the overlap of a pair's forward with
+  another's backward hides expert-parallel all-to-alls, which this model has none of, so it ties ZB-V
+  with one more chunk stashed and ranks after it. Every layout overlaps the data-parallel reduction
   with the backward (``overlap_grad_reduce``, Megatron-LM's ``--overlap-grad-reduce``: never slower,
   so not a choice to search). A model whose
   hidden size the heads do not divide is refused. A plan is a ranking of *predictions*: its first
@@ -31,14 +37,14 @@ from dataclasses import dataclass, field
 
 from minipar.checks import one_of, whole
 from minipar.cost.cluster import Cluster
-from minipar.cost.layout import UNEVEN, Layout, ModelSpec, check_specs
+from minipar.cost.layout import UNEVEN, V_SHAPED, Layout, ModelSpec, check_specs
 from minipar.cost.perf import GiB, Prediction, memory_bytes, predict, stage_blocks
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # 16: Table 1's small rows (Narayanan et al. 2021, run_table_1.sh)
 ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 with pp = 1 only (module docstring)
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2")  # the zero-bubble ones with pp > 1 and v = 1 (module docstring)
-TRIED = ("1f1b", "zb-h1")  # zb-h2 prices as zb-h1 with more memory: never first (module docstring)
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev")  # the zero-bubble ones with pp > 1 (module docstring)
+TRIED = ("1f1b", "zb-h1", "zb-v", "dualpipev")  # zb-h2 prices as zb-h1 with more memory: never first
 
 
 @dataclass
@@ -126,7 +132,8 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
             recompute: Sequence[str] = RECOMPUTE, schedules: Sequence[str] = TRIED) -> list[Layout]:
     """Every layout of ``gpus`` GPUs ``Layout.check`` accepts, with ``tp`` inside a node, ZeRO-2/3
     only without pipelining; a ``pp`` not dividing the layers with ``v = 1`` (uneven stages); the
-    zero-bubble ``schedules`` with ``pp > 1`` and ``v = 1``. ``ValueError`` when the heads do not
+    zero-bubble ``schedules`` with ``pp > 1`` (``v = 1``; ``v = 2`` for the V-shaped ones, ``2p`` dividing
+    the layers). ``ValueError`` when the heads do not
     divide the hidden size."""
     check_specs("layouts", model=model, cluster=cluster)
     if model.hidden % model.heads:
@@ -151,7 +158,8 @@ def layouts(model: ModelSpec, gpus: int, cluster: Cluster, global_batch: int,
                 dp = gpus // (tp * sp * pp)
                 chunks = [1] if pp == 1 or model.layers % pp else _divisors(model.layers // pp)
                 runs = [(v, "1f1b") for v in chunks if "1f1b" in schedules]
-                runs += [(1, k) for k in schedules if k != "1f1b" and pp > 1]
+                runs += [(1, k) for k in schedules if k in ("zb-h1", "zb-h2") and pp > 1]
+                runs += [(2, k) for k in schedules if k in V_SHAPED and pp > 1 and model.layers % (2 * pp) == 0]
                 stages = [z for z in zero_stages if pp == 1 or z < 2]
                 for (v, k), b, z, r, seqp in itertools.product(runs, micro_batches, stages, recompute,
                                                                (False, True) if tp > 1 else (False,)):
