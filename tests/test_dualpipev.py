@@ -15,6 +15,7 @@ from strategies import budget
 from test_pipeline_runtime import check, config, pipeline_run
 
 from minipar import datasets, testing
+from minipar import trace as mtrace
 from minipar.cost import pipeline as pipe_cost
 from minipar.parallel.pipeline import (
     Pipeline,
@@ -204,3 +205,20 @@ def test_overlapped_program_runs_and_computes_the_same(p: int, m: int) -> None:
     for (plain_loss, plain), (loss, grads) in testing.run(_both_programs, p, "threads", p=p, m=m):
         assert loss == plain_loss and grads.keys() == plain.keys()
         assert all((grads[k] == plain[k]).all() for k in plain)
+
+
+def _refusal(comm) -> tuple[str, int]:
+    """(the error of a DualPipeV pipeline with m = 3 on this rank, the trace events recorded before it)."""
+    with mtrace.recording(comm.world_rank) as rec:
+        try:
+            Pipeline(comm, mlp([3, 4, 4, 4, 2], seed=0), "dualpipev", microbatches=3)
+        except ValueError as exc:
+            return str(exc), len(rec.events)
+    return "", len(rec.events)
+
+
+def test_too_few_microbatches_refused_on_every_rank_before_any_message() -> None:
+    results = testing.run(_refusal, 2, "threads")
+    assert [n for _, n in results] == [0, 0] and len({text for text, _ in results}) == 1
+    assert results[0][0] == ("dualpipev needs microbatches >= 2 x stages (m >= 2p, as PyTorch's ScheduleDualPipeV and "
+                             "DeepSeek's DualPipeV): m=3 with p=2; use microbatches=4 or more")
