@@ -208,11 +208,11 @@ def test_zb_v_runtime_equals_single_process_under_mpiexec() -> None:
         check(cfg, results, i)
 
 
-@pytest.mark.parametrize(("schedule", "chunks"), [("zb-v", 2), ("zb-h2", 1)])
+@pytest.mark.parametrize(("schedule", "chunks"), [("zb-v", 2), ("zb-h2", 1), ("dualpipev", 2)])
 def test_hybrid_gpt_pp_only_runs_zero_bubble(tmp_path, schedule: str, chunks: int) -> None:
-    """HybridGPT (pp 2 x dp 2) with ZB-V, and ZB-H2 (tests/test_zb_h2.py) with m >= 2p - 1: losses,
-    gradients and updated parameters equal one process (cost.hybrid's traffic formula assumes
-    interleaved placement, so only the numbers are compared)."""
+    """HybridGPT (pp 2 x dp 2) with ZB-V, ZB-H2 (tests/test_zb_h2.py) with m >= 2p - 1 and DualPipeV
+    (tests/test_dualpipev.py) with m = 2p: losses, gradients and updated parameters equal one process
+    (cost.hybrid's traffic formula assumes interleaved placement, so only the numbers are compared)."""
     import numpy as np
 
     c = hybrid_config({"pp": 2, "dp": 2}, schedule=schedule, chunks=chunks, microbatches=4)
