@@ -100,15 +100,25 @@ def pow2_scale(amax: np.ndarray | float, fmt: np.dtype, margin: int = 0) -> np.n
     return np.where((amax > 0) & np.isfinite(e), np.exp2(np.where(np.isfinite(e), e, 0.0)), 1.0)
 
 
+def expand(scale: np.ndarray | float, shape: tuple[int, ...]) -> np.ndarray | float:
+    """A scale per tile (``(rows/th, cols/tw)``, as block scaling keeps it) repeated to ``shape``;
+    a per-tensor scale as it is."""
+    scale = np.asarray(scale)
+    if scale.ndim < 2 or scale.shape == tuple(shape):
+        return scale
+    return np.repeat(np.repeat(scale, shape[0] // scale.shape[0], 0), shape[1] // scale.shape[1], 1)
+
+
 def cast(a: np.ndarray, fmt: np.dtype, scale: np.ndarray | float) -> np.ndarray:
-    """``a * scale`` saturated to ``fmt``'s range and rounded to ``fmt`` (nearest even)."""
+    """``a * scale`` saturated to ``fmt``'s range and rounded to ``fmt`` (nearest even); ``scale``
+    per tensor or per tile (``expand``)."""
     fmax = float(ml_dtypes.finfo(fmt).max)
-    return np.clip(np.asarray(a, dtype=np.float64) * scale, -fmax, fmax).astype(fmt)
+    return np.clip(np.asarray(a, dtype=np.float64) * expand(scale, a.shape), -fmax, fmax).astype(fmt)
 
 
 def dequantise(q: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
     """The float64 values an FP8 array ``q`` cast with ``scale`` stands for (exact: ``scale`` is a power of two)."""
-    return q.astype(np.float64) / scale
+    return q.astype(np.float64) / expand(scale, q.shape)
 
 
 def _tiles(a: np.ndarray, tile: tuple[int, int]) -> np.ndarray:
@@ -118,9 +128,8 @@ def _tiles(a: np.ndarray, tile: tuple[int, int]) -> np.ndarray:
 
 
 def block_amax(a: np.ndarray, tile: tuple[int, int]) -> np.ndarray:
-    """Largest magnitude of every tile, broadcast back to ``a``'s shape."""
-    t = np.abs(_tiles(a, tile)).max(axis=(1, 3), keepdims=True)
-    return np.broadcast_to(t, _tiles(a, tile).shape).reshape(a.shape)
+    """Largest magnitude of every tile: ``(rows/th, cols/tw)``."""
+    return np.abs(_tiles(a, tile)).max(axis=(1, 3))
 
 
 class Fp8Meta:
@@ -138,7 +147,8 @@ class Fp8Meta:
         return (b, b) if role == "w" else (1, b)
 
     def quantise(self, role: str, a: np.ndarray, group: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(q, scale)``: ``a`` (2-D) cast to its role's format. ``group``: the communicator whose
+        """``(q, scale)``: ``a`` (2-D) cast to its role's format, the scale one number or one per tile
+        (kept compact: 1/b^2 or 1/b of ``a``'s numbers). ``group``: the communicator whose
         ranks hold the other shards of ``a`` (the amax is their max); None for a whole tensor."""
         fmt = ROLES[role]
         if isinstance(self.recipe, BlockScaling):
@@ -154,7 +164,7 @@ class Fp8Meta:
             past.append(amax)
             del past[:-self.recipe.history]
         fmax = float(ml_dtypes.finfo(fmt).max)
-        self.saturated[role] += int(np.count_nonzero(np.abs(a) * scale > fmax))
+        self.saturated[role] += int(np.count_nonzero(np.abs(a) * expand(scale, a.shape) > fmax))
         self.scales[role] = scale
         return cast(a, fmt, scale), scale
 

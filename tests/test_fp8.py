@@ -53,10 +53,12 @@ def test_delayed_scaling_uses_the_history_and_block_scaling_each_block():
     assert meta.history["x"] == [0.25, 8.0] and meta.saturated["x"] == 2  # 8 and 8/3, times 1024, above 448
     block = fp8.Fp8Meta(fp8.BlockScaling(block=2))
     w = np.array([[1.0, 0.0, 100.0, 0.0], [0.5, 0.25, 0.0, 3.0]])
-    _, s = block.quantise("w", w)  # 2 x 2 blocks: amax 1 and 100
-    assert s.tolist() == [[256.0, 256.0, 4.0, 4.0]] * 2
+    q, s = block.quantise("w", w)  # 2 x 2 blocks: amax 1 and 100, one scale each
+    assert s.tolist() == [[256.0, 4.0]]
+    assert fp8.dequantise(q, s).tolist() == [[1.0, 0.0, 96.0, 0.0], [0.5, 0.25, 0.0, 3.0]]  # 400 -> e4m3's 384
     _, s = block.quantise("x", w)  # 1 x 2 tiles: amaxes 1, 100, 0.5, 3
-    assert s.tolist() == [[256.0, 256.0, 4.0, 4.0], [512.0, 512.0, 128.0, 128.0]]
+    assert s.tolist() == [[256.0, 4.0], [512.0, 128.0]]
+    assert fp8.expand(s, (2, 4)).tolist() == [[256.0, 256.0, 4.0, 4.0], [512.0, 512.0, 128.0, 128.0]]
 
 
 @pytest.mark.parametrize("name", RECIPES)
