@@ -354,7 +354,7 @@ def console(width: int | None = None) -> Console:
 
 READING_ORDER = ("02_pipeline", "03_data_parallel", "04_tensor_parallel", "06_zero", "00_autograd",
                  "01_collectives", "02b_zero_bubble", "05_sequence_parallel", "07_offload", "08_hybrid",
-                 "09_sharding", "10_faults")
+                 "09_sharding", "10_faults", "11_precision")
 """The order the README's reading path gives: the demo (02), then data, tensor and ZeRO parallelism,
 then the rest in number order."""
 

@@ -40,7 +40,8 @@ RUNS = [("00_autograd", ("--steps", "20"), 80),
         ("07_offload", ("--steps", "2"), 120),
         ("08_hybrid", ("--steps", "2"), 120),
         ("09_sharding", (), 120),
-        ("10_faults", (), 120)]
+        ("10_faults", (), 120),
+        ("11_precision", (), 120)]
 SHORT = ("00_autograd", "02_pipeline", "02b_zero_bubble")  # default output within widths.MAX_LINES lines at 80
 
 

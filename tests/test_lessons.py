@@ -20,7 +20,8 @@ from minipar.testing import ROOT, mpiexec_path
 WIDTH = 80  # COLUMNS of every run: an 80-column terminal (test_the_notebooks_mpiexec_command_runs checks the fit)
 
 LESSONS = {"01_collectives": 1, "02_pipeline": 3, "02b_zero_bubble": 1, "03_data_parallel": 2, "04_tensor_parallel": 3,
-           "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3, "09_sharding": 4, "10_faults": 3}
+           "05_sequence_parallel": 3, "06_zero": 3, "07_offload": 3, "08_hybrid": 3, "09_sharding": 4, "10_faults": 3,
+           "11_precision": 3}
 
 
 # lesson: (mpiexec ranks, arguments, what the run writes, relative to the run's folder); the commands
@@ -33,7 +34,8 @@ MPI_RUNS = {"01_collectives": (4, ("--n", "65536", "--reps", "2", "--out", "{out
             "07_offload": (2, (), "runs/07_offload/report.html"),
             "08_hybrid": (8, (), "runs/08_hybrid/report.html"),
             "09_sharding": (8, (), "runs/09_sharding/report.html"),
-            "10_faults": (4, ("--out", "{out}"), "report.html")}
+            "10_faults": (4, ("--out", "{out}"), "report.html"),
+            "11_precision": (2, (), "runs/11_precision/report.html")}
 
 
 def lesson(name: str, *args: str, ranks: int | None = None, cwd: Path = ROOT,
@@ -118,7 +120,7 @@ REPLAYED = {"03_data_parallel": ("after B", "replayed: one core per rank, networ
 
 # lessons whose default output is checked to be short (widths.MAX_LINES lines at 80 columns) on the run below
 SHORT = ("01_collectives", "03_data_parallel", "04_tensor_parallel", "05_sequence_parallel", "06_zero", "07_offload",
-         "08_hybrid")
+         "08_hybrid", "11_precision")
 
 
 # lessons whose mpiexec run is a long demonstration of what other tests prove under mpiexec
