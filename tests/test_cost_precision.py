@@ -48,3 +48,24 @@ def test_allreduce_bytes_per_step_equal_a_traced_ring(recipe: str, dtype: str):
     n, p = 1000, 4
     assert run(allreduce_sent, p, dtype=dtype, n=n) == [precision.allreduce_bytes_per_step(recipe, n, p, r)
                                                         for r in range(p)]
+
+
+def fp8_step_sent(comm, recipe: str, sp: bool) -> int:
+    """Bytes this rank sends in one FP8 training step of a 2-block tensor-parallel GPT."""
+    from minipar.parallel.tensor import TensorParallelGPT
+
+    model = fp8.enable(TensorParallelGPT(16, 8, 16, 4, 2, comm, sequence_parallel=sp, dtype=np.float32),
+                       fp8.BlockScaling(4) if recipe == "block" else fp8.DelayedScaling())
+    idx, targets = np.random.default_rng(0).integers(0, 16, (2, 2, 8))
+    with trace.recording(comm.world_rank) as rec:
+        model.loss(idx, targets).backward()
+    return sum(e.nbytes for e in rec.events if e.kind == "comm" and e.name == "send")
+
+
+@pytest.mark.parametrize(("t", "sp"), [(2, False), (2, True), (4, True)])
+def test_delayed_scaling_sends_the_amax_all_reduces_block_scaling_does_not(t: int, sp: bool):
+    """The same step under both recipes moves the same activations; delayed scaling adds 12 amax
+    all-reduces of one float64 per block (``fp8_amax_bytes``): the difference of the traced bytes."""
+    delayed, block = run(fp8_step_sent, t, recipe="delayed", sp=sp), run(fp8_step_sent, t, recipe="block", sp=sp)
+    assert [d - b for d, b in zip(delayed, block, strict=True)] == [precision.fp8_amax_bytes(2, t, r) for r in range(t)]
+    assert precision.fp8_amax_bytes(2, t) > 0

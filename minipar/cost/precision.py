@@ -18,6 +18,12 @@ keeps its transpose, one more byte, not counted): FP8 speeds up the GEMMs and sh
 activations (1 byte each instead of 2), not the per-parameter state, and the gradients are still
 reduced in bf16. The all-reduce sends ``2 (N-1)/N`` elements per parameter on a ring
 (``collectives.allreduce_bytes``).
+
+FP8 under tensor parallelism with delayed scaling (``parallel/tensor/fp8.py``) all-reduces (op max)
+the amax of every sharded tensor it casts, one float64 each: per Megatron block, q, k, v and the
+MLP's first linear (column parallel) the weight's in forward and the output gradient's in backward,
+the attention's and the MLP's output linears (row parallel) the input's and the weight's in forward:
+``4 x 2 + 2 x 2 = 12`` (``fp8_amax_allreduces``). Block scaling needs none: a block lies in one shard.
 """
 
 from __future__ import annotations
@@ -56,3 +62,14 @@ def reduce_itemsize(recipe: str) -> int:
 def allreduce_bytes_per_step(recipe: str, params: int, dp: int, rank: int = 0) -> int:
     """Bytes ``rank`` sends in one ring all-reduce of ``params`` gradients over ``dp`` ranks."""
     return allreduce_bytes(params, reduce_itemsize(recipe), dp, rank, "ring")
+
+
+AMAX_PER_BLOCK = 4 * 2 + 2 * 2  # column-parallel q, k, v, fc: w and dy; row-parallel proj, fc2: x and w
+
+
+def fp8_amax_bytes(layers: int, tp: int, rank: int = 0) -> int:
+    """Bytes ``rank`` sends per step for delayed scaling's amax all-reduces in ``layers`` Megatron
+    blocks on ``tp`` ranks: ``AMAX_PER_BLOCK`` ring all-reduces of one float64 per block."""
+    if layers < 0:
+        raise ValueError(f"fp8_amax_bytes: layers={layers} must be >= 0")
+    return layers * AMAX_PER_BLOCK * allreduce_bytes(1, 8, tp, rank, "ring")
