@@ -26,7 +26,8 @@ from minipar import trace
 from minipar.comm import launch
 from minipar.functional import _gelu
 from minipar.mesh import DeviceMesh, MeshShape
-from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, chain, propagate
+from minipar.sharding import GlobalTensor, Partial, Replicate, Shard, chain, propagate, redistribute
+from minipar.sharding.plan import cheapest, plan_bytes
 from minipar.sharding.tensor import check_layout
 from minipar.testing import run_each
 
@@ -34,7 +35,8 @@ S0, S1, B, P = Shard(0), Shard(1), Replicate(), Partial()
 MESHES = {"2": ({"tp": 2}, ("tp",)), "3": ({"tp": 3}, ("tp",)), "4": ({"tp": 4}, ("tp",)),
           "2x2": ({"dp": 2, "tp": 2}, ("dp", "tp"))}
 NAMES = ("matmul", "add", "mul", "gelu", "scale", "softmax")
-ISSUE = {"mesh": "2", "x": ((32, 16), (S1,)), "ops": [("matmul", ((16, 128), (B,))), ("gelu", None)], "seed": 0}
+ISSUE = {"mesh": "2", "x": ((32, 16), (S1,)), "ops": [("matmul", ((16, 128), (B,))), ("gelu", None)], "final": None,
+         "seed": 0}
 
 
 # ---- chains as plain data (picklable for mpiexec): {"mesh", "x": (shape, placements), "ops": [(name, other)]}
@@ -69,7 +71,8 @@ def chains(draw: st.DrawFn, case: str | None = None) -> dict:
             o = draw(st.sampled_from([shape, shape[1:]]))
             other = (o, placed(o))
         ops.append((name, other))
-    return {"mesh": case, "x": x, "ops": ops, "seed": draw(st.integers(0, 10 ** 6))}
+    final = draw(st.none() | st.just(shape).map(placed))
+    return {"mesh": case, "x": x, "ops": ops, "final": final, "seed": draw(st.integers(0, 10 ** 6))}
 
 
 def rich(case: str) -> dict:
@@ -78,7 +81,7 @@ def rich(case: str) -> dict:
     q, n = int(np.prod(list(kw.values()))), len(axes)
     return {"mesh": case, "x": ((2 * q, q), (P,) * n), "ops": [
         ("matmul", ((q, 2 * q), (S1,) * n)), ("add", ((2 * q,), (S0,) * n)), ("gelu", None),
-        ("mul", ((2 * q, 2 * q), (B,) * n)), ("softmax", None)][:4 if n > 1 else 5], "seed": 7}
+        ("mul", ((2 * q, 2 * q), (B,) * n)), ("softmax", None)][:4 if n > 1 else 5], "final": (B,) * n, "seed": 7}
 
 
 def specs(c: dict) -> tuple[chain.Spec, list[chain.Link]]:
@@ -115,8 +118,9 @@ def reference(c: dict) -> np.ndarray:
 
 
 # ---- exhaustive search ----------------------------------------------------------------------------------------
-def exhaustive(x: chain.Spec, links: list[chain.Link]) -> tuple[int, int]:
-    """The least total bytes over every sequence of strategies, and how many sequences there are."""
+def exhaustive(x: chain.Spec, links: list[chain.Link], final: tuple | None) -> tuple[int, int]:
+    """The least total bytes over every sequence of strategies (then the output moved to ``final``, by
+    the cheapest redistribution, its busiest rank's bytes), and how many sequences there are."""
     shapes = [x.shape]
     for lk in links:
         shapes.append(lk.out_shape(shapes[-1]))
@@ -124,7 +128,11 @@ def exhaustive(x: chain.Spec, links: list[chain.Link]) -> tuple[int, int]:
 
     def walk(i: int, placements: tuple, spent: int) -> tuple[int, int]:
         if i == len(links):
-            return spent, 1
+            if final is not None and placements not in memo:
+                here = x.placed(shapes[i], placements)
+                moves = cheapest(here.shape, 8, here.degrees, placements, final)[0]
+                memo[placements] = max(plan_bytes(here.shape, 8, here.degrees, placements, moves))
+            return spent + (0 if final is None else memo[placements]), 1
         if (i, placements) not in memo:
             here = x.placed(shapes[i], placements)
             memo[i, placements] = propagate.strategies([here, *links[i].others], shapes[i + 1],
@@ -141,8 +149,8 @@ def exhaustive(x: chain.Spec, links: list[chain.Link]) -> tuple[int, int]:
 @example(c=rich("3"))
 def test_the_plan_costs_the_least_of_every_sequence(c: dict) -> None:
     x, links = specs(c)
-    best, count = exhaustive(x, links)
-    found, first = chain.plan(x, links), chain.greedy(x, links)
+    best, count = exhaustive(x, links, c["final"])
+    found, first = chain.plan(x, links, c["final"]), chain.greedy(x, links, c["final"])
     assert count >= 1 and found.total == best <= first.total, (c, found, first)
     if first.total == best:
         assert found == first  # the greedy's choices whenever they are among the cheapest
@@ -161,6 +169,25 @@ def test_the_issue_case_16384_against_1024_bytes() -> None:
     assert [r["sent"] for r in res] == [{"plan": 1024, "greedy": 16384, "ops": 16384}] * 2
 
 
+def megatron_mlp(x: tuple, final: tuple) -> dict:
+    """The tiny GPT's MLP on 4 ranks with Megatron's weights: fc by columns (its bias too), proj by rows."""
+    return {"mesh": "4", "x": ((8, 16), x), "ops": [("matmul", ((16, 32), (S1,))), ("add", ((32,), (S0,))),
+            ("gelu", None), ("matmul", ((32, 16), (S0,))), ("add", ((16,), (B,)))], "final": final, "seed": 3}
+
+
+@pytest.mark.parametrize("x,final,moves", [((B,), (B,), [0, 0, 0, 0, 0, 1536]), ((S0,), (S0,), [768, 0, 0, 0, 0, 768])])
+def test_megatrons_mlp_is_the_plan_and_the_greedy_choice(x: tuple, final: tuple, moves: list[int]) -> None:
+    """x (8, 16) float64, N = 1,024 B, t = 4: whole in and out, nothing inside the chain, then Megatron's
+    all-reduce of the output, 2 (t-1)/t N = 1,536 B; split by rows (sequence parallel, Korthikanti et
+    al. 2022) an all-gather of x before fc and a reduce-scatter after, (t-1)/t N = 768 B each."""
+    c = megatron_mlp(x, final)
+    xs, links = specs(c)
+    found = chain.plan(xs, links, final)
+    assert found == chain.greedy(xs, links, final)
+    assert [ch.cost for ch in found.choices] + [found.final_cost] == moves
+    check(c, launch(run_chain, 4, "threads", c))
+
+
 # ---- run ------------------------------------------------------------------------------------------------------
 def run_chain(comm, c: dict) -> dict:
     """The chain on global tensors three ways: the plan, the greedy plan, the plain ops; each one's
@@ -172,22 +199,22 @@ def run_chain(comm, c: dict) -> dict:
     rest = iter(vals[1:])
     links = [link(name, make(next(rest), mesh, axes, o[1], c["seed"] + i) if o else None)
              for i, (name, o) in enumerate(c["ops"])]
-    out: dict = {"coords": tuple(mesh.coords[a] for a in axes), "sent": {}, "y": {}}
-    plans = {"plan": chain.plan(x, links), "greedy": chain.greedy(x, links)}
+    out: dict = {"coords": tuple(mesh.coords[a] for a in axes), "sent": {}, "y": {}, "placements": {}}
+    plans = {"plan": chain.plan(x, links, c["final"]), "greedy": chain.greedy(x, links, c["final"])}
     for how in ("plan", "greedy", "ops"):
         with trace.recording(comm.world_rank) as rec:
-            y = chain.run(x, links, plans[how]) if how in plans else plain(x, links)
+            y = chain.run(x, links, plans[how]) if how in plans else plain(x, links, c["final"])
         out["sent"][how] = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == mesh.rank)
-        out["y"][how] = y.to_global()
+        out["y"][how], out["placements"][how] = y.to_global(), y.placements
     out["predicted"] = {how: chain.sent(x, links, p) for how, p in plans.items()}
     return out
 
 
-def plain(x: GlobalTensor, links: list[chain.Link]) -> GlobalTensor:
-    """The ops called one after another, each choosing for itself."""
+def plain(x: GlobalTensor, links: list[chain.Link], final: tuple | None) -> GlobalTensor:
+    """The ops called one after another, each choosing for itself; then the output moved to ``final``."""
     for lk in links:
         x = lk.apply(x, *lk.others)
-    return x
+    return x if final is None else redistribute(x, final)
 
 
 def check(c: dict, results: list[dict]) -> None:
@@ -197,6 +224,7 @@ def check(c: dict, results: list[dict]) -> None:
     for r in results:
         for how in ("plan", "greedy", "ops"):
             assert np.allclose(r["y"][how], want, rtol=1e-9, atol=1e-9), (c, how)
+            assert c["final"] is None or r["placements"][how] == c["final"], (c, how)
         assert r["sent"]["plan"] == r["predicted"]["plan"][grid.index(r["coords"])], c
         assert r["sent"]["greedy"] == r["sent"]["ops"] == r["predicted"]["greedy"][grid.index(r["coords"])], c
 

@@ -23,7 +23,9 @@ placed ``s``::
     cost = min over s of best_n(s)
 
 is exact (Bellman's principle: an optimal chain's first ``i`` ops are an optimal way to reach their
-output's placements). Work: ``n`` ops x states x strategies, states at most ``(ndim + 2) ^ axes``.
+output's placements). With ``final`` (the placements the next op needs, say a residual's whole
+activation) the last line minimises ``best_n(s)`` plus the bytes of bringing the output from ``s``
+there. Work: ``n`` ops x states x strategies, states at most ``(ndim + 2) ^ axes``.
 Ties: the sum over the ops of the chosen strategy's index in the chooser's list (0: the greedy's
 choice) is a second key, so the greedy's plan comes back whenever it is among the cheapest. Every rank
 computes the same plan from the same layouts, with no message.
@@ -53,7 +55,7 @@ from minipar.mesh import MeshShape
 from minipar.sharding import ops, propagate
 from minipar.sharding.placement import Partial, Placement, describe
 from minipar.sharding.plan import cheapest, plan_bytes
-from minipar.sharding.tensor import GlobalTensor
+from minipar.sharding.tensor import GlobalTensor, check_layout
 
 ARITY = {"matmul": 1, "add": 1, "sub": 1, "mul": 1, "gelu": 0, "exp": 0, "scale": 0, "softmax": 0}
 
@@ -156,21 +158,34 @@ class Choice:
 
 @dataclass(frozen=True)
 class ChainPlan:
-    """A strategy per op and the chain's cost, the sum of theirs."""
+    """A strategy per op, the placements the output is then brought to (``final``, if asked: what the
+    next op needs) and that move's bytes; the chain's cost is the sum."""
 
     choices: tuple[Choice, ...]
+    final: tuple[Placement, ...] | None = None
+    final_cost: int = 0
 
     @property
     def total(self) -> int:
-        return sum(c.cost for c in self.choices)
+        return sum(c.cost for c in self.choices) + self.final_cost
 
 
-def _shapes(x: Any, links: Sequence[Link]) -> list[tuple[int, ...]]:
-    """The running tensor's shape before each op and after the last; ``ValueError`` on a misfit."""
+def _shapes(x: Any, links: Sequence[Link], final: Sequence[Placement] | None = None) -> list[tuple[int, ...]]:
+    """The running tensor's shape before each op and after the last; ``ValueError`` on a misfit or a
+    ``final`` layout the output cannot have."""
     out = [tuple(x.shape)]
     for link in links:
         out.append(link.out_shape(out[-1]))
+    if final is not None:
+        check_layout(out[-1], x.mesh.shape, x.axes, final)
     return out
+
+
+def _moved(t: Any, dst: Sequence[Placement]) -> np.ndarray:
+    """The bytes each rank sends to bring ``t`` to ``dst`` (the cheapest plan, the one ``redistribute`` runs)."""
+    src, shape = tuple(t.placements), tuple(t.shape)
+    moves = cheapest(shape, t.local.itemsize, t.degrees, src, tuple(dst))[0]
+    return np.array(plan_bytes(shape, t.local.itemsize, t.degrees, src, moves), dtype=np.int64)
 
 
 def options(link: Link, x: Spec, out: tuple[int, ...]) -> list[Choice]:
@@ -188,18 +203,22 @@ def options(link: Link, x: Spec, out: tuple[int, ...]) -> list[Choice]:
     return kept
 
 
-def greedy(x: Any, links: Sequence[Link]) -> ChainPlan:
-    """The ops' own choices, one op ahead: each the cheapest from where the previous left the tensor."""
-    shapes, cur, chosen = _shapes(x, links), Spec.of(x), []
+def greedy(x: Any, links: Sequence[Link], final: Sequence[Placement] | None = None) -> ChainPlan:
+    """The ops' own choices, one op ahead: each the cheapest from where the previous left the tensor;
+    then the output brought to ``final`` (if given)."""
+    shapes, cur, chosen = _shapes(x, links, final), Spec.of(x), []
     for link, out in zip(links, shapes[1:], strict=True):
         chosen.append(options(link, cur, out)[0])
         cur = cur.placed(out, chosen[-1].placed)
-    return ChainPlan(tuple(chosen))
+    if final is None:
+        return ChainPlan(tuple(chosen))
+    return ChainPlan(tuple(chosen), tuple(final), int(_moved(cur, final).max()))
 
 
-def plan(x: Any, links: Sequence[Link]) -> ChainPlan:
-    """The strategies of least total bytes over the whole chain (module docstring's recurrence)."""
-    shapes, start = _shapes(x, links), Spec.of(x)
+def plan(x: Any, links: Sequence[Link], final: Sequence[Placement] | None = None) -> ChainPlan:
+    """The strategies of least total bytes over the whole chain, the output then brought to ``final``
+    if given (module docstring's recurrence, with that move's bytes added at the end)."""
+    shapes, start = _shapes(x, links, final), Spec.of(x)
     # best[s] = ((bytes, sum of indices), the choices so far) for the running tensor placed s
     best: dict[tuple[Placement, ...], tuple[tuple[int, int], tuple[Choice, ...]]] = {start.placements: ((0, 0), ())}
     for link, before, out in zip(links, shapes[:-1], shapes[1:], strict=True):
@@ -210,25 +229,30 @@ def plan(x: Any, links: Sequence[Link]) -> ChainPlan:
                 if c.placed not in nxt or key < nxt[c.placed][0]:
                     nxt[c.placed] = (key, (*so_far, c))
         best = nxt
-    return ChainPlan(min(best.values(), key=lambda v: v[0])[1])
+    if final is None:
+        return ChainPlan(min(best.values(), key=lambda v: v[0])[1])
+    last = {s: int(_moved(start.placed(shapes[-1], s), final).max()) for s in best}
+    s = min(best, key=lambda s: (best[s][0][0] + last[s], best[s][0][1]))
+    return ChainPlan(best[s][1], tuple(final), last[s])
 
 
 def sent(x: Any, links: Sequence[Link], chosen: ChainPlan) -> tuple[int, ...]:
     """The bytes each rank sends running ``chosen``, one entry per combination of coordinates on the
     tensor's axes (``itertools.product`` order)."""
-    shapes, cur = _shapes(x, links), Spec.of(x)
+    shapes, cur = _shapes(x, links, chosen.final), Spec.of(x)
     total = np.zeros(int(np.prod(cur.degrees)), dtype=np.int64)
     for link, out, c in zip(links, shapes[1:], chosen.choices, strict=True):
         for t, pl in zip([cur, *link.others], c.needed, strict=True):
-            src, dst, shape = tuple(t.placements), tuple(pl), tuple(t.shape)
-            moves = cheapest(shape, t.local.itemsize, t.degrees, src, dst)[0]
-            total += plan_bytes(shape, t.local.itemsize, t.degrees, src, moves)
+            total += _moved(t, pl)
         cur = cur.placed(out, c.placed)
+    if chosen.final is not None:
+        total += _moved(cur, chosen.final)
     return tuple(int(n) for n in total)
 
 
 def run(x: GlobalTensor, links: Sequence[Link], chosen: ChainPlan) -> GlobalTensor:
-    """The chain on ``x`` with ``chosen``'s strategies: inputs redistributed as planned, then each op."""
+    """The chain on ``x`` with ``chosen``'s strategies: inputs redistributed as planned, then each op;
+    the output then brought to ``chosen.final`` (if the plan has one)."""
     if len(chosen.choices) != len(links):
         raise ValueError(f"chain: a plan of {len(chosen.choices)} ops for a chain of {len(links)}")
     for link, c in zip(links, chosen.choices, strict=True):
@@ -236,4 +260,4 @@ def run(x: GlobalTensor, links: Sequence[Link], chosen: ChainPlan) -> GlobalTens
         x = link.apply(*moved)
         if x.placements != c.placed:
             raise AssertionError(f"chain: {link.name} gave {describe(x.placements)}, the plan {describe(c.placed)}")
-    return x
+    return x if chosen.final is None else ops.redistribute(x, chosen.final, "chain output")
