@@ -306,3 +306,26 @@ def test_tensor_parallel_gpt_fp8_step(sp: bool, recipe: str):
                 np.testing.assert_array_equal(par[name], one[name], err_msg=name)
             else:
                 np.testing.assert_allclose(par[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_bf16_master_weights_get_the_exact_products_rounded_once(name: str):
+    """Weights and activations in bfloat16: the FP8 GEMMs' exact sums rounded once to bf16, equal to
+    a float64 layer's (exact) results cast to bf16, for the output and the weight's gradient."""
+    from minipar.nn import Linear
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(4)
+    x, r = (rng.normal(size=(6, 8)).astype(bf16) for _ in range(2))
+    out = {}
+    for dtype in (bf16, np.dtype(np.float64)):
+        layer = fp8.enable(Linear(8, 8, bias=False, dtype=dtype), RECIPES[name])
+        layer.weight.data[...] = rng.normal(size=(8, 8)).astype(bf16) if not out else out["w"]
+        y = layer(Tensor(x.astype(dtype), requires_grad=True))
+        (y * r.astype(dtype)).sum().backward()
+        out = out or {"w": layer.weight.data.astype(np.float64)}
+        out[dtype.name] = (y.data, layer.weight.grad)
+    (y16, dw16), (y64, dw64) = out["bfloat16"], out["float64"]
+    assert dw16.dtype == bf16  # the output may be held in float32 (autograd's bf16 emulation): compare values
+    np.testing.assert_array_equal(y16.astype(np.float64), y64.astype(bf16).astype(np.float64))
+    np.testing.assert_array_equal(dw16, dw64.astype(bf16))
