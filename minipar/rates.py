@@ -282,4 +282,5 @@ def replay_cluster(comm: Any, network: Cluster, shard: dict[str, int], path: str
     return replace(network, name=f"{network.name} + this core", peak_flops=rates.flops, efficiency=1.0,
                    gamma=rates.gamma, op_seconds=rates.op_seconds, call_seconds=call, message_seconds=step,
                    tensor_seconds=rates.tensor_seconds, optimizer_gamma=rates.optimizer_gamma,
+                   gemm_sms=0, gemm_curve=(),  # the rate is measured on the shard's own shapes: no GPU's waves
                    source=f"{network.name}'s links; compute in one core's CPU time on {shard}, every rank at once")

@@ -127,6 +127,7 @@ def test_replay_cluster_keeps_the_network_and_adds_this_core(tmp_path):
     assert c0 == c1  # medians over both ranks, on both
     assert (c0.intra, c0.inter, c0.name) == (network.intra, network.inter, f"{network.name} + this core")
     assert c0.peak_flops > 0 and c0.efficiency == 1.0 and c0.call_seconds == 0.0  # 2 ranks: all of it per step
+    assert network.gemm_sms == 108 and (c0.gemm_sms, c0.gemm_curve) == (0, ())  # this core: no A100 waves
     assert c0.message_seconds >= 0 and c0.op_seconds >= 0
 
 
