@@ -16,15 +16,18 @@ rank, ``m = B / (d b)`` micro-batches per step.
   attention over ``V``: ``72 B s l h^2 (1 + 2s/(9h) + V/(12 l h))``. ``tflops_per_gpu`` divides the
   FLOPs executed (recomputation included: the paper's accounting, Eq. 3 with full recomputation,
   used for its Table 1) by the step time; ``model_tflops_per_gpu`` the FLOPs without recomputation.
-- Compute: the slowest pipeline stage (its ``l/p`` layers, plus the logits on the last stage; uneven
-  stages cut by ``stage_blocks``) per micro-batch, divided by ``t u`` and the cluster's
-  ``peak_flops x efficiency``, times ``m``; plus the memory-bound work
+- Compute: the slowest pipeline stage (its ``l/p`` layers, plus the logits on the last stage, on the
+  first in a V; uneven stages cut by ``stage_blocks``) per micro-batch, each matmul's FLOPs over
+  ``t u`` at the cluster's ``peak_flops x efficiency`` times its shape's share (``gemm``: tile and wave
+  quantization, or a measured curve; a larger micro-batch fills more of the last wave), times ``m``;
+  plus the memory-bound work
   outside the matmuls (softmax, masks, GeLU, layer norms: ``memory_traffic_bytes``, 4 moves of
   every byte Korthikanti et al. count, 5 with full recomputation), a byte moved costing
   ``gamma / 3`` (reducing a byte reads two and writes one). That term makes small-``h`` models
   slower per FLOP (the ``5 a s / h`` scores), as Narayanan et al.'s Table 1 shows. Bubble: the 1F1B-family
-  bubble fraction ``phi = (p-1)/(v m + p - 1)`` (``pipeline.bubble_fraction``) of the step is idle,
-  so ``bubble = busy phi / (1 - phi) = busy (p-1)/(v m)``.
+  bubble fraction ``phi = (p-1)/(v m + p - 1)`` (``pipeline.bubble_fraction``; ZB-H1 ``(p-1)/(3m)``,
+  ZB-V and DualPipeV ``(p-1)/(6m)`` of the busy time) of the step is idle, so ``bubble = busy phi /
+  (1 - phi) = busy (p-1)/(v m)``.
 - Communication, exposed seconds per mesh axis (``collectives.collective_time``, ring algorithms):
   ``tp``: per layer and micro-batch ``tensor.collectives_per_block`` (2 all-reduces of ``s b h w``
   forward and 2 backward; with Megatron-SP 2 all-gathers and 2 reduce-scatters each way, the same
@@ -49,10 +52,11 @@ rank, ``m = B / (d b)`` micro-batches per step.
   mixed-precision Adam, ``2 w`` (Adam's m and v) otherwise); activations per layer by Korthikanti
   et al. 2022 (Sec. 4, Eq. 1-4, Sec. 5): ``s b h (34 + 5 a s / h)``, with ``t``: ``s b h (10 + 24/t
   + 5 a s/(h t))``, with ``t`` and SP: ``s b h (34/t + 5 a s / (h t))``; selective recomputation
-  drops the ``5 a s / h`` term, full keeps ``2 s b h`` (``/t`` with SP); times the layers of the
-  micro-batches the first stage holds (``pipeline.peak_stash``: ``p`` for 1F1B, ``l`` layers in
-  all; interleaved ``1 + (p-1)/(p v)`` times that, Sec. 4.2.3), over ``u`` (Ulysses splits the
-  sequence). Counts are for ``w = 2`` and scale by ``w / 2``.
+  drops the ``5 a s / h`` term, full keeps ``2 s b h`` (``/t`` with SP) and one layer's whole working
+  set while its backward runs; times the layers of the micro-batches the first stage holds
+  (``pipeline.peak_stash``: ``p`` for 1F1B, ``l`` layers in all; interleaved ``1 + (p-1)/(p v)``
+  times that, Sec. 4.2.3), over ``u`` (Ulysses splits the sequence). The terms are
+  ``tensor.layer_terms(..., dropout=True)`` with ``w`` bytes a number and 1-byte masks.
 
 - Overheads (``overhead.py``; 0 on the published GPU clusters): each autograd op of a stage costs
   ``op_seconds`` (tensor parallelism does not divide it), each of its collective calls
