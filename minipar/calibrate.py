@@ -44,6 +44,12 @@ each is a warm-up and dropped; medians over repetitions and ranks):
    ``efficiency`` then leaves the GPT shapes' share out (``shape_free_efficiency``), so that its
    matmuls priced through the curve take what they measured.
 
+4. The memory tiers, the ranks done (``run_calibration``; ``minipar.tiers.rates.measure``): the disk's
+   sequential writes and reads, ``O_DIRECT`` where allowed, one request at a time, at the sizes offload
+   moves (64 KiB .. 16 MiB), the copy that is a move between host and "device" here, and what an atomic
+   (synced) write adds; each fitted as latency + bytes / bandwidth, the tier model's terms
+   (``minipar.cost.offload.transfer_seconds``). ``Measurements.tiers``; ``tiers_path`` names its file.
+
 ``rates.compute_rates(comm, gpt)`` measures 2. in each thread's CPU time instead: the rates of one
 core per rank, as a replay (``minipar.replay``) charges compute, for ``perf.predict`` to be held
 against a replay (lesson 8).
@@ -65,7 +71,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -85,6 +91,7 @@ from minipar.rates import (
     median_times,
     pooled_median,
 )
+from minipar.tiers.core import Bandwidth
 
 SIZES = tuple(8 * 4**k for k in range(11))  # 8 B .. 8 MiB, x4
 QUICK_SIZES = tuple(8 * 16**k for k in range(6))  # 8 B .. 8 MiB, x16
@@ -109,6 +116,7 @@ class Measurements:
     matmul_solo: float  # FLOP/s of one rank alone, square matmuls
     cluster: Cluster
     others_cores: float = 0.0  # cores other programs kept busy meanwhile (``busy_cpu_seconds``), nan if unknown
+    tiers: Bandwidth | None = None  # the disk and memory copies (``tiers.rates.measure``), when measured
 
     def table(self) -> str:
         """The numbers as a small text table (what ``minipar calibrate`` prints)."""
@@ -133,10 +141,27 @@ class Measurements:
         for n, t in self.allreduce:
             model = collective_time("allreduce", "ring", n, self.ranks, c.intra.alpha, c.intra.beta, c.gamma)
             lines.append(f"    {n:>9}: {t * 1e6:9.1f} / {model * 1e6:9.1f}")
+        if self.tiers is not None:
+            lines += tier_lines(self.tiers)
         if self.others_cores > QUIET_CORES:
             lines.append(f"  warning: other programs kept {self.others_cores:.2f} cores busy while this ran; every "
                          "number above is slower than this machine alone: rerun when it is quiet")
         return "\n".join(lines)
+
+
+def tier_lines(bw: Bandwidth) -> list[str]:
+    """The tier model's rows: each link's bandwidth and latency per request (``transfer_seconds``)."""
+    rows = [("disk write", bw.nvme_write, bw.nvme_write_latency), ("disk read", bw.nvme_read, bw.nvme_read_latency),
+            ("memory copy", bw.pcie, bw.pcie_latency)]
+    return ["  tiers (latency + bytes / bandwidth per request; device <-> host is a memory copy here)",
+            *(f"    {name:<13}{rate / 1e9:7.2f} GB/s + {lat * 1e6:7.1f} us" for name, rate, lat in rows),
+            f"    synced write + {bw.nvme_sync * 1e3:.2f} ms (a new file, fdatasync, rename)", f"    {bw.source}"]
+
+
+def tiers_path(cluster_path: str) -> str:
+    """Where the tier rates go beside a cluster file: ``cluster.json`` -> ``cluster.tiers.json``."""
+    stem = cluster_path[:-5] if cluster_path.endswith(".json") else cluster_path
+    return f"{stem}.tiers.json"
 
 
 def bandwidth(seconds_per_byte: float) -> str:
@@ -292,9 +317,17 @@ def quick_options(quick: bool) -> dict[str, Any]:
     return {"sizes": SIZES, "repeats": 30, "allreduce_sizes": ALLREDUCE_SIZES}
 
 
-def run_calibration(ranks: int, backend: str = "mpi", quick: bool = False, timeout: float = 120) -> Measurements:
+def run_calibration(ranks: int, backend: str = "mpi", quick: bool = False, timeout: float = 120,
+                    disk_dir: str | None = ".") -> Measurements:
     """Launch ``ranks`` ranks on ``backend`` ("mpi": ``mpiexec`` from this Python's environment,
-    "threads": in this process), measure, and return rank 0's ``Measurements``."""
+    "threads": in this process), measure, and return rank 0's ``Measurements``; then, the ranks done,
+    the disk under ``disk_dir`` (default: here, where the cluster file goes) and memory copies
+    (``tiers.rates.measure``: ``Measurements.tiers``, for ``Bandwidth.save(tiers_path(cluster file))``;
+    None skips it)."""
     from minipar.testing import run
+    from minipar.tiers import rates
 
-    return run(measure, ranks, backend=backend, timeout=timeout, **quick_options(quick))[0]
+    m = run(measure, ranks, backend=backend, timeout=timeout, **quick_options(quick))[0]
+    if disk_dir is None:
+        return m
+    return replace(m, tiers=rates.measure(disk_dir, rates.QUICK_SIZES if quick else rates.SIZES, 3 if quick else 5))

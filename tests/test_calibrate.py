@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -22,6 +23,7 @@ from minipar.calibrate import (
     measure,
     memtotal_bytes,
     quick_options,
+    tiers_path,
 )
 from minipar.cli import main
 from minipar.cost.cluster import Cluster, Link
@@ -37,6 +39,7 @@ from minipar.rates import (
     replay_cluster,
 )
 from minipar.testing import ROOT, run
+from minipar.tiers import Bandwidth
 
 QUICK = quick_options(True)
 
@@ -171,6 +174,12 @@ def test_table_warns_when_other_programs_ran():
                                                   "reduce_gamma", "rates", "matmul_solo", "cluster")],
                         others_cores=0.8)
     assert "warning: other programs kept 0.80 cores busy" in busy.table()
+    disk = replace(m, tiers=Bandwidth(pcie=2e10, nvme_read=2e9, nvme_write=1.5e9, pcie_latency=3e-6,
+                                      nvme_read_latency=9e-5, nvme_write_latency=1.2e-4, nvme_sync=2e-3))
+    assert "tiers" not in m.table()
+    assert "disk write      1.50 GB/s +   120.0 us" in disk.table() and "synced write + 2.00 ms" in disk.table()
+    assert "memory copy    20.00 GB/s +     3.0 us" in disk.table()
+    assert tiers_path("out/cluster.json") == "out/cluster.tiers.json" and tiers_path("c") == "c.tiers.json"
 
 
 def _check_cluster(c: Cluster, ranks: int, backend: str) -> None:

@@ -138,10 +138,10 @@ def dpu_table(traces: dict[str, Trace], label: str, short: str, verbose: bool = 
 def moves_table(trace: Trace, bandwidth: Any) -> Table:
     """Every move of rank 0, measured beside the time of ``bandwidth`` (a ``minipar.tiers.Bandwidth``), ms."""
     table = Table(title=style.with_clock("every move between tiers on rank 0 (times in ms)", trace),
-                  title_justify="left", caption="modelled: nbytes / bandwidth of the link crossed "
-                  f"(PCIe {bandwidth.pcie / 1e9:g} GB/s, NVMe read {bandwidth.nvme_read / 1e9:g}, write "
-                  f"{bandwidth.nvme_write / 1e9:g}); measured: this machine's memcpy and file I/O (the page cache "
-                  "absorbs small writes).", caption_justify="left")
+                  title_justify="left", caption="modelled: latency + nbytes / bandwidth of the link crossed "
+                  f"(host <-> device {bandwidth.pcie / 1e9:.3g} GB/s, NVMe read {bandwidth.nvme_read / 1e9:.3g}, write "
+                  f"{bandwidth.nvme_write / 1e9:.3g}; {bandwidth.source}); measured: this machine's copies and file "
+                  "I/O.", caption_justify="left")
     for col in ("move", "bytes", "measured", "modelled"):
         table.add_column(col, justify="right")
     for e in moves(trace, rank=0):

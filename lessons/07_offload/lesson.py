@@ -5,9 +5,11 @@
 
 minipar has no accelerator, so the device is modelled strictly (``minipar.tiers``): a pool with a byte
 budget; going past it raises ``DeviceOutOfMemory``; compute runs only on device-resident arrays. The
-CPU is numpy memory, NVMe is real files written by a thread pool. Every copy between tiers is a
-"transfer" trace event with its measured time and the ``Bandwidth`` model's (PCIe 16 GB/s, NVMe
-3 GB/s read, 2 GB/s write; ``minipar.cost.offload.transfer_seconds``).
+CPU is numpy memory, NVMe is real files (preallocated, page-aligned, O_DIRECT) read and written by a
+thread pool. Every copy between tiers is a "transfer" trace event with its measured time and the
+``Bandwidth`` model's (``minipar.cost.offload.transfer_seconds``: latency + bytes / bandwidth per
+request), at this machine's rates measured when the lesson starts (``minipar.tiers.rates.measure``:
+the disk's requests, the copies, the tier's own one-page moves).
 
 ZeRO-Offload (Ren et al. 2021, Sec. 3-5; ``minipar/parallel/offload/zero_offload.py``) keeps the
 parameters and forward/backward on the device and moves the rest to the CPU: the gradients stream
@@ -20,11 +22,14 @@ N (padded per bucket), the fewest possible (Sec. 3). With the delayed parameter 
 Printed: 1. ZeRO-Offload trains to exactly ZeRO-2's parameters (float64, bit for bit). 2. Bytes
 between device and CPU per step and rank, measured from the trace, vs ``zero_offload_bytes``. 3. The
 device: budget = ``offload_device_need``, the measured peak, and a budget one byte short raising
-``DeviceOutOfMemory`` on every rank before anything is placed. 4. Step time (one step, the median of
-steps 1..) with and without DPU, replayed (``--clock``, ``--cluster``: each span at its CPU time, each
-thread, the AdamW thread too, on a core of its own) and modelled: the CPU step after forward and
-backward, or beside the next ones, max(F+B, AdamW); the steps' wait for the delayed AdamW against
-its formula. Then the DPU run's timeline (the whole run: setup, every step, the flush).
+``DeviceOutOfMemory`` on every rank before anything is placed. Then how many of every move's measured
+times (wall clock) are within 2x of the model (``--verbose``: by link and size). 4. Step time (one
+step, the median of steps 1..) with and without DPU on both clocks, replayed (``--cluster``: each
+span at its CPU time, each thread, the AdamW thread too, on a core of its own) and wall, modelled: the
+CPU step after forward and backward, or beside the next ones, max(F+B, AdamW); the steps' wait for the
+delayed AdamW against its formula; and which clock answers "does DPU pay off" (the replayed one: the
+wall clock shares 2 cores among the ranks and their AdamW threads). Then the DPU run's timeline (the
+whole run: setup, every step, the flush).
 ``--verbose`` adds: one tensor through device -> cpu -> nvme -> cpu -> device, each move measured and
 modelled; the losses; the bytes per step of every step and in mixed precision; ZeRO-Infinity
 (parameters and optimizer state on NVMe, one unit at a time on the device: the same parameters,
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +60,7 @@ from minipar.cost import zero as zero_formulas
 from minipar.nn import GPT
 from minipar.parallel.offload import compare, offload_device_need
 from minipar.tiers import Bandwidth, Tiers
+from minipar.tiers import rates as tier_rates
 from viz import offload as views
 from viz.tiers import budget_figure
 from viz.width import Table
@@ -62,7 +69,7 @@ VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, BATCH, LR = 32, 16, 32, 4, 2, 64, 8, 3
 CAP = 32 * 1024  # bytes per bucket: the GPT's 158 KB of float64 gradients make several, streamed down one by one
 MIXED_SCALE = 2.0**10  # fp16 loss x S must stay under fp16's 65,504 (lesson 6)
 TOUR_ITEMS = 1 << 17  # the tour's tensor: 1 MiB of float64
-BANDWIDTH = Bandwidth()  # PCIe 16 GB/s, NVMe read 3 GB/s, write 2 GB/s
+TYPICAL = Bandwidth()  # PCIe 4 and NVMe figures, not measured: the default of tour and train
 NVME_WORKERS = 1  # I/O threads per rank (one keeps the order of reads easy to follow in the timeline)
 CHUNK, FIT, LOOP_D = 4096, 3, 32  # chunk elements (a block's qkv, 3,072, fits); chunks beside the activations
 MANIFEST = 48  # bytes ZeroInfinity's manifest (6 float64) writes per applied step, beyond zero_infinity_bytes
@@ -78,13 +85,21 @@ def model(precision: str = "fp64") -> GPT:
     return GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0, dtype=dtype)
 
 
-def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path = OUT) -> dict[str, Any]:
+def measured_bandwidth(comm: Any, out: Path = OUT) -> Bandwidth:
+    """The tier model of this machine, measured now by rank 0 (the others wait) under ``out``: the disk's
+    requests and the copies, latency + bytes / bandwidth (``minipar.tiers.rates.measure``, quick)."""
+    bw = tier_rates.measure(str(out), tier_rates.QUICK_SIZES, 3) if comm.rank == 0 else None
+    return comm.allgather_object(bw)[0]
+
+
+def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path = OUT,
+         bandwidth: Bandwidth = TYPICAL) -> dict[str, Any]:
     """One tensor (``TOUR_ITEMS`` float64) on every rank: placed on the device, copied down to the CPU,
     written to this rank's NVMe directory, read back, copied up again; bit-exact at the end."""
     x = np.random.default_rng(comm.rank).standard_normal(TOUR_ITEMS)
     with mtrace.record(trace_path, comm, paradigm="memory tiers (tour)", time_unit="s",
-                       config={"items": TOUR_ITEMS, "bandwidth": vars(BANDWIDTH)}), \
-            Tiers(2 * x.nbytes, out / "nvme" / f"rank{comm.rank}", BANDWIDTH, NVME_WORKERS) as tiers:
+                       config={"items": TOUR_ITEMS, "bandwidth": vars(bandwidth)}), \
+            Tiers(2 * x.nbytes, out / "nvme" / f"rank{comm.rank}", bandwidth, NVME_WORKERS) as tiers:
         tiers.to_device("x", x)
         host = tiers.to_cpu("x")
         tiers.free("x")
@@ -98,7 +113,7 @@ def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path 
 
 
 def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.PathLike[str] | None = None,
-          budget: int | None = None) -> dict[str, Any]:
+          budget: int | None = None, bandwidth: Bandwidth = TYPICAL) -> dict[str, Any]:
     """The tiny GPT ``steps`` AdamW steps on ``comm`` as ``run`` (a key of ``RUNS``) on a device of
     ``budget`` bytes (default: exactly ``offload_device_need``), traced whole with a "step" mark per
     step (``compare.train_offload``)."""
@@ -108,27 +123,29 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
                        "delayed update": run == "dpu", "vocab": VOCAB, "seq": SEQ,
                        "d_model": D_MODEL, "layers": LAYERS, "batch": BATCH}}
     batches = common.lm_batches(steps, VOCAB, BATCH, SEQ)
-    return compare.train_offload(comm, lambda: model(precision), batches, trace_path, LR, BANDWIDTH, CAP, budget,
+    return compare.train_offload(comm, lambda: model(precision), batches, trace_path, LR, bandwidth, CAP, budget,
                                  delayed=run == "dpu", in_memory=run == "zero2", loss_scale=MIXED_SCALE, meta=meta)
 
 
 def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
     """The tour, the four ZeRO runs, ZeRO-Infinity, the chunks (rank 0 alone) and the budget sweep
     (traces under ``out``), and the too-small budget's message; rank 0's results."""
-    results: dict[str, Any] = {"tour": tour(comm, out / "tiers.json", out)}
+    bw = measured_bandwidth(comm, out)
+    results: dict[str, Any] = {"bandwidth": bw, "tour": tour(comm, out / "tiers.json", out, bw)}
     for run in RUNS:
-        results[run] = train(comm, run, steps, out / f"{run}.json")
+        results[run] = train(comm, run, steps, out / f"{run}.json", bandwidth=bw)
+    results["ranks"] = comm.size
     results["oom"] = comm.allgather_object(compare.short_budget_error(model, comm, CAP, LR))
     batches = common.lm_batches(steps, VOCAB, BATCH, SEQ)
     results["infinity"] = compare.train_infinity(comm, model, batches, out / "infinity.json", out / "nvme_infinity",
-                                                 LR, BANDWIDTH, NVME_WORKERS)
+                                                 LR, bw, NVME_WORKERS)
     solo = comm.split(0 if comm.rank == 0 else 1)
-    results["chunks"] = chunks(solo, steps, out) if comm.rank == 0 else {}
+    results["chunks"] = chunks(solo, steps, out, bw) if comm.rank == 0 else {}
     acts = results["chunks"][("GPT", "warmup")]["acts"] if comm.rank == 0 else 0
     sweep = compare.budget_sweep(comm, model, common.lm_batches(SWEEP_STEPS, VOCAB, BATCH, SEQ),
-                                 half_batches(SWEEP_STEPS), out, LR, BANDWIDTH, CAP, results["offload"]["numels"],
+                                 half_batches(SWEEP_STEPS), out, LR, bw, CAP, results["offload"]["numels"],
                                  CHUNK, acts, NVME_WORKERS, MANIFEST)
-    results["sweep"] = [views.sweep_row(mtrace.load(p), m, b, BANDWIDTH) | {"formula": f} | extra
+    results["sweep"] = [views.sweep_row(mtrace.load(p), m, b, bw) | {"formula": f} | extra
                         for m, b, p, f, extra in sweep]
     return results
 
@@ -138,14 +155,14 @@ def half_batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(x[:BATCH // 2], y[:BATCH // 2]) for x, y in common.lm_batches(steps, VOCAB, BATCH, SEQ)]
 
 
-def chunks(solo: Any, steps: int, out: Path) -> dict[tuple[str, str], dict[str, Any]]:
+def chunks(solo: Any, steps: int, out: Path, bandwidth: Bandwidth) -> dict[tuple[str, str], dict[str, Any]]:
     """The GPT and the reused-layer model under both policies on one rank, each on a device of its
     activations + ``FIT`` (GPT) or 2 (loop) chunks."""
     loop = [(np.random.default_rng(i).normal(size=(2, LOOP_D)), np.random.default_rng(10 + i).normal(size=(2, LOOP_D)))
             for i in range(steps)]
     models = {"GPT": (model, CHUNK, FIT, half_batches(steps)),
               "loop": (lambda: compare.Reuse(LOOP_D), LOOP_D * LOOP_D + LOOP_D, 2, loop)}
-    return compare.train_chunk_policies(solo, models, out, LR, BANDWIDTH)
+    return compare.train_chunk_policies(solo, models, out, LR, bandwidth)
 
 
 def bytes_table(results: dict[str, Any], n: int, verbose: bool) -> Table:
@@ -172,10 +189,78 @@ def device_summary(results: dict[str, Any], n: int) -> str:
             "measures); ZeRO-Infinity and the chunks pass 8x: their parameters leave the device too.")
 
 
-def dpu_table(results: dict[str, Any], clock: common.Clock, verbose: bool) -> Table:
-    """One step's time (rank 0, median of steps 1..) of ZeRO-2, ZeRO-Offload and DPU on ``clock``, modelled."""
-    traces = {RUNS[r]: clock.of(results[r]["trace"]) for r in ("zero2", "offload", "dpu")}
-    return views.dpu_table(traces, clock.label, clock.short, verbose)
+def dpu_table(results: dict[str, Any], clock: common.Clock) -> tuple[Table, str]:
+    """One step's time (rank 0, median of steps 1..) of ZeRO-2, ZeRO-Offload and DPU on both clocks,
+    with the model (``viz.offload.dpu_table``'s: the replayed parts; no DPU F+B + AdamW + rest, DPU
+    max(F+B, AdamW) + rest), and the sentence saying which clock answers "does DPU pay off"."""
+    replayed, wall = common.Clock("replay", clock.cluster_spec), common.Clock("wall")
+    runs = ("zero2", "offload", "dpu")
+    parts = {c.short: {r: views.step_parts(c.of(results[r]["trace"])) for r in runs} for c in (replayed, wall)}
+    rp, wp = parts["replayed"], parts["wall clock"]
+    rest = max(0.0, rp["offload"]["step"] - rp["offload"]["fb"] - rp["offload"]["adam"])
+    table = Table(title=f"one step in ms (rank 0, median of steps 1..; replayed on {replayed.cluster.name})",
+                  title_justify="left")
+    for col in ("run", "F+B", "AdamW", "step replayed", "modelled", "step wall clock"):
+        table.add_column(col, justify="right")
+    for r in runs:
+        p = rp[r]
+        model = "-" if r == "zero2" else f"{((max if r == 'dpu' else sum)((p['fb'], p['adam'])) + rest) * 1e3:.2f}"
+        cells = ("-", "-") if r == "zero2" else (f"{p['fb'] * 1e3:.2f}", f"{p['adam'] * 1e3:.2f}")
+        table.add_row(RUNS[r], *cells, f"{p['step'] * 1e3:.2f}", model, f"{wp[r]['step'] * 1e3:.2f}")
+    gain = {k: v["offload"]["step"] - v["dpu"]["step"] for k, v in parts.items()}
+    answer = (f"Does DPU pay off? Ask the replayed clock (a core for each rank and each AdamW thread, as a GPU and "
+              f"its host have): it can hide at most the AdamW, {rp['dpu']['adam'] * 1e3:.2f} ms of "
+              f"{rp['dpu']['fb'] * 1e3:.2f} ms F+B; the steps differ by {-gain['replayed'] * 1e3:+.2f} ms (the rest: "
+              f"noise). The wall clock ({-gain['wall clock'] * 1e3:+.2f} ms) cannot: {2 * results['ranks']} threads "
+              f"share {os.cpu_count()} cores.")
+    return table, answer
+
+
+LINKS = ("cpu->device", "device->cpu", "cpu->nvme", "nvme->cpu")
+
+
+def move_ratios(results: dict[str, Any]) -> dict[str, list[tuple[int, float, float]]]:
+    """Every move of the lesson's runs (every rank; wall clock, as recorded), by link ("cpu->nvme (synced)"
+    for an atomic write): (bytes, measured s, modelled s)."""
+    paths = [results[r]["trace"] for r in ("tour", *RUNS, "infinity")]
+    paths += [r["trace"] for r in results["chunks"].values()]
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for path in paths:
+        for e in mtrace.load(path).events:
+            if e.kind == "transfer" and e.nbytes:
+                link = f"{e.args['src']}->{e.args['dst']}" + (" (synced)" if e.args.get("synced") else "")
+                out.setdefault(link, []).append((e.nbytes, e.duration, e.args["modelled_s"]))
+    return out
+
+
+def moves_summary(results: dict[str, Any], verbose: bool) -> str:
+    """How many of the lesson's moves took within 2x of the model (``verbose``: the median ratio per link)."""
+    bw, ratios = results["bandwidth"], move_ratios(results)
+    every = [m / t for v in ratios.values() for _, m, t in v]
+    within = sum(0.5 <= r <= 2 for r in every)
+    per_link = ", ".join(f"{k} {statistics.median(m / t for _, m, t in v):.2f}" for k, v in sorted(ratios.items()))
+    return (f"Moves between tiers (wall clock) vs the model at rates measured just now (disk write / read "
+            f"{bw.nvme_write / 1e9:.2f} / {bw.nvme_read / 1e9:.2f} GB/s + {bw.nvme_write_latency * 1e6:.0f} / "
+            f"{bw.nvme_read_latency * 1e6:.0f} us, synced + {bw.nvme_sync * 1e3:.1f} ms; copy {bw.pcie / 1e9:.0f} GB/s "
+            f"+ {bw.pcie_latency * 1e6:.1f} us): {within:,} of {len(every):,} within 2x"
+            + (f"; measured / modelled, median: {per_link}." if verbose else "."))
+
+
+def moves_table(results: dict[str, Any]) -> Table:
+    """``--verbose``: per link and size, the moves' median measured and modelled time (wall clock)."""
+    table = Table(title="moves between tiers by link and size, every run and rank: median ms (wall clock)",
+                  title_justify="left")
+    for col in ("link", "bytes", "moves", "measured", "modelled", "within 2x"):
+        table.add_column(col, justify="right")
+    for link, moves in sorted(move_ratios(results).items()):
+        for lo, hi in ((1, 1 << 12), ((1 << 12) + 1, 1 << 16), ((1 << 16) + 1, 1 << 40)):
+            mine = [(m, t) for n, m, t in moves if lo <= n <= hi]
+            if mine:
+                table.add_row(link, f"{lo:,}-{hi:,}" if hi < 1 << 40 else f"> {lo - 1:,}", f"{len(mine):,}",
+                              f"{statistics.median(m for m, _ in mine) * 1e3:.3f}",
+                              f"{statistics.median(t for _, t in mine) * 1e3:.3f}",
+                              f"{sum(0.5 <= m / t <= 2 for m, t in mine)}")
+    return table
 
 
 def check_ranks(p: int) -> str | None:
@@ -194,7 +279,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     section = common.sections(console)
     if verbose:
         section("the tiers: one tensor device -> cpu -> nvme -> cpu -> device")
-        console.print(views.moves_table(mtrace.load(results["tour"]["trace"]), BANDWIDTH))
+        console.print(views.moves_table(mtrace.load(results["tour"]["trace"]), results["bandwidth"]))
         console.print(f"back on the device bit-exact: {results['tour']['same']}", highlight=False)
     section(f"ZeRO-Offload vs ZeRO-2 in memory: N = {n}, {steps} AdamW steps, float64")
     zero2, off = results["zero2"], results["offload"]
@@ -211,16 +296,16 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     console.print(device_summary(results, n), highlight=False)
     if verbose:
         console.print(results["oom"][0], highlight=False)
+    console.print(moves_summary(results, verbose), highlight=False)
+    if verbose:
+        console.print(moves_table(results))
     section("the delayed parameter update (DPU)")
-    common.print_note(console, clock.caveat(2 * n) and f"with DPU each rank runs a second thread (the CPU AdamW): "
-                      f"{2 * n} threads share {os.cpu_count()} cores (in-process ranks also share Python's GIL), so "
-                      "the measured times include waiting for a core and the DPU step can be no faster, or slower; "
-                      "the model gives the CPU step a core of its own")
-    console.print(dpu_table(results, clock, verbose))
+    table, answer = dpu_table(results, clock)
+    console.print(table)
     h = views.hidden_ms(clock.of(results["dpu"]["trace"]))
-    console.print(f"DPU on rank 0 over the {steps} steps ({clock.short}): {h['total']:.2f} ms of CPU AdamW, "
-                  f"{h['inside']:.2f} of it inside forward/backward spans; the steps waited {h['waited']:.2f} ms for "
-                  f"it (formula, max(0, AdamW - the work from its post to its wait): {h['formula']:.2f}).",
+    console.print(f"DPU on rank 0, {steps} steps ({clock.short}): {h['total']:.2f} ms of AdamW, {h['inside']:.2f} "
+                  f"inside F/B spans; the steps waited {h['waited']:.2f} ms for it (formula, max(0, AdamW - the work "
+                  f"from its post to its wait): {h['formula']:.2f}). {answer}",
                   highlight=False)
     if verbose:
         beyond(console, section, results, n)
@@ -235,9 +320,6 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
                                   budget_figure(results["sweep"], "time of one step vs device budget (rank 0, "
                                                 "median of steps 1..; wall clock; bytes)"))],
                   clock=clock, brief=not verbose)
-    console.print("ZeRO-Offload moves the fewest bytes possible (P down, P up per step and rank) and leaves the "
-                  "device only the parameters and a bucket; DPU hides the CPU's AdamW behind the next step.",
-                  highlight=False)
     console.print(common.reading_path("07_offload"), highlight=False)
 
 

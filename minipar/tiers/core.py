@@ -121,18 +121,20 @@ class Tiers:
         src = "device" if self.on_device(array) else "cpu"  # a device-to-device copy is free in the model
         rec = trace.current()
         old = self._device.get(name)
-        t0 = trace.now()
         if old is not None:
             if old.shape != array.shape or old.dtype != array.dtype:
                 raise ValueError(f"{name!r} is resident as {old.dtype}{list(old.shape)}; free it before placing "
                                  f"a {array.dtype}{list(array.shape)}")
+            t0 = trace.now()
             np.copyto(old, array)
-            dev = old
+            dev, t1 = old, trace.now()
         else:
             self._charge(name, array.nbytes)
+            t0 = trace.now()  # the move is the copy: the pool's bookkeeping before and after is not in it
             dev = np.array(array, copy=True, order="C")
+            t1 = trace.now()
             self._place(name, dev, rec)
-        self._transfer(rec, name, src, "device", array.nbytes, t0, trace.now())
+        self._transfer(rec, name, src, "device", array.nbytes, t0, t1)
         return dev
 
     def adopt(self, name: str, array: np.ndarray) -> np.ndarray:

@@ -3,29 +3,34 @@
 - ``disk_seconds``: the disk's own time for ``count`` sequential requests of ``size`` bytes into one
   preallocated file, one at a time (``os.pwrite`` / ``os.preadv`` from page-aligned memory): the
   reference the NVMe tier is held against (``benchmarks/offload.py``) and what ``measure`` fits.
-- ``measure(directory)``: ``Bandwidth`` fitted on this machine (``minipar calibrate``, lesson 7,
-  ``benchmarks/offload.py``): per request ``t = latency + n / bandwidth`` (``rates.fit_line``,
-  relative least squares) for sequential disk writes and reads at ``SIZES`` (64 KiB .. 16 MiB, the
-  sizes offload moves), for the copy a move between host and device is here (``np.array(copy=True)``:
-  the device is host memory), and the extra cost of a synced write (a new file, ``fdatasync``, the
-  rename that makes it atomic: ``nvme.NvmeFiles``' default write) as the median over small files.
+- ``measure(directory)``: ``Bandwidth`` of this machine (``minipar calibrate``, lesson 7,
+  ``benchmarks/offload.py``), per request ``t = latency + n / bandwidth``: each bandwidth is the slope
+  fitted (``rates.fit_line``, relative least squares) to sequential disk writes and reads at ``SIZES``
+  (4 KiB .. 16 MiB, the sizes offload moves) and to copies (``Tiers.to_device``: a move between host
+  and device is a copy here, the device being host memory); each latency is what a one-page move
+  through the tier itself takes beyond its bytes (``tier_page_seconds``),
+  its bookkeeping and recording included, as lesson 7's moves are timed; ``nvme_sync`` is what the tier's atomic write
+  (a new file, ``fdatasync``, the rename: ``nvme.NvmeFiles``' default write) takes beyond an in-place one.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from minipar import trace
 from minipar.rates import fit_line
-from minipar.tiers.core import Bandwidth
+from minipar.tiers.core import Bandwidth, Tiers
 from minipar.tiers.files import PAGE, open_file, page_aligned
 
-SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # 64 KiB .. 16 MiB
-QUICK_SIZES = (1 << 16, 1 << 20, 1 << 24)
+SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # 4 KiB .. 16 MiB
+QUICK_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
 SPAN = 32 << 20  # bytes each size is timed over (at least 2 requests)
 
 
@@ -56,42 +61,51 @@ def disk_seconds(directory: str, size: int, count: int) -> tuple[float, float, b
     return t1 - t0, t2 - t1, direct
 
 
-def synced_write_seconds(directory: str, repeats: int) -> float:
-    """Median seconds of an atomic small write as the tier's default write makes it: a new file,
-    preallocated, one page written, ``fdatasync``, renamed over the previous one."""
-    buf, path, times = page_aligned(PAGE), os.path.join(directory, f".minipar-sync{os.getpid()}"), []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fd, _ = open_file(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            os.posix_fallocate(fd, 0, PAGE)
-            os.pwrite(fd, buf, 0)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(path + ".tmp", path)
-        times.append(time.perf_counter() - t0)
-    os.remove(path)
-    return statistics.median(times)
+def tier_page_seconds(directory: str, repeats: int) -> dict[str, float]:
+    """Median seconds of one-page moves through the tier itself, as their trace events time them (the
+    tier's bookkeeping and recording included), taking turns: ``"in place"`` and ``"atomic"`` writes,
+    ``"read"``s, and ``"copy"``s up and down between host and device."""
+    page = np.ones(PAGE // 8)
+    with trace.recording(0) as rec, Tiers(PAGE, os.path.join(directory, f"tier{os.getpid()}"), workers=1) as t:
+        for _ in range(repeats):
+            t.write_nvme("x", page).result()
+            t.write_nvme("x", page, in_place=True).result()
+            t.read_nvme("x").result()
+            t.to_cpu("x", t.to_device("x", page))
+            t.free("x")
+        t.sync_nvme()
+    moves: dict[str, list[float]] = {}
+    for e in rec.events:
+        if e.kind == "transfer":
+            kind = "copy" if "device" in (e.args["src"], e.args["dst"]) else \
+                {"nvme": "atomic" if e.args.get("synced") else "in place", "cpu": "read"}[e.args["dst"]]
+            moves.setdefault(kind, []).append(e.duration)
+    return {k: statistics.median(v) for k, v in moves.items()}
 
 
 def copy_seconds(size: int, repeats: int) -> float:
-    """Median seconds of ``np.array(a, copy=True)`` of ``size`` bytes (a new array: what a move
-    between host and device is on this machine)."""
-    a = np.ones(size // 8)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        b = np.array(a, copy=True)
-        times.append(time.perf_counter() - t0)
-        del b
-    return statistics.median(times)
+    """Median seconds of ``Tiers.to_device`` of ``size`` bytes as its trace event times it (then ``free``):
+    a new array copied, what a move between host and device is on this machine."""
+    a, tiers = np.ones(size // 8), Tiers(size)
+    with trace.recording(0) as rec:
+        for _ in range(repeats):
+            tiers.to_device("x", a)
+            tiers.free("x")
+    return statistics.median(e.duration for e in rec.events if e.kind == "transfer")
 
 
 def measure(directory: str, sizes: Sequence[int] = SIZES, repeats: int = 5) -> Bandwidth:
     """This machine's ``Bandwidth`` (module docstring): disk and copy timed at ``sizes`` (medians of
-    ``repeats``), fitted as latency + bytes / bandwidth."""
-    os.makedirs(directory, exist_ok=True)
+    ``repeats``) in a temporary directory under ``directory`` (an existing one), fitted as latency +
+    bytes / bandwidth."""
+    work = tempfile.mkdtemp(prefix=".minipar-disk", dir=directory)
+    try:
+        return _measure(work, sizes, repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(directory: str, sizes: Sequence[int], repeats: int) -> Bandwidth:
     writes, reads, direct = [], [], True
     for size in sizes:
         count = max(2, SPAN // size)
@@ -99,12 +113,16 @@ def measure(directory: str, sizes: Sequence[int] = SIZES, repeats: int = 5) -> B
         writes.append(statistics.median(r[0] for r in runs) / count)
         reads.append(statistics.median(r[1] for r in runs) / count)
         direct = direct and all(r[2] for r in runs)
-    copies = [copy_seconds(size, max(3, repeats)) for size in sizes]
-    (w_lat, w_beta), (r_lat, r_beta), (c_lat, c_beta) = (fit_line(sizes, t) for t in (writes, reads, copies))
-    sync = max(0.0, synced_write_seconds(directory, max(3, repeats)) - w_lat - PAGE * w_beta)
+    copies = [copy_seconds(size, 5 * repeats) for size in sizes]
+    w_beta, r_beta, c_beta = (fit_line(sizes, t)[1] for t in (writes, reads, copies))
+    tier = tier_page_seconds(directory, 5 * repeats)  # the latency: a one-page move through the tier itself
+    w_lat, r_lat = max(0.0, tier["in place"] - PAGE * w_beta), max(0.0, tier["read"] - PAGE * r_beta)
+    c_lat = max(0.0, tier["copy"] - PAGE * c_beta)
+    sync = max(0.0, tier["atomic"] - tier["in place"])
     how = "O_DIRECT" if direct else "buffered (no O_DIRECT here: reads from the page cache)"
     return Bandwidth(pcie=1 / c_beta if c_beta > 0 else np.inf, nvme_read=1 / r_beta if r_beta > 0 else np.inf,
                      nvme_write=1 / w_beta if w_beta > 0 else np.inf, pcie_latency=c_lat, nvme_read_latency=r_lat,
                      nvme_write_latency=w_lat, nvme_sync=sync,
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} under {directory}: "
-                            f"{how} requests of {min(sizes)}-{max(sizes)} B, one at a time; copies np.array")
+                            f"{how} requests of {min(sizes)}-{max(sizes)} B, one at a time; copies Tiers.to_device; "
+                            "latencies from the tier's own one-page moves")
