@@ -18,6 +18,7 @@ disk's own speed, as DeepNVMe's libaio engine does, Rajbhandari et al. 2021, Sec
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import math
 import os
@@ -89,14 +90,18 @@ class Layout:
 
 def layout_of(array: np.ndarray) -> tuple[Layout, bytes]:
     """The layout this tier gives ``array``'s file, and its header (a whole number of pages)."""
-    fortran = bool(array.flags.f_contiguous and not array.flags.c_contiguous)
-    text = repr({"descr": np.lib.format.dtype_to_descr(array.dtype), "fortran_order": fortran,
-                 "shape": tuple(array.shape)}).encode("latin1")
+    return _layout(array.dtype, tuple(array.shape), bool(array.flags.f_contiguous and not array.flags.c_contiguous))
+
+
+@functools.lru_cache(maxsize=4096)  # a step writes the same few shapes again and again
+def _layout(dtype: np.dtype, shape: tuple[int, ...], fortran: bool) -> tuple[Layout, bytes]:
+    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": fortran,
+                 "shape": shape}).encode("latin1")
     offset = round_up(len(MAGIC) + 2 + len(text) + 1)
     if offset - len(MAGIC) - 2 > 0xFFFF:
-        raise ValueError(f"an array of {array.ndim} dimensions has too long a .npy header")
+        raise ValueError(f"an array of {len(shape)} dimensions has too long a .npy header")
     head = MAGIC + struct.pack("<H", offset - len(MAGIC) - 2) + text + b" " * (offset - len(MAGIC) - 3 - len(text))
-    return Layout(offset, array.dtype, tuple(array.shape), fortran), head + b"\n"
+    return Layout(offset, dtype, shape, fortran), head + b"\n"
 
 
 def padded(array: np.ndarray) -> np.ndarray | None:
