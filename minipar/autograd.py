@@ -10,6 +10,14 @@ hooks fire then: data-parallel bucketing and ZeRO-2 start communication from tho
 
 ``Function`` lets other modules define a custom forward/backward pair (Megatron's ``f`` and ``g``
 operators, communication inside the graph).
+
+bfloat16 (``ml_dtypes.bfloat16``) is emulated: numpy has no bfloat16 matmul kernels and promotes
+bfloat16 with python floats to float32, so a parameter stored in bfloat16 (two bytes, as it is sent)
+is read by ops as float32 and every op with a bfloat16 input computes in float32 and rounds its
+result to bfloat16, held in a float32 array (an activation costs four bytes here, two on a GPU). A
+matmul thus multiplies bf16-rounded operands and sums in float32, as a tensor core does; what is not
+emulated is the order of the float32 sums inside an op. Gradients flowing into such a value are
+rounded to bfloat16 too; a parameter's gradient is stored in bfloat16 (``_accumulate``).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from minipar import residency
@@ -27,6 +36,12 @@ from minipar import residency
 ArrayLike = Any
 _seq = itertools.count()
 _mode = threading.local()  # grad mode is per thread: ranks of the threads backend are threads
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """``a`` rounded to the nearest bfloat16 (to nearest even), held in float32 (module docstring)."""
+    return np.asarray(a).astype(BF16).astype(np.float32)
 
 
 def is_grad_enabled() -> bool:
@@ -94,6 +109,7 @@ class Tensor:
         self._hooks: list[Callable[[Tensor], None]] = []
         self._retain = False
         self._ctx: Context | None = None  # a Function's saved state (memory.held_buffers counts it)
+        self._bf16 = False  # an op's result rounded to bfloat16 (module docstring)
         self._seq = next(_seq)
 
     # -- graph plumbing ---------------------------------------------------------------------
@@ -101,6 +117,8 @@ class Tensor:
     def _make(data: np.ndarray, parents: tuple[Tensor, ...],
               backward: Callable[[np.ndarray], Sequence[np.ndarray | None]]) -> Tensor:
         out = Tensor(data)
+        if any(p._bf16 or p.data.dtype == BF16 for p in parents):
+            out.data, out._bf16 = bf16_round(out.data), True
         if is_grad_enabled() and any(p.requires_grad for p in parents):
             out.requires_grad = True
             out._parents = parents
@@ -165,7 +183,8 @@ class Tensor:
                     continue
                 if pg is not None:
                     prev = grads.get(id(p))
-                    grads[id(p)] = pg if prev is None else prev + pg
+                    pg = pg if prev is None else prev + pg
+                    grads[id(p)] = bf16_round(pg) if p._bf16 else pg
                 pending[id(p)] -= 1
                 if pending[id(p)] == 0:
                     if id(p) not in grads:  # every consumer passed None: a zero gradient

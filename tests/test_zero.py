@@ -34,6 +34,7 @@ from zero_helpers import (
     batch,
     build,
     config,
+    first_gradients,
     padded,
     param_sizes,
     ring_bytes,
@@ -89,14 +90,7 @@ def zero_run(comm, c: dict) -> dict:
     model, par = make(comm, c)
     groups = par.units if c["mode"] == "fsdp" else par.buckets
     fresh = all(not any(p.data.strides) for p in model.parameters())
-    seen, step = [], par.optimizer.step
-
-    def spy() -> bool:  # read the shards' gradients the moment AdamW gets them (cleared after)
-        if not seen:
-            seen.append([s.grad.copy() for s in par.optimizer.shards])
-        return step()
-
-    par.optimizer.step = spy
+    seen = first_gradients(par.optimizer)
     losses = []
     with trace.recording(comm.rank) as rec:
         for i in range(c["steps"]):

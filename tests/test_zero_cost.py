@@ -88,8 +88,8 @@ def test_state_bytes_with_padding_by_hand() -> None:
         {"parameters": 5 * 2, "gradients": 5 * 2, "optimizer state": 5 * 8, "master parameters": 5 * 4}
     # every rank's shard has the same length (the padding sits in the last rank's slices)
     assert all(zero_state_bytes([10, 7], 3, 4, rank=r) == fp64[3] for r in range(4))
-    with pytest.raises(ValueError, match="precision='bf16'"):
-        zero_state_bytes([10, 7], 3, 4, precision="bf16")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        zero_state_bytes([10, 7], 3, 4, precision="fp8")
     with pytest.raises(ValueError, match="rank=4 is not one of the N=4 ranks"):
         zero_state_bytes([10, 7], 3, 4, rank=4)
 

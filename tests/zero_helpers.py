@@ -84,6 +84,20 @@ def ring_bytes(numel: int, world: int) -> int:
     return (world - 1) * padded(numel, world) // world * 8
 
 
+def first_gradients(optimizer) -> list[list[np.ndarray]]:
+    """Make ``optimizer.step`` (a ``ShardedAdamW``) copy its shards' gradients the first time it runs
+    (they are cleared after): the list it fills, empty until then."""
+    seen, step = [], optimizer.step
+
+    def spy() -> bool:
+        if not seen:
+            seen.append([s.grad.copy() for s in optimizer.shards])
+        return step()
+
+    optimizer.step = spy
+    return seen
+
+
 def attempt(comm, make: Callable) -> tuple[str, int, list[str]]:
     """``make(comm)`` on a watched communicator: the ``ValueError``'s message ("accepted" when none),
     the comm events recorded meanwhile, and the communicator's attributes used besides rank and size

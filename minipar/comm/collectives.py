@@ -17,12 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from minipar import trace
 from minipar.comm import ring, tree
 from minipar.comm.base import PointToPoint, Request, as_array
 from minipar.comm.errors import CollectiveMismatch
+
+BF16 = np.dtype(ml_dtypes.bfloat16)  # a float numpy does not know as one (not np.inexact)
 
 OPS = ("sum", "mean", "max")
 ALGORITHMS_BY_OP = {
@@ -64,7 +67,7 @@ class Communicator(PointToPoint):
         if op is not None:
             if op not in OPS:
                 raise ValueError(f"{name}: unknown op {op!r}; choose one of {OPS}")
-            if op == "mean" and arr is not None and not np.issubdtype(arr.dtype, np.inexact):
+            if op == "mean" and arr is not None and not (np.issubdtype(arr.dtype, np.inexact) or arr.dtype == BF16):
                 raise ValueError(f"{name}: op='mean' needs a floating dtype, got {arr.dtype}; "
                                  "cast first or use op='sum'")
 

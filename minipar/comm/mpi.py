@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+import ml_dtypes
 import numpy as np
 
 from minipar.comm import startup
@@ -44,7 +45,8 @@ from minipar.comm.ring import chunk_bounds
 from minipar.comm.watchdog import PACE, RankState, default_timeout, poll, spin_for, wait_mode
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64",
-                                "uint32", "uint16", "uint8", "bool", "complex64", "complex128")]
+                                "uint32", "uint16", "uint8", "bool", "complex64", "complex128")] + [
+    np.dtype(ml_dtypes.bfloat16)]  # header codes are list positions: new dtypes go at the end
 HEADER = 16  # int64 words: dtype code, ndim, up to 14 dims
 FORWARD_GRACE = 0.3  # seconds for mpiexec to forward a failing rank's traceback
 ABORT_GRACE = 1.0  # seconds a timed-out rank waits before MPI_Abort

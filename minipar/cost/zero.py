@@ -52,7 +52,25 @@ PARTITIONED_FROM = {"optimizer state": 1, "master parameters": 1, "gradients": 2
 BYTES_PER_ELEMENT = {  # bytes of each component per parameter
     "fp64": {"parameters": 8, "gradients": 8, "optimizer state": 16},  # AdamW updates the parameters: no copy
     "mixed": {"parameters": 2, "gradients": 2, "optimizer state": 8, "master parameters": 4},  # K = 8 + 4
+    "bf16": {"parameters": 2, "gradients": 2, "optimizer state": 8, "master parameters": 4},  # K = 8 + 4
 }
+REDUCE_ITEMSIZE = {"bf16": 2, "fp32": 4, "fp16": 2}  # ``minipar.parallel.bf16``'s reduce dtypes
+
+
+def precision_bytes(precision: str = "fp64", reduce_dtype: str | None = None) -> dict[str, int]:
+    """Bytes per parameter of each model state, by ``precision`` ("fp64", "mixed": float16 with a
+    loss scale, "bf16") and, for bf16, the dtype the gradients are reduced and kept in (``None``:
+    bf16's own 2 bytes; "fp32": 4, Megatron's ``--accumulate-allreduce-grads-in-fp32``). K, the
+    optimizer's bytes, is ``optimizer state`` + ``master parameters``: 12 in mixed and bf16."""
+    if precision not in BYTES_PER_ELEMENT:
+        raise ValueError(f"precision={precision!r}; choose one of {tuple(BYTES_PER_ELEMENT)}")
+    if reduce_dtype is not None and (precision != "bf16" or reduce_dtype not in REDUCE_ITEMSIZE):
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} with precision={precision!r}: a reduce dtype is one of "
+                         f"{tuple(REDUCE_ITEMSIZE)}, for precision='bf16' only")
+    out = dict(BYTES_PER_ELEMENT[precision])
+    if reduce_dtype is not None:
+        out["gradients"] = REDUCE_ITEMSIZE[reduce_dtype]
+    return out
 
 
 def _check_stage(who: str, stage: int) -> None:
@@ -102,7 +120,8 @@ def zero_model_states(params: int, stage: int, dp: int, optimizer_bytes: int = 1
     return sum(b * params / (dp if stage >= PARTITIONED_FROM[c] else 1) for c, b in own.items())
 
 
-def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, precision: str = "fp64") -> dict[str, int]:
+def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, precision: str = "fp64",
+                     reduce_dtype: str | None = None) -> dict[str, int]:
     """Exact bytes of model states on ``rank`` for buckets (stages 1, 2) or units (stage 3) of
     ``numels`` elements (unpadded) on N = ``dp`` ranks, by component.
 
@@ -113,23 +132,33 @@ def zero_state_bytes(numels: list[int], stage: int, dp: int, rank: int = 0, prec
     and 2, which live in the padded flat buckets the all-gathers write into: ``sum L``. Bytes per element
     (``BYTES_PER_ELEMENT``): ``"fp64"`` parameters 8, gradients 8, AdamW's m and v 16 (the optimizer
     updates the parameters in place: no master copy); ``"mixed"`` fp16 parameters 2, fp16 gradients
-    2, fp32 m and v 8, fp32 master parameters 4 (the paper's K = 12 is the last two).
+    2, fp32 m and v 8, fp32 master parameters 4 (the paper's K = 12 is the last two); ``"bf16"``
+    as mixed with bfloat16 for float16, and with ``reduce_dtype="fp32"`` the gradient shards of
+    stages 2 and 3 in 4 bytes (``precision_bytes``; stage 1's full gradients stay bf16 until the step
+    reduces them).
     """
     _check_stage("zero_state_bytes", stage)
     _check_groups("zero_state_bytes", numels, dp, rank)
-    if precision not in BYTES_PER_ELEMENT:
-        raise ValueError(f"zero_state_bytes: precision={precision!r}; choose one of {tuple(BYTES_PER_ELEMENT)}")
+    try:
+        per = precision_bytes(precision, reduce_dtype)
+    except ValueError as exc:
+        raise ValueError(f"zero_state_bytes: {exc}") from None
+    if stage < PARTITIONED_FROM["gradients"]:  # full gradients: each parameter's own, in its working dtype
+        per["gradients"] = BYTES_PER_ELEMENT[precision]["gradients"]
     full, shard = sum(numels), sum(padded(n, dp) // dp for n in numels)
-    out = {c: b * (shard if stage >= PARTITIONED_FROM[c] else full) for c, b in BYTES_PER_ELEMENT[precision].items()}
+    out = {c: b * (shard if stage >= PARTITIONED_FROM[c] else full) for c, b in per.items()}
     if stage in (1, 2):  # the full parameters are views of the padded flat buckets
-        out["parameters"] = BYTES_PER_ELEMENT[precision]["parameters"] * shard * dp
+        out["parameters"] = per["parameters"] * shard * dp
     return out
 
 
 def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8, rank: int = 0,
-                       reshard_after_forward: bool = True, root: int | None = None) -> int:
+                       reshard_after_forward: bool = True, root: int | None = None,
+                       grad_itemsize: int | None = None) -> int:
     """Exact bytes ``rank`` sends in one step (ring collectives) for buckets or units of ``numels``
-    elements (unpadded) of ``itemsize`` bytes, on N = ``dp`` ranks (Sec. 7.2.1).
+    elements (unpadded) of ``itemsize`` bytes, on N = ``dp`` ranks (Sec. 7.2.1). The gradients'
+    collectives (all-reduce, reduce-scatter) move ``grad_itemsize`` bytes an element (default
+    ``itemsize``; bf16 parameters reduced in fp32: 2 and 4).
 
     Each group is padded to ``L`` (a multiple of N), so every ring reduce-scatter or all-gather of it
     sends N - 1 of its N equal chunks: ``(N-1) L/N`` elements, on every rank.
@@ -150,28 +179,29 @@ def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8
     _check_stage("zero_traffic_bytes", stage)
     _check_groups("zero_traffic_bytes", numels, dp, rank, root)
     whole("zero_traffic_bytes", "itemsize", itemsize)
+    grad = whole("zero_traffic_bytes", "grad_itemsize", itemsize if grad_itemsize is None else grad_itemsize)
     if stage == 0:
-        return ddp_bytes([(n, itemsize) for n in numels], dp, rank, "ring")
+        return ddp_bytes([(n, grad) for n in numels], dp, rank, "ring")
     total = 0
     for i, n in enumerate(numels):
-        if stage < 3:
-            collectives = 2  # reduce-scatter + all-gather
-        else:
-            collectives = 3 if reshard_after_forward and i != root else 2  # gathers + reduce-scatter
-        total += collectives * (dp - 1) * (padded(n, dp) // dp) * itemsize
+        gathers = 1 if stage < 3 else 2 if reshard_after_forward and i != root else 1  # + one reduce-scatter
+        total += (dp - 1) * (padded(n, dp) // dp) * (gathers * itemsize + grad)
     return total
 
 
-def zero_traffic_by_op(numels: list[int], stage: int, dp: int, itemsize: int = 8) -> dict[str, float]:
+def zero_traffic_by_op(numels: list[int], stage: int, dp: int, itemsize: int = 8,
+                       grad_itemsize: int | None = None) -> dict[str, float]:
     """``zero_traffic_bytes`` of rank 0 by collective: stage 0 all of it in ``allreduce``; a ring
-    reduce-scatter and a ring all-gather of one group send the same bytes, so stages 1 and 2 split it
-    half and half and stage 3 (two all-gathers and one reduce-scatter per unit) two thirds to
-    ``allgather`` and one third to ``reduce_scatter``."""
-    total = float(zero_traffic_bytes(numels, stage, dp, itemsize))
+    reduce-scatter and a ring all-gather of one group send the same elements, so stages 1 and 2 send
+    one group's worth, ``(N-1)/N sum L`` elements, to each and stage 3 (two all-gathers and one
+    reduce-scatter per unit) two to ``allgather`` and one to ``reduce_scatter``, the gradients'
+    elements of ``grad_itemsize`` bytes (default ``itemsize``)."""
+    grad = itemsize if grad_itemsize is None else grad_itemsize
     if stage == 0:
-        return {"allreduce": total}
-    gathers = 2 if stage == 3 else 1
-    return {"allgather": total * gathers / (gathers + 1), "reduce_scatter": total / (gathers + 1)}
+        return {"allreduce": float(zero_traffic_bytes(numels, stage, dp, itemsize, grad_itemsize=grad))}
+    _check_groups("zero_traffic_by_op", numels, dp)
+    one = float(sum((dp - 1) * (padded(n, dp) // dp) for n in numels))  # (N-1)/N sum L elements
+    return {"allgather": one * itemsize * (2 if stage == 3 else 1), "reduce_scatter": one * grad}
 
 
 def fsdp_gathered_peak(numels: list[int], dp: int, itemsize: int = 8, prefetch: bool = True, *,

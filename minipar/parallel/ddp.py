@@ -58,13 +58,14 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.autograd import Tensor
+from minipar.autograd import BF16, Tensor
 from minipar.comm.asyncwork import iallreduce_in_place
 from minipar.cost import ALLREDUCE_ALGORITHMS
 from minipar.cost import data as cost
 from minipar.datasets import shard
 from minipar.nn import Module, Parameter
 from minipar.optim import Optimizer
+from minipar.parallel.bf16 import check_recipe, wire_dtype
 
 DEFAULT_BUCKET_CAP = 25 * 2**20  # PyTorch's bucket_cap_mb=25; tiny models then fit in one bucket
 
@@ -94,9 +95,9 @@ def bucket_assignment(nbytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: i
 class Bucket:
     """Parameters whose gradients travel together as one flat array."""
 
-    def __init__(self, index: int, params: list[Parameter], names: list[str]) -> None:
+    def __init__(self, index: int, params: list[Parameter], names: list[str], reduce_dtype: str | None = None) -> None:
         self.index, self.params, self.names = index, params, names
-        self.dtype = params[0].data.dtype
+        self.dtype = wire_dtype(params[0].data.dtype, reduce_dtype)  # what the gradients are all-reduced in
         self.sizes = [p.data.size for p in params]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         self.numel = self.offsets[-1]
@@ -131,12 +132,25 @@ class DistributedDataParallel:
     ``algorithm``: the all-reduce ("ring" | "recursive_doubling" | "naive" | "native");
     ``broadcast_from``: the rank whose parameters every replica starts from;
     ``overlap``: False starts every bucket only after the last gradient is ready (to measure what
-    overlap buys). Use: ``loss = loss_fn(ddp.module, x_local, y_local); ddp.backward(loss)`` (or
+    overlap buys); ``reduce_dtype``: for a bfloat16 model, all-reduce the gradients in "bf16" (the
+    default) or "fp32" (``minipar.parallel.bf16``; step with its ``MasterAdamW``).
+    Use: ``loss = loss_fn(ddp.module, x_local, y_local); ddp.backward(loss)`` (or
     plain ``loss.backward()``), then ``optimizer.step()``; ``train_step`` does a whole step.
     """
 
     def __init__(self, module: Module, comm: Any, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP,
-                 algorithm: str = "ring", broadcast_from: int = 0, overlap: bool = True) -> None:
+                 algorithm: str = "ring", broadcast_from: int = 0, overlap: bool = True,
+                 reduce_dtype: str | None = None) -> None:
+        dtypes = sorted({str(p.dtype) for p in module.parameters()})
+        problems = check_recipe("bf16", reduce_dtype, None) if reduce_dtype is not None else []
+        if reduce_dtype is not None and dtypes != [str(BF16)]:
+            problems.append(f"reduce_dtype={reduce_dtype!r} is for a bfloat16 model, the parameters are {dtypes}: "
+                            "drop reduce_dtype or build the model with dtype=ml_dtypes.bfloat16")
+        if reduce_dtype == "fp16":
+            problems.append("reduce_dtype='fp16' is not offered here (its range check would run inside backward's "
+                            "hooks, beside buckets in flight): reduce in 'bf16' or 'fp32'")
+        if problems:
+            raise ValueError("DistributedDataParallel: " + "; ".join(problems))
         if algorithm not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"DistributedDataParallel: unknown algorithm {algorithm!r}; "
                              f"choose one of {ALLREDUCE_ALGORITHMS}")
@@ -154,7 +168,7 @@ class DistributedDataParallel:
                                    bucket_cap_bytes)
         self.module, self.comm, self.algorithm, self.overlap = module, comm, algorithm, overlap
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.buckets = [Bucket(k, [named[i][1] for i in g], [named[i][0] for i in g])
+        self.buckets = [Bucket(k, [named[i][1] for i in g], [named[i][0] for i in g], reduce_dtype)
                         for k, g in enumerate(groups)]
         self._where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         self._sync = True
@@ -164,7 +178,7 @@ class DistributedDataParallel:
         self._handles = [p.register_hook(self._on_grad_ready) for _, p in named]
         for b in self.buckets:  # sec. 3.2: every replica starts from broadcast_from's parameters
             mine = comm.rank == broadcast_from
-            flat = np.concatenate([p.data.reshape(-1) for p in b.params]) if mine else None
+            flat = np.concatenate([p.data.reshape(-1) for p in b.params]).astype(b.params[0].dtype) if mine else None
             b.unflatten(comm.broadcast(flat, root=broadcast_from), "data")
         self.param_bytes = sum(b.nbytes for b in self.buckets)
         trace.memory("parameters", self.param_bytes)

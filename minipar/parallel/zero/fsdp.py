@@ -41,9 +41,10 @@ from minipar.autograd import Tensor
 from minipar.comm import Communicator, Request
 from minipar.functional import on_backward
 from minipar.nn import Block, Module, Parameter
+from minipar.parallel.bf16 import check_recipe, check_reduce_range
 from minipar.parallel.zero import checkpoint
 from minipar.parallel.zero.flat import FlatLayout, init_shard, layout_of
-from minipar.parallel.zero.precision import ShardedAdamW
+from minipar.parallel.zero.precision import ShardedAdamW, reduce_dtype_of
 from minipar.parallel.zero.stages import check_precision, tied_parameters
 
 ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
@@ -62,7 +63,7 @@ class Unit:
     """One FSDP unit: the flat shard of its parameters, gathered while it computes."""
 
     def __init__(self, index: int, name: str, named: list[tuple[str, Parameter]], comm: Communicator,
-                 seed: int, replicas: Communicator | None = None) -> None:
+                 seed: int, replicas: Communicator | None = None, reduce_dtype: np.dtype | None = None) -> None:
         self.index, self.name, self.comm, self.replicas = index, name, comm, replicas
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.layout: FlatLayout = layout_of(named, comm.size)
@@ -72,6 +73,7 @@ class Unit:
             lo, hi = self.layout.shard_range(comm.rank)
             values = self.layout.flatten([p.data for p in self.params], self.params[0].dtype)[lo:hi].copy()
         self.shard = Tensor(values)  # the only copy of these parameters on this rank
+        self.reduce_dtype = values.dtype if reduce_dtype is None else reduce_dtype  # gradients' wire dtype
         self.full: np.ndarray | None = None  # the gathered flat buffer while unsharded
         self.pending: Request | None = None  # a prefetch under way
         self.ready: set[int] = set()
@@ -120,7 +122,8 @@ class Unit:
     def reduce_scatter(self) -> None:
         """This rank's shard of the gradients averaged over the ranks (hybrid sharding: over its
         shard group, then all-reduced across the replicas); drop the full gradients."""
-        grads = self.layout.flatten([p.grad for p in self.params], self.shard.dtype)
+        grads = self.layout.flatten([p.grad for p in self.params], self.reduce_dtype)
+        check_reduce_range(self.comm, grads, self.shard.dtype)
         grads /= self.comm.size * (self.replicas.size if self.replicas is not None else 1)  # before the sum:
         shard = self.comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)  # float16 overflows as one process
         if self.replicas is not None and self.replicas.size > 1:
@@ -137,7 +140,8 @@ def _unallocated(a: np.ndarray) -> bool:
 
 
 def check_fsdp_config(comm: Communicator, module: Module, policy: Policy, precision: str = "fp64",
-                      shard_group: int | None = None) -> list[tuple[str, Module]]:
+                      shard_group: int | None = None, reduce_dtype: str | None = None,
+                      loss_scale: float | None = None) -> list[tuple[str, Module]]:
     """The modules ``policy`` makes units of, outermost first, or ``ValueError`` (same on every
     rank, before any message): a policy that wraps nothing, parameters no unit owns, a precision
     the model's dtype does not match, a hybrid shard group that does not divide the ranks."""
@@ -154,7 +158,8 @@ def check_fsdp_config(comm: Communicator, module: Module, policy: Policy, precis
     walk("", module)
     owned = {id(p) for _, m in wrapped for p in m.parameters()}
     orphans = [n for n, p in module.named_parameters() if id(p) not in owned]
-    problems = check_precision(module, precision) + tied_parameters(module)
+    problems = check_precision(module, precision) + check_recipe(precision, reduce_dtype, loss_scale)
+    problems += tied_parameters(module)
     if shard_group is not None and (shard_group < 1 or comm.size % shard_group):
         divisors = [d for d in range(1, comm.size + 1) if comm.size % d == 0]
         problems.append(f"hybrid sharding needs shard groups of equal size: shard_group={shard_group} does not "
@@ -175,6 +180,10 @@ class FullyShardedDataParallel:
     reduce-scattered in the group, then all-reduced across the replicas (a 2-D grid of
     sub-communicators from ``comm.split``).
 
+    ``precision``: "fp64", "mixed" (float16 with a loss scale) or "bf16" (bfloat16 parameters, which
+    the all-gathers send, fp32 master) with ``reduce_dtype`` "bf16" (default) or "fp32" for the
+    gradients' reduce-scatter (PyTorch FSDP's ``MixedPrecision(param_dtype, reduce_dtype)``).
+
     Build the model under ``nn.deferred()`` so that no rank ever holds it whole (each rank then
     draws only its shards' initial values); a model built whole is cut and its full arrays freed.
     Per step: ``loss = fsdp(x, y)`` or ``module.loss(...)`` on this rank's part of the batch,
@@ -184,9 +193,9 @@ class FullyShardedDataParallel:
     def __init__(self, module: Module, comm: Communicator, policy: Policy = transformer_units,
                  reshard_after_forward: bool = True, prefetch: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 precision: str = "fp64", max_grad_norm: float | None = None, loss_scale: float = 2.0**12,
-                 growth_interval: int = 2000, shard_group: int | None = None) -> None:
-        wrapped = check_fsdp_config(comm, module, policy, precision, shard_group)
+                 precision: str = "fp64", max_grad_norm: float | None = None, loss_scale: float | None = None,
+                 growth_interval: int = 2000, shard_group: int | None = None, reduce_dtype: str | None = None) -> None:
+        wrapped = check_fsdp_config(comm, module, policy, precision, shard_group, reduce_dtype, loss_scale)
         self.module, self.comm = module, comm
         if shard_group is None or shard_group == comm.size:  # fully sharded
             self.shards, self.replicas = comm, None
@@ -194,8 +203,9 @@ class FullyShardedDataParallel:
             self.shards = comm.split(comm.rank // shard_group)
             self.replicas = comm.split(comm.rank % shard_group)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.units = [Unit(i, name, list(m.named_parameters(name + ".")), self.shards, module.seed, self.replicas)
-                      for i, (name, m) in enumerate(wrapped)]
+        wire = reduce_dtype_of(precision, reduce_dtype)
+        self.units = [Unit(i, name, list(m.named_parameters(name + ".")), self.shards, module.seed, self.replicas,
+                           wire) for i, (name, m) in enumerate(wrapped)]
         for unit, (_, m) in zip(self.units, wrapped, strict=True):
             m.forward = self._wrap(unit, m.forward)  # an instance attribute: the class's forward stays
             for j, p in enumerate(unit.params):

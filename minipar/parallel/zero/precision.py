@@ -18,6 +18,17 @@ as float16. Then, per step::
 
 S starts at 2^12, not PyTorch's 2^16: here the loss itself is computed in float16 (there is no
 autocast keeping it in float32), and loss x S must stay below float16's largest number, 65504.
+
+``precision="bf16"`` (how large models are trained today; Kalamkar et al. 2019, "A Study of
+BFLOAT16 for Deep Learning Training"): bfloat16 working parameters (two bytes, the copy that is
+sent), activations rounded to bfloat16 (``minipar.autograd``: emulated, in float32 arrays), a float32
+master copy and float32 AdamW moments (K = 12 as in mixed), and no loss scale: bfloat16 has
+float32's exponent range, so the gradients neither overflow nor underflow where float32's would not.
+The gradients are reduced in ``reduce_dtype``: "bf16" (two bytes a parameter on the wire, PyTorch
+FSDP's ``MixedPrecision(reduce_dtype=torch.bfloat16)``) or "fp32" (four: the sums keep float32's
+precision, Megatron's ``--accumulate-allreduce-grads-in-fp32``), or "fp16" when the sum fits
+(``minipar.parallel.bf16.check_reduce_range``). Then, per step: ``g = fp32(grad shard)``, clip, AdamW on the fp32
+master, working shard = bf16(master) (round to nearest even).
 """
 
 from __future__ import annotations
@@ -28,12 +39,19 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.autograd import Tensor
+from minipar.autograd import BF16, Tensor
 from minipar.comm import Communicator
 from minipar.optim import AdamW
+from minipar.parallel.bf16 import wire_dtype
 
-PRECISIONS = ("fp64", "mixed")
-WORKING = {"fp64": np.float64, "mixed": np.float16}
+PRECISIONS = ("fp64", "mixed")  # what the offload engines run too
+ZERO_PRECISIONS = (*PRECISIONS, "bf16")
+WORKING = {"fp64": np.float64, "mixed": np.float16, "bf16": BF16}
+
+
+def reduce_dtype_of(precision: str, reduce_dtype: str | None) -> np.dtype:
+    """The dtype a stage's gradients travel in (``minipar.parallel.bf16``)."""
+    return wire_dtype(WORKING[precision], reduce_dtype)
 
 
 class ShardedAdamW:
@@ -41,12 +59,13 @@ class ShardedAdamW:
 
     def __init__(self, shards: list[Tensor], comm: Communicator, precision: str = "fp64", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 max_grad_norm: float | None = None, loss_scale: float = 2.0**12,
+                 max_grad_norm: float | None = None, loss_scale: float | None = None,
                  growth_interval: int = 2000) -> None:
         self.shards, self.comm, self.precision = shards, comm, precision
         self.max_grad_norm, self.growth_interval = max_grad_norm, growth_interval
-        self.loss_scale = loss_scale if precision == "mixed" else 1.0
-        self.master = [Tensor(s.data.astype(np.float32)) for s in shards] if precision == "mixed" else shards
+        self.loss_scale = (2.0**12 if loss_scale is None else loss_scale) if precision == "mixed" else 1.0
+        masters = precision in ("mixed", "bf16")
+        self.master = [Tensor(s.data.astype(np.float32)) for s in shards] if masters else shards
         self.adam = AdamW(self.master, lr, betas, eps, weight_decay)
         self.clean_steps = 0
         self.skipped = 0
@@ -68,6 +87,8 @@ class ShardedAdamW:
                 trace.mark("overflow: step skipped", loss_scale=self.loss_scale)
                 self._clear()
                 return False
+        if self.precision == "bf16":
+            grads = [g.astype(np.float32) for g in grads]  # a bf16 reduce's shards; fp32's unchanged
         if self.max_grad_norm is not None:
             local = sum(float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64))) for g in grads)
             norm = math.sqrt(self.comm.allreduce(np.array([local]), op="sum", algorithm="ring")[0])
@@ -76,9 +97,10 @@ class ShardedAdamW:
         for m, g in zip(self.master, grads, strict=True):
             m.grad = g
         self.adam.step()
-        if self.precision == "mixed":
+        if self.master is not self.shards:
             for s, m in zip(self.shards, self.master, strict=True):
-                s.data[...] = m.data  # fp16 working copy of the fp32 master
+                s.data[...] = m.data  # fp16 / bf16 working copy of the fp32 master
+        if self.precision == "mixed":
             self.clean_steps += 1
             if self.clean_steps % self.growth_interval == 0:
                 self.loss_scale *= 2
@@ -102,7 +124,7 @@ class ShardedAdamW:
             arrays[f"{name}/param"] = self.shards[i].data
             arrays[f"{name}/exp_avg"] = state.get("exp_avg", zeros)
             arrays[f"{name}/exp_avg_sq"] = state.get("exp_avg_sq", zeros)
-            if self.precision == "mixed":
+            if self.master is not self.shards:
                 arrays[f"{name}/master"] = self.master[i].data
         step = self.adam.state[0].get("step", 0) if names else 0
         return arrays, {"step": step, "loss_scale": self.loss_scale, "clean_steps": self.clean_steps,
@@ -115,7 +137,7 @@ class ShardedAdamW:
                              f"{self.precision!r}")
         for i, name in enumerate(names):
             self.shards[i].data[...] = arrays[f"{name}/param"]
-            if self.precision == "mixed":
+            if self.master is not self.shards:
                 self.master[i].data[...] = arrays[f"{name}/master"]
             self.adam.state[i] = {} if not meta["step"] else {
                 "step": meta["step"], "exp_avg": arrays[f"{name}/exp_avg"].copy(),
@@ -123,9 +145,9 @@ class ShardedAdamW:
         self.loss_scale, self.clean_steps, self.skipped = meta["loss_scale"], meta["clean_steps"], meta["skipped"]
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes on this rank: ``optimizer state`` (AdamW's moments) and, in mixed precision, the fp32
-        ``master parameters`` (together the paper's K = 12 per parameter)."""
+        """Bytes on this rank: ``optimizer state`` (AdamW's moments) and, in mixed and bf16 precision,
+        the fp32 ``master parameters`` (together the paper's K = 12 per parameter)."""
         out = {"optimizer state": self.adam.state_bytes()}
-        if self.precision == "mixed":
+        if self.master is not self.shards:
             out["master parameters"] = sum(m.data.nbytes for m in self.master)
         return out

@@ -32,10 +32,16 @@ from minipar import trace
 from minipar.autograd import Tensor
 from minipar.comm import Communicator
 from minipar.nn import Module, Parameter
+from minipar.parallel.bf16 import check_recipe, check_reduce_range
 from minipar.parallel.ddp import DEFAULT_BUCKET_CAP, bucket_assignment
 from minipar.parallel.zero import checkpoint
 from minipar.parallel.zero.flat import FlatLayout, layout_of
-from minipar.parallel.zero.precision import PRECISIONS, WORKING, ShardedAdamW
+from minipar.parallel.zero.precision import (
+    WORKING,
+    ZERO_PRECISIONS,
+    ShardedAdamW,
+    reduce_dtype_of,
+)
 
 ALGORITHM = "ring"  # hand-written collectives: every message is in the trace
 STAGES = (1, 2)
@@ -45,7 +51,8 @@ class ZeroBucket:
     """A group of parameters stored as one flat padded buffer; this rank's shard of its parameters
     (a view), of its gradients and, in the optimizer, of AdamW's moments."""
 
-    def __init__(self, index: int, named: list[tuple[str, Parameter]], comm: Communicator) -> None:
+    def __init__(self, index: int, named: list[tuple[str, Parameter]], comm: Communicator,
+                 reduce_dtype: np.dtype | None = None) -> None:
         self.index, self.names = index, [n for n, _ in named]
         self.params = [p for _, p in named]
         self.layout: FlatLayout = layout_of(named, comm.size)
@@ -54,11 +61,13 @@ class ZeroBucket:
             p.data = view  # all-gathers write straight into the parameters
         lo, hi = self.layout.shard_range(comm.rank)
         self.shard = Tensor(self.flat[lo:hi])  # what AdamW updates (a view: the parameters change)
+        self.reduce_dtype = self.flat.dtype if reduce_dtype is None else reduce_dtype  # gradients' wire dtype
         self.ready: set[int] = set()
 
     def reduce_scatter(self, comm: Communicator) -> None:
         """This rank's shard of the gradients averaged over the ranks; drop the full gradients."""
-        grads = self.layout.flatten([p.grad for p in self.params], self.flat.dtype)
+        grads = self.layout.flatten([p.grad for p in self.params], self.reduce_dtype)
+        check_reduce_range(comm, grads, self.flat.dtype)
         grads /= comm.size  # before the sum: float16 overflows where one process would
         shard = comm.reduce_scatter(grads, op="sum", algorithm=ALGORITHM)
         self.shard.grad = shard if self.shard.grad is None else self.shard.grad + shard
@@ -72,12 +81,13 @@ class ZeroBucket:
 
 def check_precision(module: Module, precision: str) -> list[str]:
     """What is wrong with training ``module`` in ``precision`` (shared by every stage)."""
-    if precision not in PRECISIONS:
-        return [f"precision={precision!r}; choose one of {PRECISIONS}"]
+    if precision not in ZERO_PRECISIONS:
+        return [f"precision={precision!r}; choose one of {ZERO_PRECISIONS}"]
     want = np.dtype(WORKING[precision])
     wrong = sorted({str(p.dtype) for p in module.parameters() if p.dtype != want})
+    name = "ml_dtypes.bfloat16" if precision == "bf16" else f"np.{want}"
     return [f"precision={precision!r} computes in {want} but the model's parameters are {wrong}; build it "
-            f"with dtype=np.{want}"] if wrong else []
+            f"with dtype={name}"] if wrong else []
 
 
 def tied_parameters(module: Module) -> list[str]:
@@ -89,9 +99,10 @@ def tied_parameters(module: Module) -> list[str]:
 
 
 def check_zero_config(comm: Communicator, module: Module, stage: int, bucket_cap_bytes: int,
-                      precision: str) -> None:
+                      precision: str, reduce_dtype: str | None = None, loss_scale: float | None = None) -> None:
     """Raise ``ValueError`` (same on every rank, before any message) naming what to change."""
-    problems = check_precision(module, precision) + tied_parameters(module)
+    problems = check_precision(module, precision) + check_recipe(precision, reduce_dtype, loss_scale)
+    problems += tied_parameters(module)
     empty = [n for n, p in module.named_parameters() if p.data.size and not any(p.data.strides)]
     if empty:
         problems.append(f"{empty[:3]}{'...' if len(empty) > 3 else ''} hold no values (a model built under "
@@ -110,19 +121,22 @@ class ZeroDataParallel:
     """ZeRO stage 1 or 2 of ``module`` over ``comm`` with AdamW (every rank calls this).
 
     Per step: ``loss = zero(x, y)`` (or ``module.loss`` on this rank's part of the batch),
-    ``zero.backward(loss)``, ``zero.step()``.
+    ``zero.backward(loss)``, ``zero.step()``. ``precision``: "fp64", "mixed" (float16 with a loss
+    scale) or "bf16" with ``reduce_dtype`` "bf16" (the default) or "fp32" (``precision.py``).
     """
 
     def __init__(self, module: Module, comm: Communicator, stage: int = 2, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP, precision: str = "fp64",
-                 max_grad_norm: float | None = None, loss_scale: float = 2.0**12, growth_interval: int = 2000) -> None:
-        check_zero_config(comm, module, stage, bucket_cap_bytes, precision)
+                 max_grad_norm: float | None = None, loss_scale: float | None = None, growth_interval: int = 2000,
+                 reduce_dtype: str | None = None) -> None:
+        check_zero_config(comm, module, stage, bucket_cap_bytes, precision, reduce_dtype, loss_scale)
         self.module, self.comm, self.stage = module, comm, stage
         named = list(module.named_parameters())
         groups = bucket_assignment([p.data.nbytes for _, p in named], [p.data.dtype for _, p in named],
                                    bucket_cap_bytes)
-        self.buckets = [ZeroBucket(i, [named[j] for j in g], comm) for i, g in enumerate(groups)]
+        wire = reduce_dtype_of(precision, reduce_dtype)
+        self.buckets = [ZeroBucket(i, [named[j] for j in g], comm, wire) for i, g in enumerate(groups)]
         self.optimizer = ShardedAdamW([b.shard for b in self.buckets], comm, precision, lr, betas, eps, weight_decay,
                                       max_grad_norm, loss_scale, growth_interval)
         self._where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
