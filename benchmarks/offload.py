@@ -1,18 +1,30 @@
-"""Memory tiers on 2 ranks: the NVMe tier's throughput against plain file I/O of the same bytes on the
-same disk, and one GPT's step time offloaded (ZeRO-Offload, with and without DPU) vs in memory (ZeRO-2).
+"""Memory tiers: the NVMe tier's bandwidth against the disk's own, and (on 2 ranks) one GPT's step time
+offloaded (ZeRO-Offload, with and without DPU) vs in memory (ZeRO-2).
 
+    .venv/bin/python benchmarks/offload.py --nvme-only [--rounds 7] [--workers 8]
     OPENBLAS_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/offload.py [--rounds 5]
 
-NVMe (rank 0 alone, the other rank waiting): ``--tensors`` float32 arrays of ``--tensor-mib`` MiB each
-written and read back under ``--dir`` (default ``runs/bench_offload``, on the repository's disk), by
-``minipar.tiers.Tiers.write_nvme`` / ``read_nvme`` (its thread pool of ``--workers``, a snapshot copy of
-each array, an ``.npy`` written to a temporary file, fsync'ed, renamed into place; every future waited
-for) and, side by side, by a plain loop: ``np.save`` into an open file plus ``fsync``, then ``np.load``,
-one array after the other. Both take turns round by round; median MB/s (10^6 bytes) over ``--rounds``.
-The tier parses ``.npy`` headers under a lock (``ast`` is not thread-safe in CPython 3.11,
-gh-106905) and reads the data without it, so ``--workers`` > 1 is safe. The reads come from the
-page cache for both (the files were just written; dropping it needs root): they measure the code
-path, not the device.
+NVMe (rank 0 alone, the other rank waiting), at 64 KiB and 16 MiB requests (``--small-kib``,
+``--large-mib``), ``--span-mib`` bytes per round: the disk's own (``minipar.tiers.rates.disk_seconds``:
+one preallocated file, ``O_DIRECT``, one request at a time, one ``fdatasync`` after the writes) and
+the tier (``Tiers.write_nvme(in_place=True)`` of every array, then ``sync_nvme``; ``read_nvme(out=)``
+into preallocated buffers; the arrays in page-aligned memory, DeepNVMe's pinned buffers; every request
+submitted at once, ``--workers`` in flight), taking turns round by round (who goes first alternating);
+median MB/s (10^6 bytes) over ``--rounds``, with the load average printed beside. Goal: the tier at
+>= 70 % of the disk at both sizes.
+
+Before (the tier of commit fae1519: ``np.save`` of each tensor to a temporary file, fsync, rename;
+``np.load``; 2 workers) and after (this tier, 8 workers), 7 rounds, tier / disk, two runs each:
+
+    request   before: write / read (load 1.0-1.1)       after: write / read (load 1.1-1.4)
+    64 KiB    13-18 % / 49-59 %                         76-80 % / 130-145 %
+    16 MiB    39-41 % / 158-228 % (the page cache)      107-114 % / 88-93 %
+
+(the disk: 630-790 MB/s at 64 KiB, 1.3-2.1 GB/s at 16 MiB.) The old reads came from the page cache
+(the files just written, no O_DIRECT), so above 100 % at 16 MiB; the new ones come from the disk.
+The tier passes the disk's own at times because several requests are in flight where the reference
+has one. At load 11-15 (other jobs on the 2 cores) the 64 KiB writes fell to 34-54 %: each request
+costs ~45 us of Python (submit, lock, bookkeeping) on a core shared with everything else.
 
 Step time (both ranks): the tiny benchmark GPT of ``benchmarks/zero.py`` (float64, Psi = 3.4 M) under
 ``ZeroDataParallel`` stage 2 (everything in memory) and ``ZeroOffload`` (device budget exactly
@@ -22,23 +34,18 @@ each configuration in turn (with DPU its last update flushed inside the block, s
 AdamW never runs into another configuration's timing); the slowest rank's time per step, median over
 ``--rounds`` after a warm-up round.
 
-Measured on the 2-core machine while other jobs ran (load 1.5-4), 16 x 4 MiB, three runs of 5 rounds
-(block 3), one line per run:
+Step times measured on the 2-core machine while other jobs ran (load 1.5-4), three runs of 5 rounds
+(block 3), one line per run (with the tier of fae1519; the step uses no NVMe):
 
-    NVMe   write: tier 1115 /  938 / 1181 MB/s, plain 1312 / 1202 / 1298 MB/s: tier / plain 0.85 / 0.78 / 0.91x
-           read:  tier 3550 / 2793 / 2845 MB/s, plain 1449 / 2627 / 3435 MB/s: tier / plain 2.45 / 1.06 / 0.83x
-    step   ZeRO-2 in memory 178 / 233 / 177 ms; ZeRO-Offload 169 / 194 / 159 ms (0.95 / 0.84 / 0.90x);
-           ZeRO-Offload + DPU 168 / 160 / 169 ms (0.94 / 0.69 / 0.96x)
+    ZeRO-2 in memory 178 / 233 / 177 ms; ZeRO-Offload 169 / 194 / 159 ms (0.95 / 0.84 / 0.90x);
+    ZeRO-Offload + DPU 168 / 160 / 169 ms (0.94 / 0.69 / 0.96x)
 
-The tier writes at 0.8-0.9x a plain loop: the same fsync'ed ``np.save`` per array plus a snapshot copy,
-a temporary file and a rename each, and two threads sharing the disk's queue; its reads (page cache)
-match a plain loop within the noise (the two threads overlap one array's copy with the next's
-syscalls). Offloading costs nothing measurable here: a step moves 8 Psi / N = 13.7 MB each way per
-rank, memory copies of a few ms (the Bandwidth model's PCIe: 0.86 ms each way), and ZeroOffload's
-CPU AdamW is the same numpy work ZeRO-2 does; ZeRO-2 in memory even came out 5-16% slower in every
-run (not investigated; same buckets, same collectives). DPU hides the CPU AdamW (about 10 ms on 1.7 M
-elements) behind the next forward/backward only when a core is free: with 2 ranks and their 2 AdamW
-threads on 2 cores and other jobs, its gain ranges from none to 0.69x.
+Offloading costs nothing measurable here: a step moves 8 Psi / N = 13.7 MB each way per rank, memory
+copies of a few ms, and ZeroOffload's CPU AdamW is the same numpy work ZeRO-2 does; ZeRO-2 in memory
+even came out 5-16% slower in every run (not investigated; same buckets, same collectives). DPU hides
+the CPU AdamW (about 10 ms on 1.7 M elements) behind the next forward/backward only when a core is
+free: with 2 ranks and their 2 AdamW threads on 2 cores and other jobs, its gain ranges from none to
+0.69x (lesson 7 asks the replayed clock, where each has a core).
 """
 
 from __future__ import annotations
