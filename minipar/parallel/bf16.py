@@ -93,3 +93,21 @@ class MasterAdamW(AdamW):
     def state_bytes(self) -> int:
         """The moments and the master copy: 12 bytes a parameter once stepped."""
         return super().state_bytes() + sum(m.data.nbytes for m in self.params)
+
+
+def to_wire(t: Tensor, a: np.ndarray | None = None) -> np.ndarray:
+    """What crosses a pipeline stage boundary for ``t``: its data (or ``a``, its gradient) as
+    bfloat16 when ``t`` holds bf16-rounded values (two bytes an element, exactly: the values are
+    bf16 already), else as it is."""
+    a = t.data if a is None else a
+    return a.astype(BF16) if t._bf16 else a
+
+
+def from_wire(a: np.ndarray) -> Tensor:
+    """A received activation as a leaf that needs a gradient: bfloat16 read back into float32 and
+    marked bf16-rounded, so the ops after it and the gradient sent back round as one process's would."""
+    if a.dtype != BF16:
+        return Tensor(a, requires_grad=True)
+    t = Tensor(a.astype(np.float32), requires_grad=True)
+    t._bf16 = True
+    return t

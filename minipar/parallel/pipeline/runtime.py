@@ -27,9 +27,11 @@ it interprets the lowered program (``lowering.py``) of its rank, action by actio
 ==============  ===========================================================================
 
 Tensors between stages on the same rank (interleaving with p = 1, hand-written layouts) are handed
-over in memory. Message tags encode (direction, stage boundary, micro-batch), so messages in flight
-between two ranks never match the wrong receive. After the program: wait for the outstanding sends,
-broadcast the loss from the last stage to every rank, run the optimizer on this rank's parameters.
+over in memory. A bf16 model's activations and their gradients cross a boundary as bfloat16 (2 bytes
+an element, exact: ``minipar.parallel.bf16.to_wire``). Message tags encode (direction, stage
+boundary, micro-batch), so messages in flight between two ranks never match the wrong receive. After
+the program: wait for the outstanding sends, broadcast the loss from the last stage to every rank,
+run the optimizer on this rank's parameters.
 
 Trace (``minipar.trace``, same format as ``simulate``): compute spans "F"/"B" with stage,
 micro-batch, chunk (and ``args`` action, iteration), "opt" for the optimizer; memory samples
@@ -66,6 +68,7 @@ from minipar.cost import pipeline as cost
 from minipar.memory import activation_bytes
 from minipar.nn import Parameter
 from minipar.optim import Optimizer
+from minipar.parallel.bf16 import from_wire, to_wire
 from minipar.split_backward import WeightGradients
 
 from . import asynchronous
@@ -285,7 +288,7 @@ class Pipeline:
             if s == 0:
                 inp: Any = self._xs[i]
             else:
-                inp = Tensor(self._inbox.pop(("F", s, i)), requires_grad=True)
+                inp = from_wire(self._inbox.pop(("F", s, i)))
             with self._weights(a):
                 out = self.stages[s](inp)
             if s == self.last_stage:
@@ -295,9 +298,9 @@ class Pipeline:
                 v = self.versions  # asynchronous: 1 / micro-batches per update
                 out = loss * (1.0 / self.microbatches if v is None else v.loss_scale(i))
             elif self.owner[s + 1] == self.comm.rank:
-                self._inbox[("F", s + 1, i)] = out.data
+                self._inbox[("F", s + 1, i)] = to_wire(out)
             else:
-                self._outbox[("F", s, i)] = out.data
+                self._outbox[("F", s, i)] = to_wire(out)
             self._stash[(s, i)] = (inp, out)
             if trace.current() is not None:  # measuring walks the graph: only while a trace records
                 held = activation_bytes(out) + (inp.data.nbytes if isinstance(inp, Tensor) else 0)
@@ -317,7 +320,7 @@ class Pipeline:
                 if trace.current() is not None:  # what W needs (the input too, where a weight op saved it)
                     self._stash_bytes[(s, i)] = later.nbytes()
             if s > 0:
-                grad = inp.grad if inp.grad is not None else np.zeros_like(inp.data)
+                grad = to_wire(inp, inp.grad if inp.grad is not None else np.zeros_like(inp.data))
                 inp.grad = None  # handed on: the input itself may stay alive until W (a layer norm saved it)
                 if self.owner[s - 1] == self.comm.rank:
                     self._inbox[("B", s - 1, i)] = grad
