@@ -218,3 +218,32 @@ def test_bf16_equals_single_process_mpiexec(job: tuple[int, list[dict]]) -> None
     n, cs = job
     for c, results in zip(cs, run_each(bf16_run, n, [{"c": c} for c in cs], timeout=90, comm_timeout=30)):
         check(c, results)
+
+
+def resume_run(comm, c: dict, path: str, resume: bool) -> dict[str, np.ndarray]:
+    """Two steps, a checkpoint, one more step; or (``resume``) the checkpoint, then that step."""
+    model, par, _ = make(comm, c)
+    steps = [2] if resume else [0, 1, 2]
+    if resume:
+        par.load_checkpoint(path)
+    for i in steps:
+        x, y = batch(c, i)
+        par.backward(model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)]))
+        par.step()
+        if i == 1:
+            par.save_checkpoint(path)
+    whole = par.full_state_dict() if c["mode"] == "fsdp" else model.state_dict()
+    return {**{n: v.astype(np.float32) for n, v in whole.items()},
+            **{f"master/{n}": v for n, v in by_name(comm, par.units if c["mode"] == "fsdp" else par.buckets,
+                                                   [m.data for m in par.optimizer.master]).items()}}
+
+
+@pytest.mark.parametrize("mode", ["stage2", "fsdp"])
+def test_bf16_checkpoint_resumes_bit_for_bit(mode: str, tmp_path) -> None:
+    """bf16 shards are saved as float32 (exact) with the fp32 master and moments: resuming after step 2
+    gives the parameters and masters of never having stopped, bit for bit."""
+    c = config(mode, 2, "fp32")
+    path = str(tmp_path / "ck")
+    straight = launch(resume_run, 2, c=c, path=path, resume=False)
+    resumed = launch(resume_run, 2, c=c, path=path, resume=True)
+    assert all(np.array_equal(straight[0][k], resumed[0][k]) for k in straight[0])

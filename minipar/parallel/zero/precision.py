@@ -121,7 +121,8 @@ class ShardedAdamW:
         for i, name in enumerate(names):
             state = self.adam.state[i]
             zeros = np.zeros_like(self.master[i].data)
-            arrays[f"{name}/param"] = self.shards[i].data
+            param = self.shards[i].data  # bf16 saved as float32 (exact; .npy has no bfloat16), read back as bf16
+            arrays[f"{name}/param"] = param.astype(np.float32) if param.dtype == BF16 else param
             arrays[f"{name}/exp_avg"] = state.get("exp_avg", zeros)
             arrays[f"{name}/exp_avg_sq"] = state.get("exp_avg_sq", zeros)
             if self.master is not self.shards:
