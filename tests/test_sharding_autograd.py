@@ -199,18 +199,9 @@ def draw_values(seed: int, chain: list[str]) -> tuple[np.ndarray, dict]:
 
 
 def valid_placements(shape: tuple, sizes: list[int], drawn: list[Placement]) -> list[Placement]:
-    """``drawn`` (one placement per mesh axis of ``sizes``) made valid for ``shape`` by construction: a
-    ``Shard(d)`` becomes ``B`` where ``d`` is not a dimension of the tensor or where the axes that split
-    ``d`` so far, times this one, do not divide its length (the library refuses uneven splits)."""
-    split = [1] * len(shape)
-    out: list[Placement] = []
-    for size, p in zip(sizes, drawn, strict=True):
-        if isinstance(p, Shard) and (p.dim >= len(shape) or shape[p.dim] % (split[p.dim] * size)):
-            p = B
-        if isinstance(p, Shard):
-            split[p.dim] *= size
-        out.append(p)
-    return out
+    """``drawn`` (one placement per mesh axis of ``sizes``) made valid for ``shape``: a ``Shard(d)`` becomes
+    ``B`` where ``d`` is not a dimension of the tensor (a length the axes do not divide is cut unevenly)."""
+    return [B if isinstance(p, Shard) and p.dim >= len(shape) else p for p in drawn]
 
 
 def run_chain(comm, c: dict) -> dict:
@@ -243,17 +234,19 @@ def reference_chain(c: dict) -> tuple[float, list[np.ndarray]]:
 
 
 PLACEMENT = st.sampled_from([S0, S1, Shard(2), B, P])
-MESHES = [{"tp": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "dp": 2, "tp": 2}]
+MESHES = [{"tp": 2}, {"tp": 3}, {"dp": 2, "tp": 2}, {"pp": 2, "dp": 2, "tp": 2}]  # tp = 3: 4 rows cut 2, 2, 0
 
 
 @budget(4)
 @given(chain=st.lists(st.sampled_from(CHAIN_OPS), min_size=1, max_size=4), mesh=st.sampled_from(MESHES),
        placements=st.lists(PLACEMENT, min_size=20, max_size=20), seed=st.integers(0, 10**6))
 @example(chain=["matmul", "gelu", "matmul"], mesh={"tp": 2}, placements=[B, S1, S0] + [B] * 17, seed=1)
-# found drawn at random: three axes of 2 split a dimension of 4 (the third axis's Shard(2) becomes B)
+# found drawn at random: three axes of 2 split a dimension of 4 (unevenly: 2, 2, then 1, 0)
 @example(chain=["softmax", "mul"], mesh={"pp": 2, "dp": 2, "tp": 2}, placements=[Shard(2)] * 20, seed=3)
 @example(chain=["layer_norm", "softmax", "transpose", "reshape"], mesh={"dp": 2, "tp": 2},
          placements=[S0, Shard(2), B, P, P, B] + [S1] * 14, seed=2)
+@example(chain=["matmul", "layer_norm", "reshape", "sum_keep"], mesh={"tp": 3}, placements=[S1, S0, Shard(2)] * 7,
+         seed=4)  # uneven cuts: the contraction split 2, 2, 0; (4, 2, 2, 4) does not cut as (4, 4, 4)
 def test_drawn_chains_equal_one_process(chain: list[str], mesh: dict, placements: list, seed: int) -> None:
     c = {"chain": chain, "mesh": mesh, "placements": placements, "seed": seed}
     want_loss, want_grads = reference_chain(c)
@@ -299,7 +292,6 @@ def test_embedding_and_cross_entropy_equal_one_process(table_at, logits_at, x_at
 
 # ---- bad annotations: refused on every rank before any message -----------------------------------------
 BAD = [
-    (lambda m: snn.Linear(5, 8, m, ("tp",), {"weight": [S0]}), "5 is not divisible by 2"),
     (lambda m: snn.Linear(4, 8, m, ("tp",), {"weight": [S0, S1]}), "give one placement per axis"),
     (lambda m: snn.CausalSelfAttention(6, 4, m, ("tp",), snn.MEGATRON), "not divisible by n_heads"),
     (lambda m: ops.embedding(GlobalTensor.from_global(np.ones((4, 2)), m, ("tp",), [S0]),

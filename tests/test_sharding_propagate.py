@@ -1,10 +1,11 @@
 """Sharding propagation of a matmul: the result equals numpy, its placement and bytes equal tables by hand.
 
-1-D mesh of 2 ranks, the seed document's 4x5 by 5x8 float64 matmul: every pair of input placements the
-sizes allow (A: S(0), B, P; B: S(1), B, P; k = 5 rules out A = S(1) and B = S(0)). The output's placement
-and the bytes every rank sends (trace) equal ``SEED_TABLE``, worked out by hand below. A 4x6 by 6x8 matmul
-adds the four placements with the contraction dimension split: every one of its 16 pairs checked against
-a small chooser written here from the per-step bytes in terms of the global sizes (not the module's code).
+1-D meshes of 2 and 3 ranks, the seed document's 4x5 by 5x8 float64 matmul: all 16 pairs of input
+placements from {S(0), S(1), B, P}, the uneven ones cut as DTensor cuts them (5 columns on 2 ranks: 3, 2;
+4 rows on 3 ranks: 2, 2, 0). The output's placement, the collectives and the bytes each rank sends (trace)
+equal ``SEED_TABLE`` (2 ranks) and ``SEED_TABLE_3``, worked out by hand below; the threads backend and
+mpiexec alike. A 4x6 by 6x8 matmul (even): every one of its 16 pairs checked against a small chooser
+written here from the per-step bytes in terms of the global sizes (not the module's code).
 2 x 2 meshes: drawn pairs (values, and the bytes of the chosen strategy) and two cases by hand. Elementwise
 add and mul: every pair of placements of two (4, 6) tensors on 2 ranks against a table by hand, broadcasting
 cases by hand, drawn pairs with broadcasting on a 2 x 2 mesh. Values are small integers, so sums are exact.
@@ -60,40 +61,79 @@ def run_matmul(comm, mesh_kw: dict, axes: tuple, mkn: tuple, pairs: list, seed: 
         a, b = make(x, mesh, axes, pa, seed), make(y, mesh, axes, pb, seed + 7)
         with trace.recording(comm.world_rank) as rec:
             c = matmul(a, b)
-        sent = sum(e.nbytes for e in rec.events if e.kind == "comm" and e.src == mesh.rank)
-        out.append({"placement": c.placements, "sent": sent, "global": c.to_global(),
-                    "best": matmul_strategies(a, b)[0]})
+        mine = [e for e in rec.events if e.kind == "comm" and e.src == mesh.rank]
+        out.append({"placement": c.placements, "sent": sum(e.nbytes for e in mine), "global": c.to_global(),
+                    "best": matmul_strategies(a, b)[0], "ops": " ".join(sorted({e.op for e in mine}))})
     return out
 
 
-# ---- the seed's 4x5 @ 5x8 on 2 ranks: |A| = 160 bytes, |B| = 320 -----------------------------------------
-# Per-rank bytes on p = 2 (N = a tensor's global bytes): S -> B, S -> P, P -> S: N/2; P -> B: N; S(i) -> S(j):
-# N/4; from B: 0. Cheapest first, then fewest inputs' placements changed (a free slice or zeroing counts),
-# then rules in order S(0)xB, BxS(1), PxB, BxP, BxB (S(1)xS(0) illegal: 5 rows of B).
-SEED_TABLE = {  # (A, B): (C, bytes per rank)
-    (S0, S1): (S1, 80),    # all-gather A (80); all-gather B to B would be 160
-    (S0, B): (S0, 0),
-    (S0, P): (P, 80),      # A to B (80), B x P; reduce-scatter B and BxS(1) would be 80 + 160
-    (B, S1): (S1, 0),
-    (B, B): (B, 0),        # every rule is free (slice, zero), B x B changes nothing
-    (B, P): (P, 0),
-    (P, S1): (S1, 160),    # all-reduce A (160) ties all-gather B (160), one change each: BxS(1) before PxB
-    (P, B): (P, 0),
-    (P, P): (P, 160),      # all-reduce A (160), B x P; all-reduce B would be 320
+# ---- the seed's 4x5 @ 5x8: |A| = 160 bytes, |B| = 320 -----------------------------------------------------
+# Pieces, DTensor's rule (ceil(n/p) rows each, the last shorter). 2 ranks: A S(0) 2x5, 2x5 (80, 80 B); A S(1)
+# 4x3, 4x2 (96, 64); B S(0) 3x8, 2x8 (192, 128); B S(1) 5x4, 5x4 (160, 160). A step's bytes for the rank at c:
+# all-gather (ring): every piece but its successor's; reduce-scatter, all-to-all: every part of its piece but
+# the one it keeps; all-reduce (ring over the flat piece cut as np.array_split): every chunk but its own, then
+# every chunk but its successor's; from B: 0. Cheapest by the busiest rank, then fewest inputs' placements
+# changed (a free slice or zeroing counts), then rules in order S(0)xB, BxS(1), S(1)xS(0), PxB, BxP, BxB.
+SEED_TABLE = {  # (A, B): (C, collectives, bytes rank 0, rank 1)
+    (S0, S0): (P, "all_to_all", (32, 48)),   # A to S(1): rank 0 keeps 2x3 of 2x5, sends 2x2; rank 1 sends 2x3
+    (S0, S1): (S1, "allgather", (80, 80)),   # all-gather A; A and B to S(1) x S(0): 32 + 64, 48 + 96
+    (S0, B): (S0, "", (0, 0)),
+    (S0, P): (P, "allgather", (80, 80)),     # A to B, B x P; S(1) x S(0) would reduce-scatter B (128, 192)
+    (S1, S0): (P, "", (0, 0)),               # the row-parallel case: the contraction split, no message
+    (S1, S1): (S1, "allgather", (96, 64)),   # all-gather A (96, 64) ties all-to-all B to S(0) (64, 96): BxS(1) first
+    (S1, B): (P, "", (0, 0)),                # slice B to S(0), free
+    (S1, P): (P, "allgather", (96, 64)),     # A to B, B x P; reduce-scatter B to S(0) would be 128, 192
+    (B, S0): (P, "", (0, 0)),                # slice A to S(1), free
+    (B, S1): (S1, "", (0, 0)),
+    (B, B): (B, "", (0, 0)),                 # every rule is free (slice, zero), B x B changes nothing
+    (B, P): (P, "", (0, 0)),
+    (P, S0): (P, "reduce_scatter", (64, 96)),  # A to S(1): rank 0 sends 4x2, rank 1 4x3; all-gather B: 192
+    (P, S1): (S1, "allreduce", (160, 160)),  # all-reduce A ties all-gather B (160), one change each: BxS(1) first
+    (P, B): (P, "", (0, 0)),
+    (P, P): (P, "allreduce", (160, 160)),    # all-reduce A, B x P; all-reduce B would be 320
+}
+# 3 ranks: A S(0) 2x5, 2x5, 0x5 (80, 80, 0 B); A S(1) 4x2, 4x2, 4x1 (64, 64, 32); B S(0) 2x8, 2x8, 1x8
+# (128, 128, 64); B S(1) 5x3, 5x3, 5x2 (120, 120, 80). All-reduce of A: 20 elements in chunks 7, 7, 6.
+SEED_TABLE_3 = {  # (A, B): (C, collectives, bytes rank 0, 1, 2)
+    (S0, S0): (P, "all_to_all", (48, 48, 0)),      # A to S(1): 2x5 cut 2, 2, 1 columns, 6 of 10 sent; rank 2 empty
+    (S0, S1): (P, "all_to_all", (120, 120, 64)),   # A as above + B to S(0): 72, 72, 64 (5x3 cut 2, 2, 1 rows;
+    #                                                 rank 2 keeps 1x2 of 5x2); all-gather A would be 80, 160, 80
+    (S0, B): (S0, "", (0, 0, 0)),
+    (S0, P): (P, "allgather", (80, 160, 80)),      # A to B: 160 - 80 (rank 1's), 160 - 0, 160 - 80; then B x P
+    (S1, S0): (P, "", (0, 0, 0)),
+    (S1, S1): (P, "all_to_all", (72, 72, 64)),     # B to S(0); all-gather A: 160 - 64, 160 - 32, 160 - 64
+    (S1, B): (P, "", (0, 0, 0)),
+    (S1, P): (P, "allgather", (96, 128, 96)),      # A to B, then B x P
+    (B, S0): (P, "", (0, 0, 0)),
+    (B, S1): (S1, "", (0, 0, 0)),
+    (B, B): (B, "", (0, 0, 0)),
+    (B, P): (P, "", (0, 0, 0)),
+    (P, S0): (P, "reduce_scatter", (96, 96, 128)),  # A to S(1): 160 - 64, 160 - 64, 160 - 32
+    (P, S1): (P, "all_to_all reduce_scatter", (168, 168, 192)),  # A to S(1) (96, 96, 128) + B to S(0) (72, 72,
+    #                                                 64); all-reduce A: 8 (13 + 13), 8 (13 + 14), 8 (14 + 13)
+    (P, B): (P, "", (0, 0, 0)),
+    (P, P): (P, "allreduce", (208, 216, 216)),     # all-reduce A: 8 (13 + 13), 8 (13 + 14), 8 (14 + 13)
 }
 
 
-def test_seed_matmul_every_pair_on_2_ranks() -> None:
-    pairs = [((pa,), (pb,)) for pa, pb in SEED_TABLE]
-    results = launch(run_matmul, 2, "threads", {"tp": 2}, ("tp",), (4, 5, 8), pairs, 3)
+def check_seed(results: list[list[dict]], table: dict) -> None:
     x, y = operands(4, 5, 8, 3)
-    for i, (pa, pb) in enumerate(SEED_TABLE):
-        want_c, want_bytes = SEED_TABLE[(pa, pb)]
-        for rank in range(2):
-            row = results[rank][i]
+    for i, (pa, pb) in enumerate(table):
+        want_c, want_ops, want_bytes = table[(pa, pb)]
+        ops = " ".join(sorted({op for res in results for op in res[i]["ops"].split()}))  # a rank may send nothing
+        assert ops == want_ops, (pa, pb, ops)
+        for rank, res in enumerate(results):
+            row = res[i]
             assert np.array_equal(row["global"], x @ y), (pa, pb, rank)
-            assert row["placement"] == (want_c,), (pa, pb, rank, row["placement"])
-            assert row["sent"] == want_bytes == row["best"][3], (pa, pb, rank, row["sent"])
+            assert row["placement"] == (want_c,), (pa, pb, rank, row)
+            assert row["sent"] == want_bytes[rank], (pa, pb, rank, row["sent"])
+            assert row["best"][3] == max(want_bytes), (pa, pb, row["best"])
+
+
+@pytest.mark.parametrize(("p", "table"), [(2, SEED_TABLE), (3, SEED_TABLE_3)])
+def test_seed_matmul_every_pair(p: int, table: dict) -> None:
+    pairs = [((pa,), (pb,)) for pa, pb in table]
+    check_seed(launch(run_matmul, p, "threads", {"tp": p}, ("tp",), (4, 5, 8), pairs, 3), table)
 
 
 def run_row(comm) -> str:
@@ -121,8 +161,6 @@ def hand_choice(pa, pb, m: int, k: int, n: int, p: int) -> tuple:
     table = [(S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B)]
     best = None
     for ra, rb, rc in table:
-        if (ra == S1 or rb == S0) and k % p:
-            continue
         cost = hand_cost(pa, ra, m * k * 8, p) + hand_cost(pb, rb, k * n * 8, p)
         key = (cost, (pa != ra) + (pb != rb))
         if best is None or key < best[1]:
@@ -261,16 +299,12 @@ BAD = [
                       GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "inner dimensions differ"),
     (lambda m: matmul(GlobalTensor.from_global(np.ones(4), m, ("tp",), [B]),
                       GlobalTensor.from_global(np.ones((4, 8)), m, ("tp",), [B])), "@ (k, n) or equal batch"),
-    (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 5)), m, ("tp",), [S1]),
-                      GlobalTensor.from_global(np.ones((5, 8)), m, ("tp",), [B])), "5 is not divisible by 2"),
     (lambda m: matmul(GlobalTensor.from_global(np.ones((4, 4)), m, ("tp",), [B]),
                       GlobalTensor.from_global(np.ones((4, 8)), m, ("dp",), [B])), "same mesh and axes"),
     (lambda m: elementwise("add", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
                            GlobalTensor.from_global(np.ones((4,)), m, ("tp",), [B])), "do not broadcast"),
     (lambda m: elementwise("div", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
                            GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [B])), "op must be one of"),
-    (lambda m: elementwise("mul", GlobalTensor.from_global(np.ones((4, 6)), m, ("tp",), [S0]),
-                           GlobalTensor.from_global(np.ones((3,)), m, ("tp",), [S0])), "3 is not divisible by 2"),
 ]
 
 
@@ -294,15 +328,11 @@ def test_bad_matmuls_refused_on_every_rank(i: int) -> None:
 
 
 @pytest.mark.mpi
-def test_seed_table_2x2_and_elementwise_under_mpiexec() -> None:
-    seed_pairs = [((pa,), (pb,)) for pa, pb in SEED_TABLE]
-    [seed_res] = run_each(run_matmul, 2, [{"mesh_kw": {"tp": 2}, "axes": ("tp",), "mkn": (4, 5, 8),
-                                           "pairs": seed_pairs, "seed": 3}], timeout=120)
-    x, y = operands(4, 5, 8, 3)
-    for i, key in enumerate(SEED_TABLE):
-        for row in seed_res:
-            assert np.array_equal(row[i]["global"], x @ y)
-            assert (row[i]["placement"], row[i]["sent"]) == ((SEED_TABLE[key][0],), SEED_TABLE[key][1]), key
+def test_seed_tables_2x2_and_elementwise_under_mpiexec() -> None:
+    for p, table in ((2, SEED_TABLE), (3, SEED_TABLE_3)):
+        [seed_res] = run_each(run_matmul, p, [{"mesh_kw": {"tp": p}, "axes": ("tp",), "mkn": (4, 5, 8),
+                                               "pairs": [((a,), (b,)) for a, b in table], "seed": 3}], timeout=120)
+        check_seed(seed_res, table)
     picks = [all_pairs_2d()[i] for i in (0, 37, 100, 170, 255)]
     [res] = run_each(run_matmul, 4, [{"mesh_kw": MESH_2X2[0], "axes": MESH_2X2[1], "mkn": (4, 8, 4),
                                       "pairs": picks, "seed": 9}], timeout=120)

@@ -9,8 +9,8 @@ placements picks the collective on that axis's traced communicator.
 
 - ``placement.py``: ``Shard(dim)``, ``Replicate()``, ``Partial("sum")`` (printed ``S(0)``, ``B``, ``P``).
 - ``tensor.py``: ``GlobalTensor`` (the rank's piece, the global shape, the mesh, the axes and one
-  placement per axis), the layout checks (uneven splits are refused) and ``from_global`` /
-  ``to_global`` for tests and examples.
+  placement per axis), the layout checks (a cut that does not divide is uneven, as DTensor's: ``ceil(n/p)``
+  rows, the last shorter) and ``from_global`` / ``to_global`` for tests and examples.
 - ``agree.py``: the ranks' agreement on a tensor's mesh (by value), shape and placements, checked when
   a tensor is made (one small untraced collective) and, in debug mode, before every op.
 - ``plan.py``: the cheapest redistribution (``cheapest``): a shortest path over single-axis steps

@@ -18,8 +18,9 @@ input of ``n`` dimensions:
 - ``softmax`` and ``logsumexp`` along ``axis``: a split of another dimension stays; the axis itself
   must be whole (``S(axis)`` and ``P`` are gathered or reduced first).
 - ``reshape``: ``S(i) -> S(j)`` when the dimensions before ``i`` and before ``j`` hold the same number of
-  elements (so a block of ``i`` is a block of ``j``) and ``j`` divides evenly (``(b, s, d) S(2) ->
-  (b, s, h, d/h) S(2)`` when the ranks split the heads); otherwise the split is gathered first.
+  elements and the cuts fall alike, so a block of ``i`` is a block of ``j`` (``same_runs``: always when
+  they divide evenly; ``(b, s, d) S(2) -> (b, s, h, d/h) S(2)`` when the ranks split the heads evenly);
+  otherwise the split is gathered first.
   ``P``, ``B`` stay.
 - ``transpose``: a split follows its dimension; ``P``, ``B`` stay.
 - ``embedding(table, ids)``: ids split by rows and the table whole: output split alike; ids whole and
@@ -36,6 +37,8 @@ gradient rows of its ids into its piece of the table (a partial sum when the ids
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,12 +62,14 @@ def piece_shape(shape: Sequence[int], t: GlobalTensor, placements: Sequence[Plac
 
 
 def _run(name: str, inputs: Sequence[GlobalTensor], out_shape: Sequence[int], rules: Rules,
-         local: Callable[..., np.ndarray], backward: Callable[..., Sequence[GlobalTensor | None]]) -> GlobalTensor:
+         local: Callable[..., np.ndarray], backward: Callable[..., Sequence[GlobalTensor | None]],
+         valid: Callable[[tuple, tuple], bool] = lambda needed, placed: True) -> GlobalTensor:
     """The cheapest strategy's redistributions, ``local(moved_inputs, out_placements)`` on the pieces,
-    and the graph node whose gradient is ``backward(grad, out, *moved_inputs)``. In debug mode the
-    ranks first check they run the same op on equal layouts (``agree.op``)."""
+    and the graph node whose gradient is ``backward(grad, out, *moved_inputs)``; ``valid(needed,
+    placed)`` may rule strategies out. In debug mode the ranks first check they run the same op on
+    equal layouts (``agree.op``)."""
     agree.op(name, inputs, f"output shape {tuple(out_shape)}")
-    found = propagate.strategies(inputs, out_shape, rules)
+    found = [s for s in propagate.strategies(inputs, out_shape, rules) if valid(s[0], s[1])]
     if not found:
         raise ValueError(f"{name}: no placement of the output {tuple(out_shape)} is legal on this mesh")
     needed, placed, _ = found[0]
@@ -315,7 +320,21 @@ def reshape(x: GlobalTensor, shape: Sequence[int]) -> GlobalTensor:
     def local(moved: list[GlobalTensor], placed: tuple[Placement, ...]) -> np.ndarray:
         return moved[0].local.reshape(piece_shape(shape, x, placed))
 
-    return _run("reshape", [x], shape, rules, local, lambda g, out, x2: (reshape(g, x2.shape),))
+    return _run("reshape", [x], shape, rules, local, lambda g, out, x2: (reshape(g, x2.shape),),
+                lambda needed, placed: same_runs(x.shape, shape, x.degrees, needed[0], placed))
+
+
+@functools.lru_cache(maxsize=4096)
+def same_runs(shape: tuple[int, ...], new: tuple[int, ...], degrees: tuple[int, ...],
+              placements: tuple[Placement, ...], new_placements: tuple[Placement, ...]) -> bool:
+    """Whether every rank's piece of a ``shape`` tensor laid out as ``placements`` is, element for element
+    in order, its piece of the reshaped (``new``) tensor laid out as ``new_placements``: a block of a
+    split dimension is a block of the new one when the cuts fall alike (always when they divide evenly;
+    a cut of 3 heads of 4 columns over 2 ranks, 2 + 1 heads, is not one of 12 columns, 6 + 6)."""
+    flat = np.arange(int(np.prod(shape)))
+    return all(np.array_equal(flat.reshape(shape)[local_slices(shape, degrees, c, placements)].ravel(),
+                              flat.reshape(new)[local_slices(new, degrees, c, new_placements)].ravel())
+               for c in itertools.product(*[range(d) for d in degrees]))
 
 
 def transpose(x: GlobalTensor, perm: Sequence[int]) -> GlobalTensor:

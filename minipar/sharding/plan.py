@@ -1,8 +1,8 @@
 """The cheapest redistribution: a shortest path over single-axis steps and two-axis exchanges.
 
 A redistribution from the placements ``src`` to ``dst`` (one per axis of the tensor) is a sequence
-of moves, each changing the layout on one axis or two, from one valid layout to the next (every
-sharded dimension divisible by its axes' degrees):
+of moves, each changing the layout on one axis or two, from one layout to the next (any layout is
+valid: a cut that does not divide is uneven, ``tensor.py``):
 
 - a ``Step`` on axis ``k``: one collective of ``minipar.cost.sharding.TABLE`` on that axis (all-reduce,
   reduce-scatter, all-gather, all-to-all) or a local slice or zeroing. It is a plain collective only
@@ -32,11 +32,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from minipar.cost.sharding import collective, exchange_bytes, step_bytes
+from minipar.cost.sharding import collective, exchange_bytes, overlap, piece_bounds, step_bytes, step_sizes
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard
-from minipar.sharding.tensor import local_slices
 
 RUNNABLE = ("all_to_all", "allgather", "reduce_scatter", "allreduce", "slice", "zero")
 
@@ -93,29 +90,23 @@ def after(placements: Sequence[Placement], group: Sequence[int]) -> bool:
     return True
 
 
-def _fits(shape: Sequence[int], degrees: Sequence[int], placements: Sequence[Placement]) -> bool:
-    return all(n % int(np.prod([degrees[k] for k in sharding_axes(d, placements)])) == 0
-               for d, n in enumerate(shape))
-
-
 @functools.lru_cache(maxsize=65536)
-def _moves(shape: tuple[int, ...], degrees: tuple[int, ...], cur: tuple[Placement, ...]
-           ) -> list[tuple[Move, tuple[Placement, ...]]]:
-    """Every move from the layout ``cur`` to a valid one, in a fixed order: steps by axis, then exchanges."""
-    alphabet = [Shard(d) for d in range(len(shape))] + [Replicate(), Partial()]
+def _moves(ndim: int, cur: tuple[Placement, ...]) -> list[tuple[Move, tuple[Placement, ...]]]:
+    """Every move from the layout ``cur``, in a fixed order: steps by axis, then exchanges."""
+    shards = [Shard(d) for d in range(ndim)]
+    alphabet = [*shards, Replicate(), Partial()]
     out: list[tuple[Move, tuple[Placement, ...]]] = []
     for k, new in itertools.product(range(len(cur)), alphabet):
         nxt = cur[:k] + (new,) + cur[k + 1:]
-        if new != cur[k] and legal(Step(k, cur[k], new), cur) and _fits(shape, degrees, nxt):
+        if new != cur[k] and legal(Step(k, cur[k], new), cur):
             out.append((Step(k, cur[k], new), nxt))
-    shards = [Shard(d) for d in range(len(shape))]
     for a, b in itertools.combinations(range(len(cur)), 2):
         src = (cur[a], cur[b])
         if not all(isinstance(p, Shard) for p in src) or not after(cur, (a, b)):
             continue
         for pair in itertools.product(shards, repeat=2):
             nxt = tuple(pair[(a, b).index(k)] if k in (a, b) else p for k, p in enumerate(cur))
-            if pair != src and after(nxt, (a, b)) and _fits(shape, degrees, nxt):
+            if pair != src and after(nxt, (a, b)):
                 out.append((Exchange((a, b), src, pair), nxt))  # type: ignore[arg-type]
     return out
 
@@ -133,13 +124,14 @@ def after_move(cur: Sequence[Placement], move: Move) -> tuple[Placement, ...]:
 def move_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], coords: Sequence[int],
                cur: Sequence[Placement], move: Move) -> int:
     """Bytes the rank at ``coords`` sends in ``move`` from the layout ``cur`` (``cost.sharding``)."""
-    sl = local_slices(shape, degrees, coords, cur)
-    numel = int(np.prod([s.stop - s.start for s in sl]))
+    names = [str(p) for p in cur]
     if isinstance(move, Step):
-        return step_bytes(str(move.src), str(move.dst), numel, itemsize, degrees[move.axis], coords[move.axis])
-    new = local_slices(shape, degrees, coords, after_move(cur, move))
-    kept = int(np.prod([max(0, min(s.stop, t.stop) - max(s.start, t.start)) for s, t in zip(sl, new, strict=True)]))
-    return exchange_bytes(numel, kept, itemsize)
+        numel, sizes = step_sizes(shape, degrees, coords, names, move.axis, str(move.dst))
+        return step_bytes(names[move.axis], str(move.dst), numel, itemsize, degrees[move.axis], coords[move.axis],
+                          sizes)
+    mine = piece_bounds(shape, degrees, coords, names)
+    new = piece_bounds(shape, degrees, coords, [str(p) for p in after_move(cur, move)])
+    return exchange_bytes(overlap(mine, mine), overlap(mine, new), itemsize)
 
 
 def plan_bytes(shape: Sequence[int], itemsize: int, degrees: Sequence[int], src: Sequence[Placement],
@@ -181,7 +173,7 @@ def cheapest(shape: tuple[int, ...], itemsize: int, degrees: tuple[int, ...], sr
             return tuple(reversed(moves)), cost
         if (cost, n) > best[cur]:
             continue
-        for move, nxt in _moves(shape, degrees, cur):
+        for move, nxt in _moves(len(shape), cur):
             here = (cost + _busiest(shape, itemsize, degrees, cur, move), n + 1)
             if here < best.get(nxt, (float("inf"), 0)):
                 best[nxt], back[nxt] = here, (cur, move)

@@ -19,8 +19,8 @@ first (split alone in A, or alike in both). Any other pair is made legal by redi
 both inputs to a rule's pair first (``minipar.sharding.redistribute``); its cost is the bytes of
 those redistributions (``minipar.sharding.plan.plan_bytes`` over the cheapest plan's moves).
 ``matmul_strategies`` lists every legal strategy with its cost; ``ops.matmul`` runs the cheapest. A
-rule whose pair would split a dimension unevenly (``k = 5`` on 2 ranks rules out ``S(1) x S(0)``) is
-not legal and is left out; ``B x B`` always is.
+rule whose pair cuts a dimension unevenly (``k = 5`` on 2 ranks: 3 + 2) is legal: ``A``, ``B`` and ``C``
+cut a shared dimension alike (``tensor.py``), so each local product is still the rank's piece.
 
 Cost, and ties. A strategy's ``bytes`` is the most any one rank of the mesh sends for its
 redistributions (every rank computes the same number, so every rank picks the same strategy, with no
@@ -52,7 +52,7 @@ redistributed first), ``B`` from ``B, B``. The same chooser costs and orders the
 
 Refused, with ``ValueError`` on every rank before any message: a matmul of other ranks or unequal
 batch dimensions, inner dimensions that differ, shapes that do not broadcast, inputs on different
-meshes or axes. Uneven splits are already refused when the inputs are made.
+meshes or axes.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def elementwise_rules(op: str, shapes: Sequence[Sequence[int]], out_shape: Seque
         for sh in shapes:
             di = d - (len(out_shape) - len(sh))
             ins.append(Shard(di) if di >= 0 and sh[di] != 1 else B)
-        rules.append((tuple(ins), Shard(d)))
+        if any(p != B for p in ins):  # a dimension of 1 everywhere: no input holds a piece of it
+            rules.append((tuple(ins), Shard(d)))
     rules += [((P, B), P), ((B, P), P)] if op == "mul" else [((P, P), P)]
     return [*rules, ((B, B), B)]
 

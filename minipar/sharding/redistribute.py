@@ -12,6 +12,11 @@ piece (``minipar.cost.sharding.TABLE``):
   full size instead: no message, the same memory; here the all-gather keeps every step one of the
   table's collectives.) ``P -> P``, ``B -> B``, ``S(i) -> S(i)``: nothing.
 
+Uneven cuts (``tensor.py``: ``ceil(n/p)`` rows a piece, the last shorter or empty) need no padding: the
+ring all-gather passes pieces of any length; a reduce-scatter or all-to-all to unequal blocks runs as
+one pairwise exchange over the axis (``_pairwise``), each rank sending every other member the part of
+its piece that member keeps, the bytes of the collective (``cost.sharding.step_bytes``'s ``sizes``).
+
 Order of the steps (``greedy``). With the tile order of ``tensor.py`` (an earlier axis cuts larger
 blocks), a step on axis ``k`` is a plain collective only when ``k`` is the last axis sharding the
 dimension it gathers, and the last axis sharding the dimension it splits once it has. For each
@@ -39,9 +44,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from minipar.cost.sharding import shard_bounds
 from minipar.sharding import agree
 from minipar.sharding.placement import Placement, Replicate, Shard, describe
-from minipar.sharding.plan import Exchange, Move, Step, after_move, cheapest, legal, sharding_axes
+from minipar.sharding.plan import Move, Step, after_move, cheapest, legal, sharding_axes
 from minipar.sharding.tensor import GlobalTensor, check_layout, local_slices
 
 PLANS = ("cheapest", "greedy")
@@ -83,8 +89,28 @@ def plan_text(src: Sequence[Placement], dst: Sequence[Placement], name: str) -> 
     return [f"{s.collective.replace('_', '-')} {name}" for s in greedy(src, dst) if s.collective != "none"]
 
 
-def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
-    """One single-axis step on this rank's piece."""
+def _members(t: GlobalTensor, placements: Sequence[Placement], axis: int) -> list[tuple[slice, ...]]:
+    """The pieces of the ranks that differ from this one only on ``axis`` (by coordinate there)."""
+    return [local_slices(t.shape, t.degrees, [*t.coords[:axis], m, *t.coords[axis + 1:]], placements)
+            for m in range(t.degrees[axis])]
+
+
+def _even(local: np.ndarray, step: Step, cur: Sequence[Placement], t: GlobalTensor) -> bool:
+    """Whether the axis's collective sees equal blocks: the split dimension divides, and (all-to-all)
+    every member's piece has this one's shape."""
+    p, dst = t.degrees[step.axis], step.dst
+    assert isinstance(dst, Shard)
+    if local.shape[dst.dim] % p:
+        return False
+    shapes = {tuple(s.stop - s.start for s in piece) for piece in _members(t, cur, step.axis)}
+    return step.collective != "all_to_all" or len(shapes) == 1
+
+
+def _apply(local: np.ndarray, step: Step, cur: Sequence[Placement], t: GlobalTensor) -> np.ndarray:
+    """One single-axis step on this rank's piece, from the layout ``cur``. Uneven blocks: an all-gather
+    of unequal pieces is the ring's (shapes travel in headers); a reduce-scatter or all-to-all to
+    unequal blocks is a pairwise exchange over the axis (``_pairwise``: the same bytes per rank as the
+    ring and the pairwise collective, every part but the rank's own)."""
     comm = t.mesh[t.axes[step.axis]]
     p, c = comm.size, comm.rank
     src, dst, how = step.src, step.dst, step.collective
@@ -92,6 +118,8 @@ def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
         return local
     if how == "allreduce":
         return comm.allreduce(local, op="sum")
+    if how in ("reduce_scatter", "all_to_all") and not _even(local, step, cur, t):
+        return _pairwise(local, (step.axis,), cur, after_move(cur, step), t, how)
     if how == "reduce_scatter":
         assert isinstance(dst, Shard)
         out = comm.reduce_scatter(np.moveaxis(local, dst.dim, 0), op="sum")
@@ -106,21 +134,27 @@ def _apply(local: np.ndarray, step: Step, t: GlobalTensor) -> np.ndarray:
         return np.concatenate(list(got), axis=src.dim)  # blocks by source coordinate
     if how == "slice":
         assert isinstance(dst, Shard)
-        return np.split(local, p, axis=dst.dim)[c].copy()
+        index = [slice(None)] * local.ndim
+        index[dst.dim] = slice(*shard_bounds(local.shape[dst.dim], p, c))
+        return local[tuple(index)].copy()
     if how == "zero":
         return local if c == 0 else np.zeros_like(local)
     raise AssertionError(f"no single step {src} -> {dst} ({how})")
 
 
-def _exchange(local: np.ndarray, move: Exchange, cur: Sequence[Placement], t: GlobalTensor) -> np.ndarray:
-    """A two-axis exchange on this rank's piece: pairwise over the flattened group (member ``g`` at
-    coordinates ``divmod(g, pb)`` on the two axes), in step ``k`` sending to member ``g + k`` the part of
-    this piece its new piece holds and receiving from ``g - k``; empty parts are not sent."""
-    (a, b), new = move.axes, after_move(cur, move)
-    pb, q, me = t.degrees[b], t.degrees[a] * t.degrees[b], t.coords[a] * t.degrees[b] + t.coords[b]
+def _pairwise(local: np.ndarray, group: Sequence[int], cur: Sequence[Placement], new: Sequence[Placement],
+              t: GlobalTensor, op: str) -> np.ndarray:
+    """A pairwise exchange over the flattened group of the axes ``group`` (member ``g`` at the
+    coordinates ``np.unravel_index(g, degrees)`` there): in step ``k`` this rank sends member ``g + k``
+    the part of its piece (layout ``cur``) that member's new piece (layout ``new``) holds, and receives
+    from ``g - k``; empty parts are not sent. ``op="reduce_scatter"`` (from a partial sum) adds what it
+    receives to its own part; ``"all_to_all"`` (a two-axis exchange, or an uneven split) places it."""
+    names, degrees = [t.axes[a] for a in group], [t.degrees[a] for a in group]
+    q = int(np.prod(degrees))
+    me = int(np.ravel_multi_index([t.coords[a] for a in group], degrees))
 
     def member(g: int) -> dict[str, int]:
-        return dict(t.mesh.coords, **dict(zip((t.axes[a], t.axes[b]), divmod(g, pb), strict=True)))
+        return dict(t.mesh.coords, **dict(zip(names, (int(i) for i in np.unravel_index(g, degrees)), strict=True)))
 
     def piece(g: int, placements: Sequence[Placement]) -> tuple[slice, ...]:
         coords = member(g)
@@ -134,7 +168,7 @@ def _exchange(local: np.ndarray, move: Exchange, cur: Sequence[Placement], t: Gl
         return tuple(slice(x - o.start, y - o.start) for x, y, o in zip(lo, hi, origin, strict=True))
 
     mine, target = piece(me, cur), piece(me, new)
-    out = np.empty(tuple(s.stop - s.start for s in target), dtype=local.dtype)
+    out = np.zeros(tuple(s.stop - s.start for s in target), dtype=local.dtype)
     own = part(mine, target, target)
     if own is not None:
         out[own] = local[part(mine, target, mine)]
@@ -142,14 +176,15 @@ def _exchange(local: np.ndarray, move: Exchange, cur: Sequence[Placement], t: Gl
     for k in range(1, q):
         to, frm = (me + k) % q, (me - k) % q
         send, recv = part(mine, piece(to, new), mine), part(piece(frm, cur), target, target)
-        rreq = None if recv is None else world.irecv(t.mesh.shape.rank_of(**member(frm)), op="all_to_all",
+        rreq = None if recv is None else world.irecv(t.mesh.shape.rank_of(**member(frm)), op=op,
                                                       algorithm="pairwise")
         sreq = None if send is None else world.isend(np.ascontiguousarray(local[send]),
-                                                      t.mesh.shape.rank_of(**member(to)), op="all_to_all",
+                                                      t.mesh.shape.rank_of(**member(to)), op=op,
                                                       algorithm="pairwise")
         if rreq is not None:
             assert recv is not None
-            out[recv] = rreq.wait()
+            got = rreq.wait()
+            out[recv] = out[recv] + got if op == "reduce_scatter" else got
         if sreq is not None:
             sreq.wait()
     return out
@@ -158,10 +193,10 @@ def _exchange(local: np.ndarray, move: Exchange, cur: Sequence[Placement], t: Gl
 def redistribute(t: GlobalTensor, placements: Sequence[Placement], plan: str = "cheapest") -> GlobalTensor:
     """The same global tensor over the same axes with ``placements`` (one per axis), by the moves of
     ``minipar.sharding.plan.cheapest`` (``plan="cheapest"``) or this module's fixed order
-    (``plan="greedy"``). A list that does not match the axes or splits a dimension unevenly raises
-    ``ValueError`` on every rank before any message. Where no step changes the piece (nothing to do,
-    ``B -> P`` at coordinate 0) the result shares the input's array, as DTensor returns the tensor
-    itself: copy before writing into it."""
+    (``plan="greedy"``). A list that does not match the axes raises ``ValueError`` on every rank before
+    any message; a dimension its axes do not divide is cut unevenly (``tensor.py``). Where no step
+    changes the piece (nothing to do, ``B -> P`` at coordinate 0) the result shares the input's array,
+    as DTensor returns the tensor itself: copy before writing into it."""
     placements = tuple(placements)
     if plan not in PLANS:
         raise ValueError(f"redistribute: plan={plan!r}; choose one of {PLANS}")
@@ -173,9 +208,9 @@ def redistribute(t: GlobalTensor, placements: Sequence[Placement], plan: str = "
     for move in moves:
         if isinstance(move, Step):
             assert legal(move, cur), (move, cur)
-            local = _apply(local, move, t)
+            local = _apply(local, move, cur, t)
         else:
-            local = _exchange(local, move, cur, t)
+            local = _pairwise(local, move.axes, cur, after_move(cur, move), t, "all_to_all")
         cur = after_move(cur, move)
     out = np.require(local, requirements="C")  # 0-d stays 0-d
     return GlobalTensor(out, t.shape, t.mesh, t.axes, placements, check=False)  # t checked, the move ran everywhere

@@ -3,15 +3,19 @@
 A tensor names the mesh ``axes`` its placements refer to, in order (``("dp", "tp")``), and one
 placement per axis. Each rank holds only its piece (``local``):
 
-- along a dimension ``d`` sharded by the axes ``a_1 < ... < a_m`` (in the order of ``axes``), the
-  piece is block ``((c_1 d_2 + c_2) d_3 + c_3) ...`` of ``shape[d] / (d_1 ... d_m)`` rows, ``c_i`` being
-  the rank's coordinate and ``d_i`` the degree of ``a_i``: the first axis splits into the largest
-  blocks, the next splits each of those (DTensor's and GSPMD's order of tiles);
+- along a dimension ``d`` sharded by the axes ``a_1 < ... < a_m`` (in the order of ``axes``), axis
+  ``a_1`` cuts the ``shape[d]`` rows into ``d_1`` pieces, ``a_2`` cuts the piece of coordinate ``c_1``
+  into ``d_2``, and so on (``c_i`` the rank's coordinate, ``d_i`` the degree of ``a_i``): the first axis
+  splits into the largest blocks, the next splits each of those (DTensor's and GSPMD's order of
+  tiles). When the degrees divide, the piece is block ``((c_1 d_2 + c_2) d_3 + c_3) ...`` of
+  ``shape[d] / (d_1 ... d_m)`` rows;
+- a cut that does not divide is uneven as in PyTorch DTensor: ``ceil(n/p)`` rows per piece, the last
+  ones shorter, possibly empty (5 rows on 2 ranks: 3, 2; 4 rows on 3 ranks: 2, 2, 0;
+  ``cost.sharding.shard_bounds``);
 - along ``Partial`` axes the pieces add up to the tensor; along ``Replicate`` axes they are equal.
 
-Uneven splits are refused: a dimension that its axes' degrees do not divide raises ``ValueError``,
-as does a placement list that does not match the axes. The checks depend only on the arguments every
-rank passes alike, so every rank raises the same message before any message is sent. Whether they
+A placement list that does not match the axes raises ``ValueError``. The checks depend only on the
+arguments every rank passes alike, so every rank raises the same message before any message is sent. Whether they
 did pass the same is checked when a caller makes a tensor: ranks holding another mesh, shape or
 placements all raise one ``ValueError`` naming them (``agree.py``; one small untraced collective).
 """
@@ -23,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from minipar.cost.sharding import piece_bounds
 from minipar.mesh import AXES, DeviceMesh, MeshShape
 from minipar.sharding import agree
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 
 
 def check_layout(shape: Sequence[int], mesh: MeshShape, axes: Sequence[str], placements: Sequence[Any]) -> None:
-    """``ValueError`` unless ``placements`` give one valid placement per named mesh axis and every
-    sharded dimension divides evenly by the product of its axes' degrees."""
+    """``ValueError`` unless ``placements`` give one valid placement per named mesh axis (any sizes: a
+    cut that does not divide is uneven, module docstring)."""
     axes, placements = tuple(axes), tuple(placements)
     bad = [a for a in axes if a not in AXES]
     if bad or not axes:
@@ -46,29 +51,13 @@ def check_layout(shape: Sequence[int], mesh: MeshShape, axes: Sequence[str], pla
         if isinstance(p, Shard) and p.dim >= len(shape):
             raise ValueError(f"sharding: {p} in {describe(placements)} names dimension {p.dim} but the tensor "
                              f"of shape {tuple(shape)} has {len(shape)}")
-    degrees = mesh.degrees()
-    for d in range(len(shape)):
-        on = [a for a, p in zip(axes, placements, strict=True) if p == Shard(d)]
-        parts = int(np.prod([degrees[a] for a in on]))
-        if shape[d] % parts:
-            split = " x ".join(f"{a}={degrees[a]}" for a in on)
-            raise ValueError(f"sharding: dimension {d} of shape {tuple(shape)} is split over {split} = {parts} "
-                             f"ranks but {shape[d]} is not divisible by {parts}; uneven splits are refused "
-                             "(pad the tensor or choose a divisible size)")
 
 
 def local_slices(shape: Sequence[int], degrees: Sequence[int], coords: Sequence[int],
                  placements: Sequence[Placement]) -> tuple[slice, ...]:
-    """The global index of the piece held at ``coords`` (one per axis, with the axes' ``degrees``)."""
-    out = []
-    for d, n in enumerate(shape):
-        index, parts = 0, 1
-        for deg, c, p in zip(degrees, coords, placements, strict=True):
-            if p == Shard(d):
-                index, parts = index * deg + c, parts * deg
-        size = n // parts
-        out.append(slice(index * size, (index + 1) * size))
-    return tuple(out)
+    """The global index of the piece held at ``coords`` (one per axis, with the axes' ``degrees``):
+    ``cost.sharding.piece_bounds``, uneven cuts included."""
+    return tuple(slice(a, b) for a, b in piece_bounds(shape, degrees, coords, [str(p) for p in placements]))
 
 
 class GlobalTensor:
