@@ -29,10 +29,9 @@ the attention's and the MLP's output linears (row parallel) the input's and the 
 from __future__ import annotations
 
 from minipar.cost.collectives import allreduce_bytes
-from minipar.cost.zero import BYTES_PER_ELEMENT
+from minipar.cost.zero import precision_bytes
 
 RECIPES = ("fp32", "fp16 + loss scale", "bf16", "bf16, fp32 reduce", "fp8")
-_MIXED = BYTES_PER_ELEMENT["mixed"]  # fp16 (and bf16): parameters 2, gradients 2, m + v 8, master 4
 
 
 def _check(who: str, recipe: str) -> None:
@@ -45,9 +44,9 @@ def state_bytes(recipe: str) -> dict[str, int]:
     _check("state_bytes", recipe)
     if recipe == "fp32":
         return {"parameters": 4, "gradients": 4, "optimizer state": 8}  # AdamW updates the parameters in place
-    out = dict(_MIXED)
-    if recipe == "bf16, fp32 reduce":
-        out["gradients"] = 4
+    precision, reduce = {"fp16 + loss scale": ("mixed", None), "bf16": ("bf16", None),
+                         "bf16, fp32 reduce": ("bf16", "fp32"), "fp8": ("bf16", None)}[recipe]
+    out = precision_bytes(precision, reduce)  # one home: the ZeRO wrappers' own counts (cost.zero)
     if recipe == "fp8":
         out["fp8 weights"] = 1
     return out
