@@ -198,9 +198,10 @@ def dpu_table(results: dict[str, Any], clock: common.Clock) -> tuple[Table, str]
     parts = {c.short: {r: views.step_parts(c.of(results[r]["trace"])) for r in runs} for c in (replayed, wall)}
     rp, wp = parts["replayed"], parts["wall clock"]
     rest = max(0.0, rp["offload"]["step"] - rp["offload"]["fb"] - rp["offload"]["adam"])
-    table = Table(title=f"one step in ms (rank 0, median of steps 1..; replayed on {replayed.cluster.name})",
+    table = Table(title=f"one step in ms (rank 0, median of steps 1..; replayed on {replayed.cluster.name}; wall: "
+                        "the wall clock)",
                   title_justify="left")
-    for col in ("run", "F+B", "AdamW", "step replayed", "modelled", "step wall clock"):
+    for col in ("run", "F+B", "AdamW", "step replayed", "model", "wall"):
         table.add_column(col, justify="right")
     for r in runs:
         p = rp[r]
