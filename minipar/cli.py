@@ -212,7 +212,7 @@ def _configure_calibrate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from minipar.calibrate import run_calibration
+    from minipar.calibrate import run_calibration, tiers_path
     from minipar.testing import HarnessError
 
     if args.ranks < 2:
@@ -221,15 +221,19 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"-n {args.ranks}: calibrate runs at most {MAX_RANKS} ranks on this machine")
     check_writable(args.output, "-o")
     try:
-        measured = run_calibration(args.ranks, args.backend, quick=args.quick)
+        measured = run_calibration(args.ranks, args.backend, quick=args.quick,
+                                   disk_dir=os.path.dirname(os.path.abspath(args.output)))  # the disk it goes to
     except HarnessError as exc:
         raise UsageError(f"calibration failed under mpiexec -n {args.ranks}: {str(exc).splitlines()[0]}") from None
     print(measured.table())
+    written = [args.output] + ([tiers_path(args.output)] if measured.tiers is not None else [])
     try:
         measured.cluster.save(args.output)
+        if measured.tiers is not None:  # the memory tiers' rates beside it (lesson 07 reads them)
+            measured.tiers.save(written[1])
     except OSError as exc:
         raise UsageError(f"cannot write output {args.output} (-o): {exc.strerror or exc}") from None
-    print(f"wrote {args.output}", file=sys.stderr)
+    print(f"wrote {', '.join(written)}", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ refusal, the CLI, and one run under mpiexec."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -247,6 +248,11 @@ def test_cli_quick_writes_a_loadable_file(tmp_path, capsys):
     _check_cluster(c, 2, "threads")
     text = capsys.readouterr().out
     assert f"{c.intra.alpha * 1e6:.1f} us" in text and f"{c.flops / 1e9:.2f}" in text
+    # the tiers' rates beside it, measured on the output's disk; lesson 07 reads them for --cluster c.json
+    tiers = Bandwidth.load(tiers_path(str(out)))
+    assert tiers.nvme_write > 0 and tiers.nvme_read > 0
+    lesson = importlib.import_module("lessons.07_offload.lesson")
+    assert lesson.measured_bandwidth(_Alone(), calibrated=tiers_path(str(out))) == tiers
 
 
 def test_cli_refuses_one_rank(tmp_path, capsys):
@@ -267,3 +273,12 @@ def test_cli_under_mpiexec_two_ranks(tmp_path):
     # which a loaded machine can give: the fit is non-negative least squares)
     bandwidth = f"{1 / c.intra.beta / 1e9:.2f} GB/s" if c.intra.beta else "inf"
     assert f"{c.intra.alpha * 1e6:.1f} us" in proc.stdout and bandwidth in proc.stdout
+
+
+class _Alone:
+    """A world of one rank, enough for ``measured_bandwidth``."""
+
+    rank = 0
+
+    def allgather_object(self, x):
+        return [x]

@@ -9,7 +9,8 @@ CPU is numpy memory, NVMe is real files (preallocated, page-aligned, O_DIRECT) r
 thread pool. Every copy between tiers is a "transfer" trace event with its measured time and the
 ``Bandwidth`` model's (``minipar.cost.offload.transfer_seconds``: latency + bytes / bandwidth per
 request), at this machine's rates measured when the lesson starts (``minipar.tiers.rates.measure``:
-the disk's requests, the copies, the tier's own one-page moves).
+the disk's requests, the copies, the tier's own one-page moves), or those ``minipar calibrate -o
+FILE`` wrote beside its cluster file (``FILE.tiers.json``) when the lesson runs with ``--cluster FILE``.
 
 ZeRO-Offload (Ren et al. 2021, Sec. 3-5; ``minipar/parallel/offload/zero_offload.py``) keeps the
 parameters and forward/backward on the device and moves the rest to the CPU: the gradients stream
@@ -55,10 +56,12 @@ import numpy as np
 from lessons import common
 from lessons.common import console as make_console
 from minipar import trace as mtrace
+from minipar.calibrate import tiers_path
 from minipar.cost import offload as formulas
 from minipar.cost import zero as zero_formulas
 from minipar.nn import GPT
 from minipar.parallel.offload import compare, offload_device_need
+from minipar.replay import PRESETS
 from minipar.tiers import Bandwidth, Tiers
 from minipar.tiers import rates as tier_rates
 from viz import offload as views
@@ -85,11 +88,14 @@ def model(precision: str = "fp64") -> GPT:
     return GPT(VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF, seed=0, dtype=dtype)
 
 
-def measured_bandwidth(comm: Any, out: Path = OUT) -> Bandwidth:
-    """The tier model of this machine, measured now by rank 0 (the others wait) under ``out``: the disk's
-    requests and the copies, latency + bytes / bandwidth (``minipar.tiers.rates.measure``, quick)."""
-    bw = tier_rates.measure(str(out), tier_rates.QUICK_SIZES, 3) if comm.rank == 0 else None
-    return comm.allgather_object(bw)[0]
+def measured_bandwidth(comm: Any, out: Path = OUT, calibrated: str | None = None) -> Bandwidth:
+    """The tier model of this machine: the rates ``minipar calibrate`` wrote to ``calibrated`` (a
+    ``.tiers.json`` file) if it exists, else measured now by rank 0 (the others wait) under ``out``: the
+    disk's requests and the copies, latency + bytes / bandwidth (``minipar.tiers.rates.measure``, quick)."""
+    if comm.rank == 0:
+        bw = Bandwidth.load(calibrated) if calibrated and os.path.exists(calibrated) else \
+            tier_rates.measure(str(out), tier_rates.QUICK_SIZES, 3)
+    return comm.allgather_object(bw if comm.rank == 0 else None)[0]
 
 
 def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path = OUT,
@@ -127,10 +133,11 @@ def train(comm: Any, run: str = "offload", steps: int = 4, trace_path: str | os.
                                  delayed=run == "dpu", in_memory=run == "zero2", loss_scale=MIXED_SCALE, meta=meta)
 
 
-def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[str, Any]:
+def run_all(comm: Any, steps: int, out: Path = OUT, calibrated: str | None = None) -> dict[str, Any]:
     """The tour, the four ZeRO runs, ZeRO-Infinity, the chunks (rank 0 alone) and the budget sweep
-    (traces under ``out``), and the too-small budget's message; rank 0's results."""
-    bw = measured_bandwidth(comm, out)
+    (traces under ``out``), and the too-small budget's message; rank 0's results. ``calibrated``: the
+    tier rates file of ``measured_bandwidth``."""
+    bw = measured_bandwidth(comm, out, calibrated)
     results: dict[str, Any] = {"bandwidth": bw, "tour": tour(comm, out / "tiers.json", out, bw)}
     for run in RUNS:
         results[run] = train(comm, run, steps, out / f"{run}.json", bandwidth=bw)
@@ -277,7 +284,8 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     console = make_console()
     n, lead = comm.size, comm.rank == 0
     common.shared_folder(comm, OUT)
-    results = run_all(comm, steps)
+    calibrated = None if clock.cluster_spec in PRESETS else tiers_path(clock.cluster_spec)  # minipar calibrate's
+    results = run_all(comm, steps, calibrated=calibrated)
     if not lead:
         return
     section = common.sections(console)
