@@ -45,6 +45,7 @@ from numbers import Integral
 from minipar.checks import counts, number, whole, wholes
 from minipar.cost.collectives import allreduce_bytes
 from minipar.cost.data import ddp_bytes
+from minipar.cost.sharding import shard_bounds
 
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}  # the paper's Table 1 columns
@@ -187,6 +188,30 @@ def zero_traffic_bytes(numels: list[int], stage: int, dp: int, itemsize: int = 8
         gathers = 1 if stage < 3 else 2 if reshard_after_forward and i != root else 1  # + one reduce-scatter
         total += (dp - 1) * (padded(n, dp) // dp) * (gathers * itemsize + grad)
     return total
+
+
+def fsdp2_traffic_bytes(units: Sequence[Sequence[Sequence[int]]], dp: int, itemsize: int = 8, rank: int = 0,
+                        reshard_after_forward: bool = True) -> int:
+    """Exact bytes ``rank`` sends in one step of FSDP2 (``parallel.zero.fsdp2``): ``units`` lists each
+    unit's parameter shapes, each parameter placed ``Shard(0)`` over N = ``dp`` ranks, cut as DTensor
+    cuts (``cost.sharding.shard_bounds``: rank m holds ``s_m`` of its ``n`` elements, no padding). Per
+    parameter, the all-gather (twice with ``reshard_after_forward``: before forward and before
+    backward) sends every piece but the successor's, ``n - s_{rank+1}``, and the gradient's
+    reduce-scatter every part but its own, ``n - s_rank``. Equal to ``zero_traffic_bytes(..., stage=3)``
+    when N divides every first dimension and every unit (no padding on either side)."""
+    _check_dp("fsdp2_traffic_bytes", dp)
+    whole("fsdp2_traffic_bytes", "itemsize", itemsize)
+    if not 0 <= rank < dp:
+        raise ValueError(f"fsdp2_traffic_bytes: rank={rank} is not one of the N={dp} ranks")
+    gathers, total = 2 if reshard_after_forward else 1, 0
+    for shape in (tuple(s) for unit in units for s in unit):
+        if not shape or counts("fsdp2_traffic_bytes", "a parameter's shape", shape)[0] == 0:
+            raise ValueError(f"fsdp2_traffic_bytes: shape {shape} has no first dimension to shard; give each "
+                             "parameter's shape, e.g. (5, 4)")
+        n = math.prod(shape)
+        piece = [n // shape[0] * (b - a) for a, b in (shard_bounds(shape[0], dp, m) for m in range(dp))]
+        total += gathers * (n - piece[(rank + 1) % dp]) + (n - piece[rank])
+    return total * itemsize if dp > 1 else 0
 
 
 def zero_traffic_by_op(numels: list[int], stage: int, dp: int, itemsize: int = 8,

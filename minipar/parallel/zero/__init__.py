@@ -6,6 +6,8 @@ state, gradients and parameters partitioned over the ranks.
 - ``stages.py``: ``ZeroDataParallel``, stages 1 (optimizer state) and 2 (+ gradients, reduce-scattered
   bucket by bucket during backward).
 - ``fsdp.py``: ``FullyShardedDataParallel``, stage 3 (+ parameters), unit by unit with prefetching.
+- ``fsdp2.py``: ``fully_shard`` (FSDP2): the same units, each parameter a ``Shard(0)`` global tensor on
+  the mesh's dp axis (``minipar.sharding``), uneven where N does not divide its first dimension.
 - ``checkpoint.py``: sharded checkpoints, written atomically, loadable at another world size.
 
 What each stage costs (bytes of model states per rank, bytes sent per step) is in ``minipar.cost.zero``.

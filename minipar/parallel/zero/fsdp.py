@@ -81,6 +81,11 @@ class Unit:
         self.reshard()
 
     @property
+    def shards(self) -> list[Tensor]:
+        """The tensors AdamW updates on this rank: the unit's one flat shard."""
+        return [self.shard]
+
+    @property
     def gathered_bytes(self) -> int:
         """Bytes of gathered parameters beside the shard (none on one rank: the shard is the whole)."""
         full = self.full.nbytes if self.full is not None and self.full is not self.shard.data else 0
@@ -204,17 +209,21 @@ class FullyShardedDataParallel:
             self.replicas = comm.split(comm.rank % shard_group)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         wire = reduce_dtype_of(precision, reduce_dtype)
-        self.units = [Unit(i, name, list(m.named_parameters(name + ".")), self.shards, module.seed, self.replicas,
-                           wire) for i, (name, m) in enumerate(wrapped)]
+        self.units = self._make_units(wrapped, module.seed, wire)
         for unit, (_, m) in zip(self.units, wrapped, strict=True):
             m.forward = self._wrap(unit, m.forward)  # an instance attribute: the class's forward stays
             for j, p in enumerate(unit.params):
                 p.register_hook(lambda _p, u=unit, j=j: self._on_grad_ready(u, j))
-        self.optimizer = ShardedAdamW([u.shard for u in self.units], self.shards, precision, lr, betas, eps,
+        self.optimizer = ShardedAdamW([s for u in self.units for s in u.shards], self.shards, precision, lr, betas, eps,
                                       weight_decay, max_grad_norm, loss_scale, growth_interval)
         self.order: list[Unit] = []  # the units in the order this forward runs them
         self.last_order: list[Unit] = []  # ... and the last forward ran them (forward prefetch)
         self._sample()
+
+    def _make_units(self, wrapped: list[tuple[str, Module]], seed: int, wire: np.dtype) -> list[Any]:
+        """One flat ``Unit`` per wrapped module (FSDP2, ``fsdp2.py``, makes per-parameter ones)."""
+        return [Unit(i, name, list(m.named_parameters(name + ".")), self.shards, seed, self.replicas, wire)
+                for i, (name, m) in enumerate(wrapped)]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -326,9 +335,10 @@ class FullyShardedDataParallel:
         """Bytes this rank holds now: parameter, gradient and optimizer-state shards (with the fp32
         master in mixed precision), the full gradients of the unit in backward until they are
         reduce-scattered, and the gathered units (unsharded or on their way)."""
-        return {"parameters": sum(u.shard.data.nbytes for u in self.units),
+        shards = [s for u in self.units for s in u.shards]
+        return {"parameters": sum(s.data.nbytes for s in shards),
                 "gradients": sum(p.grad.nbytes for p in self.module.parameters() if p.grad is not None)
-                + sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None),
+                + sum(s.grad.nbytes for s in shards if s.grad is not None),
                 **self.optimizer.state_bytes(),
                 "gathered units": sum(u.gathered_bytes for u in self.units)}
 
