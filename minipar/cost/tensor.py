@@ -2,7 +2,9 @@
 
 The measurements in the tests and in lesson 04 are held against these numbers. ``t`` ranks,
 tokens ``(batch b, seq s)``, width ``d``, ``H`` heads, MLP width ``d_ff``, ``L`` blocks, vocabulary
-``V``, ``w`` bytes per number. ``A = s b d w`` is one activation of the residual stream.
+``V``, ``w`` bytes per number (2 for a bf16 model: its activations and their gradients travel in
+bf16, ``parallel.tensor.comm_ops``; the loss's statistics in float32). ``A = s b d w`` is one
+activation of the residual stream.
 
 Collectives (Shoeybi et al. 2019 Sec. 3; Korthikanti et al. 2022 Sec. 4.2.2), ring algorithms:
 - per block without sequence parallelism: 2 all-reduces of ``A`` forward (``g`` after attention and
@@ -73,22 +75,27 @@ def sequence_parallel_params(seq_len: int, d: int, n_layers: int) -> int:
 
 def expected_bytes(t: int, batch: int, seq: int, d: int, n_layers: int, itemsize: int = 8,
                    sequence_parallel: bool = False, seq_len: int | None = None,
-                   recompute: str = "none") -> dict[str, float]:
+                   recompute: str = "none", loss_itemsize: int | None = None) -> dict[str, float]:
     """Bytes each rank sends in one training step (forward, backward, ``sync_grads``), by op. Full
     recomputation runs every block's forward again in its backward, collectives included (Megatron
     does the same): ``collectives_per_block``'s forward calls once more per layer; selective
-    recomputes the attention core alone, which sends nothing."""
-    wholes("expected_bytes", t=t, batch=batch, seq=seq, d=d, n_layers=n_layers, itemsize=itemsize)
+    recomputes the attention core alone, which sends nothing. ``itemsize``: the activations' and
+    gradients' bytes per number (2 for a bf16 model); ``loss_itemsize`` the loss statistics'
+    (``itemsize`` unless given: a bf16 model's cross entropy runs in float32, 4)."""
+    loss_itemsize = itemsize if loss_itemsize is None else loss_itemsize
+    wholes("expected_bytes", t=t, batch=batch, seq=seq, d=d, n_layers=n_layers, itemsize=itemsize,
+           loss_itemsize=loss_itemsize)
     if seq_len is not None:
         whole("expected_bytes", "seq_len", seq_len)
     one_of("expected_bytes", "recompute", recompute, RECOMPUTE)
     a = seq * batch * d * itemsize
     if recompute == "full":
-        out = expected_bytes(t, batch, seq, d, n_layers, itemsize, sequence_parallel, seq_len)
+        out = expected_bytes(t, batch, seq, d, n_layers, itemsize, sequence_parallel, seq_len,
+                             loss_itemsize=loss_itemsize)
         for op, n in collectives_per_block(sequence_parallel)["forward"].items():
             out[op] += n_layers * n * ring_bytes(op, a, t)
         return out
-    loss = 3 * ring_bytes("allreduce", seq * batch * itemsize, t)
+    loss = 3 * ring_bytes("allreduce", seq * batch * loss_itemsize, t)
     if not sequence_parallel:
         calls = 4 * n_layers + 2  # blocks (2 forward, 2 backward), embedding, head input
         return {"allreduce": calls * ring_bytes("allreduce", a, t) + loss}

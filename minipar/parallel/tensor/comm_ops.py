@@ -26,6 +26,14 @@ Megatron's ``[seq, batch, hidden]``: rank r's sequence shard is rows ``[r T/t, (
 
 Costs per call on t ranks for an activation of n bytes (ring): ``f``/``g`` all-reduce sends
 2(t-1)/t n bytes per rank; the all-gather and the reduce-scatter send (t-1)/t n each.
+
+A bfloat16 model (``minipar.parallel.bf16``) communicates in its own dtype, as Megatron-LM does
+(activations and their gradients travel in the model's dtype): ``allreduce`` / ``reduce_scatter`` /
+``allgather`` below send bfloat16, 2 bytes an element. Gathered values are bf16 already (exact);
+a sum's terms (a row-parallel partial ``X_r A_r``, a column-parallel ``dX_r``, summed in float32
+by the GEMM) are rounded to bf16 before they leave, as a GPU's bf16 GEMM output is, and the ring
+rounds each partial sum to bf16 (``ml_dtypes`` adds in float32 and rounds). The vocabulary-parallel
+loss's statistics stay float32 (Megatron's cross entropy runs in fp32).
 """
 
 from __future__ import annotations
@@ -35,9 +43,35 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.autograd import Context, Function, Tensor
+from minipar.autograd import BF16, Context, Function, Tensor
 
 ALGORITHM = "ring"  # hand-written ring collectives: every message is in the trace
+
+
+def is_bf16(x: Tensor) -> bool:
+    """Whether ``x`` holds a bfloat16 model's values (a bf16 parameter or an op's bf16-rounded result)."""
+    return x._bf16 or x.data.dtype == BF16
+
+
+def allreduce(comm: Any, a: np.ndarray, bf16: bool) -> np.ndarray:
+    """Sum ``a`` over the group; with ``bf16`` in bfloat16 on the wire, back as float32 (module docstring)."""
+    if not bf16:
+        return comm.allreduce(a, op="sum", algorithm=ALGORITHM)
+    return comm.allreduce(a.astype(BF16), op="sum", algorithm=ALGORITHM).astype(np.float32)
+
+
+def reduce_scatter(comm: Any, a: np.ndarray, bf16: bool) -> np.ndarray:
+    """Sum ``a`` over the group, keep this rank's axis-0 shard; bfloat16 on the wire with ``bf16``."""
+    if not bf16:
+        return comm.reduce_scatter(a, op="sum", algorithm=ALGORITHM)
+    return comm.reduce_scatter(a.astype(BF16), op="sum", algorithm=ALGORITHM).astype(np.float32)
+
+
+def allgather(comm: Any, a: np.ndarray, bf16: bool) -> np.ndarray:
+    """Concatenate the ranks' ``a`` on axis 0; with ``bf16`` (values already bf16: exact) 2 bytes each."""
+    if not bf16:
+        return comm.allgather(a, algorithm=ALGORITHM)
+    return comm.allgather(a.astype(BF16), algorithm=ALGORITHM).astype(np.float32)
 
 
 class f(Function):  # the paper's name
@@ -56,29 +90,31 @@ class f(Function):  # the paper's name
 
 
 class g(Function):  # the paper's name
-    """Megatron's ``g``: all-reduce (sum of the ranks' partial outputs) forward, identity backward."""
+    """Megatron's ``g``: all-reduce (sum of the ranks' partial outputs) forward, identity backward.
+    ``bf16`` (given by ``exit_region``): the partial outputs are a bfloat16 model's, summed in bfloat16."""
 
     @staticmethod
-    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
-        return comm.allreduce(x, op="sum", algorithm=ALGORITHM)
+    def forward(ctx: Context, x: np.ndarray, comm: Any, bf16: bool | None = None) -> np.ndarray:
+        ctx.n = 1 if bf16 is None else 2  # arguments after x: a gradient (None) each
+        return allreduce(comm, x, bool(bf16))
 
     @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
-        return grad, None
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        return (grad, *[None] * ctx.n)
 
 
 class sp_reduce_scatter(Function):  # Korthikanti et al.'s ``g-bar``
     """Sequence-parallel ``g-bar``: reduce-scatter the partial sums along the sequence (axis 0)
-    forward, all-gather the shards' gradients backward. Replaces Megatron's ``g``."""
+    forward, all-gather the shards' gradients backward. Replaces Megatron's ``g``; ``bf16`` as ``g``'s."""
 
     @staticmethod
-    def forward(ctx: Context, x: np.ndarray, comm: Any) -> np.ndarray:
-        ctx.comm = comm
-        return comm.reduce_scatter(x, op="sum", algorithm=ALGORITHM)
+    def forward(ctx: Context, x: np.ndarray, comm: Any, bf16: bool) -> np.ndarray:
+        ctx.comm, ctx.bf16 = comm, bf16
+        return reduce_scatter(comm, x, bf16)
 
     @staticmethod
-    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray, None]:
-        return ctx.comm.allgather(grad, algorithm=ALGORITHM), None
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        return (allgather(ctx.comm, grad, ctx.bf16), None, None)
 
 
 class gather_last(Function):  # Megatron's gather_from_tensor_model_parallel_region
@@ -98,8 +134,9 @@ class gather_last(Function):  # Megatron's gather_from_tensor_model_parallel_reg
 
 
 def exit_region(x: Tensor, comm: Any, sequence_parallel: bool) -> Tensor:
-    """Out of a tensor-parallel region (partial sums): ``g`` (or ``sp_reduce_scatter``)."""
-    return sp_reduce_scatter.apply(x, comm) if sequence_parallel else g.apply(x, comm)
+    """Out of a tensor-parallel region (partial sums): ``g`` (or ``sp_reduce_scatter``), in bfloat16 for
+    a bf16 model's ``x``."""
+    return (sp_reduce_scatter if sequence_parallel else g).apply(x, comm, is_bf16(x))
 
 
 class ActivationMeter:

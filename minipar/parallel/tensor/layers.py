@@ -40,10 +40,10 @@ import numpy as np
 
 from minipar import functional as F
 from minipar import trace
-from minipar.autograd import Context, Function, Tensor
+from minipar.autograd import BF16, Context, Function, Tensor
 from minipar.nn import Module, Parameter
 from minipar.parallel.tensor import fp8 as tp_fp8
-from minipar.parallel.tensor.comm_ops import ALGORITHM, exit_region, gather_last
+from minipar.parallel.tensor.comm_ops import ALGORITHM, allgather, allreduce, exit_region, gather_last, reduce_scatter
 
 
 def _split(n: int, t: int, rank: int, what: str, fix: str) -> tuple[int, int]:
@@ -79,7 +79,7 @@ class ColumnParallelMatmul(Function):
         weights, biases = params[:n], params[n:]
         ctx.comm, ctx.sp, ctx.weights = comm, sequence_parallel, weights
         ctx.save_for_backward(x)
-        whole = comm.allgather(x, algorithm=ALGORITHM) if sequence_parallel else x
+        whole = allgather(comm, x, weights[0].dtype == BF16) if sequence_parallel else x
         outs = [whole @ w if b is None else whole @ w + b for w, b in zip(weights, biases, strict=True)]
         return outs[0] if n == 1 else np.concatenate(outs, axis=-1)
 
@@ -92,7 +92,7 @@ class ColumnParallelMatmul(Function):
         if any(want_w) or any(want_b):
             if ctx.sp:
                 trace.mark("re-gather", nbytes=x.nbytes)
-            whole = ctx.comm.allgather(x, algorithm=ALGORITHM) if ctx.sp else x
+            whole = allgather(ctx.comm, x, ctx.weights[0].dtype == BF16) if ctx.sp else x
         edges = np.cumsum([w.shape[1] for w in ctx.weights])[:-1]
         d_weights, d_biases = [None] * n, [None] * n
         dx = np.zeros((x.shape[0] * ctx.comm.size if ctx.sp else x.shape[0], *x.shape[1:]), dtype=grad.dtype)
@@ -105,10 +105,7 @@ class ColumnParallelMatmul(Function):
                 dx += g @ w.T
         if not want_x:
             return (None, None, None, *d_weights, *d_biases)
-        if ctx.sp:
-            dx = ctx.comm.reduce_scatter(dx, op="sum", algorithm=ALGORITHM)
-        else:
-            dx = ctx.comm.allreduce(dx, op="sum", algorithm=ALGORITHM)
+        dx = (reduce_scatter if ctx.sp else allreduce)(ctx.comm, dx, ctx.weights[0].dtype == BF16)
         return (dx, None, None, *d_weights, *d_biases)
 
 
@@ -131,10 +128,7 @@ class RowParallelMatmul(Function):
         ctx.comm, ctx.sp, ctx.weight = comm, sequence_parallel, weight
         ctx.save_for_backward(x)
         partial = x @ weight
-        if sequence_parallel:
-            y = comm.reduce_scatter(partial, op="sum", algorithm=ALGORITHM)
-        else:
-            y = comm.allreduce(partial, op="sum", algorithm=ALGORITHM)
+        y = (reduce_scatter if sequence_parallel else allreduce)(comm, partial, weight.dtype == BF16)
         y = y + bias if bias is not None else np.array(y, copy=True)
         if residual is not None:
             y += residual
@@ -146,7 +140,7 @@ class RowParallelMatmul(Function):
         want_x, want_w, want_b, want_r = (ctx.needs_input_grad[i] for i in (0, 3, 4, 5))  # I, W or both
         whole = ctx.__dict__.pop("grad_whole", None)  # gathered by this op's I for its W
         if whole is None:
-            whole = ctx.comm.allgather(grad, algorithm=ALGORITHM) if ctx.sp else grad
+            whole = allgather(ctx.comm, grad, ctx.weight.dtype == BF16) if ctx.sp else grad
         if ctx.sp and not want_w:
             ctx.grad_whole = whole  # I of a split backward: W reads it (a frozen weight: freed with the graph)
         return (whole @ ctx.weight.T if want_x else None, None, None, _rows(x).T @ _rows(whole) if want_w else None,
