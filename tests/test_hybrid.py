@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from contextlib import nullcontext
 from types import EllipsisType
 
 import numpy as np
@@ -76,7 +77,8 @@ def build(comm, c: dict) -> HybridGPT:
     return HybridGPT(mesh, c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], schedule=c["schedule"],
                      microbatches=c["microbatches"], chunks=c["chunks"], sequence_parallel=c["sequence_parallel"],
                      sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"], lr=LR,
-                     seed=c["seed"], layers=c.get("layer_counts"), zigzag=c.get("zigzag", False))
+                     seed=c["seed"], layers=c.get("layer_counts"), zigzag=c.get("zigzag", False),
+                     reshard_after_forward=c.get("reshard_after_forward", True), dtype=c.get("dtype", np.float64))
 
 
 def slices(model: HybridGPT, attr: str) -> dict[str, tuple[np.ndarray, tuple | None]]:
@@ -96,7 +98,9 @@ def hybrid_run(comm, c: dict, path: str) -> dict:
             if step == STEPS - 1:
                 out["states"] = model.state_bytes()
             model.optimizer_step()
-    out["final"], out["final_slices"] = model.full_state_dict(), slices(model, "data")
+    with model.sharded.whole() if model.sharded is not None else nullcontext():  # ZeRO-3: the shards gathered
+        out["final_slices"] = slices(model, "data")
+    out["final"] = model.full_state_dict()
     return out
 
 
@@ -129,7 +133,8 @@ def layout_of(c: dict) -> TinyLayout:
     return TinyLayout(c["vocab"], c["seq"], c["d"], c["heads"], c["layers"], 4 * c["d"], c["batch"],
                       microbatches=c["microbatches"], chunks=c["chunks"], sequence_parallel=c["sequence_parallel"],
                       sp_method=c["sp_method"], ulysses=c["ulysses"], zero_stage=c["zero_stage"],
-                      stage_layers=c.get("layer_counts"), schedule=c["schedule"], **c["degrees"])
+                      stage_layers=c.get("layer_counts"), schedule=c["schedule"],
+                      reshard_after_forward=c.get("reshard_after_forward", True), **c["degrees"])
 
 
 def sent_by_axis(path: str, shape: MeshShape) -> tuple[dict[int, dict[str, int]], dict[int, int]]:
@@ -219,7 +224,9 @@ BAD = [
     (config({"pp": 4}, layers=2), "2 blocks cannot give each of 4 stages a block"),
     (config({"dp": 4}, sequence_parallel=True), "it needs tp > 1"),
     (config({"sp": 4}, heads=2, d=8), "n_heads=2"),
-    (config({"pp": 2, "dp": 2}, zero_stage=2), "zero_stage=2"),
+    (config({"pp": 2, "dp": 2}, zero_stage=4), "zero_stage=4: the data-parallel axis runs DDP (0) or ZeRO stage 1, 2"),
+    (config({"pp": 2, "dp": 2}, zero_stage=2, reshard_after_forward=False), "reshard_after_forward=False keeps ZeRO-3"),
+    (config({"pp": 2, "dp": 2}, zero_stage=3, dtype=np.float32), "zero_stage=3 trains in float64 here"),
     (config({"pp": 2, "dp": 2}, schedule="interleaved", chunks=2, microbatches=3), "multiple of"),
     (config({"dp": 4}, batch=6), "global batch of 6 is not divisible by dp x m = 4 x 2; use a multiple of 8"),
     (config({"pp": 2}, vocab=12, token_vocab=16), "must lie in [0, 12)"),  # on every rank, not one stage

@@ -20,8 +20,9 @@ S b d e`` one micro-batch's residual stream (``e = 8`` bytes). Per step it sends
   Megatron-SP, ``A/sp`` under sequence parallelism), then the loss broadcast from the last stage's
   rank: a binomial tree of ``1 + m`` numbers (``collectives.tree_broadcast_bytes``).
 - the replicas (``dp x sp``): DDP's one ring all-reduce of the rank's gradients (``collectives.
-  allreduce_bytes``), or ZeRO-1's reduce-scatter and all-gather of the padded buckets
-  (``zero.zero_traffic_bytes``). A ring sends to its successor only, so these bytes go on the axis
+  allreduce_bytes``), or ZeRO-1's (ZeRO-2's) reduce-scatter and all-gather of the padded buckets
+  (``zero.zero_traffic_bytes``), or ZeRO-3's gathers (``zero3_gathers``) and one reduce-scatter per
+  virtual stage. A ring sends to its successor only, so these bytes go on the axis
   in which the rank and its successor in the group differ (``dp``, ``sp`` or ``dp+sp``).
 """
 
@@ -60,6 +61,7 @@ class TinyLayout:
     sp_method: str = "ulysses"
     ulysses: int | None = None
     zero_stage: int = 0
+    reshard_after_forward: bool = True  # ZeRO-3's (``parallel.hybrid.zero_pp``)
     stage_layers: tuple[int, ...] | None = None  # layers (embed, blocks, head) per virtual stage
     itemsize: int = 8
 
@@ -113,16 +115,20 @@ def _rank(who: str, c: TinyLayout, name: str, rank: int, size: int, of: str) -> 
     return index(who, name, rank, size, of)
 
 
-def parameters_per_rank(c: TinyLayout, pp_rank: int) -> int:
-    """Numbers of parameters a rank of pipeline rank ``pp_rank`` holds: its stages' layers, the
-    tensor-parallel ones split by ``t`` (``nn.GPT``'s shapes)."""
-    _rank("parameters_per_rank", c, "pp_rank", pp_rank, getattr(c, "pp", 0), "pipeline ranks")
+def stage_parameters(c: TinyLayout, pp_rank: int) -> list[int]:
+    """Numbers of parameters of each virtual stage pipeline rank ``pp_rank`` runs, in stage order: its
+    layers, the tensor-parallel ones split by ``t`` (``nn.GPT``'s shapes)."""
+    _rank("stage_parameters", c, "pp_rank", pp_rank, getattr(c, "pp", 0), "pipeline ranks")
     t, d, f, v, s = c.tp, c.d, c.d_ff, c.vocab, c.seq
     block = 2 * d + 3 * (d * d // t + d // t) + (d // t) * d + d + 2 * d + d * f // t + f // t + (f // t) * d + d
-    total = 0
-    for embed, blocks, head in c.stages_of(pp_rank):
-        total += embed * (v // t * d + s * d) + blocks * block + head * (2 * d + d * v // t)
-    return total
+    return [embed * (v // t * d + s * d) + blocks * block + head * (2 * d + d * v // t)
+            for embed, blocks, head in c.stages_of(pp_rank)]
+
+
+def parameters_per_rank(c: TinyLayout, pp_rank: int) -> int:
+    """Numbers of parameters a rank of pipeline rank ``pp_rank`` holds (``stage_parameters``' sum)."""
+    _rank("parameters_per_rank", c, "pp_rank", pp_rank, getattr(c, "pp", 0), "pipeline ranks")
+    return sum(stage_parameters(c, pp_rank))
 
 
 def _tp_bytes(c: TinyLayout, rank: int) -> int:
@@ -186,7 +192,34 @@ def _replica_bytes(c: TinyLayout, rank: int) -> tuple[str, int]:
     numel = parameters_per_rank(c, co["pp"])
     if c.zero_stage == 0:
         return axis, allreduce_bytes(numel, c.itemsize, n, me, "ring")
-    return axis, zero.zero_traffic_bytes([numel], c.zero_stage, n, c.itemsize, me)  # one bucket: tiny models
+    if c.zero_stage < 3:
+        return axis, zero.zero_traffic_bytes([numel], c.zero_stage, n, c.itemsize, me)  # one bucket: tiny models
+    gathers = zero3_gathers(c, co["pp"])
+    return axis, sum((n - 1) * (zero.padded(numel, n) // n) * c.itemsize * (g + 1)  # + the reduce-scatter
+                     for numel, g in zip(stage_parameters(c, co["pp"]), gathers, strict=True))
+
+
+def zero3_gathers(c: TinyLayout, pp_rank: int) -> list[int]:
+    """All-gathers of each of ``pp_rank``'s virtual stages in one step under ZeRO-3 (``zero_pp.py``):
+    with ``reshard_after_forward`` one per compute action, m forwards + m backwards (B or I) + the W's of
+    its split backwards (``split_backwards``); without, 1 (kept gathered until the reduce-scatter)."""
+    owner = c.owner()
+    stages = [s for s in range(len(owner)) if owner[s] == pp_rank]
+    if not c.reshard_after_forward:
+        return [1] * len(stages)
+    return [2 * c.microbatches + split_backwards(c.schedule, c.pp, c.microbatches, s) for s in stages]
+
+
+def gathered_peak_bytes(c: TinyLayout, rank: int) -> int:
+    """The most bytes of ZeRO-3 parameters gathered at once on ``rank`` beside its shards: one stage's
+    padded flat buffer ``L_s e`` at a time with ``reshard_after_forward`` (each action gathers its own
+    stage and frees it), the largest; without, all of the rank's stages, ``sum L_s e``
+    (``zero.fsdp_gathered_peak`` without prefetch); 0 below stage 3 or on one replica."""
+    _rank("gathered_peak_bytes", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
+    if c.zero_stage != 3:
+        return 0
+    return zero.fsdp_gathered_peak(stage_parameters(c, c.coords(rank)["pp"]), c.dp * c.sp, c.itemsize,
+                                   prefetch=False, reshard_after_forward=c.reshard_after_forward)
 
 
 def split_backwards(kind: str, p: int, m: int, stage: int) -> int:
@@ -238,14 +271,16 @@ def traffic_by_axis(c: TinyLayout, rank: int) -> dict[str, int]:
 def model_state_bytes(c: TinyLayout, rank: int) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state a rank holds after a step: DDP keeps all
     three for its parameters (``e + e + 2e`` bytes each: AdamW's two moments in the parameters'
-    type); ZeRO-1 (float64) shards the optimizer state over the ``dp x sp`` replicas
-    (``zero.zero_state_bytes``, one bucket)."""
+    type); ZeRO-1 (float64) shards the optimizer state over the ``dp x sp`` replicas, ZeRO-2 the
+    gradients too (``zero.zero_state_bytes``, one bucket), ZeRO-3 also the parameters, a unit per
+    virtual stage (``stage_parameters``; gathered ones apart: ``gathered_peak_bytes``)."""
     _rank("model_state_bytes", c, "rank", rank, getattr(c, "world", 0), "ranks of the mesh")
     numel, e = parameters_per_rank(c, c.coords(rank)["pp"]), c.itemsize
     if c.zero_stage == 0:
         return {"parameters": e * numel, "gradients": e * numel, "optimizer state": 2 * e * numel}
     co = c.coords(rank)
-    return zero.zero_state_bytes([numel], c.zero_stage, c.dp * c.sp, co["dp"] * c.sp + co["sp"])
+    numels = stage_parameters(c, co["pp"]) if c.zero_stage == 3 else [numel]
+    return zero.zero_state_bytes(numels, c.zero_stage, c.dp * c.sp, co["dp"] * c.sp + co["sp"])
 
 
 def activation_peak_bytes(c: TinyLayout, rank: int, schedule: str = "1f1b") -> int:

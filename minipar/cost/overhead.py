@@ -15,7 +15,7 @@ them). Derivation in ``docs/formulas.md`` section 8, "Overheads on a CPU".
   block, sequence-parallel  16: ln1; q, k, v (each with its all-to-all); attention; the output's
                             all-to-all; proj and its bias; the residual; ln2; fc and bias; GeLU;
                             proj and bias; the residual
-  embedding (first stage)   6 tensor-parallel (lookup, mask, ``g``, position rows, reshape, sum),
+  embedding (first stage)   4 tensor-parallel (lookup, mask, ``g``, the positions added),
                             3 otherwise (two lookups, sum)
   head and loss (last)      4: ln_f, head, cross-entropy, the loss over the micro-batches
   ========================  =====================================================================
@@ -52,7 +52,7 @@ from minipar.cost.layout import RECOMPUTE, Layout, check_specs
 from minipar.cost.tensor import collectives_per_block
 
 BLOCK_OPS = {"tensor": 15, "sequence": 16}  # autograd nodes of one block per micro-batch
-EMBEDDING_OPS = {"tensor": 6, "sequence": 3}
+EMBEDDING_OPS = {"tensor": 4, "sequence": 3}
 HEAD_OPS = 4  # ln_f, head, cross-entropy, loss / m
 BLOCK_TENSORS = 16  # parameter tensors of a block: 2 layer norms, q, k, v, proj, fc, proj (weight, bias each)
 EMBEDDING_TENSORS, HEAD_TENSORS = 2, 3  # token and position tables; ln_f's weight and bias, the head

@@ -23,14 +23,15 @@ column-parallel inputs, which runs inside W where the schedule places it (``tens
 ``cost.hybrid.w_regather_bytes``).
 
 Gradients are reduced after the last micro-batch's backward, as Megatron-LM does under pipelining
-(DDP's per-bucket overlap would fire once per micro-batch). ZeRO stages 2 and 3 are refused with
-pipelining, as DeepSpeed refuses them: they reduce or gather per micro-batch. ``nn.GPT`` has no
+(DDP's per-bucket overlap would fire once per micro-batch). ZeRO stages 2 and 3 (FSDP, with
+``reshard_after_forward``) reduce-scatter there too, once per step (``zero_pp.py``). ``nn.GPT`` has no
 tied weights, so no gradient crosses ``pp``. A step equals one process's step on the whole batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from minipar.parallel.zero import ZeroDataParallel
 from minipar.recompute import check_recompute
 
 from .stages import sequence_parallel_layers, tensor_parallel_layers
+from .zero_pp import PIPELINE_ZERO_STAGES, GatheringPipeline, PipelineZero
 
 SP_METHODS = ("ulysses", "ring", "hybrid")
 
@@ -57,7 +59,8 @@ SP_METHODS = ("ulysses", "ring", "hybrid")
 def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
                         n_layers: int, d_ff: int, schedule: str, microbatches: int, chunks: int,
                         sequence_parallel: bool, sp_method: str, ulysses: int | None, zero_stage: int,
-                        layers: Sequence[int] | None, dtype: Any = np.float64, recompute: str = "none") -> None:
+                        layers: Sequence[int] | None, dtype: Any = np.float64, recompute: str = "none",
+                        reshard_after_forward: bool = True) -> None:
     """``ValueError`` listing every problem (the same on every rank, before any message)."""
     check_recompute("hybrid", recompute)
     tp, sp, pp = (mesh.degree(a) for a in ("tp", "sp", "pp"))
@@ -102,13 +105,14 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
         except ValueError as exc:
             problems.append(f"layers={list(layers)} (per virtual stage, counting the embedding and the head as "
                             f"layers: {n_layers} blocks + 2): {exc}")
-    if zero_stage == 1 and np.dtype(dtype) != np.float64:
-        problems.append(f"zero_stage=1 trains in float64 here (ZeroDataParallel's precision='fp64'); got dtype "
-                        f"{np.dtype(dtype)}: use float64 or zero_stage=0")
-    if zero_stage not in (0, 1):
-        problems.append(f"zero_stage={zero_stage}: on a mesh the data-parallel axis runs DDP (0) or ZeRO stage 1 "
-                        "(Megatron-LM's distributed optimizer); stages 2 and 3 reduce or gather once per "
-                        "micro-batch, which DeepSpeed refuses under pipelining too")
+    if zero_stage in (1, 2, 3) and np.dtype(dtype) != np.float64:
+        problems.append(f"zero_stage={zero_stage} trains in float64 here (ZeroDataParallel's precision='fp64'); "
+                        f"got dtype {np.dtype(dtype)}: use float64 or zero_stage=0")
+    if zero_stage not in (0, 1, 2, 3):
+        problems.append(f"zero_stage={zero_stage}: the data-parallel axis runs DDP (0) or ZeRO stage 1, 2 or 3")
+    if not reshard_after_forward and zero_stage != 3:
+        problems.append(f"reshard_after_forward=False keeps ZeRO-3's gathered parameters; zero_stage={zero_stage} "
+                        "gathers none: drop it or use zero_stage=3")
     if problems:
         raise ValueError(f"hybrid ({mesh.shape}): " + "; ".join(problems))
 
@@ -131,7 +135,8 @@ class HybridGPT:
     """``minipar.nn.GPT`` on ``mesh``: pipeline over ``pp`` (``schedule``, ``microbatches``, ``chunks``,
     ``layers`` per virtual stage), each stage tensor-parallel over ``tp`` (``sequence_parallel``:
     Megatron-SP) or sequence-parallel over ``sp`` (``sp_method``, ``ulysses`` = P_u for "hybrid",
-    ``zigzag``), replicated by DDP (``zero_stage=0``) or ZeRO stage 1 over ``dp`` x ``sp``; AdamW.
+    ``zigzag``), replicated by DDP (``zero_stage=0``) or ZeRO stage 1, 2 or 3 over ``dp`` x ``sp``
+    (``reshard_after_forward``: ZeRO-3's, ``zero_pp.py``); AdamW.
     Every rank calls it with the same arguments, then ``loss = model.step(idx, targets)`` with the
     same global batch ``(B, S)`` of token ids everywhere. ``recompute``: every block's ("none",
     "selective" with sp = 1, "full" with a schedule that is not zero-bubble; ``minipar.recompute``)."""
@@ -142,10 +147,11 @@ class HybridGPT:
                  sp_method: str = "ulysses", ulysses: int | None = None, zigzag: bool = False,
                  zero_stage: int = 0, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0, dtype: Any = np.float64,
-                 recompute: str = "none") -> None:
+                 recompute: str = "none", reshard_after_forward: bool = True) -> None:
         d_ff = d_ff or 4 * d_model
         check_hybrid_config(mesh, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, schedule, microbatches,
-                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype, recompute)
+                            chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype, recompute,
+                            reshard_after_forward)
         self.mesh, self.seq_len, self.vocab_size, self.head_dim = mesh, seq_len, vocab_size, d_model // n_heads
         self.sequence_parallel, self.zero_stage, self.microbatches = sequence_parallel, zero_stage, microbatches
         self.replicas = mesh.group("dp", "sp")  # ranks holding the same parameter slices
@@ -160,11 +166,16 @@ class HybridGPT:
                                              sequence_parallel, seed, dtype, recompute)
         stages = make_schedule(schedule, mesh.degree("pp"), microbatches, chunks).virtual_stages
         counts = list(layers) if layers is not None else gpt_layer_counts(n_layers, stages)
-        self.pipe = Pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
+        pipeline = GatheringPipeline if zero_stage == 3 else Pipeline
+        self.pipe = pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
         self.module = _Stages(self.pipe)
         self.zero: ZeroDataParallel | None = None
+        self.sharded: PipelineZero | None = None
         self.optimizer: AdamW | None = None
-        if zero_stage == 1:
+        if zero_stage in PIPELINE_ZERO_STAGES:
+            self.sharded = PipelineZero(self.pipe, self.module, self.replicas, zero_stage, reshard_after_forward, lr,
+                                        betas, eps, weight_decay)
+        elif zero_stage == 1:
             self.zero = ZeroDataParallel(self.module, self.replicas, stage=1, lr=lr, betas=betas, eps=eps,
                                          weight_decay=weight_decay)
         else:
@@ -205,15 +216,18 @@ class HybridGPT:
         loss = self.pipe.step(x, y)
         with trace.span("sync", args={"iteration": self.pipe.iteration - 1}):
             if self.sequence_parallel:
-                sync_sequence_parallel_grads(self.module, self.mesh["tp"])
-            if self.zero is None:
+                with self.sharded.shapes_only() if self.sharded is not None else nullcontext():
+                    sync_sequence_parallel_grads(self.module, self.mesh["tp"])
+            if self.sharded is not None:
+                self.sharded.reduce()
+            elif self.zero is None:
                 average_grads(self.module.parameters(), self.replicas)
         self._sample()  # when the optimizer step begins
         return float(np.mean(self.replicas.allgather_object(loss)))  # control plane: not traffic
 
     def optimizer_step(self) -> None:
-        if self.zero is not None:
-            self.zero.step()
+        if self.zero is not None or self.sharded is not None:
+            (self.zero or self.sharded).step()
         else:
             with trace.span("opt", args={"iteration": self.pipe.iteration - 1}):
                 self.optimizer.step()
@@ -232,12 +246,13 @@ class HybridGPT:
     # ---- the whole model back, for tests and lessons (control plane, not traced) -------------------
     def full_state_dict(self) -> dict[str, np.ndarray]:
         """``nn.GPT``'s state dict assembled from every rank's slices, on every rank."""
-        return self._assemble({n: p.data for n, p in self.pipe.named_parameters()})
+        with self.sharded.whole() if self.sharded is not None else nullcontext():
+            return self._assemble({n: p.data for n, p in self.pipe.named_parameters()})
 
     def full_grads(self) -> dict[str, np.ndarray]:
         """The last ``forward_backward``'s gradients, reduced (DDP only: ZeRO-1 reduces in its step)."""
-        if self.zero is not None:
-            raise ValueError("hybrid: with zero_stage=1 the gradients are reduce-scattered inside optimizer_step; "
+        if self.zero_stage:
+            raise ValueError(f"hybrid: with zero_stage={self.zero_stage} the gradients are reduce-scattered; "
                              "read them with zero_stage=0")
         return self._assemble({n: p.grad if p.grad is not None else np.zeros_like(p.data)
                                for n, p in self.pipe.named_parameters()})
@@ -286,8 +301,8 @@ class HybridGPT:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer state
         (``minipar.cost.hybrid.model_state_bytes`` predicts them)."""
-        if self.zero is not None:
-            return self.zero.state_bytes()
+        if self.zero is not None or self.sharded is not None:
+            return (self.zero or self.sharded).state_bytes()
         params = self.parameters()
         return {"parameters": sum(p.data.nbytes for p in params),
                 "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),

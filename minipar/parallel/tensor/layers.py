@@ -77,26 +77,26 @@ class ColumnParallelMatmul(Function):
     def forward(ctx: Context, x: np.ndarray, comm: Any, sequence_parallel: bool, *params: Any) -> np.ndarray:
         n = len(params) // 2
         weights, biases = params[:n], params[n:]
-        ctx.comm, ctx.sp, ctx.weights = comm, sequence_parallel, weights
-        ctx.save_for_backward(x)
+        ctx.comm, ctx.sp = comm, sequence_parallel
+        ctx.save_for_backward(x, *weights)  # saved, the weights are their parameters: ZeRO-3 may free the arrays
         whole = allgather(comm, x, weights[0].dtype == BF16) if sequence_parallel else x
         outs = [whole @ w if b is None else whole @ w + b for w, b in zip(weights, biases, strict=True)]
         return outs[0] if n == 1 else np.concatenate(outs, axis=-1)
 
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
-        (x,) = ctx.saved
-        n, needs = len(ctx.weights), ctx.needs_input_grad  # I, W or both (module docstring)
+        x, *weights = ctx.saved
+        n, needs = len(weights), ctx.needs_input_grad  # I, W or both (module docstring)
         want_x, want_w, want_b = needs[0], needs[3:3 + n], needs[3 + n:]
         whole = None
         if any(want_w) or any(want_b):
             if ctx.sp:
                 trace.mark("re-gather", nbytes=x.nbytes)
             whole = allgather(ctx.comm, x, ctx.weights[0].dtype == BF16) if ctx.sp else x
-        edges = np.cumsum([w.shape[1] for w in ctx.weights])[:-1]
+        edges = np.cumsum([w.shape[1] for w in weights])[:-1]
         d_weights, d_biases = [None] * n, [None] * n
         dx = np.zeros((x.shape[0] * ctx.comm.size if ctx.sp else x.shape[0], *x.shape[1:]), dtype=grad.dtype)
-        for i, (w, g) in enumerate(zip(ctx.weights, np.split(grad, edges, axis=-1), strict=True)):
+        for i, (w, g) in enumerate(zip(weights, np.split(grad, edges, axis=-1), strict=True)):
             if want_w[i]:
                 d_weights[i] = _rows(whole).T @ _rows(g)
             if want_b[i]:
@@ -125,8 +125,8 @@ class RowParallelMatmul(Function):
     @staticmethod
     def forward(ctx: Context, x: np.ndarray, comm: Any, sequence_parallel: bool, weight: np.ndarray,
                 bias: np.ndarray | None, residual: np.ndarray | None) -> np.ndarray:
-        ctx.comm, ctx.sp, ctx.weight = comm, sequence_parallel, weight
-        ctx.save_for_backward(x)
+        ctx.comm, ctx.sp = comm, sequence_parallel
+        ctx.save_for_backward(x, weight)  # saved, the weight is its parameter (ZeRO-3 frees the array)
         partial = x @ weight
         y = (reduce_scatter if sequence_parallel else allreduce)(comm, partial, weight.dtype == BF16)
         y = y + bias if bias is not None else np.array(y, copy=True)
@@ -136,14 +136,14 @@ class RowParallelMatmul(Function):
 
     @staticmethod
     def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
-        (x,) = ctx.saved
+        x, weight = ctx.saved
         want_x, want_w, want_b, want_r = (ctx.needs_input_grad[i] for i in (0, 3, 4, 5))  # I, W or both
         whole = ctx.__dict__.pop("grad_whole", None)  # gathered by this op's I for its W
         if whole is None:
             whole = allgather(ctx.comm, grad, ctx.weight.dtype == BF16) if ctx.sp else grad
         if ctx.sp and not want_w:
             ctx.grad_whole = whole  # I of a split backward: W reads it (a frozen weight: freed with the graph)
-        return (whole @ ctx.weight.T if want_x else None, None, None, _rows(x).T @ _rows(whole) if want_w else None,
+        return (whole @ weight.T if want_x else None, None, None, _rows(x).T @ _rows(whole) if want_w else None,
                 _rows(grad).sum(axis=0) if want_b else None, grad if want_r else None)
 
 

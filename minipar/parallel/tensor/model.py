@@ -39,7 +39,7 @@ import numpy as np
 
 from minipar import functional as F
 from minipar import trace
-from minipar.autograd import Tensor
+from minipar.autograd import Context, Function, Tensor
 from minipar.memory import held_buffers, seq_mark
 from minipar.nn import LayerNorm, Module, ModuleList, Parameter
 from minipar.parallel.tensor.comm_ops import ActivationMeter, exit_region
@@ -366,7 +366,25 @@ def embed_tokens(tok_emb: VocabParallelEmbedding, pos_emb: Parameter, idx: np.nd
     with _Held.window(held, TP):  # vocabulary-parallel partial sums
         partial = tok_emb.partial(np.ascontiguousarray(idx.T))
     x = exit_region(partial, comm, sp)
-    return x + pos_emb[lo:hi].reshape(hi - lo, 1, pos_emb.shape[1])
+    return AddPositions.apply(x, pos_emb, lo, hi)
+
+
+class AddPositions(Function):
+    """``x + pos[lo:hi]`` broadcast over the batch axis, keeping nothing for backward (``dpos`` rows
+    ``lo:hi`` = the gradient summed over the batch): a slice of the parameter would be a view that keeps
+    its whole buffer alive in the graph, ZeRO-3's gathered stage included (``hybrid.zero_pp``)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: np.ndarray, pos: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        ctx.rows, ctx.shape = (lo, hi), pos.shape
+        return x + pos[lo:hi][:, None, :]
+
+    @staticmethod
+    def backward(ctx: Context, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        lo, hi = ctx.rows
+        dpos = np.zeros(ctx.shape, dtype=grad.dtype)
+        dpos[lo:hi] = grad.sum(axis=1)
+        return grad, dpos, None, None
 
 
 class Table(Module):
