@@ -92,7 +92,7 @@ class ColumnParallelMatmul(Function):
         if any(want_w) or any(want_b):
             if ctx.sp:
                 trace.mark("re-gather", nbytes=x.nbytes)
-            whole = allgather(ctx.comm, x, ctx.weights[0].dtype == BF16) if ctx.sp else x
+            whole = allgather(ctx.comm, x, weights[0].dtype == BF16) if ctx.sp else x
         edges = np.cumsum([w.shape[1] for w in weights])[:-1]
         d_weights, d_biases = [None] * n, [None] * n
         dx = np.zeros((x.shape[0] * ctx.comm.size if ctx.sp else x.shape[0], *x.shape[1:]), dtype=grad.dtype)
@@ -105,7 +105,7 @@ class ColumnParallelMatmul(Function):
                 dx += g @ w.T
         if not want_x:
             return (None, None, None, *d_weights, *d_biases)
-        dx = (reduce_scatter if ctx.sp else allreduce)(ctx.comm, dx, ctx.weights[0].dtype == BF16)
+        dx = (reduce_scatter if ctx.sp else allreduce)(ctx.comm, dx, weights[0].dtype == BF16)
         return (dx, None, None, *d_weights, *d_biases)
 
 
@@ -140,7 +140,7 @@ class RowParallelMatmul(Function):
         want_x, want_w, want_b, want_r = (ctx.needs_input_grad[i] for i in (0, 3, 4, 5))  # I, W or both
         whole = ctx.__dict__.pop("grad_whole", None)  # gathered by this op's I for its W
         if whole is None:
-            whole = allgather(ctx.comm, grad, ctx.weight.dtype == BF16) if ctx.sp else grad
+            whole = allgather(ctx.comm, grad, weight.dtype == BF16) if ctx.sp else grad
         if ctx.sp and not want_w:
             ctx.grad_whole = whole  # I of a split backward: W reads it (a frozen weight: freed with the graph)
         return (whole @ weight.T if want_x else None, None, None, _rows(x).T @ _rows(whole) if want_w else None,
