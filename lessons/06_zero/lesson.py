@@ -16,7 +16,10 @@ table MEASURED: model states per rank (bytes) when the optimizer step begins at 
 first N ranks, ``comm.split``), next to ``zero_state_bytes`` (this layout, exact) and the paper's
 ``zero_model_states`` (8 + 8 + 16 bytes per parameter: float64, AdamW's m and v). 3. Bytes each rank
 sent in one step vs ``zero_traffic_bytes`` and DDP's all-reduce: stages 1, 2 move DDP's 2 (N-1)/N Psi,
-FSDP 1.5 times that (Sec. 7.2.1). Then the FSDP step's terminal timeline and the conclusion.
+FSDP 1.5 times that (Sec. 7.2.1); FSDP1 (flat padded units) beside FSDP2 (``fully_shard``: a ``Shard(0)``
+piece per parameter, ``minipar/parallel/zero/fsdp2.py``) for one step of this GPT and of one whose first
+dimensions 3 ranks do not divide: padding, bytes per rank, a checkpoint's arrays. Then the FSDP step's
+terminal timeline and the conclusion.
 ``--verbose`` adds the losses step by step, the states by component with each run's peak, the paper's
 Table 1 for 7.5B (K = 12; at N = 64 its Fig. 1), the ops per stage, 4. FSDP's forward on rank 0 unit
 by unit (gathered bytes: this unit + the prefetched next, then resharded; the next all-gather in
@@ -41,10 +44,12 @@ from minipar import nn
 from minipar import trace as mtrace
 from minipar.autograd import Tensor
 from minipar.cost import zero as formulas
+from minipar.mesh import DeviceMesh
 from minipar.nn import GPT
 from minipar.optim import AdamW
 from minipar.parallel.ddp import DistributedDataParallel, local_batch
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
+from minipar.parallel.zero.fsdp2 import fully_shard
 from viz.analysis import sent_by_op
 from viz.memory_stack import at_peak, before_step, fsdp_forward_table, totals_table
 from viz.width import Table
@@ -56,6 +61,7 @@ DEGREES = (1, 2, 4)  # N for the memory table
 MIXED_SCALE = 2.0**10  # fp16 loss x S must stay under fp16's 65,504: 2^16 would overflow (and skip) twice
 PAPER_PSI, PAPER_N, PAPER_FIG1 = 7.5e9, 64, (120, 31.4, 16.6, 1.88)  # Rajbhandari et al. Fig. 1 / Table 1, GB
 OUT = Path("runs/06_zero")
+ODD = (5, 3, 4, 2, 2, 16)  # vocab, seq, d, heads, layers, d_ff: first dimensions 3 ranks do not divide
 TITLES = {0: "DDP (stage 0)", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "FSDP (ZeRO-3, P_os+g+p)"}
 
 
@@ -152,6 +158,49 @@ def run_all(comm: Any, steps: int, out: Path = OUT) -> dict[tuple[int, int], dic
     return results
 
 
+def fsdp_versions(comm: Any, n: int, dims: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    """One step of FSDP1 (flat padded units) and FSDP2 (``fully_shard``: a ``Shard(0)`` piece per
+    parameter) on the first ``n`` ranks for ``GPT(*dims)``: the bytes each rank sent (trace), the
+    elements FSDP1 pads, the arrays a rank's checkpoint holds, and whether the bytes equal
+    ``cost.zero``'s formulas. Rank 0's view; the other ranks return {}."""
+    sub = comm if n == comm.size else comm.split(0 if comm.rank < n else 1)
+    out: dict[int, dict[str, Any]] = {}
+    if comm.rank < n:
+        ((x, y),) = common.lm_batches(1, dims[0], 2 * n, dims[1])
+        xs, ys = local_batch(sub, x, y)
+        for version in (1, 2):
+            with nn.deferred():
+                model = GPT(*dims, seed=0)
+            par = (FullyShardedDataParallel(model, sub, lr=LR) if version == 1 else
+                   fully_shard(model, DeviceMesh(sub, dp=n), lr=LR))
+            with mtrace.recording(comm.rank) as rec:
+                par.backward(model.loss(xs, ys))
+                par.step()
+            sent = sub.allgather_object(sum(e.nbytes for e in rec.events if e.kind == "comm" and e.name == "send"
+                                            and e.src == comm.rank))
+            want = [formulas.zero_traffic_bytes([u.layout.numel for u in par.units], 3, n, ITEM, r) if version == 1
+                    else formulas.fsdp2_traffic_bytes([u.shapes for u in par.units], n, ITEM, r) for r in range(n)]
+            out[version] = {"sent": sent, "formula": sent == want,
+                            "padding": sum(u.layout.padded - u.layout.numel for u in par.units) if version == 1 else 0,
+                            "arrays": len(par.units) if version == 1 else len(par.checkpoint_shapes())}
+    comm.barrier()
+    return out
+
+
+def versions_text(same: dict[int, dict[str, Any]], odd: dict[int, dict[str, Any]], p: int, n: int) -> str:
+    """FSDP1 beside FSDP2, one step: this GPT, and the odd one (``ODD``) on ``n`` ranks."""
+    def per_rank(sent: list[int]) -> str:
+        return f"{sent[0]:,}" if len(set(sent)) == 1 else " / ".join(f"{b:,}" for b in sent)
+
+    ok = all(v["formula"] for d in (same, odd) for v in d.values())
+    return (f"FSDP2 (fully_shard: each parameter Shard(0), rows cut as DTensor does) beside FSDP1 (flat padded "
+            f"units), one step: this GPT on {p} ranks, padding {same[1]['padding']}, {per_rank(same[1]['sent'])} / "
+            f"{per_rank(same[2]['sent'])} B per rank; vocab 5, d 4 on {n} ranks: FSDP1 pads {odd[1]['padding']}, sends "
+            f"{per_rank(odd[1]['sent'])}; FSDP2 pads none, sends {per_rank(odd[2]['sent'])}. Checkpoint per rank: "
+            f"{odd[1]['arrays']} flat shards / {odd[2]['arrays']} arrays of rows. "
+            + ("All as cost.zero's formulas." if ok else "[red]bytes and formulas differ[/red]"))
+
+
 def memory_table(results: dict[tuple[int, int], dict[str, Any]], psi: int) -> Table:
     """Model states per rank when the step begins, by component, measured vs the formulas, and each run's peak."""
     table = Table(title=f"model states per rank (bytes) when the optimizer step begins, float64, Psi = {psi:,}; "
@@ -219,6 +268,8 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
     common.shared_folder(comm, OUT)
     results = run_all(comm, steps)
     mixed = train(comm, 3, steps, OUT / "fsdp_mixed.json", precision="mixed")
+    n_odd = min(3, p)
+    versions = (fsdp_versions(comm, p, (VOCAB, SEQ, D_MODEL, HEADS, LAYERS, D_FF)), fsdp_versions(comm, n_odd, ODD))
     if not lead:
         return
     console.rule(f"[bold]1. one tiny GPT, global batch {BATCH} over N = {p} ranks, {steps} AdamW steps")
@@ -250,6 +301,7 @@ def run(comm: Any, steps: int, clock: common.Clock = common.REPLAY, verbose: boo
         console.print(paper_rows())
     console.rule("[bold]3. communication per step")
     console.print(traffic_table(results, p, verbose))
+    console.print(versions_text(*versions, p, n_odd), highlight=False)
     fsdp = clock.of(results[(3, p)]["trace"])
     if verbose:
         console.rule(f"[bold]4. FSDP unit by unit ({clock.label})")
