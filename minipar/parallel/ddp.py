@@ -320,13 +320,15 @@ def train_step(ddp: DistributedDataParallel, optimizer: Optimizer,
     return total
 
 
-def average_grads(params: Sequence[Parameter], comm: Any) -> None:
+def average_grads(params: Sequence[Parameter], comm: Any, dtype: Any = None) -> None:
     """Every gradient averaged over ``comm``: one ring all-reduce of them all, flat (a parameter
-    without gradient contributes zeros); nothing is sent on one rank or for no parameters."""
+    without gradient contributes zeros), in ``dtype`` if given (a bf16 model's reduce dtype), and
+    left in it; nothing is sent on one rank or for no parameters."""
     if comm.size == 1 or not params:
         return
     grads = [p.grad if p.grad is not None else np.zeros_like(p.data) for p in params]
-    flat = comm.allreduce(np.concatenate([g.reshape(-1) for g in grads]), algorithm="ring")
+    flat = np.concatenate([g.reshape(-1) for g in grads])
+    flat = comm.allreduce(flat if dtype is None else flat.astype(dtype), algorithm="ring")
     flat /= comm.size
     offset = 0
     for p in params:

@@ -37,9 +37,11 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
+from minipar.autograd import BF16
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module, Parameter
 from minipar.optim import AdamW
+from minipar.parallel.bf16 import MasterAdamW, check_recipe, wire_dtype
 from minipar.parallel.ddp import average_grads
 from minipar.parallel.pipeline import Pipeline, make_schedule
 from minipar.parallel.pipeline.partition import gpt_layer_counts, split_layers
@@ -60,7 +62,7 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
                         n_layers: int, d_ff: int, schedule: str, microbatches: int, chunks: int,
                         sequence_parallel: bool, sp_method: str, ulysses: int | None, zero_stage: int,
                         layers: Sequence[int] | None, dtype: Any = np.float64, recompute: str = "none",
-                        reshard_after_forward: bool = True) -> None:
+                        reshard_after_forward: bool = True, reduce_dtype: str | None = None) -> None:
     """``ValueError`` listing every problem (the same on every rank, before any message)."""
     check_recompute("hybrid", recompute)
     tp, sp, pp = (mesh.degree(a) for a in ("tp", "sp", "pp"))
@@ -108,6 +110,10 @@ def check_hybrid_config(mesh: DeviceMesh, vocab_size: int, seq_len: int, d_model
     if zero_stage in (1, 2, 3) and np.dtype(dtype) != np.float64:
         problems.append(f"zero_stage={zero_stage} trains in float64 here (ZeroDataParallel's precision='fp64'); "
                         f"got dtype {np.dtype(dtype)}: use float64 or zero_stage=0")
+    bf16 = np.dtype(dtype) == BF16
+    problems += check_recipe("bf16" if bf16 else str(np.dtype(dtype)), reduce_dtype, None)
+    if bf16 and reduce_dtype == "fp16":
+        problems.append("reduce_dtype='fp16': the hybrid model reduces a bf16 model's gradients in 'bf16' or 'fp32'")
     if zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_stage={zero_stage}: the data-parallel axis runs DDP (0) or ZeRO stage 1, 2 or 3")
     if not reshard_after_forward and zero_stage != 3:
@@ -136,7 +142,9 @@ class HybridGPT:
     ``layers`` per virtual stage), each stage tensor-parallel over ``tp`` (``sequence_parallel``:
     Megatron-SP) or sequence-parallel over ``sp`` (``sp_method``, ``ulysses`` = P_u for "hybrid",
     ``zigzag``), replicated by DDP (``zero_stage=0``) or ZeRO stage 1, 2 or 3 over ``dp`` x ``sp``
-    (``reshard_after_forward``: ZeRO-3's, ``zero_pp.py``); AdamW.
+    (``reshard_after_forward``: ZeRO-3's, ``zero_pp.py``); AdamW. ``dtype=ml_dtypes.bfloat16`` with
+    ``zero_stage=0``: bf16 mixed precision (``minipar.parallel.bf16``: fp32 masters and moments, bf16 on
+    the pp and tp wires), the dp average in ``reduce_dtype`` ("bf16", the default, or "fp32").
     Every rank calls it with the same arguments, then ``loss = model.step(idx, targets)`` with the
     same global batch ``(B, S)`` of token ids everywhere. ``recompute``: every block's ("none",
     "selective" with sp = 1, "full" with a schedule that is not zero-bubble; ``minipar.recompute``)."""
@@ -147,11 +155,14 @@ class HybridGPT:
                  sp_method: str = "ulysses", ulysses: int | None = None, zigzag: bool = False,
                  zero_stage: int = 0, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0, dtype: Any = np.float64,
-                 recompute: str = "none", reshard_after_forward: bool = True) -> None:
+                 recompute: str = "none", reshard_after_forward: bool = True,
+                 reduce_dtype: str | None = None) -> None:
         d_ff = d_ff or 4 * d_model
         check_hybrid_config(mesh, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, schedule, microbatches,
                             chunks, sequence_parallel, sp_method, ulysses, zero_stage, layers, dtype, recompute,
-                            reshard_after_forward)
+                            reshard_after_forward, reduce_dtype)
+        bf16 = np.dtype(dtype) == BF16  # the data-parallel reduce in reduce_dtype (bf16 unless 'fp32')
+        self.reduce_dtype = wire_dtype(BF16, reduce_dtype) if bf16 else None
         self.mesh, self.seq_len, self.vocab_size, self.head_dim = mesh, seq_len, vocab_size, d_model // n_heads
         self.sequence_parallel, self.zero_stage, self.microbatches = sequence_parallel, zero_stage, microbatches
         self.replicas = mesh.group("dp", "sp")  # ranks holding the same parameter slices
@@ -179,7 +190,8 @@ class HybridGPT:
             self.zero = ZeroDataParallel(self.module, self.replicas, stage=1, lr=lr, betas=betas, eps=eps,
                                          weight_decay=weight_decay)
         else:
-            self.optimizer = AdamW(self.module.parameters(), lr, betas, eps, weight_decay)
+            adamw = MasterAdamW if bf16 else AdamW  # bf16: fp32 masters and moments
+            self.optimizer = adamw(self.module.parameters(), lr, betas, eps, weight_decay)
 
     # ---- one step ---------------------------------------------------------------------------------
     def local_batch(self, idx: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -221,7 +233,7 @@ class HybridGPT:
             if self.sharded is not None:
                 self.sharded.reduce()
             elif self.zero is None:
-                average_grads(self.module.parameters(), self.replicas)
+                average_grads(self.module.parameters(), self.replicas, self.reduce_dtype)
         self._sample()  # when the optimizer step begins
         return float(np.mean(self.replicas.allgather_object(loss)))  # control plane: not traffic
 
