@@ -66,8 +66,7 @@ def group_last(layout: Sequence, group: tuple[int, int]) -> bool:
 
 def fits(shape, degrees, layout) -> bool:
     try:
-        check_layout(shape, MeshShape(**dict(zip(("pp", "dp", "tp")[-len(degrees):], degrees, strict=True))),
-                     ("pp", "dp", "tp")[-len(degrees):], layout)
+        check_layout(shape, ("pp", "dp", "tp")[-len(degrees):], layout)
     except ValueError:
         return False
     return True

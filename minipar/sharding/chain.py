@@ -177,7 +177,7 @@ def _shapes(x: Any, links: Sequence[Link], final: Sequence[Placement] | None = N
     for link in links:
         out.append(link.out_shape(out[-1]))
     if final is not None:
-        check_layout(out[-1], x.mesh.shape, x.axes, final)
+        check_layout(out[-1], x.axes, final)
     return out
 
 

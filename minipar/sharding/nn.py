@@ -47,7 +47,7 @@ class Module:
     def param(self, name: str, shape: Sequence[int], init: Init) -> GlobalTensor:
         """A parameter of the whole ``shape``, laid out as ``placements[name]`` (replicated if absent)."""
         where = tuple(self.placements.get(name, [Replicate()] * len(self.axes)))
-        check_layout(shape, self.mesh.shape, self.axes, where)
+        check_layout(shape, self.axes, where)
         t = GlobalTensor.zeros(shape, self.mesh, self.axes, where).requires_grad_()
         self.inits[id(t)] = init
         return t

@@ -110,7 +110,7 @@ def _most_bytes(shape: tuple[int, ...], itemsize: int, degrees: tuple[int, ...],
 @functools.lru_cache(maxsize=4096)
 def _legal(shape: tuple[int, ...], mesh: MeshShape, axes: tuple[str, ...], placements: tuple[Placement, ...]) -> bool:
     try:
-        check_layout(shape, mesh, axes, placements)
+        check_layout(shape, axes, placements)
     except ValueError:
         return False
     return True

@@ -200,7 +200,7 @@ def redistribute(t: GlobalTensor, placements: Sequence[Placement], plan: str = "
     placements = tuple(placements)
     if plan not in PLANS:
         raise ValueError(f"redistribute: plan={plan!r}; choose one of {PLANS}")
-    check_layout(t.shape, t.mesh.shape, t.axes, placements)
+    check_layout(t.shape, t.axes, placements)
     agree.op("redistribute", [t], f"to {describe(placements)}, plan {plan}")  # debug mode only
     local, cur = t.local, t.placements
     moves: Sequence[Move] = (greedy(cur, placements) if plan == "greedy" else

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from minipar.cost.sharding import piece_bounds
-from minipar.mesh import AXES, DeviceMesh, MeshShape
+from minipar.mesh import AXES, DeviceMesh
 from minipar.sharding import agree
 from minipar.sharding.placement import Partial, Placement, Replicate, Shard, describe
 
 
-def check_layout(shape: Sequence[int], mesh: MeshShape, axes: Sequence[str], placements: Sequence[Any]) -> None:
+def check_layout(shape: Sequence[int], axes: Sequence[str], placements: Sequence[Any]) -> None:
     """``ValueError`` unless ``placements`` give one valid placement per named mesh axis (any sizes: a
     cut that does not divide is uneven, module docstring)."""
     axes, placements = tuple(axes), tuple(placements)
@@ -74,7 +74,7 @@ class GlobalTensor:
                  placements: Sequence[Placement], *, check: bool = True) -> None:
         self.shape = tuple(int(n) for n in shape)
         self.mesh, self.axes, self.placements = mesh, tuple(axes), tuple(placements)
-        check_layout(self.shape, mesh.shape, self.axes, self.placements)
+        check_layout(self.shape, self.axes, self.placements)
         if check:
             agree.tensor(self)  # one small control-plane collective: every rank holds this layout (agree.py)
         want = tuple(s.stop - s.start for s in local_slices(self.shape, self.degrees, self.coords, self.placements))
@@ -97,7 +97,7 @@ class GlobalTensor:
     def zeros(cls, shape: Sequence[int], mesh: DeviceMesh, axes: Sequence[str], placements: Sequence[Placement],
               dtype: Any = np.float64) -> GlobalTensor:
         """Zeros of ``shape`` laid out as ``placements``: each rank allocates its piece only."""
-        check_layout(shape, mesh.shape, axes, placements)
+        check_layout(shape, axes, placements)
         sl = local_slices(shape, [mesh.degree(a) for a in axes], [mesh.coords[a] for a in axes], placements)
         return cls(np.zeros(tuple(s.stop - s.start for s in sl), dtype=dtype), shape, mesh, axes, placements)
 
@@ -121,7 +121,7 @@ class GlobalTensor:
         message). Along a ``Partial`` axis coordinate 0 keeps the values and the others hold zeros."""
         array = np.asarray(array)
         axes, placements = tuple(axes), tuple(placements)
-        check_layout(array.shape, mesh.shape, axes, placements)
+        check_layout(array.shape, axes, placements)
         coords = tuple(mesh.coords[a] for a in axes)
         degrees = tuple(mesh.degree(a) for a in axes)
         piece = array[local_slices(array.shape, degrees, coords, placements)].copy()
