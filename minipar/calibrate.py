@@ -321,7 +321,8 @@ def run_calibration(ranks: int, backend: str = "mpi", quick: bool = False, timeo
                     disk_dir: str | None = ".") -> Measurements:
     """Launch ``ranks`` ranks on ``backend`` ("mpi": ``mpiexec`` from this Python's environment,
     "threads": in this process), measure, and return rank 0's ``Measurements``; then, the ranks done,
-    the disk under ``disk_dir`` (default: here, where the cluster file goes) and memory copies
+    by ``ranks`` processes at once (a run's requesters), the disk under ``disk_dir`` (default: here,
+    where the cluster file goes) and memory copies
     (``tiers.rates.measure``: ``Measurements.tiers``, for ``Bandwidth.save(tiers_path(cluster file))``;
     None skips it)."""
     from minipar.testing import run
@@ -330,4 +331,5 @@ def run_calibration(ranks: int, backend: str = "mpi", quick: bool = False, timeo
     m = run(measure, ranks, backend=backend, timeout=timeout, **quick_options(quick))[0]
     if disk_dir is None:
         return m
-    return replace(m, tiers=rates.measure(disk_dir, rates.QUICK_SIZES if quick else rates.SIZES, 3 if quick else 5))
+    sizes = rates.QUICK_SIZES if quick else rates.SIZES
+    return replace(m, tiers=rates.measure(disk_dir, sizes, 3 if quick else 5, requesters=ranks))

@@ -90,12 +90,13 @@ def model(precision: str = "fp64") -> GPT:
 
 def measured_bandwidth(comm: Any, out: Path = OUT, calibrated: str | None = None) -> Bandwidth:
     """The tier model of this machine: the rates ``minipar calibrate`` wrote to ``calibrated`` (a
-    ``.tiers.json`` file) if it exists, else measured now by rank 0 (the others wait) under ``out``: the
-    disk's requests and the copies, latency + bytes / bandwidth (``minipar.tiers.rates.measure``, quick)."""
-    if comm.rank == 0:
-        bw = Bandwidth.load(calibrated) if calibrated and os.path.exists(calibrated) else \
-            tier_rates.measure(str(out), tier_rates.QUICK_SIZES, 3)
-    return comm.allgather_object(bw if comm.rank == 0 else None)[0]
+    ``.tiers.json`` file) if it exists, else measured now under ``out`` by every rank at once, as the
+    lesson's ranks share the disk and the cores (``minipar.tiers.rates.measure``, quick: the disk's
+    requests and the copies, latency + bytes / bandwidth; ``rates.combine``: the ranks' median)."""
+    if calibrated and os.path.exists(calibrated):
+        return comm.allgather_object(Bandwidth.load(calibrated) if comm.rank == 0 else None)[0]
+    comm.allgather_object(None)  # start together
+    return tier_rates.combine(comm.allgather_object(tier_rates.measure(str(out), tier_rates.QUICK_SIZES, 3)))
 
 
 def tour(comm: Any, trace_path: str | os.PathLike[str] | None = None, out: Path = OUT,
@@ -247,9 +248,11 @@ def moves_summary(results: dict[str, Any], verbose: bool) -> str:
     every = [m / t for v in ratios.values() for _, m, t in v]
     within = sum(0.5 <= r <= 2 for r in every)
     per_link = ", ".join(f"{k} {statistics.median(m / t for _, m, t in v):.2f}" for k, v in sorted(ratios.items()))
-    return (f"Moves between tiers (wall clock) vs the model at rates measured just now (disk write / read "
+    return (f"Moves between tiers (wall clock) vs the model at rates measured just now by every rank at once "
+            f"(disk write / read "
             f"{bw.nvme_write / 1e9:.2f} / {bw.nvme_read / 1e9:.2f} GB/s + {bw.nvme_write_latency * 1e6:.0f} / "
-            f"{bw.nvme_read_latency * 1e6:.0f} us, synced + {bw.nvme_sync * 1e3:.1f} ms; copy {bw.pcie / 1e9:.0f} GB/s "
+            f"{bw.nvme_read_latency * 1e6:.0f} us, synced + {bw.nvme_sync * 1e3:.1f} ms, IQR "
+            f"{bw.nvme_sync_spread * 1e3:.1f}; copy {bw.pcie / 1e9:.0f} GB/s "
             f"+ {bw.pcie_latency * 1e6:.1f} us): {within:,} of {len(every):,} within 2x"
             + (f"; measured / modelled, median: {per_link}." if verbose else "."))
 
@@ -258,9 +261,10 @@ def moves_table(results: dict[str, Any]) -> Table:
     """``--verbose``: per link and size, the moves' median measured and modelled time (wall clock)."""
     table = Table(title="moves between tiers by link and size, every run and rank: median ms (wall clock)",
                   title_justify="left",
-                  caption="modelled at rates measured by one process alone: here both ranks' requests share the "
-                          "disk and the cores (NVMe moves ~1.5-2x the model); the tour's 1 MiB moves touch fresh "
-                          "memory (page faults) where the measured copies reused theirs.", caption_justify="left")
+                  caption="modelled at rates the ranks measured together (sharing the disk and the cores as "
+                          "here); a move's destination is mapped before it (no page faults in it). Misses: the "
+                          "spread of a loaded machine (preemption, the GIL between a rank's compute and its I/O "
+                          "thread; fdatasync's IQR above).", caption_justify="left")
     for col in ("link", "bytes", "moves", "measured", "modelled", "within 2x"):
         table.add_column(col, justify="right")
     for link, moves in sorted(move_ratios(results).items()):

@@ -14,7 +14,7 @@ import numpy as np
 from minipar import trace
 from minipar.cost.offload import transfer_seconds
 from minipar.residency import NotOnDevice
-from minipar.tiers.files import aligned_copy
+from minipar.tiers.files import aligned_copy, resident
 from minipar.tiers.nvme import NvmeFiles, OnDisk, OnMove
 
 
@@ -44,8 +44,9 @@ class DeviceOutOfMemory(MemoryError):
 class Bandwidth:
     """Bytes per second of each link, host <-> device (``pcie``), NVMe reads and writes, and seconds per
     request beside them (``*_latency``; ``nvme_sync``: what a synced, atomic write adds: a new file,
-    ``fdatasync``, a rename). The defaults are typical PCIe 4 and NVMe figures, not measured, with no
-    latency; ``minipar.tiers.rates.measure`` fits them on this machine, ``save`` / ``load`` keep them."""
+    ``fdatasync``, a rename; ``nvme_sync_spread``: its interquartile range, measured, not modelled).
+    The defaults are typical PCIe 4 and NVMe figures, not measured, with no latency;
+    ``minipar.tiers.rates.measure`` fits them on this machine, ``save`` / ``load`` keep them."""
 
     pcie: float = 16e9
     nvme_read: float = 3e9
@@ -54,6 +55,7 @@ class Bandwidth:
     nvme_read_latency: float = 0.0
     nvme_write_latency: float = 0.0
     nvme_sync: float = 0.0
+    nvme_sync_spread: float = 0.0
     source: str = "typical PCIe 4 and NVMe figures (not measured)"
 
     def seconds(self, src: str, dst: str, nbytes: int, synced: bool = False) -> float:
@@ -130,8 +132,9 @@ class Tiers:
             dev, t1 = old, trace.now()
         else:
             self._charge(name, array.nbytes)
+            dev = resident(np.empty(array.shape, array.dtype))  # allocated and mapped: the allocator's, not the move's
             t0 = trace.now()  # the move is the copy: the pool's bookkeeping before and after is not in it
-            dev = np.array(array, copy=True, order="C")
+            np.copyto(dev, array)
             t1 = trace.now()
             self._place(name, dev, rec)
         self._transfer(rec, name, src, "device", array.nbytes, t0, t1)
@@ -181,8 +184,9 @@ class Tiers:
         stays resident: ``free`` it when done."""
         array = self.device_array(name) if array is None else array
         self.require_device(array)
+        host = resident(np.empty_like(array))  # allocated and mapped before the move, as pinned buffers are
         t0 = trace.now()
-        host = np.array(array, copy=True)
+        np.copyto(host, array)
         self._transfer(trace.current(), name, "device", "cpu", host.nbytes, t0, trace.now())
         return host
 

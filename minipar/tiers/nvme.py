@@ -48,11 +48,13 @@ from minipar.tiers.files import (
     check_file,
     data_bytes,
     file_name,
+    free_bytes,
     layout_of,
     name_of,
     open_file,
     padded,
     page_aligned,
+    resident,
 )
 
 __all__ = ["LONG", "NvmeFiles", "file_name", "name_of"]
@@ -96,12 +98,6 @@ def _syncfs() -> Callable[[int], int] | None:
 
 
 _SYNCFS = _syncfs()
-
-
-def _free_bytes(directory: str) -> int:
-    """Bytes an unprivileged writer may still use on ``directory``'s filesystem (``os.statvfs``)."""
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
 
 
 def _remove(path: str) -> None:
@@ -271,7 +267,7 @@ class NvmeFiles:
             _remove(tmp)
             if exc.errno == errno.ENOSPC:
                 raise OSError(errno.ENOSPC, f"NVMe write of {name!r} failed, disk full: {path} asked for "
-                              f"{layout.file_bytes} bytes, {_free_bytes(self.directory)} free") from exc
+                              f"{layout.file_bytes} bytes, {free_bytes(self.directory)} free") from exc
             msg = f"NVMe write of {name!r} ({layout.nbytes} bytes) to {self.directory} failed: {exc.strerror or exc}"
             raise OSError(exc.errno, msg) from exc
         except BaseException:
@@ -299,11 +295,11 @@ class NvmeFiles:
             if out is not None and (out.dtype != layout.dtype or out.shape != layout.shape):
                 raise ValueError(f"read_nvme({name!r}, out=): out is {out.dtype}{list(out.shape)}, the file holds "
                                  f"{layout.dtype}{list(layout.shape)}")
-            t0 = now()
-            fd, direct = self._fd(path, layout)
             own = None if out is None or layout.fortran != (out.flags.f_contiguous and not out.flags.c_contiguous) \
                 else padded(out)
-            raw = own if own is not None else page_aligned(layout.nbytes)
+            raw = own if own is not None else resident(page_aligned(layout.nbytes))  # no page faults in the move
+            t0 = now()
+            fd, direct = self._fd(path, layout)
             want = len(raw) if direct else layout.nbytes
             got = os.preadv(fd, [memoryview(raw)[:want]], layout.offset) if want else 0
             if got < layout.nbytes:

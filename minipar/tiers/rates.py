@@ -10,17 +10,26 @@
   and device is a copy here, the device being host memory); each latency is what a one-page move
   through the tier itself takes beyond its bytes (``tier_page_seconds``),
   its bookkeeping and recording included, as lesson 7's moves are timed; ``nvme_sync`` is what the tier's atomic write
-  (a new file, ``fdatasync``, the rename: ``nvme.NvmeFiles``' default write) takes beyond an in-place one.
+  (a new file, ``fdatasync``, the rename: ``nvme.NvmeFiles``' default write) takes beyond an in-place one
+  (medians), ``nvme_sync_spread`` the atomic writes' interquartile range.
+- Requesters sharing the disk and the cores: ``measure(..., requesters=k)`` times ``k`` processes measuring
+  at once (``minipar calibrate -n k``), and lesson 7's ranks all measure together (``combine``: the
+  field-wise median of theirs), so the rates are those of as many concurrent requesters as the run has
+  (a disk's bandwidth and a machine's cores are shared among the requests in flight: each of ``k``
+  gets about ``1/k`` when they saturate them, which measuring them together captures, instead of
+  modelling the share).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import fields, replace
 
 import numpy as np
 
@@ -32,6 +41,7 @@ from minipar.tiers.files import PAGE, open_file, page_aligned
 SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # 4 KiB .. 16 MiB
 QUICK_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
 SPAN = 32 << 20  # bytes each size is timed over (at least 2 requests)
+EVICT = 8 << 20  # bytes of copy sources taken in turn: four times a core's L2 here (2 MiB)
 
 
 def disk_seconds(directory: str, size: int, count: int) -> tuple[float, float, bool]:
@@ -64,7 +74,8 @@ def disk_seconds(directory: str, size: int, count: int) -> tuple[float, float, b
 def tier_page_seconds(directory: str, repeats: int) -> dict[str, float]:
     """Median seconds of one-page moves through the tier itself, as their trace events time them (the
     tier's bookkeeping and recording included), taking turns: ``"in place"`` and ``"atomic"`` writes,
-    ``"read"``s, and ``"copy"``s up and down between host and device."""
+    ``"read"``s, and ``"copy"``s up and down between host and device; ``"atomic spread"``: the atomic
+    writes' interquartile range (``fdatasync``'s variance)."""
     page = np.ones(PAGE // 8)
     with trace.recording(0) as rec, Tiers(PAGE, os.path.join(directory, f"tier{os.getpid()}"), workers=1) as t:
         for _ in range(repeats):
@@ -80,24 +91,38 @@ def tier_page_seconds(directory: str, repeats: int) -> dict[str, float]:
             kind = "copy" if "device" in (e.args["src"], e.args["dst"]) else \
                 {"nvme": "atomic" if e.args.get("synced") else "in place", "cpu": "read"}[e.args["dst"]]
             moves.setdefault(kind, []).append(e.duration)
-    return {k: statistics.median(v) for k, v in moves.items()}
+    quartiles = statistics.quantiles(moves["atomic"], n=4)
+    return {**{k: statistics.median(v) for k, v in moves.items()}, "atomic spread": quartiles[2] - quartiles[0]}
 
 
 def copy_seconds(size: int, repeats: int) -> float:
     """Median seconds of ``Tiers.to_device`` of ``size`` bytes as its trace event times it (then ``free``):
-    a new array copied, what a move between host and device is on this machine."""
-    a, tiers = np.ones(size // 8), Tiers(size)
+    a new array copied, what a move between host and device is on this machine; the sources taken in
+    turn from ``EVICT`` bytes of arrays, so that each comes from beyond the core's cache, as a move's
+    source mostly does after the compute or the disk read between moves (the same array each time:
+    1.6 us at 64 KiB here, 4-5x faster than from elsewhere)."""
+    sources, tiers = [np.full(size // 8, float(i)) for i in range(max(2, EVICT // size))], Tiers(size)
     with trace.recording(0) as rec:
-        for _ in range(repeats):
-            tiers.to_device("x", a)
+        for i in range(repeats):
+            tiers.to_device("x", sources[i % len(sources)])
             tiers.free("x")
     return statistics.median(e.duration for e in rec.events if e.kind == "transfer")
 
 
-def measure(directory: str, sizes: Sequence[int] = SIZES, repeats: int = 5) -> Bandwidth:
+def combine(rates: Sequence[Bandwidth]) -> Bandwidth:
+    """The field-wise median of rates measured at once by concurrent requesters (one per rank)."""
+    values = {f.name: statistics.median(getattr(r, f.name) for r in rates) for f in fields(Bandwidth)
+              if f.name != "source"}
+    return replace(rates[0], **values, source=f"{rates[0].source}; the median of {len(rates)} requesters at once")
+
+
+def measure(directory: str, sizes: Sequence[int] = SIZES, repeats: int = 5, requesters: int = 1) -> Bandwidth:
     """This machine's ``Bandwidth`` (module docstring): disk and copy timed at ``sizes`` (medians of
     ``repeats``) in a temporary directory under ``directory`` (an existing one), fitted as latency +
-    bytes / bandwidth."""
+    bytes / bandwidth; ``requesters`` processes measuring at once (``combine``)."""
+    if requesters > 1:
+        with multiprocessing.get_context("spawn").Pool(requesters) as pool:
+            return combine(pool.starmap(measure, [(directory, sizes, repeats)] * requesters))
     work = tempfile.mkdtemp(prefix=".minipar-disk", dir=directory)
     try:
         return _measure(work, sizes, repeats)
@@ -122,7 +147,7 @@ def _measure(directory: str, sizes: Sequence[int], repeats: int) -> Bandwidth:
     how = "O_DIRECT" if direct else "buffered (no O_DIRECT here: reads from the page cache)"
     return Bandwidth(pcie=1 / c_beta if c_beta > 0 else np.inf, nvme_read=1 / r_beta if r_beta > 0 else np.inf,
                      nvme_write=1 / w_beta if w_beta > 0 else np.inf, pcie_latency=c_lat, nvme_read_latency=r_lat,
-                     nvme_write_latency=w_lat, nvme_sync=sync,
+                     nvme_write_latency=w_lat, nvme_sync=sync, nvme_sync_spread=tier["atomic spread"],
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} under {directory}: "
                             f"{how} requests of {min(sizes)}-{max(sizes)} B, one at a time; copies Tiers.to_device; "
                             "latencies from the tier's own one-page moves")
