@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from minipar import trace
-from minipar.tiers import Bandwidth, Tiers
-from minipar.tiers import rates
+from minipar.tiers import Bandwidth, Tiers, rates
 from minipar.tiers.files import PAGE, resident
 
 
@@ -48,6 +48,12 @@ def test_moves_into_new_memory_are_still_exact_copies(tmp_path):
 def test_measure_with_two_requesters_at_once_fits_positive_rates(tmp_path):
     bw = rates.measure(str(tmp_path), (1 << 12, 1 << 16), 2, requesters=2)
     assert all(v > 0 for v in (bw.pcie, bw.nvme_read, bw.nvme_write))
-    assert bw.nvme_sync >= 0 and bw.nvme_sync_spread > 0
+    assert min(bw.nvme_sync, bw.nvme_sync_per_byte) >= 0 and bw.nvme_sync_spread > 0
     assert bw.source.endswith("the median of 2 requesters at once")
     assert os.listdir(tmp_path) == []  # every requester's files and directory removed
+
+
+def test_a_synced_write_adds_its_latency_and_its_per_byte_cost():
+    bw = Bandwidth(nvme_write=1e9, nvme_write_latency=1e-4, nvme_sync=2e-3, nvme_sync_per_byte=1e-9)
+    assert bw.seconds("cpu", "nvme", 1 << 20) == pytest.approx(1e-4 + (1 << 20) / 1e9)
+    assert bw.seconds("cpu", "nvme", 1 << 20, synced=True) == pytest.approx(1e-4 + (1 << 20) * 2e-9 + 2e-3)

@@ -5,10 +5,11 @@ budget (``minipar.tiers``) and a move between tiers is modelled per request as a
 ``nbytes / bandwidth`` of the link it crosses (Hockney's alpha-beta line, as for a message):
 host <-> device over PCIe (``pcie``, both directions), host -> NVMe at ``nvme_write``, NVMe -> host
 at ``nvme_read``, and a synced write (the NVMe tier's atomic write: a new file, ``fdatasync``, a
-rename) adds ``nvme_sync``. A move between the device and NVMe is staged through host memory (as in
-ZeRO-Infinity, Rajbhandari et al. 2021, Sec. 6): the two links one after the other. The rates are
-typical figures with no latency unless measured on the machine (``minipar.tiers.rates.measure``:
-``minipar calibrate``, lesson 7), where the latency is what a small request (64 KiB) is made of.
+rename) adds ``nvme_sync`` and ``nvme_sync_per_byte`` per byte. A move between the device and NVMe
+is staged through host memory (as in ZeRO-Infinity, Rajbhandari et al. 2021, Sec. 6): the two
+links one after the other. The rates are typical figures with no latency unless measured on the
+machine (``minipar.tiers.rates.measure``: ``minipar calibrate``, lesson 7), where the latency is
+what a small request (64 KiB) is made of.
 
 **ZeRO-Offload** (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training").
 Forward and backward run on the device with fp16 parameters; the fp16 gradients go down to the CPU,
@@ -37,12 +38,14 @@ class Rates(Protocol):
     nvme_read_latency: float
     nvme_write_latency: float
     nvme_sync: float
+    nvme_sync_per_byte: float
 
 
 def transfer_seconds(nbytes: int, src: str, dst: str, bandwidth: Rates, synced: bool = False) -> float:
     """Modelled seconds to move ``nbytes`` from tier ``src`` to tier ``dst`` (``"cpu"``, ``"device"``,
     ``"nvme"``) at ``bandwidth``'s rates (bytes/s) and latencies (seconds per request); 0 within one
-    tier. ``synced``: a write to NVMe made durable and atomic on its own (adds ``nvme_sync``)."""
+    tier. ``synced``: a write to NVMe made durable and atomic on its own (adds ``nvme_sync`` +
+    ``nbytes x nvme_sync_per_byte``: a new file's extents written, then flushed)."""
     for name, tier in (("src", src), ("dst", dst)):
         if tier not in TIERS:
             raise ValueError(f"transfer_seconds: {name}: unknown tier {tier!r}; tiers are {TIERS}")
@@ -55,7 +58,8 @@ def transfer_seconds(nbytes: int, src: str, dst: str, bandwidth: Rates, synced: 
     if "device" in (src, dst):
         return bandwidth.pcie_latency + nbytes / bandwidth.pcie
     if dst == "nvme":
-        return bandwidth.nvme_write_latency + nbytes / bandwidth.nvme_write + (bandwidth.nvme_sync if synced else 0.0)
+        synced_s = bandwidth.nvme_sync + nbytes * bandwidth.nvme_sync_per_byte if synced else 0.0
+        return bandwidth.nvme_write_latency + nbytes / bandwidth.nvme_write + synced_s
     return bandwidth.nvme_read_latency + nbytes / bandwidth.nvme_read
 
 

@@ -44,7 +44,8 @@ class DeviceOutOfMemory(MemoryError):
 class Bandwidth:
     """Bytes per second of each link, host <-> device (``pcie``), NVMe reads and writes, and seconds per
     request beside them (``*_latency``; ``nvme_sync``: what a synced, atomic write adds: a new file,
-    ``fdatasync``, a rename; ``nvme_sync_spread``: its interquartile range, measured, not modelled).
+    ``fdatasync``, a rename, plus ``nvme_sync_per_byte`` seconds per byte written; ``nvme_sync_spread``:
+    its interquartile range, measured, not modelled).
     The defaults are typical PCIe 4 and NVMe figures, not measured, with no latency;
     ``minipar.tiers.rates.measure`` fits them on this machine, ``save`` / ``load`` keep them."""
 
@@ -56,6 +57,7 @@ class Bandwidth:
     nvme_write_latency: float = 0.0
     nvme_sync: float = 0.0
     nvme_sync_spread: float = 0.0
+    nvme_sync_per_byte: float = 0.0
     source: str = "typical PCIe 4 and NVMe figures (not measured)"
 
     def seconds(self, src: str, dst: str, nbytes: int, synced: bool = False) -> float:

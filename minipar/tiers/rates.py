@@ -11,7 +11,9 @@
   through the tier itself takes beyond its bytes (``tier_page_seconds``),
   its bookkeeping and recording included, as lesson 7's moves are timed; ``nvme_sync`` is what the tier's atomic write
   (a new file, ``fdatasync``, the rename: ``nvme.NvmeFiles``' default write) takes beyond an in-place one
-  (medians), ``nvme_sync_spread`` the atomic writes' interquartile range.
+  (medians), ``nvme_sync_spread`` the atomic writes' interquartile range, ``nvme_sync_per_byte`` what
+  an atomic write's slope (``synced_seconds`` at ``sizes``: new extents written, then flushed) has
+  beyond an in-place write's.
 - Requesters sharing the disk and the cores: ``measure(..., requesters=k)`` times ``k`` processes measuring
   at once (``minipar calibrate -n k``), and lesson 7's ranks all measure together (``combine``: the
   field-wise median of theirs), so the rates are those of as many concurrent requesters as the run has
@@ -40,7 +42,8 @@ from minipar.tiers.files import PAGE, open_file, page_aligned
 
 SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # 4 KiB .. 16 MiB
 QUICK_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
-SPAN = 32 << 20  # bytes each size is timed over (at least 2 requests)
+SPAN = 32 << 20  # bytes each size is timed over (at least 2 requests, at most REQUESTS)
+REQUESTS = 512  # 4 KiB requests: 2 MiB (8,192 took 14 s on a shared disk)
 EVICT = 8 << 20  # bytes of copy sources taken in turn: four times a core's L2 here (2 MiB)
 
 
@@ -95,6 +98,16 @@ def tier_page_seconds(directory: str, repeats: int) -> dict[str, float]:
     return {**{k: statistics.median(v) for k, v in moves.items()}, "atomic spread": quartiles[2] - quartiles[0]}
 
 
+def synced_seconds(directory: str, size: int, repeats: int) -> float:
+    """Median seconds of the tier's atomic write (``Tiers.write_nvme``'s default: a new file, written,
+    ``fdatasync``, renamed) of ``size`` bytes, as its trace event times it."""
+    a = np.ones(size // 8)
+    with trace.recording(0) as rec, Tiers(0, os.path.join(directory, f"synced{os.getpid()}"), workers=1) as t:
+        for _ in range(repeats):
+            t.write_nvme("x", a).result()
+    return statistics.median(e.duration for e in rec.events if e.kind == "transfer")
+
+
 def copy_seconds(size: int, repeats: int) -> float:
     """Median seconds of ``Tiers.to_device`` of ``size`` bytes as its trace event times it (then ``free``):
     a new array copied, what a move between host and device is on this machine; the sources taken in
@@ -133,7 +146,7 @@ def measure(directory: str, sizes: Sequence[int] = SIZES, repeats: int = 5, requ
 def _measure(directory: str, sizes: Sequence[int], repeats: int) -> Bandwidth:
     writes, reads, direct = [], [], True
     for size in sizes:
-        count = max(2, SPAN // size)
+        count = min(REQUESTS, max(2, SPAN // size))
         runs = [disk_seconds(directory, size, count) for _ in range(repeats)]
         writes.append(statistics.median(r[0] for r in runs) / count)
         reads.append(statistics.median(r[1] for r in runs) / count)
@@ -144,10 +157,12 @@ def _measure(directory: str, sizes: Sequence[int], repeats: int) -> Bandwidth:
     w_lat, r_lat = max(0.0, tier["in place"] - PAGE * w_beta), max(0.0, tier["read"] - PAGE * r_beta)
     c_lat = max(0.0, tier["copy"] - PAGE * c_beta)
     sync = max(0.0, tier["atomic"] - tier["in place"])
+    synced_beta = fit_line(sizes, [synced_seconds(directory, size, repeats) for size in sizes])[1]
     how = "O_DIRECT" if direct else "buffered (no O_DIRECT here: reads from the page cache)"
     return Bandwidth(pcie=1 / c_beta if c_beta > 0 else np.inf, nvme_read=1 / r_beta if r_beta > 0 else np.inf,
                      nvme_write=1 / w_beta if w_beta > 0 else np.inf, pcie_latency=c_lat, nvme_read_latency=r_lat,
                      nvme_write_latency=w_lat, nvme_sync=sync, nvme_sync_spread=tier["atomic spread"],
+                     nvme_sync_per_byte=max(0.0, synced_beta - w_beta),
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} under {directory}: "
                             f"{how} requests of {min(sizes)}-{max(sizes)} B, one at a time; copies Tiers.to_device; "
                             "latencies from the tier's own one-page moves")
