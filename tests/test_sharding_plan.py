@@ -4,11 +4,13 @@ Brute force, written here apart from the planner's search: every axis changes al
 most two single-axis steps (``src -> dst``, or through one other placement; an axis already at its
 target either stays or goes out and back), or two axes sharded before and after change together in
 one exchange; every interleaving of the routes' steps that keeps each step a plain collective (the
-tile order, written again here) and every layout divisible is costed with ``cost.sharding``'s
-formulas (``step_bytes``, ``exchange_bytes``), a move costing its busiest rank's bytes. The planner's
-cost equals the least of them for every pair of placement lists drawn from {S(0), S(1), B, P} per
-axis on 2 x 2 and 2 x 2 x 2 meshes, never exceeds the greedy order's, and the redistribution it runs
-(threads) sends, on every rank, the bytes it predicts and gives numpy's values.
+tile order, written again here) is costed with ``cost.sharding``'s formulas (``step_bytes`` with
+``step_sizes``' pieces, uneven ones too; ``exchange_bytes``), a move costing its busiest rank's bytes.
+The planner's cost equals the least of them for every pair of placement lists drawn from {S(0),
+S(1), B, P} per axis on 2 x 2 and 2 x 2 x 2 meshes, for a (4, 8) or (8, 8) tensor and for a (3, 5) one
+cut unevenly (2 + 1 rows, 3 + 2 columns; some pieces empty on 2 x 2 x 2), never exceeds the greedy
+order's, and the redistribution it runs (threads) sends, on every rank, the bytes it predicts and
+gives numpy's values.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from test_sharding import assemble, original, piece_of
 
 from minipar import trace
 from minipar.comm import launch
-from minipar.cost.sharding import exchange_bytes, step_bytes
+from minipar.cost.sharding import exchange_bytes, step_bytes, step_sizes
 from minipar.mesh import DeviceMesh, MeshShape
 from minipar.sharding import Exchange, GlobalTensor, Partial, Replicate, Shard, cheapest, greedy, redistribute
 from minipar.sharding.plan import plan_bytes
@@ -34,10 +36,12 @@ from minipar.testing import run_each
 
 ONE = [Shard(0), Shard(1), Replicate(), Partial()]
 CASES = {"2x2": ({"dp": 2, "tp": 2}, ("dp", "tp"), (4, 8)), "tp2xdp2": ({"dp": 2, "tp": 2}, ("tp", "dp"), (4, 8)),
-         "2x2x2": ({"pp": 2, "dp": 2, "tp": 2}, ("pp", "dp", "tp"), (8, 8))}
+         "2x2x2": ({"pp": 2, "dp": 2, "tp": 2}, ("pp", "dp", "tp"), (8, 8)),
+         "2x2 uneven": ({"dp": 2, "tp": 2}, ("dp", "tp"), (3, 5)),  # pieces 2 + 1, 3 + 2: the last shorter
+         "2x2x2 uneven": ({"pp": 2, "dp": 2, "tp": 2}, ("pp", "dp", "tp"), (3, 5))}  # and some empty
 
 
-DEPTH = {"2x2": 5, "2x2x2": 7}
+DEPTH = {"2x2": 5, "2x2x2": 7, "2x2 uneven": 5, "2x2x2 uneven": 7}
 
 
 def pairs(n_axes: int) -> list[tuple[tuple, tuple]]:
@@ -80,7 +84,8 @@ def move_cost(shape, degrees, layout, move) -> int:
         numel = int(np.prod([s.stop - s.start for s in sl]))
         if move[0] == "step":
             _, k, a, b = move
-            sent = step_bytes(str(a), str(b), numel, 8, degrees[k], coords[k])
+            _, sizes = step_sizes(shape, degrees, coords, [str(p) for p in layout], k, str(b))
+            sent = step_bytes(str(a), str(b), numel, 8, degrees[k], coords[k], sizes)
         else:
             new = local_slices(shape, degrees, coords, move[2])
             kept = int(np.prod([max(0, min(s.stop, t.stop) - max(s.start, t.start)) for s, t in zip(sl, new,
@@ -165,6 +170,16 @@ def test_planner_equals_brute_force_on_2x2() -> None:
 @example(which=[pairs(3).index(((Shard(0), Shard(0), Shard(1)), (Shard(0), Shard(1), Shard(0))))])
 def test_planner_equals_brute_force_on_2x2x2(which: list[int]) -> None:
     check_brute_force("2x2x2", which)
+
+
+def test_planner_equals_brute_force_on_2x2_with_uneven_shards() -> None:
+    assert check_brute_force("2x2 uneven", range(256))[0] == 256
+
+
+@budget(3)
+@given(which=st.lists(st.integers(0, 64 ** 2 - 1), min_size=1, max_size=40, unique=True))
+def test_planner_equals_brute_force_on_2x2x2_with_uneven_shards(which: list[int]) -> None:
+    check_brute_force("2x2x2 uneven", which)
 
 
 def run_moves(comm, case: str, which: Sequence[int], shape: tuple, seed: int) -> list[dict]:
