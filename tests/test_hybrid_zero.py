@@ -19,7 +19,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget
-from test_hybrid import check_hybrid, config, hybrid_run, layout_of
+from test_hybrid import check_hybrid, config, holdings_run, hybrid_run, layout_of
 
 from minipar import nn, trace
 from minipar.cost.hybrid import gathered_peak_bytes, model_state_bytes, traffic_by_axis
@@ -142,3 +142,9 @@ def test_bytes_by_hand() -> None:
     # ZB-H1 splits each backward into I and W: W gathers too, 3 m + 1 = 7 shards
     assert traffic_by_axis(layout_of({**EXAMPLES[0], "schedule": "zb-h1"}), 0)["dp"] == 7 * 8 * stage0 // 2
 
+
+
+def test_holdings_count_the_stages_parameters() -> None:
+    """Under ZeRO-3 a rank's parameters are freed between actions; ``holdings`` still names its stages'
+    parameter counts (6944 on pp rank 0, 6848 on pp rank 1: ``test_bytes_by_hand``)."""
+    assert [h["params"] for h in run(holdings_run, 4, "threads", c=EXAMPLES[0])] == [6944, 6944, 6848, 6848]

@@ -308,7 +308,8 @@ class HybridGPT:
         if degree("sp") > 1:
             data += f", positions {coords['sp'] * positions}:{(coords['sp'] + 1) * positions}"
         return {"layers": _layer_span(layers), "slices": ", ".join(slices) or "whole weights", "data": data,
-                "params": sum(p.data.size for p in params.values())}
+                "params": sum(u.layout.numel for u in self.sharded.units.values()) if self.zero_stage == 3
+                else sum(p.data.size for p in params.values())}  # ZeRO-3: its stages' parameters, of which it holds 1/N
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer state

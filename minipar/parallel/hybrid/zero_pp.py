@@ -33,6 +33,7 @@ import numpy as np
 
 from minipar import trace
 from minipar.comm import Communicator
+from minipar.nn import Module
 from minipar.parallel.pipeline import Pipeline
 from minipar.parallel.pipeline.schedule import Action
 from minipar.parallel.zero import Unit, ZeroDataParallel
@@ -55,7 +56,7 @@ class PipelineZero:
     """ZeRO ``stage`` (2 or 3) of ``pipe``'s parameters over ``replicas`` with AdamW (float64).
     ``reduce()`` after the pipeline's step, then ``step()``."""
 
-    def __init__(self, pipe: Pipeline, module: object, replicas: Communicator, stage: int,
+    def __init__(self, pipe: Pipeline, module: Module, replicas: Communicator, stage: int,
                  reshard_after_forward: bool, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float) -> None:
         self.pipe, self.replicas, self.stage = pipe, replicas, stage
@@ -63,7 +64,7 @@ class PipelineZero:
         self.inner: ZeroDataParallel | None = None
         self.units: dict[int, Unit] = {}
         if stage == 2:  # ZeroDataParallel's buckets with no per-gradient hooks: reduced in reduce()
-            self.inner = ZeroDataParallel(module, replicas, stage=1, lr=lr, betas=betas, eps=eps,  # type: ignore[arg-type]
+            self.inner = ZeroDataParallel(module, replicas, stage=1, lr=lr, betas=betas, eps=eps,
                                           weight_decay=weight_decay)
             self.optimizer = self.inner.optimizer
             return
@@ -71,7 +72,8 @@ class PipelineZero:
                       for i, (s, st) in enumerate(sorted(pipe.stages.items()))}
         self.optimizer = ShardedAdamW([u.shard for u in self.units.values()], replicas, "fp64", lr, betas, eps,
                                       weight_decay)
-        assert isinstance(pipe, GatheringPipeline)
+        if not isinstance(pipe, GatheringPipeline):
+            raise TypeError("PipelineZero: ZeRO-3 gathers around the actions of a GatheringPipeline")
         pipe.gather = self.gathered_stage
         self._sample()
 
