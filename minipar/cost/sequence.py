@@ -205,21 +205,28 @@ def grad_sync_bytes(n_params: int, p: int, itemsize: int = 8, rank: int = 0) -> 
 
 
 def step_bytes_by_op(method: str, b: int, s: int, h: int, layers: int, p: int, n_params: int,
-                     ulysses: int | None = None, itemsize: int = 8) -> dict[str, int]:
+                     ulysses: int | None = None, itemsize: int = 8, accumulator_itemsize: int | None = None
+                     ) -> dict[str, int]:
     """Bytes rank 0 sends in one training step of a ``layers``-block ``SequenceParallelGPT`` with
     ``n_params`` parameters, by op (a trace's ``expected_bytes``): every layer's attention forward and
     backward (Ulysses' ``all_to_all``; the ring's K/V blocks, ``ring_kv``, in forward and again in
     backward, and the dK/dV accumulators travelling home, ``ring_dkv``; the hybrid both) and
-    ``sync_grads``' ring ``allreduce`` of every gradient."""
+    ``sync_grads``' ring ``allreduce`` of every gradient. ``accumulator_itemsize``: the dK/dV
+    accumulators' bytes a number (4 under a bfloat16 model, whose accumulators stay float32;
+    ``itemsize`` if not given)."""
     p_u, p_r = _grid("step_bytes_by_op", method, p, ulysses)
     whole("step_bytes_by_op", "layers", layers)
+    acc = itemsize if accumulator_itemsize is None else whole("step_bytes_by_op", "accumulator_itemsize",
+                                                              accumulator_itemsize)
     out = {"allreduce": grad_sync_bytes(n_params, p, itemsize)}
+    ring = 0  # the ring's bytes in attention_bytes' forward and backward: K/V three times
     if method != "ulysses":
         kv = ring_attention_bytes(b, s, h // p_u, p_r, itemsize)  # one pass of the K/V blocks
-        out["ring_kv"], out["ring_dkv"] = 2 * layers * kv, layers * kv
+        out["ring_kv"], ring = 2 * layers * kv, 3 * layers * kv
+        out["ring_dkv"] = layers * ring_attention_bytes(b, s, h // p_u, p_r, acc)
     if method != "ring":
         total = sum(attention_bytes(method, b, s, h, p, ulysses, itemsize, backward) for backward in (False, True))
-        out["all_to_all"] = layers * total - out.get("ring_kv", 0) - out.get("ring_dkv", 0)
+        out["all_to_all"] = layers * total - ring
     return out
 
 

@@ -21,6 +21,7 @@ from minipar.comm import Communicator
 from minipar.parallel.sequence.comm_ops import heads_to_seq, seq_to_heads
 from minipar.parallel.sequence.layout import Piece, block_rows, check_attention
 from minipar.parallel.sequence.ring import ring_attention
+from minipar.parallel.tensor.comm_ops import is_bf16
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, ulysses: Communicator, ring: Communicator,
@@ -30,7 +31,7 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, ulysses: Com
     block = block_rows("hybrid_attention", blocks, ring.size, ring.rank)
     check_attention("hybrid_attention", q, k, v, n_heads, ulysses.size, block // ulysses.size,
                     f"this rank's {block // ulysses.size} of the {block} positions of its ring block")
-    q, k, v = (seq_to_heads.apply(x, ulysses) for x in (q, k, v))
+    q, k, v = (seq_to_heads.apply(x, ulysses, is_bf16(x)) for x in (q, k, v))
     return hybrid_attention_on_heads(q, k, v, n_heads, ulysses, ring, blocks, causal)
 
 
@@ -40,4 +41,4 @@ def hybrid_attention_on_heads(q: Tensor, k: Tensor, v: Tensor, n_heads: int, uly
     heads (``linear_seq_to_heads``)."""
     check_attention("hybrid_attention", q, k, v, n_heads, ulysses.size, on_heads=True)
     out = ring_attention(q, k, v, n_heads // ulysses.size, ring, blocks, causal)
-    return heads_to_seq.apply(out, ulysses)
+    return heads_to_seq.apply(out, ulysses, is_bf16(out))

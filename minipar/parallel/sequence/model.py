@@ -29,6 +29,7 @@ from minipar.parallel.sequence.hybrid import hybrid_attention, hybrid_attention_
 from minipar.parallel.sequence.layout import METHODS, SequenceLayout, check_sequence_config
 from minipar.parallel.sequence.ring import ring_attention
 from minipar.parallel.sequence.ulysses import ulysses_attention, ulysses_attention_on_heads
+from minipar.parallel.tensor.comm_ops import is_bf16
 
 
 class SequenceGroup:
@@ -68,10 +69,16 @@ class SequenceGroup:
         graph keeps q, k, v once, after the all-to-all, as DeepSpeed does."""
         if self.method == "ring":
             return ring_attention(q(x), k(x), v(x), n_heads, self.ring, self.blocks, causal)
-        qh, kh, vh = (linear_seq_to_heads.apply(x, lin.weight, lin.bias, self.ulysses) for lin in (q, k, v))
+        qh, kh, vh = (linear_seq_to_heads.apply(x, lin.weight, lin.bias, self.ulysses, projects_bf16(x, lin))
+                      for lin in (q, k, v))
         if self.method == "ulysses":
             return ulysses_attention_on_heads(qh, kh, vh, n_heads, self.ulysses, causal)
         return hybrid_attention_on_heads(qh, kh, vh, n_heads, self.ulysses, self.ring, self.blocks, causal)
+
+
+def projects_bf16(x: Tensor, lin: Linear) -> bool:
+    """Whether ``lin(x)`` is a bfloat16 model's value (rounded to bf16 by the op)."""
+    return is_bf16(x) or is_bf16(lin.weight) or (lin.bias is not None and is_bf16(lin.bias))
 
 
 class SequenceParallelAttention(Module):

@@ -25,6 +25,12 @@ the accumulator makes P-1 hops and ends at its owner; a rank keeps only the one 
 Bytes per rank per layer (K and V of one block: 2 b (S/P) H d_head itemsize = 2 B bytes):
 forward (P-1) 2B; backward (P-1) 2B for K, V plus (P-1) 2B for dK, dV: ``minipar.cost.sequence``.
 
+bfloat16 (``minipar.parallel.bf16``): a bf16 model's K/V blocks travel as bfloat16, 2 bytes an
+element, exactly (they are bf16 values). The dK/dV accumulators are float32 partial sums and travel
+as float32, as ring-flash-attention keeps them (zhuzilin/ring-flash-attention, ``ring_flash_attn.py``:
+``dk = block_dk_buffer.to(torch.float32)`` before ``send_recv_kv``); rounding them to bf16 at every
+hop would round the sum P-1 times instead of once, at the end, as one process does.
+
 Causal masking: score blocks the mask hides completely are not computed (``blockwise.visibility``);
 ranks still pass those K, V on. With the zigzag split (``layout``) every rank computes the same
 number of blocks.
@@ -43,6 +49,7 @@ from minipar.functional import _Attention
 from minipar.parallel.sequence.blockwise import HIDDEN, OnlineSoftmax, block_backward, scores, visibility
 from minipar.parallel.sequence.comm_ops import Both, pass_on
 from minipar.parallel.sequence.layout import Piece, block_rows, check_attention
+from minipar.parallel.tensor.comm_ops import is_bf16
 
 TAG_KV, TAG_KV_BACK, TAG_DKV = 11, 12, 13
 heads = _Attention.heads  # (b, n, H d) -> (b, H, n, d), a view
@@ -84,7 +91,7 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, comm: Communicator,
-                blocks: Sequence[Sequence[Piece]], causal: bool) -> np.ndarray:
+                blocks: Sequence[Sequence[Piece]], causal: bool, bf16: bool) -> np.ndarray:
         me, p = comm.rank, comm.size
         b, n, width = q.shape
         scale = 1.0 / float(np.sqrt(width // n_heads))
@@ -93,7 +100,7 @@ class RingAttention(Function):
         kv = np.stack([k, v])  # K and V travel as one message
         for step in range(p):
             j = (me - step) % p
-            nxt = pass_on(comm, kv, TAG_KV, "ring_kv", step, j) if step < p - 1 else None
+            nxt = pass_on(comm, kv, TAG_KV, "ring_kv", step, j, bf16) if step < p - 1 else None
             kh, vh = heads(kv[0], n_heads), heads(kv[1], n_heads)
             for qi, rows, qp, ki, cols, kp in block_pairs(blocks[me], blocks[j], causal):
                 with trace.span("attention F", step=step, chunk=j,
@@ -108,6 +115,7 @@ class RingAttention(Function):
         lse = soft.result(heads(out, n_heads))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.n_heads, ctx.comm, ctx.blocks, ctx.causal, ctx.scale = n_heads, comm, blocks, causal, scale
+        ctx.bf16 = bf16
         return out
 
     @staticmethod
@@ -124,7 +132,7 @@ class RingAttention(Function):
         sent = None  # the accumulator last sent on (one at a time: never the whole sequence's dK, dV)
         for step in range(p):
             j = (me - step) % p
-            nxt = pass_on(comm, kv, TAG_KV_BACK, "ring_kv", step, j) if step < p - 1 else None
+            nxt = pass_on(comm, kv, TAG_KV_BACK, "ring_kv", step, j, ctx.bf16) if step < p - 1 else None
             arriving = comm.irecv((me - 1) % p, TAG_DKV, op="ring_dkv", step=step, chunk=j) if step >= 2 else None
             acc = home if step == 0 else np.zeros_like(kv)
             kh, vh, dkh, dvh = (heads(a, h) for a in (kv[0], kv[1], acc[0], acc[1]))
@@ -146,15 +154,16 @@ class RingAttention(Function):
             home += comm.recv((me - 1) % p, TAG_DKV, op="ring_dkv", step=p, chunk=me)
         if sent is not None:
             sent.wait()
-        return dq, home[0], home[1], None, None, None, None
+        return dq, home[0], home[1], None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, n_heads: int, comm: Communicator,
                    blocks: Sequence[Sequence[Piece]], causal: bool = True) -> Tensor:
     """Ring Attention over ``comm`` for (b, n, H d) blocks q, k, v whose rows hold the positions
     ``blocks[comm.rank]``; returns this rank's (b, n, H d) output. Refuses, before any message,
-    operands whose rows are not that block's positions."""
+    operands whose rows are not that block's positions. K and V travel as bfloat16 when both hold a
+    bf16 model's values."""
     n = block_rows("ring_attention", blocks, comm.size, comm.rank)
     check_attention("ring_attention", q, k, v, n_heads, 1, n,
                     f"the {n} positions of this rank's ring block (blocks[comm.rank])")
-    return RingAttention.apply(q, k, v, n_heads, comm, blocks, causal)
+    return RingAttention.apply(q, k, v, n_heads, comm, blocks, causal, is_bf16(k) and is_bf16(v))
