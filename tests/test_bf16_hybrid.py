@@ -56,22 +56,27 @@ def as32(d: dict) -> dict:
     return {k: v.astype(np.float32) for k, v in d.items()}
 
 
-def hybrid_run(comm, c: dict) -> dict:
-    """tp 2 x dp 2: one step; the loss, reduced gradients, parameters after it, bytes sent, P on this rank."""
-    model = build(comm, c, 2)
+def one_step(model: HybridGPT, c: dict) -> dict:
+    """One step of ``model`` on ``tokens(c)``: the loss, reduced gradients, parameters after it, bytes sent."""
     idx, tgt = tokens(c)
-    with trace.recording(comm.rank) as rec:
+    with trace.recording(model.mesh.comm.rank) as rec:
         loss = model.forward_backward(idx, tgt)
     grads = as32(model.full_grads())
     model.optimizer_step()
-    return {"loss": loss, "grads": grads, "final": as32(model.full_state_dict()),
-            "sent": {k: v for k, v in sent_by_op(rec.events, comm.rank).items() if v},
-            "params": sum(p.size for p in model.module.parameters())}
+    return {"loss": loss, "grads": grads, "final": as32(model.full_state_dict()), "events": rec.events}
 
 
-def reference_run(comm, c: dict) -> dict:
-    """tp 2 alone: the two replicas' halves by hand, their gradients averaged in the reduce dtype."""
-    model, wire = build(comm, c, 1), WIRE[c["reduce"]]
+def hybrid_run(comm, c: dict) -> dict:
+    """tp 2 x dp 2: one step; the loss, reduced gradients, parameters after it, bytes sent, P on this rank."""
+    model = build(comm, c, 2)
+    got = one_step(model, c)
+    return got | {"sent": {k: v for k, v in sent_by_op(got.pop("events"), comm.rank).items() if v},
+                  "params": sum(p.size for p in model.module.parameters())}
+
+
+def by_hand(model: HybridGPT, c: dict, wire: np.dtype) -> dict:
+    """``model`` (dp = 1) runs the two replicas' halves of ``tokens(c)``; their gradients are cast to
+    ``wire``, added and halved (as a 2-rank ring all-reduce and the division do), then one step."""
     idx, tgt = tokens(c)
     params = list(model.module.parameters())
     losses, terms = [], []
@@ -86,6 +91,11 @@ def reference_run(comm, c: dict) -> dict:
     grads = as32(model.full_grads())
     model.optimizer_step()
     return {"loss": float(np.mean(losses)), "grads": grads, "final": as32(model.full_state_dict())}
+
+
+def reference_run(comm, c: dict) -> dict:
+    """tp 2 alone: the two replicas' halves by hand, their gradients averaged in the reduce dtype."""
+    return by_hand(build(comm, c, 1), c, WIRE[c["reduce"]])
 
 
 def check(c: dict, results: list[dict]) -> None:

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget, mpi_jobs
+from test_bf16_hybrid import WIRE, by_hand, one_step
 
-from minipar import launch, trace
+from minipar import launch
 from minipar.autograd import BF16
 from minipar.cost.collectives import allreduce_bytes
 from minipar.cost.pipeline import send_bytes
@@ -27,8 +28,6 @@ from minipar.mesh import DeviceMesh
 from minipar.parallel.hybrid import HybridGPT
 from minipar.testing import run_each
 from viz.analysis import sent_by_op
-
-WIRE = {"bf16": BF16, "fp32": np.dtype(np.float32)}
 
 
 def config(other: str, schedule: str = "1f1b", m: int = 2, reduce: str = "bf16", layers: int = 2,
@@ -55,48 +54,19 @@ def build(comm, c: dict, pp: int) -> HybridGPT:
                      seed=c["seed"], lr=1e-2, weight_decay=0.1)
 
 
-def tokens(c: dict) -> np.ndarray:
-    return np.random.default_rng(c["seed"]).integers(0, c["vocab"], (2, c["batch"], c["seq"]))
-
-
-def as32(d: dict) -> dict:
-    return {k: v.astype(np.float32) for k, v in d.items()}
-
-
 def hybrid_run(comm, c: dict) -> dict:
     model = build(comm, c, 2)
-    idx, tgt = tokens(c)
-    with trace.recording(comm.rank) as rec:
-        loss = model.forward_backward(idx, tgt)
-    grads = as32(model.full_grads())
-    model.optimizer_step()
-    sends = [e.nbytes for e in rec.events if e.kind == "comm" and e.op == "send" and e.src == comm.rank]
-    return {"loss": loss, "grads": grads, "final": as32(model.full_state_dict()), "sends": sends,
-            "sent": sent_by_op(rec.events, comm.rank), "params": sum(p.size for p in model.module.parameters()),
-            "coords": dict(model.mesh.coords)}
+    got = one_step(model, c)
+    events = got.pop("events")
+    return got | {"sends": [e.nbytes for e in events if e.kind == "comm" and e.op == "send" and e.src == comm.rank],
+                  "sent": sent_by_op(events, comm.rank), "params": sum(p.size for p in model.module.parameters()),
+                  "coords": dict(model.mesh.coords)}
 
 
 def reference_run(comm, c: dict) -> dict:
-    """No pipeline: each replica's rows (the whole batch for pp x tp) by hand, averaged in the reduce dtype."""
+    """No pipeline: pp x dp the replicas' halves by hand in the reduce dtype; pp x tp the tp ranks' step."""
     model = build(comm, c, 1)
-    idx, tgt = tokens(c)
-    params = list(model.module.parameters())
-    if c["other"] == "tp":
-        loss = model.forward_backward(idx, tgt)
-    else:
-        wire, losses, terms = WIRE[c["reduce"]], [], []
-        for rows in np.split(np.arange(c["batch"]), 2):
-            losses.append(model.forward_backward(idx[rows], tgt[rows]))
-            terms.append([p.grad.astype(wire) for p in params])
-            model.optimizer.zero_grad()
-        for p, (a, b) in zip(params, zip(*terms, strict=True), strict=True):
-            total = a + b
-            total /= 2
-            p.grad = total
-        loss = float(np.mean(losses))
-    grads = as32(model.full_grads())
-    model.optimizer_step()
-    return {"loss": loss, "grads": grads, "final": as32(model.full_state_dict())}
+    return one_step(model, c) if c["other"] == "tp" else by_hand(model, c, WIRE[c["reduce"]])
 
 
 def check(c: dict, results: list[dict]) -> None:
