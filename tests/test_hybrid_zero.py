@@ -13,17 +13,21 @@ autograd graph, equal ``activation_peak_bytes``: the graph keeps no gathered sta
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import budget
-from test_hybrid import check_hybrid, config, holdings_run, hybrid_run, layout_of
+from test_hybrid import build, check_hybrid, config, holdings_run, hybrid_run, layout_of
 
 from minipar import nn, trace
 from minipar.cost.hybrid import gathered_peak_bytes, model_state_bytes, traffic_by_axis
 from minipar.mesh import MeshShape
+from minipar.parallel.zero import flat
 from minipar.testing import run, run_each
 
 EXAMPLES = [
@@ -148,3 +152,35 @@ def test_holdings_count_the_stages_parameters() -> None:
     """Under ZeRO-3 a rank's parameters are freed between actions; ``holdings`` still names its stages'
     parameter counts (6944 on pp rank 0, 6848 on pp rank 1: ``test_bytes_by_hand``)."""
     assert [h["params"] for h in run(holdings_run, 4, "threads", c=EXAMPLES[0])] == [6944, 6944, 6848, 6848]
+
+
+
+def _built(comm, c: dict) -> tuple[int, int, int, int]:
+    """Build only: this thread's id, the numbers of its ZeRO-3 shards, the two rows per parameter
+    ``init_shard`` may draw beyond them (the partial rows at a piece's ends) and its stages' whole count."""
+    units = build(comm, c).sharded.units.values()
+    shapes = [s for u in units for s in u.layout.shapes]
+    shard = sum(u.shard.data.size for u in units)
+    slack = sum(2 * int(np.prod(s[1:])) for s in shapes if len(s) > 1)
+    return threading.get_ident(), shard, slack, sum(int(np.prod(s)) for s in shapes)
+
+
+def test_zero3_stages_are_built_sharded(monkeypatch) -> None:
+    """Sharded from the start (nn.deferred): building a ZeRO-3 HybridGPT draws on each rank its shard's
+    initial values (and at most two rows per parameter more), never its stages' whole parameters, which
+    a model built whole and then cut draws; the values are one process's (the equality tests)."""
+    drawn: collections.Counter[int] = collections.Counter()
+    real = nn.init_values
+
+    def counting(seed, name, full_shape, init, index=None, out=None):
+        values = real(seed, name, full_shape, init, index, out)
+        drawn[threading.get_ident()] += values.size
+        return values
+
+    monkeypatch.setattr(nn, "init_values", counting)
+    monkeypatch.setattr(flat, "init_values", counting)
+    for degrees in ({"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}):
+        drawn.clear()
+        c = {**EXAMPLES[0], "degrees": degrees, "zero_stage": 3}
+        for ident, shard, slack, whole in run(_built, MeshShape(**degrees).size, "threads", c=c):
+            assert shard <= drawn[ident] <= shard + slack < whole, (degrees, drawn[ident], shard, whole)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import trace
+from minipar import nn, trace
 from minipar.autograd import BF16
 from minipar.mesh import DeviceMesh
 from minipar.nn import Module, Parameter
@@ -177,8 +177,11 @@ class HybridGPT:
                                              sequence_parallel, seed, dtype, recompute)
         stages = make_schedule(schedule, mesh.degree("pp"), microbatches, chunks).virtual_stages
         counts = list(layers) if layers is not None else gpt_layer_counts(n_layers, stages)
-        pipeline = GatheringPipeline if zero_stage == 3 else Pipeline
-        self.pipe = pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
+        if zero_stage == 3:  # no storage until each stage's FSDP unit draws this rank's shard alone
+            with nn.deferred():
+                self.pipe: Pipeline = GatheringPipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
+        else:
+            self.pipe = Pipeline(mesh["pp"], layered, schedule, microbatches, chunks, counts)
         self.module = _Stages(self.pipe)
         self.zero: ZeroDataParallel | None = None
         self.sharded: PipelineZero | None = None

@@ -100,20 +100,27 @@ def init_shard(layout: FlatLayout, params: Sequence[Parameter], rank: int, seed:
     lo = layout.shard_range(rank)[0]
     for i, a, b in layout.pieces(rank):
         shape, name, init = layout.shapes[i], layout.names[i], params[i].init
+        full, cut = params[i].full_shape, params[i].shard or tuple(slice(0, n) for n in shape)
+
+        def rows(r0: int, r1: int, full=full, cut=cut) -> tuple[slice, ...]:
+            """Rows ``r0:r1`` of the piece this rank holds (a tensor-parallel slice of ``full``, or all)."""
+            start = cut[0].indices(full[0])[0]
+            return (slice(start + r0, start + r1), *cut[1:])
+
         at = layout.offsets[i] - lo  # where the parameter's element 0 would sit in the shard
         if len(shape) <= 1:  # a vector: its piece is one slice
-            shard[at + a:at + b] = init_values(seed, name, shape, init, (slice(a, b),))
+            shard[at + a:at + b] = init_values(seed, name, full, init, rows(a, b))
             continue
         row = int(np.prod(shape[1:], dtype=np.int64))
         first, last = -(-a // row), b // row  # the whole rows inside [a, b)
         for r in {a // row, (b - 1) // row} - set(range(first, last)):  # partial rows at the ends
             lo_r, hi_r = max(a, r * row), min(b, (r + 1) * row)
-            values = init_values(seed, name, shape, init, (slice(r, r + 1),)).reshape(-1)
+            values = init_values(seed, name, full, init, rows(r, r + 1)).reshape(-1)
             shard[at + lo_r:at + hi_r] = values[lo_r - r * row:hi_r - r * row]
         if first < last:
             whole = shard[at + first * row:at + last * row].reshape(last - first, *shape[1:])
             if whole.dtype == np.float64:  # drawn in place
-                init_values(seed, name, shape, init, (slice(first, last),), whole)
+                init_values(seed, name, full, init, rows(first, last), whole)
             else:
-                whole[...] = init_values(seed, name, shape, init, (slice(first, last),))
+                whole[...] = init_values(seed, name, full, init, rows(first, last))
     return shard
