@@ -332,6 +332,7 @@ class HybridGPT:
         and the pipeline's (schedule, actions, stage layers)."""
         return {**self.pipe.trace_meta(), "paradigm": "hybrid", "mesh": self.mesh.meta(),
                 "sequence_parallel": self.sequence_parallel, "zero_stage": self.zero_stage,
+                "reshard_after_forward": self.sharded.reshard_after_forward if self.sharded is not None else None,
                 "sp_method": self.group.method if self.group is not None else None}
 
 
