@@ -76,18 +76,21 @@ def disk_seconds(directory: str, size: int, count: int) -> tuple[float, float, b
 
 def tier_page_seconds(directory: str, repeats: int) -> dict[str, float]:
     """Median seconds of one-page moves through the tier itself, as their trace events time them (the
-    tier's bookkeeping and recording included), taking turns: ``"in place"`` and ``"atomic"`` writes,
-    ``"read"``s, and ``"copy"``s up and down between host and device; ``"atomic spread"``: the atomic
-    writes' interquartile range (``fdatasync``'s variance)."""
+    tier's bookkeeping and recording included): ``"in place"`` writes, ``"read"``s and ``"copy"``s up and
+    down between host and device taking turns, then the ``"atomic"`` writes, so that requesters measuring
+    at once meet each other's requests of the same kind (a read beside another's ``fdatasync`` waits for
+    the flush); ``"atomic spread"``: the atomic writes' interquartile range (``fdatasync``'s variance)."""
     page = np.ones(PAGE // 8)
     with trace.recording(0) as rec, Tiers(PAGE, os.path.join(directory, f"tier{os.getpid()}"), workers=1) as t:
+        t.write_nvme("x", page).result()
         for _ in range(repeats):
-            t.write_nvme("x", page).result()
             t.write_nvme("x", page, in_place=True).result()
             t.read_nvme("x").result()
             t.to_cpu("x", t.to_device("x", page))
             t.free("x")
         t.sync_nvme()
+        for _ in range(repeats):
+            t.write_nvme("x", page).result()
     moves: dict[str, list[float]] = {}
     for e in rec.events:
         if e.kind == "transfer":
