@@ -57,3 +57,29 @@ def test_a_synced_write_adds_its_latency_and_its_per_byte_cost():
     bw = Bandwidth(nvme_write=1e9, nvme_write_latency=1e-4, nvme_sync=2e-3, nvme_sync_per_byte=1e-9)
     assert bw.seconds("cpu", "nvme", 1 << 20) == pytest.approx(1e-4 + (1 << 20) / 1e9)
     assert bw.seconds("cpu", "nvme", 1 << 20, synced=True) == pytest.approx(1e-4 + (1 << 20) * 2e-9 + 2e-3)
+
+
+def test_transfer_seconds_latency_and_sync_by_hand(tmp_path):
+    bw = Bandwidth(pcie=1e9, nvme_read=5e8, nvme_write=2.5e8, pcie_latency=1e-6, nvme_read_latency=1e-4,
+                   nvme_write_latency=2e-4, nvme_sync=3e-3)
+    assert bw.seconds("cpu", "device", 1000) == pytest.approx(1e-6 + 1e-6)
+    assert bw.seconds("nvme", "cpu", 5e5) == pytest.approx(1e-4 + 1e-3)
+    assert bw.seconds("cpu", "nvme", 2.5e5) == pytest.approx(2e-4 + 1e-3)
+    assert bw.seconds("cpu", "nvme", 2.5e5, synced=True) == pytest.approx(2e-4 + 1e-3 + 3e-3)
+    assert bw.seconds("device", "nvme", 1000, synced=True) == pytest.approx(2e-6 + 2e-4 + 4e-6 + 3e-3)  # staged
+    bw.save(tmp_path / "t.json")
+    assert Bandwidth.load(tmp_path / "t.json") == bw
+    (tmp_path / "bad.json").write_text('{"pcie": -1}')
+    with pytest.raises(ValueError, match=r"tier rates file .*bad.json: pcie must be numbers >= 0"):
+        Bandwidth.load(tmp_path / "bad.json")
+
+
+def test_measured_rates_are_positive_and_fit_what_they_timed(tmp_path):
+    from minipar.tiers import rates
+
+    bw = rates.measure(str(tmp_path), (1 << 12, 1 << 16), 2)
+    assert all(v > 0 for v in (bw.pcie, bw.nvme_read, bw.nvme_write))
+    assert all(v >= 0 for v in (bw.pcie_latency, bw.nvme_read_latency, bw.nvme_write_latency, bw.nvme_sync))
+    assert os.listdir(tmp_path) == []  # its files and temporary directory removed
+    w, r, _ = rates.disk_seconds(str(tmp_path), 1 << 16, 4)
+    assert w > 0 and r > 0 and os.listdir(tmp_path) == []
