@@ -70,6 +70,14 @@ Quiet, after the non-blocking collectives' worker stopped pausing while its rank
 against 7.2-7.5 replayed; it was 0.44-0.46 beside it without the change): the DDP goal is still
 missed.
 
+2026-11-28 04:50, quiet (load 1), after the host replay (``replay(host=True)``) and lesson 02's barrier
+before each traced step (rank 0 wrote the step before's trace while rank 1 began the next: 14 ms of
+that skew counted in the wall-clock step): 1F1B replayed 28.0-28.4 % (spread 0.3 points; wall clock
+7.1), interleaved spread 1.5 points (wall clock 4.4), replay - simulator at most 0.2 points; 2 ranks,
+replayed / wall: pipeline 0.89-0.96 (host 0.92-0.98), DDP 0.53-0.57 by the default rules and
+0.85-0.89 on the host in four runs, the fifth a wall-clock stall (49.7 ms against 17-21: 0.44). Two
+runs before the barrier: interleaved spreads 3.0 and 1.7 points, pipeline 0.79-0.91.
+
 (Formula, uniform stages: 27.3 % and 15.8 %; lesson 02's first and last stages also carry the
 embedding and the head, which the simulator fed with the CPU costs per stage accounts for.) The
 replay ranks interleaved below 1F1B in every run, the wall clock in none: the wall-clock bubble is

@@ -87,6 +87,7 @@ def train(comm: Any, kind: str, chunks: int = 1, steps: int = 4, microbatches: i
         if path is None:
             losses.append(pipe.step(x, y, opt))
             continue
+        comm.barrier()  # every rank enters together (rank 0 has just written the step before's trace)
         with mtrace.record(path, comm, **meta):
             losses.append(pipe.step(x, y, opt))
     return {"losses": losses, "peak_stash": pipe.peak_stash,
