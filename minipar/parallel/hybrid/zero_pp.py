@@ -14,8 +14,9 @@ every micro-batch's gradients unsharded and reduce-scatter them once, after the 
               all-gather of the updated parameters. Bytes: ZeRO-1's, the all-reduce's volume.
     stage 3   each virtual stage of the rank is one FSDP unit (``zero.fsdp.Unit``): only its shard is
               held, from the start (``HybridGPT`` builds the stages under ``nn.deferred()``, and each
-              unit draws its shard's initial values alone, ``flat.init_shard``). ``reshard_after_forward=True``: every F, B, I and W action all-gathers its stage
-              and frees it afterwards (2m gathers per stage, plus one per split backward's W);
+              unit draws its shard's initial values alone, ``flat.init_shard``).
+              ``reshard_after_forward=True``: every F, B, I and W action all-gathers its stage and
+              frees it afterwards (2m gathers per stage, plus one per split backward's W);
               ``False``: the first action of the step gathers the stage, which stays gathered until
               the gradients are reduce-scattered (1 gather; torchtitan's choice for pipelines).
 
