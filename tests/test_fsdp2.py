@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from strategies import budget
 from test_zero import LOSS_REL, samples_by_step, zero_reference
 from tolerances import assert_close_after_adamw
-from zero_helpers import GRAD_TOL, LR, PARAM_TOL, WEIGHT_DECAY, batch, build, config, rows, unit_sizes
+from zero_helpers import GRAD_TOL, LR, PARAM_TOL, WEIGHT_DECAY, build, config, train_steps, unit_sizes
 
-from minipar import launch, nn, trace
+from minipar import launch, nn
 from minipar.cost.zero import fsdp2_traffic_bytes, zero_traffic_bytes
 from minipar.mesh import DeviceMesh
 from minipar.parallel.zero import FullyShardedDataParallel
@@ -63,14 +63,7 @@ def fsdp_run(comm, c: dict, v2: bool = True) -> dict:
     kw = {"reshard_after_forward": c["reshard"], "prefetch": c["prefetch"], "lr": LR, "weight_decay": WEIGHT_DECAY}
     mesh = DeviceMesh(comm, dp=comm.size)
     par = fully_shard(model, mesh, **kw) if v2 else FullyShardedDataParallel(model, comm, **kw)
-    losses = []
-    with trace.recording(comm.rank) as rec:
-        for i in range(c["steps"]):
-            x, y = batch(c, i)
-            loss = model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)])
-            par.backward(loss)
-            par.step()
-            losses.append(loss.item())
+    losses, rec = train_steps(comm, c, model, par)
     sharded = all(p.data.size == 0 for p in model.parameters())
     return {"losses": losses, "final": par.full_state_dict(), "memory": samples_by_step(rec.events),
             "sent": sum(e.nbytes for e in rec.events if e.kind == "comm" and e.name == "send" and e.src == comm.rank),

@@ -39,10 +39,11 @@ from zero_helpers import (
     param_sizes,
     ring_bytes,
     rows,
+    train_steps,
     unit_sizes,
 )
 
-from minipar import launch, nn, trace
+from minipar import launch, nn
 from minipar.optim import AdamW
 from minipar.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from minipar.testing import run, run_each
@@ -91,14 +92,7 @@ def zero_run(comm, c: dict) -> dict:
     groups = par.units if c["mode"] == "fsdp" else par.buckets
     fresh = all(not any(p.data.strides) for p in model.parameters())
     seen = first_gradients(par.optimizer)
-    losses = []
-    with trace.recording(comm.rank) as rec:
-        for i in range(c["steps"]):
-            x, y = batch(c, i)
-            loss = model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)])
-            par.backward(loss)
-            par.step()
-            losses.append(loss.item())
+    losses, rec = train_steps(comm, c, model, par)
     sharded = all(not any(p.data.strides) for p in model.parameters())
     grads = [comm.allgather(g) for g in seen[0]]  # after the recording: not part of the traffic
     params = [comm.allgather(g.shard.data) for g in groups]

@@ -49,6 +49,20 @@ def rows(c: dict, rank: int) -> slice:
     return slice(rank * k, (rank + 1) * k)
 
 
+def train_steps(comm, c: dict, model: nn.GPT, par) -> tuple[list[float], trace.Recorder]:
+    """``c["steps"]`` steps of ``par`` (ZeRO or FSDP) on this rank's rows of each batch, recorded: the
+    losses and the recorder."""
+    losses = []
+    with trace.recording(comm.rank) as rec:
+        for i in range(c["steps"]):
+            x, y = batch(c, i)
+            loss = model.loss(x[rows(c, comm.rank)], y[rows(c, comm.rank)])
+            par.backward(loss)
+            par.step()
+            losses.append(loss.item())
+    return losses, rec
+
+
 def param_sizes(c: dict) -> dict[str, int]:
     """Every parameter's number of elements, by name, from the definitions in ``minipar.nn``: embeddings
     V x d and S x d; per block two layer norms (weight, bias: d each), q, k, v, proj (d x d + d), the
